@@ -1,0 +1,255 @@
+//! The closed set of inputs the engine accepts and the values it returns.
+
+use std::fmt;
+
+use crate::types::{
+    fmt_bytes, EndCause, Evidence, Fence, KeyMode, Request, RunState, RunView, TimeMs,
+};
+
+/// Every way the outside world can change the engine's state. One task owns the engine
+/// and feeds it these, one at a time, each with the current monotonic time.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Command {
+    /// Queue a run (or re-attach to it, L7) and grant what fits.
+    Acquire(Request),
+    /// A queued run leaves the queue (A9). Granted runs are released, not cancelled.
+    Cancel { run_id: String },
+    /// L4: extends a lease, or a queued run's deadline (no fence then).
+    Renew {
+        run_id: String,
+        fence: Option<Fence>,
+        ttl_ms: Option<u64>,
+    },
+    /// L5: starts stopping a granted run. Idempotent for the same fence.
+    Release { run_id: String, fence: Fence },
+    /// The caller finished stopping a releasing or degraded run's processes.
+    /// `ok: false` leaves it degraded with its capacity still counted (L3).
+    StopDone { run_id: String, ok: bool },
+    /// Time passed: deadlines (A8), lease expiry (L6), re-evaluation (A10).
+    Tick,
+    /// A fresh MemAvailable reading, in bytes (A10).
+    Sample { mem_available: u64 },
+    /// C3: the run launched every declared port and each answered its probe.
+    Promote {
+        run_id: String,
+        fence: Fence,
+        ports: Vec<String>,
+    },
+    /// C4: the run's contract or commit changed under it.
+    Demote {
+        run_id: String,
+        fence: Fence,
+        fingerprint: String,
+        commit: Option<String>,
+    },
+}
+
+/// Refusals. Each is a value with a stable code; none changes state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Error {
+    Invalid { field: &'static str, rule: String },
+    NotFound { run_id: String },
+    StaleFence {
+        run_id: String,
+        given: Option<Fence>,
+        current: Option<Fence>,
+    },
+    FenceRequired { run_id: String },
+    Gone { run_id: String, state: RunState },
+    Conflict { run_id: String },
+    CapacityImpossible {
+        resource: String,
+        request: u64,
+        max: u64,
+    },
+    QueueFull { max: usize },
+    ContractDisabled { project: String },
+    NotEligible { run_id: String, why: String },
+}
+
+impl Error {
+    /// The stable snake_case code of SPEC section 12.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::Invalid { .. } => "invalid",
+            Error::NotFound { .. } => "not_found",
+            Error::StaleFence { .. } => "stale_fence",
+            Error::FenceRequired { .. } => "fence_required",
+            Error::Gone { .. } => "gone",
+            Error::Conflict { .. } => "conflict",
+            Error::CapacityImpossible { .. } => "capacity_impossible",
+            Error::QueueFull { .. } => "queue_full",
+            Error::ContractDisabled { .. } => "contract_disabled",
+            Error::NotEligible { .. } => "not_eligible",
+        }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::Invalid { field, rule } => write!(f, "{field}: {rule}"),
+            Error::NotFound { run_id } => write!(f, "run {run_id} is not known"),
+            Error::StaleFence {
+                run_id,
+                given,
+                current,
+            } => {
+                let show = |x: &Option<Fence>| x.map_or("none".to_string(), |v| v.to_string());
+                write!(
+                    f,
+                    "fence {} is not the current fence of run {run_id} (current: {})",
+                    show(given),
+                    show(current)
+                )
+            }
+            Error::FenceRequired { run_id } => {
+                write!(f, "run {run_id} is granted; the call must carry its fence")
+            }
+            Error::Gone { run_id, state } => {
+                write!(f, "run {run_id} has ended: {}", state.as_str())
+            }
+            Error::Conflict { run_id } => write!(
+                f,
+                "run {run_id} exists with a different request; use a new run_id"
+            ),
+            Error::CapacityImpossible {
+                resource,
+                request,
+                max,
+            } => {
+                let (r, m) = if resource == "memory" || resource == "disk" {
+                    (fmt_bytes(*request), fmt_bytes(*max))
+                } else {
+                    (request.to_string(), max.to_string())
+                };
+                write!(
+                    f,
+                    "{resource}: requests {r} but this host can never allocate more than {m}"
+                )
+            }
+            Error::QueueFull { max } => write!(f, "the queue holds its maximum of {max} waiters"),
+            Error::ContractDisabled { project } => write!(
+                f,
+                "project {project}'s .berth.toml says concurrency = \"disabled\": host runs are refused"
+            ),
+            Error::NotEligible { run_id, why } => write!(f, "run {run_id}: {why}"),
+        }
+    }
+}
+
+/// Something that changed. The caller persists these (before acknowledging) and acts on
+/// the ones that ask for action (`StopRequested`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    Queued {
+        run_id: String,
+        position: u64,
+    },
+    Granted {
+        run_id: String,
+        fence: Fence,
+        expires_at_ms: TimeMs,
+        keys: Vec<(String, KeyMode)>,
+    },
+    Renewed {
+        run_id: String,
+        expires_at_ms: TimeMs,
+    },
+    QueueDeadlineExtended {
+        run_id: String,
+        deadline_ms: TimeMs,
+    },
+    /// Action: stop the run's processes, then send `StopDone`.
+    StopRequested {
+        run_id: String,
+        cause: EndCause,
+    },
+    Degraded {
+        run_id: String,
+    },
+    /// A terminal state; any claim the run held is free again.
+    Ended {
+        run_id: String,
+        state: RunState,
+    },
+    Promoted {
+        project: String,
+        evidence: Evidence,
+    },
+    EvidenceInvalidated {
+        project: String,
+        by_run: String,
+    },
+    KeyModeChanged {
+        run_id: String,
+        key: String,
+        mode: KeyMode,
+    },
+    UpgradeQueued {
+        run_id: String,
+        key: String,
+    },
+    UpgradeGranted {
+        run_id: String,
+        key: String,
+    },
+    MemoryStabilized {
+        available: u64,
+    },
+}
+
+impl fmt::Display for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Event::Queued { run_id, position } => write!(f, "queued {run_id} pos={position}"),
+            Event::Granted {
+                run_id,
+                fence,
+                expires_at_ms,
+                keys,
+            } => {
+                write!(f, "granted {run_id} fence={fence} expires={expires_at_ms}")?;
+                for (k, m) in keys {
+                    write!(f, " {k}={}", m.as_str())?;
+                }
+                Ok(())
+            }
+            Event::Renewed {
+                run_id,
+                expires_at_ms,
+            } => write!(f, "renewed {run_id} expires={expires_at_ms}"),
+            Event::QueueDeadlineExtended {
+                run_id,
+                deadline_ms,
+            } => write!(f, "deadline {run_id} at={deadline_ms}"),
+            Event::StopRequested { run_id, cause } => write!(f, "stop {run_id} cause={cause:?}"),
+            Event::Degraded { run_id } => write!(f, "degraded {run_id}"),
+            Event::Ended { run_id, state } => write!(f, "ended {run_id} {}", state.as_str()),
+            Event::Promoted { project, evidence } => write!(
+                f,
+                "promoted {project} by={} ports={}",
+                evidence.run_id,
+                evidence.ports.join(",")
+            ),
+            Event::EvidenceInvalidated { project, by_run } => {
+                write!(f, "evidence-invalidated {project} by={by_run}")
+            }
+            Event::KeyModeChanged { run_id, key, mode } => {
+                write!(f, "key-mode {run_id} {key}={}", mode.as_str())
+            }
+            Event::UpgradeQueued { run_id, key } => write!(f, "upgrade-queued {run_id} {key}"),
+            Event::UpgradeGranted { run_id, key } => write!(f, "upgrade-granted {run_id} {key}"),
+            Event::MemoryStabilized { available } => {
+                write!(f, "memory-stabilized {}", fmt_bytes(*available))
+            }
+        }
+    }
+}
+
+/// What one command produced: the changes, in order, and the answer to the caller.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Output {
+    pub events: Vec<Event>,
+    pub result: Result<Option<RunView>, Error>,
+}

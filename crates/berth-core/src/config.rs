@@ -1,0 +1,116 @@
+//! The engine's configuration: host totals, reserves and every named limit.
+
+use crate::types::Resources;
+
+pub const GIB: u64 = 1 << 30;
+pub const MIB: u64 = 1 << 20;
+
+/// Upper bound on the scan window: a pass must stay cheap even if misconfigured.
+pub const WINDOW_MAX: usize = 4096;
+/// Upper bound on `slots_max`; also bounds the grants one pass can make.
+pub const SLOTS_MAX_LIMIT: u64 = 4096;
+/// Upper bound on the stabilisation sample count (A10).
+pub const STABILIZE_SAMPLES_MAX: usize = 64;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// At most this many runs hold capacity (A2). Every run takes at least one slot.
+    pub slots_max: u64,
+    pub memory_total: u64,
+    pub memory_reserve: u64,
+    pub cpu_total_millis: u64,
+    pub cpu_reserve_millis: u64,
+    pub disk_total: u64,
+    pub disk_reserve: u64,
+    /// Named counted resources (A13): name and total; they have no reserve.
+    pub named: Vec<(String, u64)>,
+    /// Later waiters scanned per pass after the head's first pick (A6).
+    pub window: usize,
+    /// Once the head has waited this long, later waiters may not take what it needs (A7).
+    pub starvation_guard_ms: u64,
+    /// Consecutive samples a rise in free memory must hold before it is trusted (A10).
+    pub stabilize_samples: usize,
+    /// Memory granted less than this long ago counts as `pending` (A2): its processes
+    /// have probably not touched it yet, so MemAvailable does not show it.
+    pub pending_settle_ms: u64,
+    pub ttl_ms_default: u64,
+    pub ttl_ms_max: u64,
+    pub wait_ms_default: u64,
+    pub wait_ms_max: u64,
+    /// Waiters at most; acquires beyond it are refused with `queue_full`.
+    pub queue_len_max: usize,
+    /// Ended runs remembered for `410 gone` answers and idempotent re-acquire.
+    pub ended_retained_max: usize,
+    /// The request a run gets when it names no resources; also the "minimum-size run"
+    /// that `status` reports the host can or cannot take (A12).
+    pub default_request: Resources,
+}
+
+impl Config {
+    /// Defaults from SPEC.md section 12, for a host with these totals.
+    pub fn for_host(cpus: u64, memory_total: u64, disk_total: u64) -> Config {
+        Config {
+            slots_max: (cpus / 2).clamp(1, 8),
+            memory_total,
+            memory_reserve: (memory_total / 8).clamp(GIB, 4 * GIB),
+            cpu_total_millis: cpus * 1000,
+            cpu_reserve_millis: 1000,
+            disk_total,
+            disk_reserve: 10 * GIB,
+            named: Vec::new(),
+            window: 64,
+            starvation_guard_ms: 30_000,
+            stabilize_samples: 2,
+            pending_settle_ms: 30_000,
+            ttl_ms_default: 300_000,
+            ttl_ms_max: 86_400_000,
+            wait_ms_default: 1_800_000,
+            wait_ms_max: 86_400_000,
+            queue_len_max: 131_072,
+            ended_retained_max: 65_536,
+            default_request: Resources {
+                slots: 1,
+                memory: 2 * GIB + 128 * MIB,
+                cpu_millis: 2000,
+                disk: 10 * GIB,
+                named: Default::default(),
+            },
+        }
+    }
+
+    /// Refuses configurations the engine cannot keep its promises under.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.slots_max == 0 || self.slots_max > SLOTS_MAX_LIMIT {
+            return Err(format!("slots_max must be 1..={SLOTS_MAX_LIMIT}"));
+        }
+        if self.window == 0 || self.window > WINDOW_MAX {
+            return Err(format!("window must be 1..={WINDOW_MAX}"));
+        }
+        if self.stabilize_samples == 0 || self.stabilize_samples > STABILIZE_SAMPLES_MAX {
+            return Err(format!("stabilize_samples must be 1..={STABILIZE_SAMPLES_MAX}"));
+        }
+        if self.ttl_ms_max == 0 || self.ttl_ms_default == 0 || self.ttl_ms_default > self.ttl_ms_max {
+            return Err("ttl_ms_default must be 1..=ttl_ms_max".into());
+        }
+        if self.wait_ms_default > self.wait_ms_max {
+            return Err("wait_ms_default must be <= wait_ms_max".into());
+        }
+        if self.queue_len_max == 0 {
+            return Err("queue_len_max must be positive".into());
+        }
+        if self.default_request.slots == 0 {
+            return Err("default_request.slots must be positive".into());
+        }
+        for (i, (name, _)) in self.named.iter().enumerate() {
+            if crate::validate::resource_name(name).is_err() {
+                return Err(format!("named resource {name:?} is not a valid name"));
+            }
+            if ["slots", "memory", "cpu", "cpu_millis", "disk"].contains(&name.as_str())
+                || self.named[..i].iter().any(|(n, _)| n == name)
+            {
+                return Err(format!("named resource {name:?} is declared twice"));
+            }
+        }
+        Ok(())
+    }
+}

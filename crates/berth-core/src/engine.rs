@@ -1,0 +1,1504 @@
+//! The admission engine: a deterministic state machine over runs, capacity, keys and the
+//! queue. See ARCHITECTURE.md for the rules it keeps and why it is shaped this way.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+use crate::command::{Command, Error, Event, Output};
+use crate::config::Config;
+use crate::queue::{Queue, Slot};
+use crate::types::{
+    fmt_bytes, Class, Concurrency, ConcurrencyClass, ContractInfo, EndCause, Evidence, Fence,
+    KeyMode, Priority, Reason, Request, Resources, RunState, RunView, TimeMs,
+};
+use crate::validate;
+
+/// Fixed resource indices; named resources follow from `FIXED`.
+pub(crate) const SLOTS: usize = 0;
+pub(crate) const MEMORY: usize = 1;
+pub(crate) const CPU: usize = 2;
+pub(crate) const DISK: usize = 3;
+pub(crate) const FIXED: usize = 4;
+pub(crate) const FIXED_NAMES: [&str; FIXED] = ["slots", "memory", "cpu_millis", "disk"];
+
+/// Named limits on request contents, so a single request cannot make a pass expensive.
+pub const SINGLETONS_MAX: usize = 32;
+pub const PORTS_MAX: usize = 64;
+
+pub(crate) type KeyId = u32;
+type ProjectId = u32;
+
+#[derive(Clone, Debug)]
+pub(crate) struct Run {
+    pub(crate) req: Request,
+    pub(crate) project: ProjectId,
+    pub(crate) amounts: Box<[u64]>,
+    /// Primary key first (runtime or analysis), then singletons.
+    pub(crate) keys: Vec<(KeyId, KeyMode)>,
+    /// The runtime key is shared because the project is promoted (C3).
+    pub(crate) promoted_shared: bool,
+    pub(crate) contract: Option<ContractInfo>,
+    pub(crate) state: RunState,
+    pub(crate) seq: u64,
+    pub(crate) enqueued_at: TimeMs,
+    pub(crate) deadline: TimeMs,
+    pub(crate) fence: Option<Fence>,
+    pub(crate) granted_at: TimeMs,
+    pub(crate) expires_at: TimeMs,
+    pub(crate) cause: Option<EndCause>,
+    /// C4: waiting to hold this (runtime) key exclusively; holds nothing on it meanwhile.
+    pub(crate) upgrade: Option<KeyId>,
+    pub(crate) pending_mem: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct KeyState {
+    pub(crate) name: String,
+    pub(crate) exclusive: Option<Slot>,
+    pub(crate) shared: u32,
+    /// Queued exclusive claimants per priority (writer preference, A4).
+    pub(crate) exclusive_waiting: [u32; 2],
+    /// Every queued claimant of this key: (priority, seq, slot).
+    pub(crate) waiters: BTreeSet<(Priority, u64, Slot)>,
+    /// C4 upgrades, first come first served; they go before any queued claimant.
+    pub(crate) upgrades: VecDeque<Slot>,
+}
+
+impl KeyState {
+    fn idle(&self) -> bool {
+        self.exclusive.is_none()
+            && self.shared == 0
+            && self.waiters.is_empty()
+            && self.upgrades.is_empty()
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+pub(crate) struct ProjectState {
+    pub(crate) name: String,
+    pub(crate) waiting: u32,
+    pub(crate) active: u32,
+    pub(crate) degraded: u32,
+    pub(crate) evidence: Option<Evidence>,
+    /// The latest contract seen for the project asks for `parallel`.
+    pub(crate) parallel_asked: bool,
+}
+
+/// Why a waiter cannot be granted now. Rendered into a [`Reason`] on demand only, so a
+/// pass never formats strings.
+#[derive(Clone, Debug)]
+pub(crate) enum Blocker {
+    ForegroundWaiting,
+    Upgrade(KeyId),
+    ExclusiveHeld(KeyId, Slot),
+    SharedHeld(KeyId, u32),
+    WriterWaiting(KeyId),
+    Resource { res: usize, need: u64, free: u64 },
+    Ambient { need: u64, free: u64 },
+    Guard { head: Slot },
+}
+
+#[derive(Clone, Debug)]
+pub struct Engine {
+    pub(crate) cfg: Config,
+    pub(crate) now: TimeMs,
+    pub(crate) res_names: Vec<String>,
+    pub(crate) allocatable: Vec<u64>,
+    pub(crate) committed: Vec<u64>,
+    pub(crate) runs: Vec<Option<Run>>,
+    free_slots: Vec<Slot>,
+    pub(crate) by_id: HashMap<String, Slot>,
+    pub(crate) keys: Vec<Option<KeyState>>,
+    free_keys: Vec<KeyId>,
+    key_ids: HashMap<String, KeyId>,
+    pub(crate) projects: Vec<Option<ProjectState>>,
+    free_projects: Vec<ProjectId>,
+    project_ids: HashMap<String, ProjectId>,
+    pub(crate) queues: [Queue; 2],
+    pub(crate) deadlines: BTreeSet<(TimeMs, Slot)>,
+    pub(crate) expiries: BTreeSet<(TimeMs, Slot)>,
+    /// Grants whose memory is still `pending` (A2): (settles at, slot, fence).
+    pending: VecDeque<(TimeMs, Slot, Fence)>,
+    pub(crate) pending_memory: u64,
+    samples: VecDeque<u64>,
+    pub(crate) stabilized_available: Option<u64>,
+    pub(crate) last_fence: Fence,
+    ended: VecDeque<Slot>,
+    keys_with_upgrades: BTreeSet<KeyId>,
+    window_buf: Vec<(u64, Slot)>,
+}
+
+fn lower(s: &str) -> String {
+    s.to_ascii_lowercase()
+}
+
+pub(crate) fn runtime_key(project: &str) -> String {
+    format!("project:{}:runtime", lower(project))
+}
+
+fn analysis_key(project: &str) -> String {
+    format!("project:{}:analysis", lower(project))
+}
+
+fn singleton_key(name: &str) -> String {
+    format!("singleton:{name}")
+}
+
+/// The key names a request claims, in the order `Run::keys` holds them.
+fn key_names(req: &Request) -> Vec<String> {
+    let mut names = vec![match req.class {
+        Class::Managed => runtime_key(&req.project),
+        Class::Analysis => analysis_key(&req.project),
+    }];
+    names.extend(sorted_singletons(req).into_iter().map(singleton_key));
+    names
+}
+
+fn sorted_singletons(req: &Request) -> Vec<&str> {
+    let mut v: Vec<&str> = req.singletons.iter().map(String::as_str).collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+fn contract_matches(c: &Option<ContractInfo>, e: &Evidence) -> bool {
+    matches!(c, Some(c) if c.concurrency == Concurrency::Parallel
+        && c.fingerprint == e.fingerprint && c.commit == e.commit)
+}
+
+impl Engine {
+    /// `last_fence` is the largest fence ever issued, from the caller's durable counter (L1).
+    pub fn new(cfg: Config, last_fence: Fence) -> Result<Engine, String> {
+        cfg.validate()?;
+        let mut res_names: Vec<String> = FIXED_NAMES.iter().map(|s| s.to_string()).collect();
+        let mut allocatable = vec![
+            cfg.slots_max,
+            cfg.memory_total.saturating_sub(cfg.memory_reserve),
+            cfg.cpu_total_millis.saturating_sub(cfg.cpu_reserve_millis),
+            cfg.disk_total.saturating_sub(cfg.disk_reserve),
+        ];
+        for (name, total) in &cfg.named {
+            res_names.push(name.clone());
+            allocatable.push(*total);
+        }
+        let n = allocatable.len();
+        Ok(Engine {
+            cfg,
+            now: 0,
+            res_names,
+            allocatable,
+            committed: vec![0; n],
+            runs: Vec::new(),
+            free_slots: Vec::new(),
+            by_id: HashMap::new(),
+            keys: Vec::new(),
+            free_keys: Vec::new(),
+            key_ids: HashMap::new(),
+            projects: Vec::new(),
+            free_projects: Vec::new(),
+            project_ids: HashMap::new(),
+            queues: [Queue::default(), Queue::default()],
+            deadlines: BTreeSet::new(),
+            expiries: BTreeSet::new(),
+            pending: VecDeque::new(),
+            pending_memory: 0,
+            samples: VecDeque::new(),
+            stabilized_available: None,
+            last_fence,
+            ended: VecDeque::new(),
+            keys_with_upgrades: BTreeSet::new(),
+            window_buf: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    pub fn last_fence(&self) -> Fence {
+        self.last_fence
+    }
+
+    pub fn now(&self) -> TimeMs {
+        self.now
+    }
+
+    pub fn queue_len(&self) -> usize {
+        self.queues[0].len() + self.queues[1].len()
+    }
+
+    /// Applies one command at monotonic time `now_ms` (clamped so time never goes back).
+    pub fn apply(&mut self, now_ms: TimeMs, cmd: Command) -> Output {
+        let mut ev = Vec::new();
+        self.advance(now_ms, &mut ev);
+        let now = self.now;
+        let result = match cmd {
+            Command::Acquire(req) => self.acquire(now, req, &mut ev),
+            Command::Cancel { run_id } => self.cancel(&run_id, &mut ev),
+            Command::Renew {
+                run_id,
+                fence,
+                ttl_ms,
+            } => self.renew(now, &run_id, fence, ttl_ms, &mut ev),
+            Command::Release { run_id, fence } => self.release(&run_id, fence, &mut ev),
+            Command::StopDone { run_id, ok } => self.stop_done(&run_id, ok, &mut ev),
+            Command::Tick => Ok(None),
+            Command::Sample { mem_available } => {
+                self.sample(mem_available, &mut ev);
+                Ok(None)
+            }
+            Command::Promote {
+                run_id,
+                fence,
+                ports,
+            } => self.promote(now, &run_id, fence, ports, &mut ev),
+            Command::Demote {
+                run_id,
+                fence,
+                fingerprint,
+                commit,
+            } => self.demote(&run_id, fence, fingerprint, commit, &mut ev),
+        };
+        // Every command ends with a bounded admission pass: whatever it changed may let
+        // someone in, and passes on ticks rotate the window through a deep queue (A6).
+        // Refused commands changed nothing, so they skip it.
+        if result.is_ok() {
+            self.pass(now, None, &mut ev);
+        }
+        // Answer with the run as it is after the pass (a fresh acquire may be granted).
+        let result = result.map(|view| view.map(|v| self.view_of(&v.run_id).unwrap_or(v)));
+        Output { events: ev, result }
+    }
+
+    // ----- time -----------------------------------------------------------------------
+
+    fn advance(&mut self, now_ms: TimeMs, ev: &mut Vec<Event>) {
+        self.now = self.now.max(now_ms);
+        let now = self.now;
+        // A8: at its deadline a waiter leaves the queue as expired, holding nothing.
+        while let Some(&(d, s)) = self.deadlines.first() {
+            if d > now {
+                break;
+            }
+            self.unqueue(s);
+            self.end(s, RunState::Expired, ev);
+        }
+        // L6: a lease not renewed by its expiry is stopped; its claim frees on StopDone.
+        while let Some(&(e, s)) = self.expiries.first() {
+            if e > now {
+                break;
+            }
+            self.begin_stop(s, EndCause::Expired, ev);
+        }
+        while let Some(&(t, s, fence)) = self.pending.front() {
+            if t > now {
+                break;
+            }
+            self.pending.pop_front();
+            self.settle_pending(s, fence);
+        }
+    }
+
+    fn settle_pending(&mut self, s: Slot, fence: Fence) {
+        if let Some(Some(run)) = self.runs.get_mut(s as usize) {
+            if run.fence == Some(fence) && run.pending_mem {
+                run.pending_mem = false;
+                self.pending_memory -= run.amounts[MEMORY];
+            }
+        }
+    }
+
+    /// A10: decreases count at once, increases only once `stabilize_samples` consecutive
+    /// readings show them: the stabilised value is the minimum of the last N samples.
+    fn sample(&mut self, mem_available: u64, ev: &mut Vec<Event>) {
+        self.samples.push_back(mem_available);
+        while self.samples.len() > self.cfg.stabilize_samples {
+            self.samples.pop_front();
+        }
+        let stable = self.samples.iter().copied().min();
+        if stable != self.stabilized_available {
+            self.stabilized_available = stable;
+            ev.push(Event::MemoryStabilized {
+                available: stable.unwrap_or(0),
+            });
+        }
+    }
+
+    // ----- slabs ----------------------------------------------------------------------
+
+    pub(crate) fn run(&self, s: Slot) -> &Run {
+        self.runs[s as usize].as_ref().expect("live slot")
+    }
+
+    fn run_mut(&mut self, s: Slot) -> &mut Run {
+        self.runs[s as usize].as_mut().expect("live slot")
+    }
+
+    pub(crate) fn key(&self, k: KeyId) -> &KeyState {
+        self.keys[k as usize].as_ref().expect("live key")
+    }
+
+    fn key_mut(&mut self, k: KeyId) -> &mut KeyState {
+        self.keys[k as usize].as_mut().expect("live key")
+    }
+
+    pub(crate) fn project(&self, p: ProjectId) -> &ProjectState {
+        self.projects[p as usize].as_ref().expect("live project")
+    }
+
+    fn project_mut(&mut self, p: ProjectId) -> &mut ProjectState {
+        self.projects[p as usize].as_mut().expect("live project")
+    }
+
+    fn intern_key(&mut self, name: String) -> KeyId {
+        if let Some(&k) = self.key_ids.get(&name) {
+            return k;
+        }
+        let state = KeyState {
+            name: name.clone(),
+            ..KeyState::default()
+        };
+        let k = match self.free_keys.pop() {
+            Some(k) => {
+                self.keys[k as usize] = Some(state);
+                k
+            }
+            None => {
+                self.keys.push(Some(state));
+                (self.keys.len() - 1) as KeyId
+            }
+        };
+        self.key_ids.insert(name, k);
+        k
+    }
+
+    fn gc_key(&mut self, k: KeyId) {
+        if self.key(k).idle() {
+            let state = self.keys[k as usize].take().expect("live key");
+            self.key_ids.remove(&state.name);
+            self.free_keys.push(k);
+        }
+    }
+
+    fn intern_project(&mut self, name: &str) -> ProjectId {
+        let key = lower(name);
+        if let Some(&p) = self.project_ids.get(&key) {
+            return p;
+        }
+        let state = ProjectState {
+            name: name.to_string(),
+            ..ProjectState::default()
+        };
+        let p = match self.free_projects.pop() {
+            Some(p) => {
+                self.projects[p as usize] = Some(state);
+                p
+            }
+            None => {
+                self.projects.push(Some(state));
+                (self.projects.len() - 1) as ProjectId
+            }
+        };
+        self.project_ids.insert(key, p);
+        p
+    }
+
+    fn gc_project(&mut self, p: ProjectId) {
+        let st = self.project(p);
+        if st.waiting == 0 && st.active == 0 && st.degraded == 0 && st.evidence.is_none() {
+            let st = self.projects[p as usize].take().expect("live project");
+            self.project_ids.remove(&lower(&st.name));
+            self.free_projects.push(p);
+        }
+    }
+
+    /// Moves a run to `new`, keeping the per-project counts in step.
+    fn set_state(&mut self, s: Slot, new: RunState) {
+        let (old, p) = {
+            let r = self.run(s);
+            (r.state, r.project)
+        };
+        assert!(!old.is_terminal(), "D3: terminal state {old:?} left for {new:?}");
+        let count = |st: &mut ProjectState, state: RunState, delta: i32| {
+            let c = match state {
+                RunState::Queued => &mut st.waiting,
+                RunState::Granted | RunState::Releasing => &mut st.active,
+                RunState::Degraded => &mut st.degraded,
+                _ => return,
+            };
+            *c = (*c as i32 + delta) as u32;
+        };
+        let st = self.project_mut(p);
+        count(st, old, -1);
+        count(st, new, 1);
+        self.run_mut(s).state = new;
+    }
+
+    // ----- commands -------------------------------------------------------------------
+
+    fn validate_request(&self, req: &Request) -> Result<(), Error> {
+        let inv = |field: &'static str, rule: String| Err(Error::Invalid { field, rule });
+        if let Err(e) = validate::run_id(&req.run_id) {
+            return inv("run_id", e);
+        }
+        if let Err(e) = validate::project(&req.project) {
+            return inv("project", e);
+        }
+        if req.singletons.len() > SINGLETONS_MAX {
+            return inv("singletons", format!("at most {SINGLETONS_MAX} entries"));
+        }
+        for s in &req.singletons {
+            if let Err(e) = validate::resource_name(s) {
+                return inv("singletons", e);
+            }
+        }
+        if req.ttl_ms == 0 || req.ttl_ms > self.cfg.ttl_ms_max {
+            return inv(
+                "ttl_s",
+                format!("must be between 1 s and {} s", self.cfg.ttl_ms_max / 1000),
+            );
+        }
+        if req.wait_ms > self.cfg.wait_ms_max {
+            return inv(
+                "wait_s",
+                format!("must be between 0 and {} s", self.cfg.wait_ms_max / 1000),
+            );
+        }
+        if req.resources.slots == 0 {
+            return inv("resources.slots", "must be at least 1".into());
+        }
+        for name in req.resources.named.keys() {
+            if !self.cfg.named.iter().any(|(n, _)| n == name) {
+                return inv(
+                    "resources",
+                    format!("{name:?} is not a resource this host declares"),
+                );
+            }
+        }
+        if let Some(c) = &req.contract {
+            if c.fingerprint.is_empty() || c.fingerprint.len() > 128 {
+                return inv("contract.fingerprint", "must be 1 to 128 characters".into());
+            }
+        }
+        Ok(())
+    }
+
+    fn amounts_of(&self, r: &Resources) -> Box<[u64]> {
+        let mut a = vec![0u64; self.allocatable.len()];
+        a[SLOTS] = r.slots;
+        a[MEMORY] = r.memory;
+        a[CPU] = r.cpu_millis;
+        a[DISK] = r.disk;
+        for (i, (name, _)) in self.cfg.named.iter().enumerate() {
+            a[FIXED + i] = r.named.get(name).copied().unwrap_or(0);
+        }
+        a.into_boxed_slice()
+    }
+
+    fn acquire(
+        &mut self,
+        now: TimeMs,
+        req: Request,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        self.validate_request(&req)?;
+        // L7: the same run_id re-attaches with the same body, conflicts with another.
+        if let Some(&s) = self.by_id.get(&req.run_id) {
+            let run = self.run(s);
+            if run.req != req {
+                return Err(Error::Conflict { run_id: req.run_id });
+            }
+            if run.state.is_terminal() {
+                return Err(Error::Gone {
+                    run_id: req.run_id,
+                    state: run.state,
+                });
+            }
+            return Ok(self.view_of(&req.run_id));
+        }
+        if let Some(c) = &req.contract {
+            if c.concurrency == Concurrency::Disabled {
+                return Err(Error::ContractDisabled {
+                    project: req.project.clone(),
+                });
+            }
+        }
+        // A3: refuse at once what could never fit an empty host.
+        let amounts = self.amounts_of(&req.resources);
+        for (i, (&need, &max)) in amounts.iter().zip(&self.allocatable).enumerate() {
+            if need > max {
+                return Err(Error::CapacityImpossible {
+                    resource: self.res_names[i].clone(),
+                    request: need,
+                    max,
+                });
+            }
+        }
+        if self.queue_len() >= self.cfg.queue_len_max {
+            return Err(Error::QueueFull {
+                max: self.cfg.queue_len_max,
+            });
+        }
+
+        // The whole claim is known before queueing (A1): resources and every key.
+        let p = self.intern_project(&req.project);
+        let mut promoted_shared = false;
+        let primary_mode = match req.class {
+            Class::Analysis => KeyMode::Shared, // C6
+            Class::Managed => {
+                if let Some(c) = &req.contract {
+                    self.project_mut(p).parallel_asked = c.concurrency == Concurrency::Parallel;
+                }
+                let evidence = self.project(p).evidence.clone();
+                match evidence {
+                    Some(e) if req.contract.is_some() && !contract_matches(&req.contract, &e) => {
+                        // C4: a different contract or commit makes the evidence stale.
+                        self.invalidate_evidence(p, &req.run_id, ev);
+                        KeyMode::Exclusive
+                    }
+                    // C3 + C5: only foreground runs ride on promotion.
+                    Some(e)
+                        if req.priority == Priority::Foreground
+                            && contract_matches(&req.contract, &e) =>
+                    {
+                        promoted_shared = true;
+                        KeyMode::Shared
+                    }
+                    _ => KeyMode::Exclusive,
+                }
+            }
+        };
+        let mut keys = Vec::new();
+        for (i, name) in key_names(&req).into_iter().enumerate() {
+            let mode = if i == 0 {
+                primary_mode
+            } else {
+                KeyMode::Exclusive
+            };
+            keys.push((self.intern_key(name), mode));
+        }
+
+        let band = req.priority.index();
+        let slot = match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                self.runs.push(None);
+                (self.runs.len() - 1) as Slot
+            }
+        };
+        let seq = self.queues[band].push(slot);
+        let deadline = now.saturating_add(req.wait_ms);
+        for &(k, mode) in &keys {
+            let ks = self.key_mut(k);
+            ks.waiters.insert((req.priority, seq, slot));
+            if mode == KeyMode::Exclusive {
+                ks.exclusive_waiting[band] += 1;
+            }
+        }
+        self.deadlines.insert((deadline, slot));
+        self.project_mut(p).waiting += 1;
+        let run_id = req.run_id.clone();
+        let wait_now = req.wait_ms == 0;
+        self.runs[slot as usize] = Some(Run {
+            contract: req.contract.clone(),
+            req,
+            project: p,
+            amounts,
+            keys,
+            promoted_shared,
+            state: RunState::Queued,
+            seq,
+            enqueued_at: now,
+            deadline,
+            fence: None,
+            granted_at: 0,
+            expires_at: 0,
+            cause: None,
+            upgrade: None,
+            pending_mem: false,
+        });
+        self.by_id.insert(run_id.clone(), slot);
+        ev.push(Event::Queued {
+            run_id: run_id.clone(),
+            position: self.position(slot),
+        });
+        // The newcomer is considered in this very pass even if the window is elsewhere.
+        self.pass(now, Some(slot), ev);
+        if wait_now && self.run(slot).state == RunState::Queued {
+            // `wait_s = 0`: not admitted at once means expired, with the reason why.
+            let reason = self.reason(slot);
+            self.unqueue(slot);
+            self.end(slot, RunState::Expired, ev);
+            let mut view = self.view(slot);
+            view.reason = Some(reason);
+            return Ok(Some(view));
+        }
+        Ok(self.view_of(&run_id))
+    }
+
+    fn cancel(&mut self, run_id: &str, ev: &mut Vec<Event>) -> Result<Option<RunView>, Error> {
+        let s = self.lookup(run_id)?;
+        match self.run(s).state {
+            RunState::Queued => {
+                self.unqueue(s);
+                self.end(s, RunState::Cancelled, ev);
+                Ok(Some(self.view(s)))
+            }
+            RunState::Cancelled => Ok(Some(self.view(s))),
+            RunState::Granted | RunState::Releasing | RunState::Degraded => {
+                Err(Error::FenceRequired {
+                    run_id: run_id.to_string(),
+                })
+            }
+            state => Err(Error::Gone {
+                run_id: run_id.to_string(),
+                state,
+            }),
+        }
+    }
+
+    fn renew(
+        &mut self,
+        now: TimeMs,
+        run_id: &str,
+        fence: Option<Fence>,
+        ttl_ms: Option<u64>,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        let s = self.lookup(run_id)?;
+        if let Some(t) = ttl_ms {
+            if t == 0 || t > self.cfg.ttl_ms_max {
+                return Err(Error::Invalid {
+                    field: "ttl_s",
+                    rule: format!("must be between 1 s and {} s", self.cfg.ttl_ms_max / 1000),
+                });
+            }
+        }
+        self.check_fence(s, fence)?;
+        let (state, ttl, deadline, expires_at) = {
+            let r = self.run(s);
+            (r.state, ttl_ms.unwrap_or(r.req.ttl_ms), r.deadline, r.expires_at)
+        };
+        match state {
+            RunState::Queued => {
+                // L4: renewing a queued run extends (never shortens) its queue deadline.
+                let old = deadline;
+                let new = old.max(now.saturating_add(ttl.min(self.cfg.wait_ms_max)));
+                self.deadlines.remove(&(old, s));
+                self.deadlines.insert((new, s));
+                self.run_mut(s).deadline = new;
+                ev.push(Event::QueueDeadlineExtended {
+                    run_id: run_id.to_string(),
+                    deadline_ms: new,
+                });
+            }
+            RunState::Granted => {
+                let old = expires_at;
+                let new = now.saturating_add(ttl);
+                self.expiries.remove(&(old, s));
+                self.expiries.insert((new, s));
+                self.run_mut(s).expires_at = new;
+                ev.push(Event::Renewed {
+                    run_id: run_id.to_string(),
+                    expires_at_ms: new,
+                });
+            }
+            state => {
+                return Err(Error::Gone {
+                    run_id: run_id.to_string(),
+                    state,
+                })
+            }
+        }
+        Ok(Some(self.view(s)))
+    }
+
+    /// L2: a call that acts on a granted run must carry its fence; a queued run has none.
+    fn check_fence(&self, s: Slot, fence: Option<Fence>) -> Result<(), Error> {
+        let run = self.run(s);
+        match (run.fence, fence) {
+            (None, None) => Ok(()),
+            (Some(cur), Some(f)) if cur == f => Ok(()),
+            (Some(_), None) if !run.state.is_terminal() => Err(Error::FenceRequired {
+                run_id: run.req.run_id.clone(),
+            }),
+            (Some(_), None) => Err(Error::Gone {
+                run_id: run.req.run_id.clone(),
+                state: run.state,
+            }),
+            (cur, given) => Err(Error::StaleFence {
+                run_id: run.req.run_id.clone(),
+                given,
+                current: cur,
+            }),
+        }
+    }
+
+    fn release(
+        &mut self,
+        run_id: &str,
+        fence: Fence,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        let s = self.lookup(run_id)?;
+        self.check_fence(s, Some(fence))?;
+        if self.run(s).state == RunState::Granted {
+            self.begin_stop(s, EndCause::Released, ev);
+        }
+        // Releasing, degraded or ended with the same fence: idempotent (L5).
+        Ok(Some(self.view(s)))
+    }
+
+    fn stop_done(
+        &mut self,
+        run_id: &str,
+        ok: bool,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        let s = self.lookup(run_id)?;
+        let state = self.run(s).state;
+        match (state, ok) {
+            (RunState::Releasing | RunState::Degraded, true) => {
+                let cause = self.run(s).cause.expect("stopping run has a cause");
+                self.free_claim(s);
+                self.end(s, cause.terminal_state(), ev);
+            }
+            (RunState::Releasing, false) => {
+                self.set_state(s, RunState::Degraded);
+                ev.push(Event::Degraded {
+                    run_id: run_id.to_string(),
+                });
+            }
+            (RunState::Degraded, false) => {}
+            (state, _) => {
+                return Err(Error::NotEligible {
+                    run_id: run_id.to_string(),
+                    why: format!("is {}, not being stopped", state.as_str()),
+                })
+            }
+        }
+        Ok(Some(self.view(s)))
+    }
+
+    fn granted_with_fence(&self, run_id: &str, fence: Fence) -> Result<Slot, Error> {
+        let s = self.lookup(run_id)?;
+        self.check_fence(s, Some(fence))?;
+        match self.run(s).state {
+            RunState::Granted => Ok(s),
+            state => Err(Error::Gone {
+                run_id: run_id.to_string(),
+                state,
+            }),
+        }
+    }
+
+    fn promote(
+        &mut self,
+        now: TimeMs,
+        run_id: &str,
+        fence: Fence,
+        ports: Vec<String>,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        let s = self.granted_with_fence(run_id, fence)?;
+        if ports.len() > PORTS_MAX {
+            return Err(Error::Invalid {
+                field: "ports",
+                rule: format!("at most {PORTS_MAX} entries"),
+            });
+        }
+        let run = self.run(s);
+        let not = |why: &str| {
+            Err(Error::NotEligible {
+                run_id: run_id.to_string(),
+                why: why.to_string(),
+            })
+        };
+        if run.req.class != Class::Managed {
+            return not("only managed runs prove a project parallel");
+        }
+        if run.req.priority != Priority::Foreground {
+            return not("background runs never promote a project (C5)");
+        }
+        let Some(contract) = run.contract.clone() else {
+            return not("the run has no runtime contract");
+        };
+        if contract.concurrency != Concurrency::Parallel {
+            return not("the run's contract does not ask for parallel");
+        }
+        if run.upgrade.is_some() {
+            return not("the run is waiting to hold the runtime key exclusively");
+        }
+        let p = run.project;
+        let k = run.keys[0].0;
+        let held_mode = run.keys[0].1;
+        let evidence = Evidence {
+            fingerprint: contract.fingerprint.clone(),
+            commit: contract.commit.clone(),
+            ports,
+            at_ms: now,
+            run_id: run_id.to_string(),
+        };
+        self.project_mut(p).evidence = Some(evidence.clone());
+        ev.push(Event::Promoted {
+            project: self.project(p).name.clone(),
+            evidence: evidence.clone(),
+        });
+        let key_name = self.key(k).name.clone();
+        if held_mode == KeyMode::Exclusive {
+            // C3: the prover's exclusive hold becomes a shared one at once.
+            let ks = self.key_mut(k);
+            assert_eq!(ks.exclusive, Some(s));
+            ks.exclusive = None;
+            ks.shared += 1;
+            let run = self.run_mut(s);
+            run.keys[0].1 = KeyMode::Shared;
+            run.promoted_shared = true;
+            ev.push(Event::KeyModeChanged {
+                run_id: run_id.to_string(),
+                key: key_name.clone(),
+                mode: KeyMode::Shared,
+            });
+        }
+        // C3: queued foreground exclusive waiters with the same contract and commit
+        // become shared claimants; the pass after this command grants those that fit.
+        let waiters: Vec<Slot> = self
+            .key(k)
+            .waiters
+            .iter()
+            .filter(|(prio, _, _)| *prio == Priority::Foreground)
+            .map(|&(_, _, w)| w)
+            .collect();
+        for w in waiters {
+            let r = self.run(w);
+            if r.keys[0].0 == k
+                && r.keys[0].1 == KeyMode::Exclusive
+                && r.req.class == Class::Managed
+                && contract_matches(&r.contract, &evidence)
+            {
+                self.key_mut(k).exclusive_waiting[0] -= 1;
+                let r = self.run_mut(w);
+                r.keys[0].1 = KeyMode::Shared;
+                r.promoted_shared = true;
+                ev.push(Event::KeyModeChanged {
+                    run_id: r.req.run_id.clone(),
+                    key: key_name.clone(),
+                    mode: KeyMode::Shared,
+                });
+            }
+        }
+        Ok(Some(self.view(s)))
+    }
+
+    fn demote(
+        &mut self,
+        run_id: &str,
+        fence: Fence,
+        fingerprint: String,
+        commit: Option<String>,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        let s = self.granted_with_fence(run_id, fence)?;
+        if self.run(s).req.class != Class::Managed {
+            return Err(Error::NotEligible {
+                run_id: run_id.to_string(),
+                why: "only managed runs hold the runtime key".into(),
+            });
+        }
+        if fingerprint.is_empty() || fingerprint.len() > 128 {
+            return Err(Error::Invalid {
+                field: "fingerprint",
+                rule: "must be 1 to 128 characters".into(),
+            });
+        }
+        let p = self.run(s).project;
+        {
+            let run = self.run_mut(s);
+            let concurrency = run
+                .contract
+                .as_ref()
+                .map_or(Concurrency::Serial, |c| c.concurrency);
+            run.contract = Some(ContractInfo {
+                concurrency,
+                fingerprint,
+                commit,
+            });
+        }
+        let stale = match &self.project(p).evidence {
+            Some(e) => !contract_matches(&self.run(s).contract, e),
+            None => false,
+        };
+        if stale {
+            self.invalidate_evidence(p, run_id, ev);
+        }
+        let (k, mode) = self.run(s).keys[0];
+        if mode == KeyMode::Shared && !contract_matches_project(self, s) {
+            // C4: queue for the exclusive key first, then give up the shared hold, in
+            // one step, so nothing can slip in between. Upgrades go before any waiter.
+            let key_name = self.key(k).name.clone();
+            let ks = self.key_mut(k);
+            ks.upgrades.push_back(s);
+            ks.shared -= 1;
+            self.keys_with_upgrades.insert(k);
+            let run = self.run_mut(s);
+            run.keys[0].1 = KeyMode::Exclusive;
+            run.promoted_shared = false;
+            run.upgrade = Some(k);
+            ev.push(Event::UpgradeQueued {
+                run_id: run_id.to_string(),
+                key: key_name,
+            });
+        }
+        Ok(Some(self.view(s)))
+    }
+
+    fn invalidate_evidence(&mut self, p: ProjectId, by_run: &str, ev: &mut Vec<Event>) {
+        if self.project_mut(p).evidence.take().is_none() {
+            return;
+        }
+        let name = self.project(p).name.clone();
+        ev.push(Event::EvidenceInvalidated {
+            project: name.clone(),
+            by_run: by_run.to_string(),
+        });
+        // Waiters that would have ridden on the evidence claim the key exclusively again.
+        // They hold nothing yet, so this cannot break anyone's hold (A1).
+        let Some(&k) = self.key_ids.get(&runtime_key(&name)) else {
+            return;
+        };
+        let waiters: Vec<(Priority, Slot)> =
+            self.key(k).waiters.iter().map(|&(p, _, w)| (p, w)).collect();
+        let key_name = self.key(k).name.clone();
+        for (prio, w) in waiters {
+            let r = self.run(w);
+            if r.keys[0].0 == k && r.promoted_shared {
+                self.key_mut(k).exclusive_waiting[prio.index()] += 1;
+                let r = self.run_mut(w);
+                r.keys[0].1 = KeyMode::Exclusive;
+                r.promoted_shared = false;
+                ev.push(Event::KeyModeChanged {
+                    run_id: r.req.run_id.clone(),
+                    key: key_name.clone(),
+                    mode: KeyMode::Exclusive,
+                });
+            }
+        }
+    }
+
+    // ----- transitions ----------------------------------------------------------------
+
+    fn lookup(&self, run_id: &str) -> Result<Slot, Error> {
+        self.by_id.get(run_id).copied().ok_or_else(|| Error::NotFound {
+            run_id: run_id.to_string(),
+        })
+    }
+
+    /// Takes a queued run out of its band, its deadline set and its keys' waiter sets.
+    fn unqueue(&mut self, s: Slot) {
+        let (prio, seq, deadline, keys) = {
+            let r = self.run(s);
+            assert_eq!(r.state, RunState::Queued);
+            (r.req.priority, r.seq, r.deadline, r.keys.clone())
+        };
+        self.queues[prio.index()].remove(seq);
+        self.deadlines.remove(&(deadline, s));
+        for (k, mode) in keys {
+            let ks = self.key_mut(k);
+            ks.waiters.remove(&(prio, seq, s));
+            if mode == KeyMode::Exclusive {
+                ks.exclusive_waiting[prio.index()] -= 1;
+            }
+        }
+    }
+
+    fn begin_stop(&mut self, s: Slot, cause: EndCause, ev: &mut Vec<Event>) {
+        let expires_at = self.run(s).expires_at;
+        self.expiries.remove(&(expires_at, s));
+        self.set_state(s, RunState::Releasing);
+        self.run_mut(s).cause = Some(cause);
+        ev.push(Event::StopRequested {
+            run_id: self.run(s).req.run_id.clone(),
+            cause,
+        });
+    }
+
+    /// Returns everything a run holds to the host: resources, keys, pending memory.
+    fn free_claim(&mut self, s: Slot) {
+        let run = self.runs[s as usize].as_ref().expect("live slot");
+        assert!(run.state.holds_claim());
+        for (c, a) in self.committed.iter_mut().zip(run.amounts.iter()) {
+            *c -= a;
+        }
+        let keys = run.keys.clone();
+        let upgrade = run.upgrade;
+        if run.pending_mem {
+            self.pending_memory -= run.amounts[MEMORY];
+        }
+        for (k, mode) in keys {
+            let ks = self.key_mut(k);
+            if upgrade == Some(k) {
+                ks.upgrades.retain(|&u| u != s);
+            } else if mode == KeyMode::Exclusive {
+                assert_eq!(ks.exclusive, Some(s));
+                ks.exclusive = None;
+            } else {
+                ks.shared -= 1;
+            }
+            self.gc_key(k);
+        }
+        let run = self.run_mut(s);
+        run.upgrade = None;
+        run.pending_mem = false;
+    }
+
+    /// Puts a run in a terminal state and retires the oldest ended runs past the limit.
+    fn end(&mut self, s: Slot, state: RunState, ev: &mut Vec<Event>) {
+        assert!(state.is_terminal());
+        let was_queued = self.run(s).state == RunState::Queued;
+        self.set_state(s, state);
+        if was_queued {
+            for (k, _) in self.run(s).keys.clone() {
+                self.gc_key(k);
+            }
+        }
+        ev.push(Event::Ended {
+            run_id: self.run(s).req.run_id.clone(),
+            state,
+        });
+        let p = self.run(s).project;
+        self.gc_project(p);
+        self.ended.push_back(s);
+        while self.ended.len() > self.cfg.ended_retained_max {
+            let old = self.ended.pop_front().expect("non-empty");
+            let run = self.runs[old as usize].take().expect("ended run");
+            self.by_id.remove(&run.req.run_id);
+            self.free_slots.push(old);
+        }
+    }
+
+    // ----- admission ------------------------------------------------------------------
+
+    /// Why `s` cannot be granted right now, ignoring the starvation guard.
+    /// `is_head`: the head of its band is exempt from writer preference (A4), otherwise
+    /// it and a later exclusive waiter would wait for each other under the guard (A7).
+    pub(crate) fn blocker(&self, s: Slot, is_head: bool) -> Option<Blocker> {
+        let run = self.run(s);
+        if run.req.priority == Priority::Background && !self.queues[0].is_empty() {
+            return Some(Blocker::ForegroundWaiting);
+        }
+        for &(k, mode) in &run.keys {
+            let ks = self.key(k);
+            if !ks.upgrades.is_empty() {
+                return Some(Blocker::Upgrade(k));
+            }
+            if let Some(h) = ks.exclusive {
+                return Some(Blocker::ExclusiveHeld(k, h));
+            }
+            match mode {
+                KeyMode::Exclusive if ks.shared > 0 => {
+                    return Some(Blocker::SharedHeld(k, ks.shared))
+                }
+                KeyMode::Shared if !is_head && self.writer_waiting(ks, run.req.priority) => {
+                    return Some(Blocker::WriterWaiting(k))
+                }
+                _ => {}
+            }
+        }
+        for (res, ((&c, &a), &need)) in self
+            .committed
+            .iter()
+            .zip(&self.allocatable)
+            .zip(run.amounts.iter())
+            .enumerate()
+        {
+            if c + need > a {
+                return Some(Blocker::Resource {
+                    res,
+                    need,
+                    free: a - c,
+                });
+            }
+        }
+        let need = run.amounts[MEMORY];
+        let free = self.ambient_free();
+        if need > free {
+            return Some(Blocker::Ambient { need, free });
+        }
+        None
+    }
+
+    /// Memory that the host really has for new grants (A2): stabilised MemAvailable less
+    /// the reserve, less memory granted whose processes have not started using it.
+    pub(crate) fn ambient_free(&self) -> u64 {
+        match self.stabilized_available {
+            Some(avail) => avail
+                .saturating_sub(self.cfg.memory_reserve)
+                .saturating_sub(self.pending_memory),
+            None => u64::MAX,
+        }
+    }
+
+    fn writer_waiting(&self, ks: &KeyState, prio: Priority) -> bool {
+        match prio {
+            Priority::Foreground => ks.exclusive_waiting[0] > 0,
+            Priority::Background => ks.exclusive_waiting[0] + ks.exclusive_waiting[1] > 0,
+        }
+    }
+
+    /// A7: would `head` still fit after granting `cand`? Resources, ambient memory and
+    /// key conflicts between the two; what already blocks the head is not `cand`'s doing.
+    pub(crate) fn head_fits_after(&self, head: Slot, cand: Slot) -> bool {
+        let h = self.run(head);
+        let c = self.run(cand);
+        for i in 0..self.allocatable.len() {
+            if self.committed[i] + h.amounts[i] + c.amounts[i] > self.allocatable[i] {
+                return false;
+            }
+        }
+        if h.amounts[MEMORY] + c.amounts[MEMORY] > self.ambient_free() {
+            return false;
+        }
+        for &(hk, hm) in &h.keys {
+            for &(ck, cm) in &c.keys {
+                if hk == ck && (hm == KeyMode::Exclusive || cm == KeyMode::Exclusive) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    pub(crate) fn guard_active(&self, head: Slot) -> bool {
+        self.now.saturating_sub(self.run(head).enqueued_at) > self.cfg.starvation_guard_ms
+    }
+
+    /// One admission pass: upgrades first (C4), then per band the head's first pick and a
+    /// rotating window of later waiters (A6), under the starvation guard (A7). Work is
+    /// bounded by `slots_max + window + 1` evaluations, whatever the queue's depth.
+    fn pass(&mut self, now: TimeMs, extra: Option<Slot>, ev: &mut Vec<Event>) {
+        self.service_upgrades(ev);
+        let mut buf = std::mem::take(&mut self.window_buf);
+        for band in 0..2 {
+            if band == 1 && !self.queues[0].is_empty() {
+                break; // A5: background only while no foreground run waits.
+            }
+            while let Some((_, h)) = self.queues[band].head() {
+                if self.blocker(h, true).is_some() {
+                    break;
+                }
+                self.grant(h, now, ev);
+            }
+            let Some((_, head)) = self.queues[band].head() else {
+                continue;
+            };
+            let guard = self.guard_active(head);
+            self.queues[band].window(self.cfg.window, &mut buf);
+            if let Some(x) = extra {
+                let r = self.run(x);
+                if r.state == RunState::Queued
+                    && r.req.priority.index() == band
+                    && x != head
+                    && !buf.iter().any(|&(_, s)| s == x)
+                {
+                    buf.push((r.seq, x));
+                }
+            }
+            for &(seq, s) in &buf {
+                let Some(Some(r)) = self.runs.get(s as usize) else {
+                    continue;
+                };
+                if r.state != RunState::Queued || r.seq != seq {
+                    continue;
+                }
+                if self.blocker(s, false).is_none() && (!guard || self.head_fits_after(head, s)) {
+                    self.grant(s, now, ev);
+                }
+            }
+        }
+        self.window_buf = buf;
+    }
+
+    fn service_upgrades(&mut self, ev: &mut Vec<Event>) {
+        if self.keys_with_upgrades.is_empty() {
+            return;
+        }
+        let keys: Vec<KeyId> = self.keys_with_upgrades.iter().copied().collect();
+        for k in keys {
+            let ks = self.key_mut(k);
+            if ks.exclusive.is_none() && ks.shared == 0 {
+                if let Some(s) = ks.upgrades.pop_front() {
+                    ks.exclusive = Some(s);
+                    let name = ks.name.clone();
+                    self.run_mut(s).upgrade = None;
+                    ev.push(Event::UpgradeGranted {
+                        run_id: self.run(s).req.run_id.clone(),
+                        key: name,
+                    });
+                }
+            }
+            if self.key(k).upgrades.is_empty() {
+                self.keys_with_upgrades.remove(&k);
+            }
+        }
+    }
+
+    fn grant(&mut self, s: Slot, now: TimeMs, ev: &mut Vec<Event>) {
+        {
+            let r = self.run(s);
+            // A8: never after the deadline (a `wait_s = 0` run is tried at its arrival).
+            assert!(
+                now < r.deadline || (r.req.wait_ms == 0 && now == r.enqueued_at),
+                "A8: grant after deadline"
+            );
+            // A5: a background grant while foreground waits would be a bug.
+            assert!(
+                r.req.priority == Priority::Foreground || self.queues[0].is_empty(),
+                "A5: background grant while foreground waits"
+            );
+        }
+        self.unqueue(s);
+        self.set_state(s, RunState::Granted);
+        let fence = self.last_fence + 1;
+        self.last_fence = fence;
+        let settle = now.saturating_add(self.cfg.pending_settle_ms);
+        let (keys, amounts) = {
+            let r = self.run(s);
+            (r.keys.clone(), r.amounts.clone())
+        };
+        for (c, a) in self.committed.iter_mut().zip(amounts.iter()) {
+            *c += a;
+        }
+        for &(k, mode) in &keys {
+            let ks = self.key_mut(k);
+            match mode {
+                KeyMode::Exclusive => {
+                    assert!(ks.exclusive.is_none() && ks.shared == 0, "A4");
+                    ks.exclusive = Some(s);
+                }
+                KeyMode::Shared => {
+                    assert!(ks.exclusive.is_none(), "A4");
+                    ks.shared += 1;
+                }
+            }
+        }
+        if amounts[MEMORY] > 0 {
+            self.pending_memory += amounts[MEMORY];
+            self.pending.push_back((settle, s, fence));
+        }
+        let run = self.run_mut(s);
+        run.fence = Some(fence);
+        run.granted_at = now;
+        run.expires_at = now.saturating_add(run.req.ttl_ms);
+        run.pending_mem = amounts[MEMORY] > 0;
+        let expires_at = run.expires_at;
+        let run_id = run.req.run_id.clone();
+        self.expiries.insert((expires_at, s));
+        let key_names: Vec<(String, KeyMode)> = keys
+            .iter()
+            .map(|&(k, m)| (self.key(k).name.clone(), m))
+            .collect();
+        ev.push(Event::Granted {
+            run_id,
+            fence,
+            expires_at_ms: expires_at,
+            keys: key_names,
+        });
+    }
+
+    // ----- views ----------------------------------------------------------------------
+
+    /// 1-based position in the host queue: every foreground waiter comes first.
+    pub(crate) fn position(&self, s: Slot) -> u64 {
+        let r = self.run(s);
+        let band = r.req.priority.index();
+        let before = if band == 1 {
+            self.queues[0].len() as u64
+        } else {
+            0
+        };
+        before + self.queues[band].rank(r.seq) + 1
+    }
+
+    /// A11: the reason a queued run is waiting, as a code and a sentence.
+    pub(crate) fn reason(&self, s: Slot) -> Reason {
+        let run = self.run(s);
+        let band = run.req.priority.index();
+        let head = self.queues[band].head().map(|(_, h)| h);
+        let is_head = head == Some(s);
+        let blocker = self.blocker(s, is_head).or_else(|| match head {
+            Some(h) if !is_head && self.guard_active(h) && !self.head_fits_after(h, s) => {
+                Some(Blocker::Guard { head: h })
+            }
+            _ => None,
+        });
+        match blocker {
+            Some(b) => self.render_blocker(b),
+            None => Reason {
+                code: "queue.scan".into(),
+                message: "fits now; the next admission pass reaches it".into(),
+            },
+        }
+    }
+
+    pub(crate) fn render_blocker(&self, b: Blocker) -> Reason {
+        let (code, message) = match b {
+            Blocker::ForegroundWaiting => (
+                "priority.foreground_waiting".to_string(),
+                format!(
+                    "{} foreground run(s) waiting; background runs only use spare capacity",
+                    self.queues[0].len()
+                ),
+            ),
+            Blocker::Upgrade(k) => (
+                "key.upgrade_pending".into(),
+                format!(
+                    "{} is being taken back exclusively by run {}",
+                    self.describe_key(k),
+                    self.key(k)
+                        .upgrades
+                        .front()
+                        .map_or("?".into(), |&u| self.run(u).req.run_id.clone())
+                ),
+            ),
+            Blocker::ExclusiveHeld(k, h) => {
+                let holder = &self.run(h).req.run_id;
+                let name = &self.key(k).name;
+                let msg = if let Some(p) = name
+                    .strip_prefix("project:")
+                    .and_then(|x| x.strip_suffix(":runtime"))
+                {
+                    format!("project {p} is serial; run {holder} holds it")
+                } else {
+                    format!("{} is held exclusively by run {holder}", self.describe_key(k))
+                };
+                ("key.exclusive".into(), msg)
+            }
+            Blocker::SharedHeld(k, n) => (
+                "key.shared".into(),
+                format!(
+                    "{} is held shared by {n} run(s); this run needs it alone",
+                    self.describe_key(k)
+                ),
+            ),
+            Blocker::WriterWaiting(k) => (
+                "key.writer_waiting".into(),
+                format!(
+                    "an exclusive claim on {} is queued; shared claims wait behind it",
+                    self.describe_key(k)
+                ),
+            ),
+            Blocker::Resource { res, need, free } => {
+                let name = &self.res_names[res];
+                let total = self.allocatable[res];
+                let msg = match res {
+                    MEMORY | DISK => format!(
+                        "needs {}, {} of {} allocatable {name} free",
+                        fmt_bytes(need),
+                        fmt_bytes(free),
+                        fmt_bytes(total)
+                    ),
+                    SLOTS => format!("needs {need} slot(s), {free} of {total} free"),
+                    CPU => format!("needs {need} cpu millis, {free} of {total} free"),
+                    _ => format!("needs {need} {name}, {free} of {total} free"),
+                };
+                let code = match res {
+                    SLOTS => "capacity.slots".to_string(),
+                    MEMORY => "capacity.memory".to_string(),
+                    CPU => "capacity.cpu".to_string(),
+                    DISK => "capacity.disk".to_string(),
+                    _ => format!("capacity.{name}"),
+                };
+                (code, msg)
+            }
+            Blocker::Ambient { need, free } => (
+                "capacity.memory".into(),
+                format!(
+                    "needs {}, {} free under the {} host reserve",
+                    fmt_bytes(need),
+                    fmt_bytes(free),
+                    fmt_bytes(self.cfg.memory_reserve)
+                ),
+            ),
+            Blocker::Guard { head } => {
+                let h = self.run(head);
+                (
+                    "queue.starvation_guard".into(),
+                    format!(
+                        "run {} has waited {} s at the head; what it needs is held back for it",
+                        h.req.run_id,
+                        self.now.saturating_sub(h.enqueued_at) / 1000
+                    ),
+                )
+            }
+        };
+        Reason { code, message }
+    }
+
+    fn describe_key(&self, k: KeyId) -> String {
+        let name = &self.key(k).name;
+        if let Some(s) = name.strip_prefix("singleton:") {
+            format!("singleton {s}")
+        } else if let Some(p) = name.strip_prefix("project:") {
+            let (proj, kind) = p.rsplit_once(':').unwrap_or((p, ""));
+            format!("project {proj} {kind} key")
+        } else {
+            name.clone()
+        }
+    }
+
+    pub(crate) fn view(&self, s: Slot) -> RunView {
+        let r = self.run(s);
+        let queued = r.state == RunState::Queued;
+        let held = r.state.holds_claim();
+        RunView {
+            run_id: r.req.run_id.clone(),
+            project: r.req.project.clone(),
+            class: r.req.class,
+            priority: r.req.priority,
+            state: r.state,
+            fence: r.fence,
+            expires_at_ms: held.then_some(r.expires_at),
+            deadline_ms: queued.then_some(r.deadline),
+            position: queued.then(|| self.position(s)),
+            reason: queued.then(|| self.reason(s)),
+            keys: key_names(&r.req)
+                .into_iter()
+                .zip(r.keys.iter().map(|&(_, m)| m))
+                .collect(),
+            resources: r.req.resources.clone(),
+        }
+    }
+
+    /// The run's current view, if berth still remembers it.
+    pub fn view_of(&self, run_id: &str) -> Option<RunView> {
+        self.by_id.get(run_id).map(|&s| self.view(s))
+    }
+
+    /// Waiters in admission order (foreground first), at most `limit` of them.
+    pub fn queued(&self, limit: usize) -> Vec<RunView> {
+        self.queues[0]
+            .iter()
+            .chain(self.queues[1].iter())
+            .take(limit)
+            .map(|(_, s)| self.view(s))
+            .collect()
+    }
+}
+
+fn contract_matches_project(e: &Engine, s: Slot) -> bool {
+    let r = e.run(s);
+    match &e.project(r.project).evidence {
+        Some(ev) => contract_matches(&r.contract, ev),
+        None => false,
+    }
+}
+
+/// Exposed for the snapshot module.
+pub(crate) fn concurrency_class(p: &ProjectState) -> ConcurrencyClass {
+    if p.evidence.is_some() {
+        ConcurrencyClass::ParallelSafe
+    } else if p.parallel_asked {
+        ConcurrencyClass::ParallelCandidate
+    } else {
+        ConcurrencyClass::Serial
+    }
+}

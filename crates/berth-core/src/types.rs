@@ -1,0 +1,254 @@
+//! Plain data that goes in and out of the engine. No behaviour beyond formatting.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+/// Monotonic milliseconds. The caller owns the clock; the engine only compares.
+pub type TimeMs = u64;
+/// A fencing token (L1). Strictly increasing per host, never reused.
+pub type Fence = u64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Priority {
+    Foreground,
+    Background,
+}
+
+impl Priority {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Foreground => "foreground",
+            Priority::Background => "background",
+        }
+    }
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Priority::Foreground => 0,
+            Priority::Background => 1,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Class {
+    /// May start the project's app: ports, databases, browsers.
+    Managed,
+    /// Reads and thinks; must not open network listeners (C6).
+    Analysis,
+}
+
+impl Class {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Class::Managed => "managed",
+            Class::Analysis => "analysis",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KeyMode {
+    Exclusive,
+    Shared,
+}
+
+impl KeyMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyMode::Exclusive => "exclusive",
+            KeyMode::Shared => "shared",
+        }
+    }
+}
+
+/// What a worktree's `.berth.toml` asks for (C1). Parsing the file is the server's job;
+/// the engine only needs the parts that shape the claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Concurrency {
+    Serial,
+    Parallel,
+    Disabled,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ContractInfo {
+    pub concurrency: Concurrency,
+    /// SHA-256 of the contract's canonical form, hex.
+    pub fingerprint: String,
+    /// The worktree's commit, if it is a git checkout.
+    pub commit: Option<String>,
+}
+
+/// A resource request or a capacity vector. Sizes in bytes, cpu in millis.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Resources {
+    pub slots: u64,
+    pub memory: u64,
+    pub cpu_millis: u64,
+    pub disk: u64,
+    /// Named counted resources (A13), e.g. `gpu`, `browser`, `license.ansys`.
+    pub named: BTreeMap<String, u64>,
+}
+
+/// Everything a run asks for, exactly as the client sent it (after defaults).
+/// Kept whole so an idempotent re-acquire (L7) can be compared with the original.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Request {
+    pub run_id: String,
+    pub project: String,
+    pub class: Class,
+    pub priority: Priority,
+    pub resources: Resources,
+    pub singletons: Vec<String>,
+    pub contract: Option<ContractInfo>,
+    pub ttl_ms: u64,
+    pub wait_ms: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RunState {
+    Queued,
+    Granted,
+    /// Processes are being stopped; the claim is still held (L5).
+    Releasing,
+    Released,
+    Expired,
+    Cancelled,
+    Rejected,
+    /// Cleanup failed; capacity stays counted until the reaper succeeds (L3).
+    Degraded,
+}
+
+impl RunState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunState::Queued => "queued",
+            RunState::Granted => "granted",
+            RunState::Releasing => "releasing",
+            RunState::Released => "released",
+            RunState::Expired => "expired",
+            RunState::Cancelled => "cancelled",
+            RunState::Rejected => "rejected",
+            RunState::Degraded => "degraded",
+        }
+    }
+    /// D3: a terminal state is never left.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            RunState::Released | RunState::Expired | RunState::Cancelled | RunState::Rejected
+        )
+    }
+    /// States in which the run's claim is counted against the host.
+    pub fn holds_claim(self) -> bool {
+        matches!(
+            self,
+            RunState::Granted | RunState::Releasing | RunState::Degraded
+        )
+    }
+}
+
+/// Why a lease is being stopped; decides the terminal state it ends in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EndCause {
+    Released,
+    Expired,
+}
+
+impl EndCause {
+    pub(crate) fn terminal_state(self) -> RunState {
+        match self {
+            EndCause::Released => RunState::Released,
+            EndCause::Expired => RunState::Expired,
+        }
+    }
+}
+
+/// A waiter's reason (A11): a stable code and a human sentence.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Reason {
+    pub code: String,
+    pub message: String,
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} \"{}\"", self.code, self.message)
+    }
+}
+
+/// Durable promotion evidence (C3).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Evidence {
+    pub fingerprint: String,
+    pub commit: Option<String>,
+    pub ports: Vec<String>,
+    pub at_ms: TimeMs,
+    pub run_id: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ConcurrencyClass {
+    Serial,
+    ParallelCandidate,
+    ParallelSafe,
+}
+
+impl ConcurrencyClass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ConcurrencyClass::Serial => "serial",
+            ConcurrencyClass::ParallelCandidate => "parallel_candidate",
+            ConcurrencyClass::ParallelSafe => "parallel_safe",
+        }
+    }
+}
+
+/// What the caller learns about one run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunView {
+    pub run_id: String,
+    pub project: String,
+    pub class: Class,
+    pub priority: Priority,
+    pub state: RunState,
+    pub fence: Option<Fence>,
+    pub expires_at_ms: Option<TimeMs>,
+    pub deadline_ms: Option<TimeMs>,
+    /// 1-based position in the host queue while queued (A11).
+    pub position: Option<u64>,
+    pub reason: Option<Reason>,
+    pub keys: Vec<(String, KeyMode)>,
+    pub resources: Resources,
+}
+
+/// Formats a byte count the way people read it: `2 GiB`, `1.3 GiB`, `512 MiB`.
+pub fn fmt_bytes(bytes: u64) -> String {
+    const KIB: f64 = 1024.0;
+    let b = bytes as f64;
+    let (value, unit) = if b >= KIB * KIB * KIB {
+        (b / (KIB * KIB * KIB), "GiB")
+    } else if b >= KIB * KIB {
+        (b / (KIB * KIB), "MiB")
+    } else if b >= KIB {
+        (b / KIB, "KiB")
+    } else {
+        return format!("{bytes} B");
+    };
+    let text = format!("{value:.1}");
+    let text = text.strip_suffix(".0").unwrap_or(&text);
+    format!("{text} {unit}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_formatted_for_people() {
+        assert_eq!(fmt_bytes(2 << 30), "2 GiB");
+        assert_eq!(fmt_bytes((13 << 30) / 10), "1.3 GiB");
+        assert_eq!(fmt_bytes(512 << 20), "512 MiB");
+        assert_eq!(fmt_bytes(17), "17 B");
+    }
+}

@@ -1,0 +1,124 @@
+//! Syntax rules for names (SPEC section 2) and the unit parsers (section 12).
+//! Pure functions; each error names the rule it broke.
+
+fn id_like(s: &str, max_len: usize, extra: &[u8]) -> Result<(), String> {
+    let b = s.as_bytes();
+    if b.is_empty() || b.len() > max_len {
+        return Err(format!("must be 1 to {max_len} characters"));
+    }
+    if !b[0].is_ascii_alphanumeric() {
+        return Err("must start with a letter or digit".into());
+    }
+    if let Some(c) = b.iter().find(|c| !(c.is_ascii_alphanumeric() || extra.contains(c))) {
+        return Err(format!(
+            "may only contain letters, digits and {:?} (found {:?})",
+            String::from_utf8_lossy(extra),
+            *c as char
+        ));
+    }
+    Ok(())
+}
+
+/// `[A-Za-z0-9][A-Za-z0-9._:-]{0,127}`
+pub fn run_id(s: &str) -> Result<(), String> {
+    id_like(s, 128, b"._:-")
+}
+
+/// `[A-Za-z0-9][A-Za-z0-9._/-]{0,199}`
+pub fn project(s: &str) -> Result<(), String> {
+    id_like(s, 200, b"._/-")
+}
+
+/// Singleton and named-resource names share the run-id alphabet.
+pub fn resource_name(s: &str) -> Result<(), String> {
+    id_like(s, 128, b"._:-")
+}
+
+/// Parses `2GiB`, `512M`, `1.5G`, `4096` (bytes). Binary units throughout.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        other => return Err(format!("unknown size unit {other:?} (use B, KiB, MiB, GiB, TiB)")),
+    };
+    scale(num, mult).ok_or_else(|| format!("{s:?} is not a size like 2GiB or 512M"))
+}
+
+/// Parses `30s`, `5m`, `1h`, `250ms`, `1.5s` into milliseconds. A bare number is seconds.
+pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let mult: u64 = match unit.trim() {
+        "ms" => 1,
+        "" | "s" => 1000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        other => return Err(format!("unknown duration unit {other:?} (use ms, s, m, h, d)")),
+    };
+    scale(num, mult).ok_or_else(|| format!("{s:?} is not a duration like 30s or 5m"))
+}
+
+fn scale(num: &str, mult: u64) -> Option<u64> {
+    if num.is_empty() || num.starts_with('.') || num.ends_with('.') {
+        return None;
+    }
+    let (int, frac) = num.split_once('.').unwrap_or((num, ""));
+    if frac.contains('.') || frac.len() > 9 {
+        return None;
+    }
+    let int: u64 = int.parse().ok()?;
+    let mut value = int.checked_mul(mult)?;
+    if !frac.is_empty() {
+        let digits: u64 = frac.parse().ok()?;
+        let denom = 10u64.pow(frac.len() as u32);
+        value = value.checked_add((digits as u128 * mult as u128 / denom as u128) as u64)?;
+    }
+    Some(value)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_follow_the_spec_alphabet() {
+        assert!(run_id("r-17").is_ok());
+        assert!(run_id("a.b:c_d-e").is_ok());
+        assert!(run_id("").is_err());
+        assert!(run_id("-x").is_err());
+        assert!(run_id("a/b").is_err());
+        assert!(run_id(&"a".repeat(128)).is_ok());
+        assert!(run_id(&"a".repeat(129)).is_err());
+        assert!(project("acme/web").is_ok());
+        assert!(project("acme:web").is_err());
+        assert!(project(&"p".repeat(201)).is_err());
+    }
+
+    #[test]
+    fn sizes_and_durations_parse() {
+        assert_eq!(parse_size("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("2 parsecs").is_err());
+        assert!(parse_size("").is_err());
+        assert!(parse_size("99999999999999999999G").is_err());
+        assert_eq!(parse_duration_ms("30s"), Ok(30_000));
+        assert_eq!(parse_duration_ms("5m"), Ok(300_000));
+        assert_eq!(parse_duration_ms("250ms"), Ok(250));
+        assert_eq!(parse_duration_ms("1.5s"), Ok(1500));
+        assert!(parse_duration_ms("5 fortnights").is_err());
+    }
+}
