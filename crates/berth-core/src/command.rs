@@ -106,9 +106,11 @@ impl fmt::Display for Error {
             Error::FenceRequired { run_id } => {
                 write!(f, "run {run_id} is granted; the call must carry its fence")
             }
-            Error::Gone { run_id, state } => {
-                write!(f, "run {run_id} has ended: {}", state.as_str())
-            }
+            Error::Gone { run_id, state } => write!(
+                f,
+                "run {run_id} is {}: its lease is over and cannot be acted on",
+                state.as_str()
+            ),
             Error::Conflict { run_id } => write!(
                 f,
                 "run {run_id} exists with a different request; use a new run_id"

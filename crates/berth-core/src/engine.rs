@@ -265,7 +265,12 @@ impl Engine {
             self.pass(now, None, &mut ev);
         }
         // Answer with the run as it is after the pass (a fresh acquire may be granted).
-        let result = result.map(|view| view.map(|v| self.view_of(&v.run_id).unwrap_or(v)));
+        let result = result.map(|view| {
+            view.map(|v| match v.state {
+                RunState::Queued => self.view_of(&v.run_id).unwrap_or(v),
+                _ => v,
+            })
+        });
         Output { events: ev, result }
     }
 
@@ -692,8 +697,9 @@ impl Engine {
                 });
             }
             RunState::Granted => {
+                // Extends, never shortens: a late retry with a small ttl is harmless.
                 let old = expires_at;
-                let new = now.saturating_add(ttl);
+                let new = old.max(now.saturating_add(ttl));
                 self.expiries.remove(&(old, s));
                 self.expiries.insert((new, s));
                 self.run_mut(s).expires_at = new;
@@ -868,6 +874,7 @@ impl Engine {
             .filter(|(prio, _, _)| *prio == Priority::Foreground)
             .map(|&(_, _, w)| w)
             .collect();
+        let mut converted = Vec::new();
         for w in waiters {
             let r = self.run(w);
             if r.keys[0].0 == k
@@ -884,6 +891,15 @@ impl Engine {
                     key: key_name.clone(),
                     mode: KeyMode::Shared,
                 });
+                converted.push(w);
+            }
+        }
+        // "Into shared holders at once": each converted waiter that fits is granted now,
+        // in queue order, ahead of the window. Like the head, it is exempt from writer
+        // preference: it was already queued for this key before the promotion.
+        for w in converted {
+            if self.blocker(w, true).is_none() {
+                self.grant(w, now, ev);
             }
         }
         Ok(Some(self.view(s)))
@@ -1144,17 +1160,21 @@ impl Engine {
         }
     }
 
-    /// A7: would `head` still fit after granting `cand`? Resources, ambient memory and
-    /// key conflicts between the two; what already blocks the head is not `cand`'s doing.
+    /// A7: would `head` still fit after granting `cand`? For every resource `cand` takes,
+    /// what is left must still cover the head (resources `cand` does not touch are not
+    /// its doing); and the two must not conflict on a key. So capacity the head needs
+    /// only ever drains towards it.
     pub(crate) fn head_fits_after(&self, head: Slot, cand: Slot) -> bool {
         let h = self.run(head);
         let c = self.run(cand);
         for i in 0..self.allocatable.len() {
-            if self.committed[i] + h.amounts[i] + c.amounts[i] > self.allocatable[i] {
+            if c.amounts[i] > 0
+                && self.committed[i] + h.amounts[i] + c.amounts[i] > self.allocatable[i]
+            {
                 return false;
             }
         }
-        if h.amounts[MEMORY] + c.amounts[MEMORY] > self.ambient_free() {
+        if c.amounts[MEMORY] > 0 && h.amounts[MEMORY] + c.amounts[MEMORY] > self.ambient_free() {
             return false;
         }
         for &(hk, hm) in &h.keys {
@@ -1366,7 +1386,21 @@ impl Engine {
                     .strip_prefix("project:")
                     .and_then(|x| x.strip_suffix(":runtime"))
                 {
-                    format!("project {p} is serial; run {holder} holds it")
+                    let class = self
+                        .project_ids
+                        .get(p)
+                        .map_or(ConcurrencyClass::Serial, |&id| concurrency_class(self.project(id)));
+                    match class {
+                        ConcurrencyClass::Serial => {
+                            format!("project {p} is serial; run {holder} holds it")
+                        }
+                        ConcurrencyClass::ParallelCandidate => format!(
+                            "project {p} runs serially until a run proves it parallel; run {holder} holds it"
+                        ),
+                        ConcurrencyClass::ParallelSafe => {
+                            format!("project {p}'s runtime is held exclusively by run {holder}")
+                        }
+                    }
                 } else {
                     format!("{} is held exclusively by run {holder}", self.describe_key(k))
                 };

@@ -1,0 +1,284 @@
+//! Data-driven scenario tests: each `scenarios/*.txt` is a script of commands; the trace
+//! of decisions it produces is compared with a checked-in insta snapshot. The invariant
+//! checker runs after every step. Script syntax is documented in `scenarios/README.md`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use berth_core::validate::{parse_duration_ms, parse_size};
+use berth_core::*;
+
+fn parse_kv(words: &[&str]) -> (Vec<String>, BTreeMap<String, String>) {
+    let mut pos = Vec::new();
+    let mut kv = BTreeMap::new();
+    for w in words {
+        match w.split_once('=') {
+            Some((k, v)) => {
+                kv.insert(k.to_string(), v.to_string());
+            }
+            None => pos.push(w.to_string()),
+        }
+    }
+    (pos, kv)
+}
+
+fn size(v: &str) -> u64 {
+    parse_size(v).unwrap_or_else(|e| panic!("bad size {v}: {e}"))
+}
+
+fn dur(v: &str) -> u64 {
+    parse_duration_ms(v).unwrap_or_else(|e| panic!("bad duration {v}: {e}"))
+}
+
+fn config(kv: &BTreeMap<String, String>) -> Config {
+    let mut c = Config::for_host(8, 16 * GIB, 0);
+    c.slots_max = 4;
+    c.memory_reserve = 0;
+    c.cpu_reserve_millis = 0;
+    c.disk_reserve = 0;
+    c.default_request.disk = 0;
+    for (k, v) in kv {
+        match k.as_str() {
+            "slots" => c.slots_max = v.parse().unwrap(),
+            "memory" => c.memory_total = size(v),
+            "memory_reserve" => c.memory_reserve = size(v),
+            "cpu" => c.cpu_total_millis = v.parse().unwrap(),
+            "cpu_reserve" => c.cpu_reserve_millis = v.parse().unwrap(),
+            "disk" => c.disk_total = size(v),
+            "disk_reserve" => c.disk_reserve = size(v),
+            "window" => c.window = v.parse().unwrap(),
+            "guard" => c.starvation_guard_ms = dur(v),
+            "stabilize" => c.stabilize_samples = v.parse().unwrap(),
+            "settle" => c.pending_settle_ms = dur(v),
+            "queue_max" => c.queue_len_max = v.parse().unwrap(),
+            "ended_max" => c.ended_retained_max = v.parse().unwrap(),
+            "default_mem" => c.default_request.memory = size(v),
+            "default_cpu" => c.default_request.cpu_millis = v.parse().unwrap(),
+            "default_disk" => c.default_request.disk = size(v),
+            name => c.named.push((name.to_string(), v.parse().unwrap())),
+        }
+    }
+    c
+}
+
+fn contract(v: &str) -> ContractInfo {
+    // concurrency:fingerprint[:commit]
+    let mut parts = v.split(':');
+    let concurrency = match parts.next().unwrap() {
+        "serial" => Concurrency::Serial,
+        "parallel" => Concurrency::Parallel,
+        "disabled" => Concurrency::Disabled,
+        other => panic!("bad concurrency {other}"),
+    };
+    ContractInfo {
+        concurrency,
+        fingerprint: parts.next().unwrap_or("fp").to_string(),
+        commit: parts.next().map(str::to_string),
+    }
+}
+
+fn request(id: &str, kv: &BTreeMap<String, String>, named: &[(String, u64)]) -> Request {
+    let g = |k: &str| kv.get(k).map(String::as_str);
+    let mut res = Resources {
+        slots: g("slots").map_or(1, |v| v.parse().unwrap()),
+        memory: g("mem").map_or(0, size),
+        cpu_millis: g("cpu").map_or(0, |v| v.parse().unwrap()),
+        disk: g("disk").map_or(0, size),
+        named: BTreeMap::new(),
+    };
+    for (name, _) in named {
+        if let Some(v) = g(name) {
+            res.named.insert(name.clone(), v.parse().unwrap());
+        }
+    }
+    if let Some(v) = g("res") {
+        // res=name:count for undeclared names (to test refusal)
+        let (n, c) = v.split_once(':').unwrap();
+        res.named.insert(n.to_string(), c.parse().unwrap());
+    }
+    Request {
+        run_id: id.to_string(),
+        project: g("project").unwrap_or("p").to_string(),
+        class: match g("class").unwrap_or("managed") {
+            "managed" => Class::Managed,
+            "analysis" => Class::Analysis,
+            other => panic!("bad class {other}"),
+        },
+        priority: match g("prio").unwrap_or("fg") {
+            "fg" => Priority::Foreground,
+            "bg" => Priority::Background,
+            other => panic!("bad prio {other}"),
+        },
+        resources: res,
+        singletons: g("singleton")
+            .map(|v| v.split(',').map(str::to_string).collect())
+            .unwrap_or_default(),
+        contract: g("contract").map(contract),
+        ttl_ms: g("ttl").map_or(60_000, dur),
+        wait_ms: g("wait").map_or(600_000, dur),
+    }
+}
+
+fn show_view(out: &mut String, v: &RunView) {
+    write!(out, "  = {} {}", v.run_id, v.state.as_str()).unwrap();
+    if let Some(f) = v.fence {
+        write!(out, " fence={f}").unwrap();
+    }
+    if let Some(p) = v.position {
+        write!(out, " pos={p}").unwrap();
+    }
+    if let Some(r) = &v.reason {
+        write!(out, " reason={r}").unwrap();
+    }
+    out.push('\n');
+}
+
+fn show_snapshot(out: &mut String, s: &Snapshot) {
+    for r in &s.resources {
+        writeln!(
+            out,
+            "  | {} total={} reserve={} alloc={} committed={} available={}",
+            r.name, r.total, r.reserve, r.allocatable, r.committed, r.available
+        )
+        .unwrap();
+    }
+    writeln!(
+        out,
+        "  | slots_max={} effective_max_now={} mem_available={:?} pending={} queued={}+{} granted={} releasing={} degraded={} last_fence={}",
+        s.slots_max, s.effective_max_now, s.memory_available, s.memory_pending,
+        s.queued_foreground, s.queued_background, s.granted, s.releasing, s.degraded, s.last_fence
+    )
+    .unwrap();
+    if let Some(r) = &s.min_run_blocked {
+        writeln!(out, "  | min_run_blocked={r}").unwrap();
+    }
+    for p in &s.projects {
+        write!(
+            out,
+            "  | project {} active={} waiting={} degraded={} class={}",
+            p.name,
+            p.active,
+            p.waiting,
+            p.degraded,
+            p.concurrency.as_str()
+        )
+        .unwrap();
+        if let Some(e) = &p.evidence {
+            write!(out, " evidence={}@{:?} by {} ports={}", e.fingerprint, e.commit, e.run_id, e.ports.join(",")).unwrap();
+        }
+        out.push('\n');
+    }
+}
+
+pub fn run_script(script: &str) -> String {
+    let mut out = String::new();
+    let mut engine: Option<Engine> = None;
+    for line in script.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        if words[0] == "config" {
+            let (_, kv) = parse_kv(&words[1..]);
+            let fence = kv.get("last_fence").map_or(0, |v| v.parse().unwrap());
+            let mut kv = kv;
+            kv.remove("last_fence");
+            engine = Some(Engine::new(config(&kv), fence).expect("valid config"));
+            writeln!(out, "{line}").unwrap();
+            continue;
+        }
+        let e = engine.get_or_insert_with(|| Engine::new(config(&BTreeMap::new()), 0).unwrap());
+        writeln!(out, "> {line}").unwrap();
+        match words[0] {
+            "show" => {
+                match e.view_of(words[1]) {
+                    Some(v) => show_view(&mut out, &v),
+                    None => writeln!(out, "  = unknown").unwrap(),
+                }
+                continue;
+            }
+            "status" => {
+                show_snapshot(&mut out, &e.snapshot());
+                continue;
+            }
+            "at" => {}
+            other => panic!("unknown directive {other}"),
+        }
+        let now = dur(words[1]);
+        let verb = words[2];
+        let (pos, kv) = parse_kv(&words[3..]);
+        let id = || pos.first().cloned().expect("run id");
+        let fence = || kv.get("fence").map(|v| v.parse::<u64>().unwrap());
+        let cmd = match verb {
+            "acquire" => Command::Acquire(request(&id(), &kv, &e.config().named)),
+            "cancel" => Command::Cancel { run_id: id() },
+            "renew" => Command::Renew {
+                run_id: id(),
+                fence: fence(),
+                ttl_ms: kv.get("ttl").map(|v| dur(v)),
+            },
+            "release" => Command::Release {
+                run_id: id(),
+                fence: fence().expect("fence"),
+            },
+            "stopped" => Command::StopDone {
+                run_id: id(),
+                ok: !pos.iter().any(|p| p == "fail"),
+            },
+            "tick" => Command::Tick,
+            "sample" => Command::Sample {
+                mem_available: size(&pos[0]),
+            },
+            "promote" => Command::Promote {
+                run_id: id(),
+                fence: fence().expect("fence"),
+                ports: kv
+                    .get("ports")
+                    .map(|v| v.split(',').map(str::to_string).collect())
+                    .unwrap_or_default(),
+            },
+            "demote" => {
+                let c = contract(&format!("parallel:{}", kv.get("to").expect("to=fp[:commit]")));
+                Command::Demote {
+                    run_id: id(),
+                    fence: fence().expect("fence"),
+                    fingerprint: c.fingerprint,
+                    commit: c.commit,
+                }
+            }
+            other => panic!("unknown verb {other}"),
+        };
+        let before = e.snapshot();
+        let o = e.apply(now, cmd);
+        for ev in &o.events {
+            writeln!(out, "  {ev}").unwrap();
+        }
+        match &o.result {
+            Ok(Some(v)) => show_view(&mut out, v),
+            Ok(None) => {}
+            Err(err) => {
+                writeln!(out, "  ! {}: {err}", err.code()).unwrap();
+                // A refused command changes nothing.
+                let mut after = e.snapshot();
+                after.now_ms = before.now_ms;
+                if o.events.is_empty() {
+                    assert_eq!(before, after, "refused command changed state: {line}");
+                }
+            }
+        }
+        if let Err(msg) = e.check_invariants() {
+            panic!("invariant broken after `{line}`: {msg}\n{out}");
+        }
+    }
+    out
+}
+
+#[test]
+fn scenarios() {
+    insta::glob!("scenarios/*.txt", |path| {
+        let script = std::fs::read_to_string(path).unwrap();
+        let trace = run_script(&script);
+        insta::assert_snapshot!(trace);
+    });
+}
