@@ -230,7 +230,9 @@ impl Engine {
     pub fn apply(&mut self, now_ms: TimeMs, cmd: Command) -> Output {
         let mut ev = Vec::new();
         self.advance(now_ms, &mut ev);
+        let advanced = !ev.is_empty();
         let now = self.now;
+        let is_acquire = matches!(cmd, Command::Acquire(_));
         let result = match cmd {
             Command::Acquire(req) => self.acquire(now, req, &mut ev),
             Command::Cancel { run_id } => self.cancel(&run_id, &mut ev),
@@ -260,8 +262,9 @@ impl Engine {
         };
         // Every command ends with a bounded admission pass: whatever it changed may let
         // someone in, and passes on ticks rotate the window through a deep queue (A6).
-        // Refused commands changed nothing, so they skip it.
-        if result.is_ok() {
+        // A refused command skips it unless time itself changed something; an acquire
+        // has already run its own pass (which also considers the newcomer).
+        if (result.is_ok() && !is_acquire) || (result.is_err() && advanced) {
             self.pass(now, None, &mut ev);
         }
         // Answer with the run as it is after the pass (a fresh acquire may be granted).
