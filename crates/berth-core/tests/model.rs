@@ -405,15 +405,63 @@ impl BandIndex for Priority {
     }
 }
 
-const IDS: [&str; 12] = ["r0", "r1", "r2", "r3", "r4", "r5", "r6", "r7", "r8", "r9", "ra", "rb"];
+/// Run ids in generated commands are placeholders resolved when the step runs:
+/// `new` becomes a fresh id, `again` re-sends an earlier run's exact request (L7), and
+/// `#N` names the N-th run seen so far (modulo), so commands mostly hit live runs.
+fn resolve(model: &Model, step: usize, cmd: &mut Command) {
+    // `#N` with N < 48 prefers runs in the states the command is meant for, so most
+    // commands do something; larger N picks any run, to exercise the refusals.
+    let pick = |id: &str, want: &[RunState]| -> String {
+        let n: usize = id.trim_start_matches('#').parse().unwrap_or(0);
+        let fit: Vec<&MRun> = model.runs.iter().filter(|r| want.contains(&r.state)).collect();
+        if n < 48 && !fit.is_empty() {
+            fit[n % fit.len()].req.run_id.clone()
+        } else if model.runs.is_empty() {
+            "nobody".to_string()
+        } else {
+            model.runs[n % model.runs.len()].req.run_id.clone()
+        }
+    };
+    use RunState::*;
+    let current = |id: &str| model.find(id).and_then(|m| model.runs[m].fence).unwrap_or(0);
+    match cmd {
+        Command::Acquire(req) if req.run_id == "new" => req.run_id = format!("r{step}"),
+        Command::Acquire(req) => {
+            let n = req.run_id.trim_start_matches('#').parse::<usize>().unwrap_or(0);
+            if let Some(r) = (!model.runs.is_empty()).then(|| &model.runs[n % model.runs.len()]) {
+                *req = r.req.clone();
+                if n % 3 == 0 {
+                    req.ttl_ms += 1000; // same id, different body: a conflict
+                }
+            } else {
+                req.run_id = format!("r{step}");
+            }
+        }
+        Command::Cancel { run_id } => *run_id = pick(run_id, &[Queued]),
+        Command::StopDone { run_id, .. } => *run_id = pick(run_id, &[Releasing, Degraded]),
+        Command::Release { run_id, fence } => {
+            *run_id = pick(run_id, &[Granted]);
+            if *fence == 0 {
+                *fence = current(run_id);
+            }
+        }
+        Command::Renew { run_id, fence, .. } => {
+            *run_id = pick(run_id, &[Granted, Queued]);
+            if *fence == Some(0) {
+                *fence = Some(current(run_id));
+            }
+        }
+        _ => {}
+    }
+}
 
 fn arb_request() -> impl Strategy<Value = Request> {
     (
-        0..IDS.len(),
+        prop::sample::select(vec!["new", "new", "new", "new", "new", "new", "#0", "#1", "#2"]),
         prop::sample::select(vec!["a", "b", "A", "c"]),
         prop::bool::weighted(0.25),
         prop::bool::weighted(0.3),
-        (1u64..=3, 0u64..=5, 0u64..=3, 0u64..=2),
+        (prop::sample::select(vec![1u64, 1, 1, 2, 3]), 0u64..=4, 0u64..=3, 0u64..=2),
         prop::sample::subsequence(vec!["db", "cache"], 0..=2),
         (1u64..=30, prop::sample::select(vec![0u64, 5, 20, 60])),
     )
@@ -423,7 +471,7 @@ fn arb_request() -> impl Strategy<Value = Request> {
                 named.insert("gpu".to_string(), gpu);
             }
             Request {
-                run_id: IDS[id].to_string(),
+                run_id: id.to_string(),
                 project: project.to_string(),
                 class: if analysis { Class::Analysis } else { Class::Managed },
                 priority: if bg { Priority::Background } else { Priority::Foreground },
@@ -443,21 +491,23 @@ fn arb_request() -> impl Strategy<Value = Request> {
 }
 
 fn arb_command() -> impl Strategy<Value = Command> {
-    let id = (0..IDS.len()).prop_map(|i| IDS[i].to_string());
+    let id = (0usize..64).prop_map(|i| format!("#{i}"));
     prop_oneof![
         4 => arb_request().prop_map(Command::Acquire),
         1 => id.clone().prop_map(|run_id| Command::Cancel { run_id }),
-        2 => (id.clone(), prop::option::of(1u64..12), prop::option::of(1u64..40))
+        // Fence 0 stands for "the run's current fence", resolved when the step runs, so
+        // most renewals and releases are the owner's and some are stale or missing.
+        2 => (id.clone(), prop::option::weighted(0.9, prop::sample::select(vec![0u64, 0, 0, 1, 5])), prop::option::of(1u64..40))
             .prop_map(|(run_id, fence, ttl)| Command::Renew { run_id, fence, ttl_ms: ttl.map(|t| t * 1000) }),
-        3 => (id.clone(), 1u64..12).prop_map(|(run_id, fence)| Command::Release { run_id, fence }),
+        4 => (id.clone(), prop::sample::select(vec![0u64, 0, 0, 0, 2, 7])).prop_map(|(run_id, fence)| Command::Release { run_id, fence }),
         3 => (id.clone(), prop::bool::weighted(0.85)).prop_map(|(run_id, ok)| Command::StopDone { run_id, ok }),
         2 => Just(Command::Tick),
-        1 => (0u64..=12).prop_map(|g| Command::Sample { mem_available: g * GIB }),
+        1 => (2u64..=14).prop_map(|g| Command::Sample { mem_available: g * GIB }),
     ]
 }
 
 fn arb_config() -> impl Strategy<Value = Config> {
-    (1u64..=4, 1usize..=4, prop::sample::select(vec![0u64, 5_000, 20_000]), 1usize..=3, 1usize..=6)
+    (1u64..=4, 1usize..=3, prop::sample::select(vec![0u64, 5_000, 20_000]), 1usize..=3, 2usize..=16)
         .prop_map(|(slots, window, guard, stabilize, queue_max)| {
             let mut c = Config::for_host(8, 10 * GIB, 0);
             c.slots_max = slots;
@@ -476,18 +526,19 @@ fn arb_config() -> impl Strategy<Value = Config> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
 
     #[test]
     fn engine_agrees_with_reference_model(
         cfg in arb_config(),
-        steps in prop::collection::vec((0u64..4000, arb_command()), 1..80),
+        steps in prop::collection::vec((0u64..4000, arb_command()), 1..160),
     ) {
         let mut engine = Engine::new(cfg.clone(), 0).unwrap();
         let mut model = Model::new(cfg);
         let mut now = 0;
-        for (i, (dt, cmd)) in steps.into_iter().enumerate() {
+        for (i, (dt, mut cmd)) in steps.into_iter().enumerate() {
             now += dt;
+            resolve(&model, i, &mut cmd);
             let out = engine.apply(now, cmd.clone());
             let want = model.apply(now, &cmd);
             let got = out.result.as_ref().map(|_| ()).map_err(|e| e.code());
@@ -511,3 +562,4 @@ proptest! {
         }
     }
 }
+
