@@ -900,8 +900,14 @@ impl Engine {
         // "Into shared holders at once": each converted waiter that fits is granted now,
         // in queue order, ahead of the window. Like the head, it is exempt from writer
         // preference: it was already queued for this key before the promotion.
+        // The starvation guard (A7) still applies to those behind the head.
+        let head = self.queues[0].head().map(|(_, h)| h);
         for w in converted {
-            if self.blocker(w, true).is_none() {
+            let guard_ok = match head {
+                Some(h) if h != w && self.guard_active(h) => self.head_fits_after(h, w),
+                _ => true,
+            };
+            if guard_ok && self.blocker(w, true).is_none() {
                 self.grant(w, now, ev);
             }
         }
@@ -1508,6 +1514,13 @@ impl Engine {
     /// The run's current view, if berth still remembers it.
     pub fn view_of(&self, run_id: &str) -> Option<RunView> {
         self.by_id.get(run_id).map(|&s| self.view(s))
+    }
+
+    /// The head of the host queue (foreground first): id, priority, when it queued.
+    pub fn head(&self) -> Option<(&str, Priority, TimeMs)> {
+        let (_, s) = self.queues[0].head().or_else(|| self.queues[1].head())?;
+        let r = self.run(s);
+        Some((&r.req.run_id, r.req.priority, r.enqueued_at))
     }
 
     /// Waiters in admission order (foreground first), at most `limit` of them.

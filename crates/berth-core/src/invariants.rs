@@ -1,7 +1,6 @@
 //! `check_invariants`: recomputes every derived figure from scratch and compares.
 //! O(runs + keys); tests and the simulator call it after every step.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
 
 use crate::engine::{Engine, MEMORY};
 use crate::types::{KeyMode, RunState};
@@ -17,30 +16,35 @@ macro_rules! ensure {
 impl Engine {
     pub fn check_invariants(&self) -> Result<(), String> {
         let n = self.allocatable.len();
+        let nkeys = self.keys.len();
         let mut committed = vec![0u64; n];
         let mut pending = 0u64;
-        let mut shared: HashMap<u32, u32> = HashMap::new();
-        let mut exclusive: HashMap<u32, u32> = HashMap::new();
-        let mut waiters: HashMap<u32, usize> = HashMap::new();
-        let mut excl_waiting: HashMap<(u32, usize), u32> = HashMap::new();
-        let mut fences: BTreeMap<u64, u64> = BTreeMap::new();
-        let mut project_counts: HashMap<u32, [u32; 3]> = HashMap::new();
-        let mut live_ids = HashSet::new();
-        let in_queues: HashSet<(usize, u64, u32)> = (0..2)
-            .flat_map(|b| self.queues[b].iter().map(move |(q, x)| (b, q, x)))
-            .collect();
-
+        let mut shared = vec![0u32; nkeys];
+        let mut exclusive = vec![0u32; nkeys];
+        let mut waiters = vec![0usize; nkeys];
+        let mut excl_waiting = vec![[0u32; 2]; nkeys];
+        let mut fences: Vec<(u64, u64)> = Vec::new();
+        let mut project_counts = vec![[0u32; 3]; self.projects.len()];
+        let mut live = 0usize;
+        let mut in_queues = vec![None; self.runs.len()];
+        for b in 0..2 {
+            for (q, x) in self.queues[b].iter() {
+                ensure!(in_queues[x as usize].is_none(), "slot {x} queued twice");
+                in_queues[x as usize] = Some((b, q));
+            }
+        }
         for (slot, run) in self.runs.iter().enumerate() {
             let Some(run) = run else { continue };
             let s = slot as u32;
             let id = &run.req.run_id;
+            // With `by_id.len() == live` below, this also proves ids are unique.
             ensure!(self.by_id.get(id) == Some(&s), "run {id} missing from the id map");
-            ensure!(live_ids.insert(id.clone()), "run id {id} appears twice");
+            live += 1;
             let queued = run.state == RunState::Queued;
             let band = run.req.priority.index();
             // Exactly one state: membership in the queue, deadline and expiry indexes
             // follows the state and nothing else.
-            let in_queue = in_queues.contains(&(band, run.seq, s));
+            let in_queue = in_queues[slot] == Some((band, run.seq));
             ensure!(in_queue == queued, "run {id} ({:?}) queue membership {in_queue}", run.state);
             ensure!(
                 self.deadlines.contains(&(run.deadline, s)) == queued,
@@ -56,7 +60,7 @@ impl Engine {
             ensure!(queued == run.fence.is_none() || run.state.is_terminal(), "run {id} fence/state mismatch");
             if let Some(f) = run.fence {
                 ensure!(f <= self.last_fence, "run {id} fence {f} above the counter");
-                ensure!(fences.insert(f, run.granted_at).is_none(), "fence {f} issued twice");
+                fences.push((f, run.granted_at));
                 // A8: no grant at or after the deadline.
                 ensure!(
                     run.granted_at < run.deadline
@@ -82,8 +86,8 @@ impl Engine {
                         continue;
                     }
                     match mode {
-                        KeyMode::Exclusive => *exclusive.entry(k).or_default() += 1,
-                        KeyMode::Shared => *shared.entry(k).or_default() += 1,
+                        KeyMode::Exclusive => exclusive[k as usize] += 1,
+                        KeyMode::Shared => shared[k as usize] += 1,
                     }
                     if mode == KeyMode::Exclusive {
                         ensure!(self.key(k).exclusive == Some(s), "run {id} exclusive hold not recorded");
@@ -99,14 +103,14 @@ impl Engine {
                         "queued run {id} missing from key {}",
                         self.key(k).name
                     );
-                    *waiters.entry(k).or_default() += 1;
+                    waiters[k as usize] += 1;
                     if mode == KeyMode::Exclusive {
-                        *excl_waiting.entry((k, band)).or_default() += 1;
+                        excl_waiting[k as usize][band] += 1;
                     }
                 }
             }
             if !run.state.is_terminal() {
-                let c = project_counts.entry(run.project).or_default();
+                let c = &mut project_counts[run.project as usize];
                 match run.state {
                     RunState::Queued => c[0] += 1,
                     RunState::Granted | RunState::Releasing => c[1] += 1,
@@ -115,7 +119,7 @@ impl Engine {
                 }
             }
         }
-        ensure!(self.by_id.len() == live_ids.len(), "id map has {} entries for {} runs", self.by_id.len(), live_ids.len());
+        ensure!(self.by_id.len() == live, "id map has {} entries for {live} runs", self.by_id.len());
 
         // A2: nothing over-committed, and the running sums agree with the recount.
         for i in 0..n {
@@ -128,14 +132,14 @@ impl Engine {
         for (k, key) in self.keys.iter().enumerate() {
             let Some(key) = key else { continue };
             let k = k as u32;
-            let sh = shared.get(&k).copied().unwrap_or(0);
-            let ex = exclusive.get(&k).copied().unwrap_or(0);
+            let sh = shared[k as usize];
+            let ex = exclusive[k as usize];
             ensure!(key.shared == sh, "key {} shared count {} but {sh} holders", key.name, key.shared);
             ensure!(ex <= 1 && (ex == 1) == key.exclusive.is_some(), "key {} has {ex} exclusive holders", key.name);
             ensure!(!(ex == 1 && sh > 0), "key {} held exclusive and shared at once", key.name);
-            ensure!(key.waiters.len() == waiters.get(&k).copied().unwrap_or(0), "key {} waiter set is stale", key.name);
+            ensure!(key.waiters.len() == waiters[k as usize], "key {} waiter set is stale", key.name);
             for band in 0..2 {
-                let want = excl_waiting.get(&(k, band)).copied().unwrap_or(0);
+                let want = excl_waiting[k as usize][band];
                 ensure!(key.exclusive_waiting[band] == want, "key {} exclusive waiting {} != {want}", key.name, key.exclusive_waiting[band]);
             }
             for &u in &key.upgrades {
@@ -144,11 +148,11 @@ impl Engine {
             }
         }
 
-        // L1: fences strictly increase in grant order.
-        let mut last_at = 0;
-        for (_, &at) in &fences {
-            ensure!(at >= last_at, "a later fence was granted earlier");
-            last_at = at;
+        // L1: fences are unique and strictly increase in grant order.
+        fences.sort_unstable();
+        for w in fences.windows(2) {
+            ensure!(w[0].0 != w[1].0, "fence {} issued twice", w[0].0);
+            ensure!(w[0].1 <= w[1].1, "fence {} was granted after fence {}", w[0].0, w[1].0);
         }
 
         // A11: positions are consistent with queue order; background after foreground.
@@ -165,7 +169,7 @@ impl Engine {
 
         for (p, st) in self.projects.iter().enumerate() {
             let Some(st) = st else { continue };
-            let want = project_counts.get(&(p as u32)).copied().unwrap_or([0; 3]);
+            let want = project_counts[p];
             ensure!([st.waiting, st.active, st.degraded] == want, "project {} counts {:?} != {want:?}", st.name, [st.waiting, st.active, st.degraded]);
         }
         Ok(())
