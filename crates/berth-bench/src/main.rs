@@ -1,1 +1,236 @@
-fn main() {}
+//! berth's benchmarks. Each prints JSON lines with its figures; none is a test.
+//!
+//! `berth-bench core`: the cost of one admission pass (the work after one release that
+//! grants whatever now fits) at queue depths of 10 to 100,000 waiters, the engine's
+//! memory per waiter, and the same pass done the naive way in the same run.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicIsize, Ordering};
+use std::time::Instant;
+
+use berth_core::{Class, Command, Config, Engine, Event, Priority, Request, Resources, GIB};
+use clap::{Parser, Subcommand};
+
+/// Counts live heap bytes so `bytes_per_waiter` is measured, not estimated.
+struct Counting;
+
+static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LIVE_BYTES.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        LIVE_BYTES.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LIVE_BYTES.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[derive(Parser)]
+#[command(about = "berth benchmarks; each prints JSON lines")]
+struct Args {
+    #[command(subcommand)]
+    bench: Bench,
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// Admission pass cost and memory per waiter at 10 .. 100,000 waiters.
+    Core {
+        /// Passes measured per depth.
+        #[arg(long, default_value_t = 2000)]
+        passes: usize,
+        /// Passes measured for the naive baseline per depth (it is slow at depth).
+        #[arg(long, default_value_t = 200)]
+        naive_passes: usize,
+    },
+}
+
+const SLOTS: u64 = 8;
+const PROJECTS: u64 = 512;
+
+fn request(i: u64) -> Request {
+    Request {
+        run_id: format!("run-{i:08}"),
+        project: format!("team/project-{}", i % PROJECTS),
+        class: Class::Managed,
+        priority: Priority::Foreground,
+        resources: Resources {
+            slots: 1,
+            memory: GIB,
+            cpu_millis: 500,
+            disk: GIB,
+            named: BTreeMap::new(),
+        },
+        singletons: vec![],
+        contract: None,
+        ttl_ms: 3_600_000,
+        wait_ms: 3_600_000,
+    }
+}
+
+fn config() -> Config {
+    let mut c = Config::for_host(64, 512 * GIB, 4096 * GIB);
+    c.slots_max = SLOTS;
+    c.queue_len_max = 200_000;
+    c
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[idx]
+}
+
+/// Engine passes at one depth: returns (p50 µs, p99 µs, bytes per waiter).
+fn engine_depth(depth: u64, passes: usize) -> (f64, f64, f64) {
+    let mut engine = Engine::new(config(), 0).expect("config");
+    let mut now = 1;
+    let mut next = 0u64;
+    let mut holders = std::collections::VecDeque::new();
+    // Fill every slot, then measure the heap the waiters add.
+    for _ in 0..SLOTS {
+        let out = engine.apply(now, Command::Acquire(request(next)));
+        next += 1;
+        for ev in out.events {
+            if let Event::Granted { run_id, fence, .. } = ev {
+                holders.push_back((run_id, fence));
+            }
+        }
+    }
+    let before = LIVE_BYTES.load(Ordering::Relaxed);
+    for _ in 0..depth {
+        engine.apply(now, Command::Acquire(request(next)));
+        next += 1;
+    }
+    let after = LIVE_BYTES.load(Ordering::Relaxed);
+    let bytes_per_waiter = (after - before) as f64 / depth as f64;
+    assert_eq!(engine.queue_len() as u64, depth);
+
+    let mut samples = Vec::with_capacity(passes);
+    for _ in 0..passes {
+        now += 1;
+        let (run_id, fence) = holders.pop_front().expect("a holder");
+        engine.apply(
+            now,
+            Command::Release {
+                run_id: run_id.clone(),
+                fence,
+            },
+        );
+        let started = Instant::now();
+        let out = engine.apply(now, Command::StopDone { run_id, ok: true });
+        samples.push(started.elapsed().as_secs_f64() * 1e6);
+        for ev in out.events {
+            if let Event::Granted { run_id, fence, .. } = ev {
+                holders.push_back((run_id, fence));
+            }
+        }
+        // Keep the depth constant (not timed).
+        engine.apply(now, Command::Acquire(request(next)));
+        next += 1;
+    }
+    assert_eq!(engine.queue_len() as u64, depth);
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (
+        percentile(&samples, 0.5),
+        percentile(&samples, 0.99),
+        bytes_per_waiter,
+    )
+}
+
+/// What the systems berth learns from do on each pass: re-scan every waiter for a fit,
+/// and check each current holder's liveness by searching the whole waiter list.
+struct Naive {
+    waiters: Vec<(String, u64, u64, String)>, // id, slots, memory, key
+    holders: Vec<(String, u64, u64, String)>,
+    slots_free: u64,
+    memory_free: u64,
+}
+
+impl Naive {
+    fn pass(&mut self) {
+        // Liveness: a holder whose id also appears among the waiters is a stale duplicate.
+        let mut i = 0;
+        while i < self.holders.len() {
+            let id = &self.holders[i].0;
+            if self.waiters.iter().any(|w| &w.0 == id) {
+                let h = self.holders.remove(i);
+                self.slots_free += h.1;
+                self.memory_free += h.2;
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.waiters.len() {
+            let w = &self.waiters[i];
+            let key_free = !self.holders.iter().any(|h| h.3 == w.3);
+            if w.1 <= self.slots_free && w.2 <= self.memory_free && key_free {
+                let w = self.waiters.remove(i);
+                self.slots_free -= w.1;
+                self.memory_free -= w.2;
+                self.holders.push(w);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+fn naive_depth(depth: u64, passes: usize) -> f64 {
+    let entry = |i: u64| {
+        let r = request(i);
+        (r.run_id, 1, GIB, format!("project:{}:runtime", r.project))
+    };
+    let mut n = Naive {
+        waiters: (SLOTS..SLOTS + depth).map(entry).collect(),
+        holders: (0..SLOTS).map(entry).collect(),
+        slots_free: 0,
+        memory_free: 500 * GIB,
+    };
+    let mut next = SLOTS + depth;
+    let mut samples = Vec::with_capacity(passes);
+    for _ in 0..passes {
+        let h = n.holders.remove(0);
+        n.slots_free += h.1;
+        n.memory_free += h.2;
+        let started = Instant::now();
+        n.pass();
+        samples.push(started.elapsed().as_secs_f64() * 1e6);
+        n.waiters.push(entry(next));
+        next += 1;
+    }
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    percentile(&samples, 0.99)
+}
+
+fn main() {
+    let args = Args::parse();
+    match args.bench {
+        Bench::Core {
+            passes,
+            naive_passes,
+        } => {
+            for depth in [10u64, 1_000, 10_000, 100_000] {
+                let (p50, p99, bytes) = engine_depth(depth, passes);
+                let naive_p99 = naive_depth(depth, naive_passes);
+                println!(
+                    "{{\"waiters\":{depth},\"pass_p50_us\":{p50:.2},\"pass_p99_us\":{p99:.2},\"bytes_per_waiter\":{bytes:.0},\"naive_pass_p99_us\":{naive_p99:.2},\"speedup_p99\":{:.1}}}",
+                    naive_p99 / p99
+                );
+            }
+        }
+    }
+}

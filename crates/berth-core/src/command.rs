@@ -47,24 +47,43 @@ pub enum Command {
 /// Refusals. Each is a value with a stable code; none changes state.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Error {
-    Invalid { field: &'static str, rule: String },
-    NotFound { run_id: String },
+    Invalid {
+        field: &'static str,
+        rule: String,
+    },
+    NotFound {
+        run_id: String,
+    },
     StaleFence {
         run_id: String,
         given: Option<Fence>,
         current: Option<Fence>,
     },
-    FenceRequired { run_id: String },
-    Gone { run_id: String, state: RunState },
-    Conflict { run_id: String },
+    FenceRequired {
+        run_id: String,
+    },
+    Gone {
+        run_id: String,
+        state: RunState,
+    },
+    Conflict {
+        run_id: String,
+    },
     CapacityImpossible {
         resource: String,
         request: u64,
         max: u64,
     },
-    QueueFull { max: usize },
-    ContractDisabled { project: String },
-    NotEligible { run_id: String, why: String },
+    QueueFull {
+        max: usize,
+    },
+    ContractDisabled {
+        project: String,
+    },
+    NotEligible {
+        run_id: String,
+        why: String,
+    },
 }
 
 impl Error {

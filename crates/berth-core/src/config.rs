@@ -87,9 +87,12 @@ impl Config {
             return Err(format!("window must be 1..={WINDOW_MAX}"));
         }
         if self.stabilize_samples == 0 || self.stabilize_samples > STABILIZE_SAMPLES_MAX {
-            return Err(format!("stabilize_samples must be 1..={STABILIZE_SAMPLES_MAX}"));
+            return Err(format!(
+                "stabilize_samples must be 1..={STABILIZE_SAMPLES_MAX}"
+            ));
         }
-        if self.ttl_ms_max == 0 || self.ttl_ms_default == 0 || self.ttl_ms_default > self.ttl_ms_max {
+        if self.ttl_ms_max == 0 || self.ttl_ms_default == 0 || self.ttl_ms_default > self.ttl_ms_max
+        {
             return Err("ttl_ms_default must be 1..=ttl_ms_max".into());
         }
         if self.wait_ms_default > self.wait_ms_max {

@@ -425,7 +425,10 @@ impl Engine {
             let r = self.run(s);
             (r.state, r.project)
         };
-        assert!(!old.is_terminal(), "D3: terminal state {old:?} left for {new:?}");
+        assert!(
+            !old.is_terminal(),
+            "D3: terminal state {old:?} left for {new:?}"
+        );
         let count = |st: &mut ProjectState, state: RunState, delta: i32| {
             let c = match state {
                 RunState::Queued => &mut st.waiting,
@@ -684,7 +687,12 @@ impl Engine {
         self.check_fence(s, fence)?;
         let (state, ttl, deadline, expires_at) = {
             let r = self.run(s);
-            (r.state, ttl_ms.unwrap_or(r.req.ttl_ms), r.deadline, r.expires_at)
+            (
+                r.state,
+                ttl_ms.unwrap_or(r.req.ttl_ms),
+                r.deadline,
+                r.expires_at,
+            )
         };
         match state {
             RunState::Queued => {
@@ -990,8 +998,12 @@ impl Engine {
         let Some(&k) = self.key_ids.get(&runtime_key(&name)) else {
             return;
         };
-        let waiters: Vec<(Priority, Slot)> =
-            self.key(k).waiters.iter().map(|&(p, _, w)| (p, w)).collect();
+        let waiters: Vec<(Priority, Slot)> = self
+            .key(k)
+            .waiters
+            .iter()
+            .map(|&(p, _, w)| (p, w))
+            .collect();
         let key_name = self.key(k).name.clone();
         for (prio, w) in waiters {
             let r = self.run(w);
@@ -1012,9 +1024,12 @@ impl Engine {
     // ----- transitions ----------------------------------------------------------------
 
     fn lookup(&self, run_id: &str) -> Result<Slot, Error> {
-        self.by_id.get(run_id).copied().ok_or_else(|| Error::NotFound {
-            run_id: run_id.to_string(),
-        })
+        self.by_id
+            .get(run_id)
+            .copied()
+            .ok_or_else(|| Error::NotFound {
+                run_id: run_id.to_string(),
+            })
     }
 
     /// Takes a queued run out of its band, its deadline set and its keys' waiter sets.
@@ -1382,10 +1397,11 @@ impl Engine {
                 format!(
                     "{} is being taken back exclusively by run {}",
                     self.describe_key(k),
-                    self.key(k)
-                        .upgrades
-                        .front()
-                        .map_or("?".into(), |&u| self.run(u).req.run_id.clone())
+                    self.key(k).upgrades.front().map_or("?".into(), |&u| self
+                        .run(u)
+                        .req
+                        .run_id
+                        .clone())
                 ),
             ),
             Blocker::ExclusiveHeld(k, h) => {
@@ -1398,7 +1414,9 @@ impl Engine {
                     let class = self
                         .project_ids
                         .get(p)
-                        .map_or(ConcurrencyClass::Serial, |&id| concurrency_class(self.project(id)));
+                        .map_or(ConcurrencyClass::Serial, |&id| {
+                            concurrency_class(self.project(id))
+                        });
                     match class {
                         ConcurrencyClass::Serial => {
                             format!("project {p} is serial; run {holder} holds it")
@@ -1411,7 +1429,10 @@ impl Engine {
                         }
                     }
                 } else {
-                    format!("{} is held exclusively by run {holder}", self.describe_key(k))
+                    format!(
+                        "{} is held exclusively by run {holder}",
+                        self.describe_key(k)
+                    )
                 };
                 ("key.exclusive".into(), msg)
             }

@@ -1,7 +1,6 @@
 //! `check_invariants`: recomputes every derived figure from scratch and compares.
 //! O(runs + keys); tests and the simulator call it after every step.
 
-
 use crate::engine::{Engine, MEMORY};
 use crate::types::{KeyMode, RunState};
 
@@ -38,14 +37,21 @@ impl Engine {
             let s = slot as u32;
             let id = &run.req.run_id;
             // With `by_id.len() == live` below, this also proves ids are unique.
-            ensure!(self.by_id.get(id) == Some(&s), "run {id} missing from the id map");
+            ensure!(
+                self.by_id.get(id) == Some(&s),
+                "run {id} missing from the id map"
+            );
             live += 1;
             let queued = run.state == RunState::Queued;
             let band = run.req.priority.index();
             // Exactly one state: membership in the queue, deadline and expiry indexes
             // follows the state and nothing else.
             let in_queue = in_queues[slot] == Some((band, run.seq));
-            ensure!(in_queue == queued, "run {id} ({:?}) queue membership {in_queue}", run.state);
+            ensure!(
+                in_queue == queued,
+                "run {id} ({:?}) queue membership {in_queue}",
+                run.state
+            );
             ensure!(
                 self.deadlines.contains(&(run.deadline, s)) == queued,
                 "run {id} ({:?}) deadline index wrong",
@@ -57,7 +63,10 @@ impl Engine {
                 "run {id} ({:?}) expiry index wrong",
                 run.state
             );
-            ensure!(queued == run.fence.is_none() || run.state.is_terminal(), "run {id} fence/state mismatch");
+            ensure!(
+                queued == run.fence.is_none() || run.state.is_terminal(),
+                "run {id} fence/state mismatch"
+            );
             if let Some(f) = run.fence {
                 ensure!(f <= self.last_fence, "run {id} fence {f} above the counter");
                 fences.push((f, run.granted_at));
@@ -90,16 +99,24 @@ impl Engine {
                         KeyMode::Shared => shared[k as usize] += 1,
                     }
                     if mode == KeyMode::Exclusive {
-                        ensure!(self.key(k).exclusive == Some(s), "run {id} exclusive hold not recorded");
+                        ensure!(
+                            self.key(k).exclusive == Some(s),
+                            "run {id} exclusive hold not recorded"
+                        );
                     }
                 }
             } else {
-                ensure!(!run.pending_mem && run.upgrade.is_none(), "run {id} holds nothing but has pending parts");
+                ensure!(
+                    !run.pending_mem && run.upgrade.is_none(),
+                    "run {id} holds nothing but has pending parts"
+                );
             }
             if queued {
                 for &(k, mode) in &run.keys {
                     ensure!(
-                        self.key(k).waiters.contains(&(run.req.priority, run.seq, s)),
+                        self.key(k)
+                            .waiters
+                            .contains(&(run.req.priority, run.seq, s)),
                         "queued run {id} missing from key {}",
                         self.key(k).name
                     );
@@ -119,14 +136,34 @@ impl Engine {
                 }
             }
         }
-        ensure!(self.by_id.len() == live, "id map has {} entries for {live} runs", self.by_id.len());
+        ensure!(
+            self.by_id.len() == live,
+            "id map has {} entries for {live} runs",
+            self.by_id.len()
+        );
 
         // A2: nothing over-committed, and the running sums agree with the recount.
         for i in 0..n {
-            ensure!(committed[i] == self.committed[i], "{} committed {} but runs hold {}", self.res_names[i], self.committed[i], committed[i]);
-            ensure!(committed[i] <= self.allocatable[i], "{} over-committed: {} > {}", self.res_names[i], committed[i], self.allocatable[i]);
+            ensure!(
+                committed[i] == self.committed[i],
+                "{} committed {} but runs hold {}",
+                self.res_names[i],
+                self.committed[i],
+                committed[i]
+            );
+            ensure!(
+                committed[i] <= self.allocatable[i],
+                "{} over-committed: {} > {}",
+                self.res_names[i],
+                committed[i],
+                self.allocatable[i]
+            );
         }
-        ensure!(pending == self.pending_memory, "pending memory {} but runs hold {pending}", self.pending_memory);
+        ensure!(
+            pending == self.pending_memory,
+            "pending memory {} but runs hold {pending}",
+            self.pending_memory
+        );
 
         // A4: exclusive means alone; the counters match the holders and waiters.
         for (k, key) in self.keys.iter().enumerate() {
@@ -134,17 +171,43 @@ impl Engine {
             let k = k as u32;
             let sh = shared[k as usize];
             let ex = exclusive[k as usize];
-            ensure!(key.shared == sh, "key {} shared count {} but {sh} holders", key.name, key.shared);
-            ensure!(ex <= 1 && (ex == 1) == key.exclusive.is_some(), "key {} has {ex} exclusive holders", key.name);
-            ensure!(!(ex == 1 && sh > 0), "key {} held exclusive and shared at once", key.name);
-            ensure!(key.waiters.len() == waiters[k as usize], "key {} waiter set is stale", key.name);
+            ensure!(
+                key.shared == sh,
+                "key {} shared count {} but {sh} holders",
+                key.name,
+                key.shared
+            );
+            ensure!(
+                ex <= 1 && (ex == 1) == key.exclusive.is_some(),
+                "key {} has {ex} exclusive holders",
+                key.name
+            );
+            ensure!(
+                !(ex == 1 && sh > 0),
+                "key {} held exclusive and shared at once",
+                key.name
+            );
+            ensure!(
+                key.waiters.len() == waiters[k as usize],
+                "key {} waiter set is stale",
+                key.name
+            );
             for band in 0..2 {
                 let want = excl_waiting[k as usize][band];
-                ensure!(key.exclusive_waiting[band] == want, "key {} exclusive waiting {} != {want}", key.name, key.exclusive_waiting[band]);
+                ensure!(
+                    key.exclusive_waiting[band] == want,
+                    "key {} exclusive waiting {} != {want}",
+                    key.name,
+                    key.exclusive_waiting[band]
+                );
             }
             for &u in &key.upgrades {
                 let r = self.run(u);
-                ensure!(r.upgrade == Some(k) && r.state.holds_claim(), "key {} upgrade entry stale", key.name);
+                ensure!(
+                    r.upgrade == Some(k) && r.state.holds_claim(),
+                    "key {} upgrade entry stale",
+                    key.name
+                );
             }
         }
 
@@ -152,7 +215,12 @@ impl Engine {
         fences.sort_unstable();
         for w in fences.windows(2) {
             ensure!(w[0].0 != w[1].0, "fence {} issued twice", w[0].0);
-            ensure!(w[0].1 <= w[1].1, "fence {} was granted after fence {}", w[0].0, w[1].0);
+            ensure!(
+                w[0].1 <= w[1].1,
+                "fence {} was granted after fence {}",
+                w[0].0,
+                w[1].0
+            );
         }
 
         // A11: positions are consistent with queue order; background after foreground.
@@ -160,17 +228,35 @@ impl Engine {
         for band in 0..2 {
             for (i, (seq, s)) in self.queues[band].iter().enumerate() {
                 let r = self.run(s);
-                ensure!(r.seq == seq, "queue entry seq mismatch for {}", r.req.run_id);
-                ensure!(r.req.priority.index() == band, "run {} in the wrong band", r.req.run_id);
+                ensure!(
+                    r.seq == seq,
+                    "queue entry seq mismatch for {}",
+                    r.req.run_id
+                );
+                ensure!(
+                    r.req.priority.index() == band,
+                    "run {} in the wrong band",
+                    r.req.run_id
+                );
                 let expect = i as u64 + 1 + if band == 1 { fg } else { 0 };
-                ensure!(self.position(s) == expect, "run {} position {} != {expect}", r.req.run_id, self.position(s));
+                ensure!(
+                    self.position(s) == expect,
+                    "run {} position {} != {expect}",
+                    r.req.run_id,
+                    self.position(s)
+                );
             }
         }
 
         for (p, st) in self.projects.iter().enumerate() {
             let Some(st) = st else { continue };
             let want = project_counts[p];
-            ensure!([st.waiting, st.active, st.degraded] == want, "project {} counts {:?} != {want:?}", st.name, [st.waiting, st.active, st.degraded]);
+            ensure!(
+                [st.waiting, st.active, st.degraded] == want,
+                "project {} counts {:?} != {want:?}",
+                st.name,
+                [st.waiting, st.active, st.degraded]
+            );
         }
         Ok(())
     }

@@ -142,7 +142,12 @@ impl Queue {
             Some(c) if c > head => c,
             _ => head + 1,
         };
-        out.extend(self.items.range(start..).take(window).map(|(&s, &r)| (s, r)));
+        out.extend(
+            self.items
+                .range(start..)
+                .take(window)
+                .map(|(&s, &r)| (s, r)),
+        );
         if out.len() < window && start > head + 1 {
             let more = window - out.len();
             out.extend(

@@ -9,7 +9,10 @@ fn id_like(s: &str, max_len: usize, extra: &[u8]) -> Result<(), String> {
     if !b[0].is_ascii_alphanumeric() {
         return Err("must start with a letter or digit".into());
     }
-    if let Some(c) = b.iter().find(|c| !(c.is_ascii_alphanumeric() || extra.contains(c))) {
+    if let Some(c) = b
+        .iter()
+        .find(|c| !(c.is_ascii_alphanumeric() || extra.contains(c)))
+    {
         return Err(format!(
             "may only contain letters, digits and {:?} (found {:?})",
             String::from_utf8_lossy(extra),
@@ -47,7 +50,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        other => return Err(format!("unknown size unit {other:?} (use B, KiB, MiB, GiB, TiB)")),
+        other => {
+            return Err(format!(
+                "unknown size unit {other:?} (use B, KiB, MiB, GiB, TiB)"
+            ))
+        }
     };
     scale(num, mult).ok_or_else(|| format!("{s:?} is not a size like 2GiB or 512M"))
 }
@@ -65,7 +72,11 @@ pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
         "m" => 60_000,
         "h" => 3_600_000,
         "d" => 86_400_000,
-        other => return Err(format!("unknown duration unit {other:?} (use ms, s, m, h, d)")),
+        other => {
+            return Err(format!(
+                "unknown duration unit {other:?} (use ms, s, m, h, d)"
+            ))
+        }
     };
     scale(num, mult).ok_or_else(|| format!("{s:?} is not a duration like 30s or 5m"))
 }

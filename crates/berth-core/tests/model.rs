@@ -46,7 +46,10 @@ struct Model {
 }
 
 fn holds(s: RunState) -> bool {
-    matches!(s, RunState::Granted | RunState::Releasing | RunState::Degraded)
+    matches!(
+        s,
+        RunState::Granted | RunState::Releasing | RunState::Degraded
+    )
 }
 
 impl Model {
@@ -97,13 +100,18 @@ impl Model {
                     .filter(|r| holds(r.state) && r.pending_until.is_some_and(|t| t > self.now))
                     .map(|r| r.amounts[1])
                     .sum();
-                a.saturating_sub(self.cfg.memory_reserve).saturating_sub(pending)
+                a.saturating_sub(self.cfg.memory_reserve)
+                    .saturating_sub(pending)
             }
         }
     }
 
     fn committed(&self, res: usize) -> u64 {
-        self.runs.iter().filter(|r| holds(r.state)).map(|r| r.amounts[res]).sum()
+        self.runs
+            .iter()
+            .filter(|r| holds(r.state))
+            .map(|r| r.amounts[res])
+            .sum()
     }
 
     fn fits(&self, i: usize, is_head: bool) -> bool {
@@ -189,8 +197,12 @@ impl Model {
                 _ => hseq + 1,
             };
             let w = self.cfg.window;
-            let mut cands: Vec<usize> =
-                q.iter().copied().filter(|&i| self.runs[i].seq >= start).take(w).collect();
+            let mut cands: Vec<usize> = q
+                .iter()
+                .copied()
+                .filter(|&i| self.runs[i].seq >= start)
+                .take(w)
+                .collect();
             if cands.len() < w {
                 let more = w - cands.len();
                 cands.extend(
@@ -265,7 +277,11 @@ impl Model {
                     if self.runs[i].req != *req {
                         return Err("conflict");
                     }
-                    return if self.runs[i].state.is_terminal() { Err("gone") } else { Ok(()) };
+                    return if self.runs[i].state.is_terminal() {
+                        Err("gone")
+                    } else {
+                        Ok(())
+                    };
                 }
                 let mut amounts = vec![
                     req.resources.slots,
@@ -279,7 +295,11 @@ impl Model {
                 if amounts.iter().zip(&self.alloc).any(|(a, m)| a > m) {
                     return Err("capacity_impossible");
                 }
-                let waiting = self.runs.iter().filter(|r| r.state == RunState::Queued).count();
+                let waiting = self
+                    .runs
+                    .iter()
+                    .filter(|r| r.state == RunState::Queued)
+                    .count();
                 if waiting >= self.cfg.queue_len_max {
                     return Err("queue_full");
                 }
@@ -291,7 +311,11 @@ impl Model {
                 let mut singles = req.singletons.clone();
                 singles.sort();
                 singles.dedup();
-                keys.extend(singles.into_iter().map(|s| (format!("singleton:{s}"), Mode::Excl)));
+                keys.extend(
+                    singles
+                        .into_iter()
+                        .map(|s| (format!("singleton:{s}"), Mode::Excl)),
+                );
                 let band = req.priority.index_for_model();
                 let seq = self.next_seq[band];
                 self.next_seq[band] += 1;
@@ -330,7 +354,11 @@ impl Model {
                     _ => Err("gone"),
                 }
             }
-            Command::Renew { run_id, fence, ttl_ms } => {
+            Command::Renew {
+                run_id,
+                fence,
+                ttl_ms,
+            } => {
                 let i = self.find(run_id).ok_or("not_found")?;
                 self.check_fence(i, *fence)?;
                 let now = self.now;
@@ -413,7 +441,11 @@ fn resolve(model: &Model, step: usize, cmd: &mut Command) {
     // commands do something; larger N picks any run, to exercise the refusals.
     let pick = |id: &str, want: &[RunState]| -> String {
         let n: usize = id.trim_start_matches('#').parse().unwrap_or(0);
-        let fit: Vec<&MRun> = model.runs.iter().filter(|r| want.contains(&r.state)).collect();
+        let fit: Vec<&MRun> = model
+            .runs
+            .iter()
+            .filter(|r| want.contains(&r.state))
+            .collect();
         if n < 48 && !fit.is_empty() {
             fit[n % fit.len()].req.run_id.clone()
         } else if model.runs.is_empty() {
@@ -423,11 +455,20 @@ fn resolve(model: &Model, step: usize, cmd: &mut Command) {
         }
     };
     use RunState::*;
-    let current = |id: &str| model.find(id).and_then(|m| model.runs[m].fence).unwrap_or(0);
+    let current = |id: &str| {
+        model
+            .find(id)
+            .and_then(|m| model.runs[m].fence)
+            .unwrap_or(0)
+    };
     match cmd {
         Command::Acquire(req) if req.run_id == "new" => req.run_id = format!("r{step}"),
         Command::Acquire(req) => {
-            let n = req.run_id.trim_start_matches('#').parse::<usize>().unwrap_or(0);
+            let n = req
+                .run_id
+                .trim_start_matches('#')
+                .parse::<usize>()
+                .unwrap_or(0);
             if let Some(r) = (!model.runs.is_empty()).then(|| &model.runs[n % model.runs.len()]) {
                 *req = r.req.clone();
                 if n % 3 == 0 {
@@ -457,37 +498,54 @@ fn resolve(model: &Model, step: usize, cmd: &mut Command) {
 
 fn arb_request() -> impl Strategy<Value = Request> {
     (
-        prop::sample::select(vec!["new", "new", "new", "new", "new", "new", "#0", "#1", "#2"]),
+        prop::sample::select(vec![
+            "new", "new", "new", "new", "new", "new", "#0", "#1", "#2",
+        ]),
         prop::sample::select(vec!["a", "b", "A", "c"]),
         prop::bool::weighted(0.25),
         prop::bool::weighted(0.3),
-        (prop::sample::select(vec![1u64, 1, 1, 2, 3]), 0u64..=4, 0u64..=3, 0u64..=2),
+        (
+            prop::sample::select(vec![1u64, 1, 1, 2, 3]),
+            0u64..=4,
+            0u64..=3,
+            0u64..=2,
+        ),
         prop::sample::subsequence(vec!["db", "cache"], 0..=2),
         (1u64..=30, prop::sample::select(vec![0u64, 5, 20, 60])),
     )
-        .prop_map(|(id, project, analysis, bg, (slots, mem, cpu, gpu), singles, (ttl, wait))| {
-            let mut named = BTreeMap::new();
-            if gpu > 0 {
-                named.insert("gpu".to_string(), gpu);
-            }
-            Request {
-                run_id: id.to_string(),
-                project: project.to_string(),
-                class: if analysis { Class::Analysis } else { Class::Managed },
-                priority: if bg { Priority::Background } else { Priority::Foreground },
-                resources: Resources {
-                    slots,
-                    memory: mem * GIB,
-                    cpu_millis: cpu * 1000,
-                    disk: 0,
-                    named,
-                },
-                singletons: singles.into_iter().map(str::to_string).collect(),
-                contract: None,
-                ttl_ms: ttl * 1000,
-                wait_ms: wait * 1000,
-            }
-        })
+        .prop_map(
+            |(id, project, analysis, bg, (slots, mem, cpu, gpu), singles, (ttl, wait))| {
+                let mut named = BTreeMap::new();
+                if gpu > 0 {
+                    named.insert("gpu".to_string(), gpu);
+                }
+                Request {
+                    run_id: id.to_string(),
+                    project: project.to_string(),
+                    class: if analysis {
+                        Class::Analysis
+                    } else {
+                        Class::Managed
+                    },
+                    priority: if bg {
+                        Priority::Background
+                    } else {
+                        Priority::Foreground
+                    },
+                    resources: Resources {
+                        slots,
+                        memory: mem * GIB,
+                        cpu_millis: cpu * 1000,
+                        disk: 0,
+                        named,
+                    },
+                    singletons: singles.into_iter().map(str::to_string).collect(),
+                    contract: None,
+                    ttl_ms: ttl * 1000,
+                    wait_ms: wait * 1000,
+                }
+            },
+        )
 }
 
 fn arb_command() -> impl Strategy<Value = Command> {
@@ -507,7 +565,13 @@ fn arb_command() -> impl Strategy<Value = Command> {
 }
 
 fn arb_config() -> impl Strategy<Value = Config> {
-    (1u64..=4, 1usize..=3, prop::sample::select(vec![0u64, 5_000, 20_000]), 1usize..=3, 2usize..=16)
+    (
+        1u64..=4,
+        1usize..=3,
+        prop::sample::select(vec![0u64, 5_000, 20_000]),
+        1usize..=3,
+        2usize..=16,
+    )
         .prop_map(|(slots, window, guard, stabilize, queue_max)| {
             let mut c = Config::for_host(8, 10 * GIB, 0);
             c.slots_max = slots;
@@ -562,4 +626,3 @@ proptest! {
         }
     }
 }
-

@@ -164,7 +164,15 @@ fn show_snapshot(out: &mut String, s: &Snapshot) {
         )
         .unwrap();
         if let Some(e) = &p.evidence {
-            write!(out, " evidence={}@{:?} by {} ports={}", e.fingerprint, e.commit, e.run_id, e.ports.join(",")).unwrap();
+            write!(
+                out,
+                " evidence={}@{:?} by {} ports={}",
+                e.fingerprint,
+                e.commit,
+                e.run_id,
+                e.ports.join(",")
+            )
+            .unwrap();
         }
         out.push('\n');
     }
@@ -239,7 +247,10 @@ pub fn run_script(script: &str) -> String {
                     .unwrap_or_default(),
             },
             "demote" => {
-                let c = contract(&format!("parallel:{}", kv.get("to").expect("to=fp[:commit]")));
+                let c = contract(&format!(
+                    "parallel:{}",
+                    kv.get("to").expect("to=fp[:commit]")
+                ));
                 Command::Demote {
                     run_id: id(),
                     fence: fence().expect("fence"),

@@ -210,7 +210,12 @@ impl Sim {
 
     fn on_event(&mut self, ev: &Event) {
         match ev {
-            Event::Granted { run_id, fence, keys, .. } => {
+            Event::Granted {
+                run_id,
+                fence,
+                keys,
+                ..
+            } => {
                 self.report.grants += 1;
                 let hold = self.rng.range(500, self.p.hold_ms_max);
                 let ttl = self.ttl_of(run_id);
@@ -324,7 +329,10 @@ impl Sim {
             Some(ContractInfo {
                 concurrency: Concurrency::Parallel,
                 fingerprint: format!("fp-{project}"),
-                commit: Some(format!("c{}", self.commits.get(project).copied().unwrap_or(0))),
+                commit: Some(format!(
+                    "c{}",
+                    self.commits.get(project).copied().unwrap_or(0)
+                )),
             })
         } else {
             None
@@ -342,7 +350,11 @@ impl Sim {
         let req = Request {
             run_id: run_id.clone(),
             project: project.to_string(),
-            class: if analysis { Class::Analysis } else { Class::Managed },
+            class: if analysis {
+                Class::Analysis
+            } else {
+                Class::Managed
+            },
             priority: if background {
                 Priority::Background
             } else {
@@ -373,7 +385,12 @@ impl Sim {
     }
 
     fn random_client(&mut self, want: fn(&Client) -> bool) -> Option<String> {
-        let ids: Vec<&String> = self.clients.iter().filter(|(_, c)| want(c)).map(|(id, _)| id).collect();
+        let ids: Vec<&String> = self
+            .clients
+            .iter()
+            .filter(|(_, c)| want(c))
+            .map(|(id, _)| id)
+            .collect();
         if ids.is_empty() {
             return None;
         }
@@ -408,7 +425,11 @@ impl Sim {
                             fence: Some(*fence),
                             ttl_ms: None,
                         });
-                        let ttl = id.rsplit('-').next().and_then(|t| t.parse::<u64>().ok()).unwrap_or(10_000);
+                        let ttl = id
+                            .rsplit('-')
+                            .next()
+                            .and_then(|t| t.parse::<u64>().ok())
+                            .unwrap_or(10_000);
                         *renew_at = now + ttl / 3;
                     }
                 }
@@ -426,7 +447,8 @@ impl Sim {
                         if !ok {
                             *fail_more -= 1;
                             *failures += 1;
-                            *done_at = now + self.rng.range(500, self.p.cleanup_retry_ms_max)
+                            *done_at = now
+                                + self.rng.range(500, self.p.cleanup_retry_ms_max)
                                 + self.rng.range(0, self.p.stop_ms_max);
                         } else {
                             *done_at = u64::MAX;
@@ -505,7 +527,10 @@ impl Sim {
                 if let Some(id) = self.random_client(|c| matches!(c, Client::Holding { .. })) {
                     if let Some(Client::Holding { fence, .. }) = self.clients.get(&id) {
                         let stale = if *fence > 1 { fence - 1 } else { fence + 1 };
-                        self.apply(Command::Release { run_id: id, fence: stale })?;
+                        self.apply(Command::Release {
+                            run_id: id,
+                            fence: stale,
+                        })?;
                     }
                 }
             }
@@ -517,11 +542,19 @@ impl Sim {
 
     fn promote(&mut self) -> Result<(), String> {
         let Some(id) = self.random_client(|c| {
-            matches!(c, Client::Holding { runtime_mode: Some(KeyMode::Exclusive), .. })
+            matches!(
+                c,
+                Client::Holding {
+                    runtime_mode: Some(KeyMode::Exclusive),
+                    ..
+                }
+            )
         }) else {
             return Ok(());
         };
-        let Some(v) = self.engine.view_of(&id) else { return Ok(()) };
+        let Some(v) = self.engine.view_of(&id) else {
+            return Ok(());
+        };
         if v.priority != Priority::Foreground || !PARALLEL.iter().any(|p| *p == v.project) {
             return Ok(());
         }
@@ -557,7 +590,10 @@ impl Sim {
             })
             .collect();
         for (id, fence) in holders {
-            let is_project = self.engine.view_of(&id).is_some_and(|v| v.project == project);
+            let is_project = self
+                .engine
+                .view_of(&id)
+                .is_some_and(|v| v.project == project);
             if is_project && self.rng.chance(0.5) {
                 self.apply(Command::Demote {
                     run_id: id,

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The whole test suite: every crate's tests, then 200 seeds of the simulator.
+# This is the README's test command; .ci/run calls it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TERM_COLOR=never
+cargo test --workspace --locked
+cargo run --locked -q -p berth-sim -- --seeds "${BERTH_SIM_SEEDS:-200}"
