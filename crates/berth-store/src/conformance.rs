@@ -1,0 +1,206 @@
+//! The conformance suite every [`Store`] must pass (F5). Each check gets `open`, which
+//! opens the *same* ledger again each time it is called (fresh and empty on the first
+//! call), so durability across reopen is part of the contract.
+
+use std::collections::BTreeMap;
+
+use berth_core::{
+    Class, Concurrency, ContractInfo, EndCause, KeyMode, Priority, Request, Resources, RunState,
+};
+
+use crate::{Batch, RunRecord, Store, Writer, WorkspaceIdentity};
+
+pub type Open<'a> = &'a dyn Fn() -> Box<dyn Store>;
+
+/// Every check, by name, so a test can run each as its own case.
+pub const CHECKS: &[(&str, fn(Open))] = &[
+    ("empty_ledger", empty_ledger),
+    ("round_trip_every_field", round_trip_every_field),
+    ("updates_apply_and_terminal_states_stick", updates_apply_and_terminal_states_stick),
+    ("fence_counter_never_goes_back", fence_counter_never_goes_back),
+    ("ended_runs_are_bounded_on_load", ended_runs_are_bounded_on_load),
+    ("tokens_round_trip", tokens_round_trip),
+    ("group_commit_shares_transactions", group_commit_shares_transactions),
+    ("boot_id_round_trips", boot_id_round_trips),
+];
+
+/// A record with every field set to something non-default.
+pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
+    let mut named = BTreeMap::new();
+    named.insert("gpu".to_string(), 2);
+    named.insert("license.ansys".to_string(), 7);
+    let mut labels = BTreeMap::new();
+    labels.insert("team".to_string(), "a=b%c".to_string());
+    labels.insert("multi".to_string(), "line\nvalue".to_string());
+    let granted = !matches!(state, RunState::Queued | RunState::Cancelled);
+    RunRecord {
+        request: Request {
+            run_id: id.to_string(),
+            project: "Acme/Web".to_string(),
+            class: Class::Managed,
+            priority: Priority::Background,
+            resources: Resources {
+                slots: 2,
+                memory: 3 << 30,
+                cpu_millis: 1500,
+                disk: 10 << 30,
+                named,
+            },
+            singletons: vec!["postgres".into(), "redis".into()],
+            contract: Some(ContractInfo {
+                concurrency: Concurrency::Parallel,
+                fingerprint: "ab12".into(),
+                commit: Some("deadbeef".into()),
+            }),
+            ttl_ms: 300_000,
+            wait_ms: 60_000,
+        },
+        worktree: Some("/src/acme".into()),
+        labels,
+        state,
+        fence: granted.then_some(seq + 100),
+        queue_seq: seq,
+        enqueued_ms: 1_000 + seq,
+        deadline_ms: 61_000 + seq,
+        granted_ms: granted.then_some(2_000 + seq),
+        expires_ms: granted.then_some(302_000 + seq),
+        end_cause: matches!(state, RunState::Releasing | RunState::Released)
+            .then_some(EndCause::Released),
+        primary_mode: KeyMode::Shared,
+        workspace: granted.then(|| WorkspaceIdentity {
+            path: format!("/state/runs/{id}"),
+            dev: 2049,
+            ino: 1_000_000 + seq,
+        }),
+    }
+}
+
+fn batch(fence: u64, runs: Vec<RunRecord>) -> Batch {
+    Batch {
+        last_fence: fence,
+        runs,
+        tokens: vec![],
+    }
+}
+
+pub fn empty_ledger(open: Open) {
+    let mut s = open();
+    let l = s.load(100).expect("load");
+    assert_eq!(l.last_fence, 0);
+    assert!(l.runs.is_empty());
+    assert_eq!(l.next_queue_seq, 0);
+}
+
+pub fn round_trip_every_field(open: Open) {
+    let runs = vec![
+        sample_run("r1", 1, RunState::Queued),
+        sample_run("r2", 2, RunState::Granted),
+        sample_run("r3", 3, RunState::Degraded),
+    ];
+    open().write(&[&batch(103, runs.clone())]).expect("write");
+    let l = open().load(100).expect("load");
+    assert_eq!(l.runs, runs);
+    assert_eq!(l.last_fence, 103);
+    assert_eq!(l.next_queue_seq, 4);
+}
+
+pub fn updates_apply_and_terminal_states_stick(open: Open) {
+    let mut s = open();
+    let mut r = sample_run("u1", 1, RunState::Queued);
+    s.write(&[&batch(0, vec![r.clone()])]).unwrap();
+    r.state = RunState::Granted;
+    r.fence = Some(5);
+    r.expires_ms = Some(99);
+    s.write(&[&batch(5, vec![r.clone()])]).unwrap();
+    assert_eq!(open().load(10).unwrap().runs, vec![r.clone()]);
+    let mut ended = r.clone();
+    ended.state = RunState::Released;
+    ended.end_cause = Some(EndCause::Released);
+    s.write(&[&batch(5, vec![ended.clone()])]).unwrap();
+    // D3: a late write of a non-terminal state does not resurrect the run.
+    let mut late = r.clone();
+    late.state = RunState::Granted;
+    s.write(&[&batch(5, vec![late])]).unwrap();
+    assert_eq!(open().load(10).unwrap().runs, vec![ended]);
+}
+
+pub fn fence_counter_never_goes_back(open: Open) {
+    let mut s = open();
+    s.write(&[&batch(40, vec![])]).unwrap();
+    s.write(&[&batch(0, vec![sample_run("f1", 1, RunState::Queued)])]).unwrap();
+    s.write(&[&batch(39, vec![])]).unwrap();
+    assert_eq!(open().load(10).unwrap().last_fence, 40);
+    s.write(&[&batch(12, vec![]), &batch(41, vec![]), &batch(7, vec![])])
+        .unwrap();
+    assert_eq!(open().load(10).unwrap().last_fence, 41);
+}
+
+pub fn ended_runs_are_bounded_on_load(open: Open) {
+    let mut s = open();
+    let mut runs = Vec::new();
+    for i in 0..10u64 {
+        let state = if i % 3 == 0 {
+            RunState::Queued
+        } else {
+            RunState::Released
+        };
+        runs.push(sample_run(&format!("e{i}"), i, state));
+    }
+    s.write(&[&batch(200, runs)]).unwrap();
+    let l = open().load(2).unwrap();
+    let ids: Vec<&str> = l.runs.iter().map(|r| r.request.run_id.as_str()).collect();
+    // Every live run, and only the two latest ended ones, in queue order.
+    assert_eq!(ids, vec!["e0", "e3", "e6", "e7", "e8", "e9"]);
+}
+
+pub fn tokens_round_trip(open: Open) {
+    let b = Batch {
+        last_fence: 0,
+        runs: vec![],
+        tokens: vec![("aa".into(), "read".into()), ("bb".into(), "admin".into())],
+    };
+    open().write(&[&b]).unwrap();
+    assert_eq!(
+        open().load(1).unwrap().tokens,
+        vec![("aa".to_string(), "read".to_string()), ("bb".to_string(), "admin".to_string())]
+    );
+}
+
+pub fn group_commit_shares_transactions(open: Open) {
+    let writer = Writer::spawn(open(), true);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let n = 400u64;
+    // Hold the writer inside a callback until every batch is queued, so the test does
+    // not depend on timing: the 400 batches must then go out in one transaction.
+    let (release, hold) = std::sync::mpsc::channel::<()>();
+    writer.submit(None, move |_| {
+        let _ = hold.recv();
+    });
+    for i in 0..n {
+        let tx = tx.clone();
+        writer.submit(
+            Some(batch(i, vec![sample_run(&format!("g{i}"), i, RunState::Queued)])),
+            move |r| tx.send((i, r.is_ok())).unwrap(),
+        );
+    }
+    release.send(()).unwrap();
+    let mut done: Vec<(u64, bool)> = (0..n).map(|_| rx.recv().unwrap()).collect();
+    let commits = writer.commits();
+    writer.close();
+    // Callbacks run in submission order, each after its batch is durable.
+    assert!(done.windows(2).all(|w| w[0].0 < w[1].0));
+    done.sort();
+    assert!(done.iter().all(|(_, ok)| *ok));
+    assert_eq!(commits, 1, "{commits} commits for {n} batches");
+    let l = open().load(0).unwrap();
+    assert_eq!(l.runs.len() as u64, n);
+    assert_eq!(l.last_fence, n - 1);
+}
+
+pub fn boot_id_round_trips(open: Open) {
+    let mut s = open();
+    assert_eq!(s.load(0).unwrap().boot_id, None);
+    s.set_boot_id("b-1").unwrap();
+    s.set_boot_id("b-2").unwrap();
+    assert_eq!(open().load(0).unwrap().boot_id.as_deref(), Some("b-2"));
+}

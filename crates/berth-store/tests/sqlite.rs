@@ -1,0 +1,135 @@
+//! The store conformance suite against SQLite, plus SQLite-specific checks: the
+//! durability pragmas, corruption detection (D4) and a kill -9 crash loop.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use berth_core::RunState;
+use berth_store::conformance::{sample_run, CHECKS};
+use berth_store::{Batch, SqliteStore, Store, StoreError, Writer};
+
+fn opener(path: PathBuf) -> impl Fn() -> Box<dyn Store> {
+    move || Box::new(SqliteStore::open(&path).expect("open ledger")) as Box<dyn Store>
+}
+
+#[test]
+fn conformance_suite_on_sqlite() {
+    for (name, check) in CHECKS {
+        let dir = tempfile::tempdir().unwrap();
+        let open = opener(dir.path().join("ledger.db"));
+        eprintln!("conformance: {name}");
+        check(&open);
+    }
+}
+
+#[test]
+fn durability_pragmas_are_wal_and_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(&dir.path().join("l.db")).unwrap();
+    assert_eq!(store.synchronous(), 2, "synchronous must be FULL");
+    assert!(dir.path().join("l.db-wal").exists() || dir.path().join("l.db").exists());
+}
+
+#[test]
+fn a_corrupt_ledger_refuses_to_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l.db");
+    std::fs::write(&path, b"this is not a sqlite database at all, just junk bytes....").unwrap();
+    match SqliteStore::open(&path) {
+        Err(e @ (StoreError::Corrupt(_) | StoreError::Open { .. })) => {
+            assert!(e.to_string().contains("ledger"), "{e}");
+        }
+        other => panic!("expected a clear error, got {:?}", other.map(|_| ())),
+    }
+}
+
+/// The child side of the crash test: writes numbered batches through a group-commit
+/// writer and prints "ack N" only after N is durable.
+fn crash_child(path: &Path) {
+    let writer = Writer::spawn(Box::new(SqliteStore::open(path).unwrap()), true);
+    let start = SqliteStore::open(path).unwrap().load(0).unwrap().next_queue_seq;
+    let out = std::sync::Arc::new(std::sync::Mutex::new(std::io::stdout()));
+    for i in start.. {
+        let mut run = sample_run(&format!("c{i}"), i, RunState::Granted);
+        run.fence = Some(i + 1);
+        let b = Batch {
+            last_fence: i + 1,
+            runs: vec![run],
+            tokens: vec![],
+        };
+        let out = out.clone();
+        writer.submit(Some(b), move |r| {
+            if r.is_ok() {
+                let mut o = out.lock().unwrap();
+                let _ = writeln!(o, "ack {i}");
+                let _ = o.flush();
+            }
+        });
+        if i % 64 == 0 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+}
+
+#[test]
+fn crash_child_entry() {
+    if let Ok(path) = std::env::var("BERTH_STORE_CRASH_CHILD") {
+        crash_child(Path::new(&path));
+    }
+}
+
+#[test]
+fn kill_9_at_random_points_loses_no_acknowledged_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let exe = std::env::current_exe().unwrap();
+    let mut seed = 0x5eed_u64;
+    let rounds = 25;
+    for round in 0..rounds {
+        let mut child = Command::new(&exe)
+            .args(["--exact", "crash_child_entry", "--nocapture", "--test-threads=1"])
+            .env("BERTH_STORE_CRASH_CHILD", &path)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        // Let it acknowledge a pseudo-random number of writes, then kill -9.
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let wait_for = 5 + (seed >> 33) % 200;
+        let mut acked = Vec::new();
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            if let Some(n) = line.strip_prefix("ack ") {
+                acked.push(n.parse::<u64>().unwrap());
+                if acked.len() as u64 >= wait_for {
+                    break;
+                }
+            }
+        }
+        child.kill().unwrap(); // SIGKILL
+        // Acks printed before the kill landed may still be in the pipe: they count too.
+        for line in lines.map_while(Result::ok) {
+            if let Some(n) = line.strip_prefix("ack ") {
+                acked.push(n.parse::<u64>().unwrap());
+            }
+        }
+        let _ = child.wait();
+        let ledger = SqliteStore::open(&path)
+            .unwrap_or_else(|e| panic!("round {round}: reopen failed: {e}"))
+            .load(usize::MAX >> 1)
+            .unwrap_or_else(|e| panic!("round {round}: load failed: {e}"));
+        let ids: std::collections::HashSet<u64> = ledger
+            .runs
+            .iter()
+            .map(|r| r.request.run_id[1..].parse().unwrap())
+            .collect();
+        for n in &acked {
+            assert!(ids.contains(n), "round {round}: acknowledged write {n} is missing");
+        }
+        let max_fence = ledger.runs.iter().filter_map(|r| r.fence).max().unwrap_or(0);
+        assert!(ledger.last_fence >= max_fence, "round {round}: fence counter behind a run");
+        assert!(!acked.is_empty(), "round {round}: the child acknowledged nothing");
+    }
+}
