@@ -171,7 +171,8 @@ pub fn group_commit_shares_transactions(open: Open) {
     let (tx, rx) = std::sync::mpsc::channel();
     let n = 400u64;
     // Hold the writer inside a callback until every batch is queued, so the test does
-    // not depend on timing: the 400 batches must then go out in one transaction.
+    // not depend on timing: the first group may take a few batches along with the held
+    // job, and all the rest must then go out together: at most two transactions.
     let (release, hold) = std::sync::mpsc::channel::<()>();
     writer.submit(None, move |_| {
         let _ = hold.recv();
@@ -191,7 +192,7 @@ pub fn group_commit_shares_transactions(open: Open) {
     assert!(done.windows(2).all(|w| w[0].0 < w[1].0));
     done.sort();
     assert!(done.iter().all(|(_, ok)| *ok));
-    assert_eq!(commits, 1, "{commits} commits for {n} batches");
+    assert!((1..=2).contains(&commits), "{commits} commits for {n} batches");
     let l = open().load(0).unwrap();
     assert_eq!(l.runs.len() as u64, n);
     assert_eq!(l.last_fence, n - 1);
