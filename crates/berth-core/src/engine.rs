@@ -127,6 +127,20 @@ pub struct Engine {
     window_buf: Vec<(u64, Slot)>,
 }
 
+/// A run as the ledger remembers it; see [`Engine::restore`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RestoredRun {
+    pub request: Request,
+    pub state: RunState,
+    pub fence: Option<Fence>,
+    pub enqueued_at: TimeMs,
+    pub deadline: TimeMs,
+    pub granted_at: TimeMs,
+    pub expires_at: TimeMs,
+    pub cause: Option<EndCause>,
+    pub primary_mode: KeyMode,
+}
+
 fn lower(s: &str) -> String {
     s.to_ascii_lowercase()
 }
@@ -208,6 +222,132 @@ impl Engine {
             keys_with_upgrades: BTreeSet::new(),
             window_buf: Vec::new(),
         })
+    }
+
+    /// Rebuilds an engine from what the ledger remembers (P5): `runs` in arrival order,
+    /// with times already on this process's monotonic clock. Live runs get their claims
+    /// back in the recorded key modes; queued runs keep their order. Refuses a ledger
+    /// whose runs contradict each other (D4) instead of guessing.
+    pub fn restore(
+        cfg: Config,
+        last_fence: Fence,
+        now: TimeMs,
+        runs: Vec<RestoredRun>,
+    ) -> Result<Engine, String> {
+        let mut e = Engine::new(cfg, last_fence)?;
+        e.now = now;
+        for r in runs {
+            e.restore_one(r)?;
+        }
+        e.check_invariants()
+            .map_err(|m| format!("restored ledger is inconsistent: {m}"))?;
+        Ok(e)
+    }
+
+    fn restore_one(&mut self, r: RestoredRun) -> Result<(), String> {
+        let id = r.request.run_id.clone();
+        if self.by_id.contains_key(&id) {
+            return Err(format!("run {id} appears twice"));
+        }
+        if r.fence.is_some_and(|f| f > self.last_fence) {
+            return Err(format!("run {id} has a fence above the counter"));
+        }
+        let p = self.intern_project(&r.request.project);
+        let amounts = self.amounts_of(&r.request.resources);
+        let mut keys = Vec::new();
+        for (i, name) in key_names(&r.request).into_iter().enumerate() {
+            let mode = if i == 0 {
+                r.primary_mode
+            } else {
+                KeyMode::Exclusive
+            };
+            keys.push((self.intern_key(name), mode));
+        }
+        let band = r.request.priority.index();
+        let slot = match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                self.runs.push(None);
+                (self.runs.len() - 1) as Slot
+            }
+        };
+        let live = !r.state.is_terminal();
+        let seq = if r.state == RunState::Queued {
+            let seq = self.queues[band].push(slot);
+            for &(k, mode) in &keys {
+                let ks = self.key_mut(k);
+                ks.waiters.insert((r.request.priority, seq, slot));
+                if mode == KeyMode::Exclusive {
+                    ks.exclusive_waiting[band] += 1;
+                }
+            }
+            self.deadlines.insert((r.deadline, slot));
+            seq
+        } else {
+            0
+        };
+        if r.state.holds_claim() {
+            for (i, a) in amounts.iter().enumerate() {
+                self.committed[i] += a;
+                if self.committed[i] > self.allocatable[i] {
+                    return Err(format!("restored claims over-commit {}", self.res_names[i]));
+                }
+            }
+            for &(k, mode) in &keys {
+                let ks = self.key_mut(k);
+                match mode {
+                    KeyMode::Exclusive if ks.exclusive.is_none() && ks.shared == 0 => {
+                        ks.exclusive = Some(slot)
+                    }
+                    KeyMode::Shared if ks.exclusive.is_none() => ks.shared += 1,
+                    _ => return Err(format!("run {id} conflicts on key {}", ks.name)),
+                }
+            }
+            if r.state == RunState::Granted {
+                self.expiries.insert((r.expires_at, slot));
+            }
+        }
+        // Memory granted recently is still pending (A2), across a restart too.
+        let settle = r.granted_at.saturating_add(self.cfg.pending_settle_ms);
+        let pending = r.state.holds_claim() && amounts[MEMORY] > 0 && settle > self.now;
+        if pending {
+            self.pending_memory += amounts[MEMORY];
+            self.pending.push_back((settle, slot, r.fence.unwrap_or(0)));
+        }
+        let contract = r.request.contract.clone();
+        let promoted_shared =
+            r.request.class == Class::Managed && r.primary_mode == KeyMode::Shared;
+        self.runs[slot as usize] = Some(Run {
+            req: r.request,
+            project: p,
+            amounts,
+            keys,
+            promoted_shared,
+            contract,
+            state: RunState::Queued,
+            seq,
+            enqueued_at: r.enqueued_at,
+            deadline: r.deadline,
+            fence: r.fence,
+            granted_at: r.granted_at,
+            expires_at: r.expires_at,
+            cause: r.cause,
+            upgrade: None,
+            pending_mem: pending,
+        });
+        self.by_id.insert(id, slot);
+        self.project_mut(p).waiting += 1;
+        if r.state != RunState::Queued {
+            if live {
+                self.set_state(slot, r.state);
+            } else {
+                // Terminal: remembered for `410 gone` and idempotent re-acquire.
+                self.set_state(slot, r.state);
+                self.ended.push_back(slot);
+                self.gc_project(p);
+            }
+        }
+        Ok(())
     }
 
     pub fn config(&self) -> &Config {
@@ -1530,6 +1670,22 @@ impl Engine {
                 .collect(),
             resources: r.req.resources.clone(),
         }
+    }
+
+    /// What the ledger must remember about a run (the inverse of [`Engine::restore`]).
+    pub fn record(&self, run_id: &str) -> Option<RestoredRun> {
+        let r = self.run(*self.by_id.get(run_id)?);
+        Some(RestoredRun {
+            request: r.req.clone(),
+            state: r.state,
+            fence: r.fence,
+            enqueued_at: r.enqueued_at,
+            deadline: r.deadline,
+            granted_at: r.granted_at,
+            expires_at: r.expires_at,
+            cause: r.cause,
+            primary_mode: r.keys[0].1,
+        })
     }
 
     /// The run's current view, if berth still remembers it.

@@ -8,7 +8,7 @@ use berth_core::{
     Class, Concurrency, ContractInfo, EndCause, KeyMode, Priority, Request, Resources, RunState,
 };
 
-use crate::{Batch, RunRecord, Store, Writer, WorkspaceIdentity};
+use crate::{Batch, RunRecord, Store, WorkspaceIdentity, Writer};
 
 pub type Open<'a> = &'a dyn Fn() -> Box<dyn Store>;
 
@@ -16,11 +16,23 @@ pub type Open<'a> = &'a dyn Fn() -> Box<dyn Store>;
 pub const CHECKS: &[(&str, fn(Open))] = &[
     ("empty_ledger", empty_ledger),
     ("round_trip_every_field", round_trip_every_field),
-    ("updates_apply_and_terminal_states_stick", updates_apply_and_terminal_states_stick),
-    ("fence_counter_never_goes_back", fence_counter_never_goes_back),
-    ("ended_runs_are_bounded_on_load", ended_runs_are_bounded_on_load),
+    (
+        "updates_apply_and_terminal_states_stick",
+        updates_apply_and_terminal_states_stick,
+    ),
+    (
+        "fence_counter_never_goes_back",
+        fence_counter_never_goes_back,
+    ),
+    (
+        "ended_runs_are_bounded_on_load",
+        ended_runs_are_bounded_on_load,
+    ),
     ("tokens_round_trip", tokens_round_trip),
-    ("group_commit_shares_transactions", group_commit_shares_transactions),
+    (
+        "group_commit_shares_transactions",
+        group_commit_shares_transactions,
+    ),
     ("boot_id_round_trips", boot_id_round_trips),
 ];
 
@@ -127,7 +139,8 @@ pub fn updates_apply_and_terminal_states_stick(open: Open) {
 pub fn fence_counter_never_goes_back(open: Open) {
     let mut s = open();
     s.write(&[&batch(40, vec![])]).unwrap();
-    s.write(&[&batch(0, vec![sample_run("f1", 1, RunState::Queued)])]).unwrap();
+    s.write(&[&batch(0, vec![sample_run("f1", 1, RunState::Queued)])])
+        .unwrap();
     s.write(&[&batch(39, vec![])]).unwrap();
     assert_eq!(open().load(10).unwrap().last_fence, 40);
     s.write(&[&batch(12, vec![]), &batch(41, vec![]), &batch(7, vec![])])
@@ -162,7 +175,10 @@ pub fn tokens_round_trip(open: Open) {
     open().write(&[&b]).unwrap();
     assert_eq!(
         open().load(1).unwrap().tokens,
-        vec![("aa".to_string(), "read".to_string()), ("bb".to_string(), "admin".to_string())]
+        vec![
+            ("aa".to_string(), "read".to_string()),
+            ("bb".to_string(), "admin".to_string())
+        ]
     );
 }
 
@@ -180,7 +196,10 @@ pub fn group_commit_shares_transactions(open: Open) {
     for i in 0..n {
         let tx = tx.clone();
         writer.submit(
-            Some(batch(i, vec![sample_run(&format!("g{i}"), i, RunState::Queued)])),
+            Some(batch(
+                i,
+                vec![sample_run(&format!("g{i}"), i, RunState::Queued)],
+            )),
             move |r| tx.send((i, r.is_ok())).unwrap(),
         );
     }
@@ -192,7 +211,10 @@ pub fn group_commit_shares_transactions(open: Open) {
     assert!(done.windows(2).all(|w| w[0].0 < w[1].0));
     done.sort();
     assert!(done.iter().all(|(_, ok)| *ok));
-    assert!((1..=2).contains(&commits), "{commits} commits for {n} batches");
+    assert!(
+        (1..=2).contains(&commits),
+        "{commits} commits for {n} batches"
+    );
     let l = open().load(0).unwrap();
     assert_eq!(l.runs.len() as u64, n);
     assert_eq!(l.last_fence, n - 1);

@@ -139,8 +139,11 @@ impl Writer {
                             }
                         }
                     }
-                    let batches: Vec<&Batch> =
-                        jobs.iter().filter_map(|j| j.batch.as_ref()).filter(|b| !b.is_empty()).collect();
+                    let batches: Vec<&Batch> = jobs
+                        .iter()
+                        .filter_map(|j| j.batch.as_ref())
+                        .filter(|b| !b.is_empty())
+                        .collect();
                     if failed.is_none() && !batches.is_empty() {
                         match store.write(&batches) {
                             Ok(()) => {
@@ -166,7 +169,11 @@ impl Writer {
     }
 
     /// Queues a batch (or `None`: just wait for everything before it to be durable).
-    pub fn submit(&self, batch: Option<Batch>, done: impl FnOnce(Result<(), &StoreError>) + Send + 'static) {
+    pub fn submit(
+        &self,
+        batch: Option<Batch>,
+        done: impl FnOnce(Result<(), &StoreError>) + Send + 'static,
+    ) {
         let job = Job {
             batch,
             done: Box::new(done),

@@ -72,7 +72,8 @@ impl SqliteStore {
         };
         let conn = Connection::open(path).map_err(open_err)?;
         // D2: WAL with a full fsync at every commit; a busy timeout instead of errors.
-        conn.busy_timeout(std::time::Duration::from_secs(5)).map_err(open_err)?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .map_err(open_err)?;
         let mode: String = conn
             .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
             .map_err(open_err)?;
@@ -190,11 +191,15 @@ fn encode_map<V: ToString>(m: &BTreeMap<String, V>) -> String {
 }
 
 fn escape(s: &str) -> String {
-    s.replace('%', "%25").replace('=', "%3D").replace('\n', "%0A")
+    s.replace('%', "%25")
+        .replace('=', "%3D")
+        .replace('\n', "%0A")
 }
 
 fn unescape(s: &str) -> String {
-    s.replace("%0A", "\n").replace("%3D", "=").replace("%25", "%")
+    s.replace("%0A", "\n")
+        .replace("%3D", "=")
+        .replace("%25", "%")
 }
 
 fn decode_map(s: &str) -> Result<BTreeMap<String, String>, StoreError> {
@@ -292,7 +297,8 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
     })
 }
 
-const UPSERT: &str = "INSERT INTO runs (run_id, project, class, priority, slots, memory, cpu_millis,
+const UPSERT: &str =
+    "INSERT INTO runs (run_id, project, class, priority, slots, memory, cpu_millis,
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
     expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal)
@@ -311,14 +317,18 @@ impl Store for SqliteStore {
     fn load(&mut self, ended_max: usize) -> Result<Ledger, StoreError> {
         let last_fence: String = self
             .conn
-            .query_row("SELECT value FROM meta WHERE key = 'last_fence'", [], |r| r.get(0))
+            .query_row("SELECT value FROM meta WHERE key = 'last_fence'", [], |r| {
+                r.get(0)
+            })
             .map_err(corrupt)?;
         let last_fence: u64 = last_fence
             .parse()
             .map_err(|_| StoreError::Corrupt(format!("last_fence {last_fence:?}")))?;
         let boot_id: Option<String> = self
             .conn
-            .query_row("SELECT value FROM meta WHERE key = 'boot_id'", [], |r| r.get(0))
+            .query_row("SELECT value FROM meta WHERE key = 'boot_id'", [], |r| {
+                r.get(0)
+            })
             .optional()
             .map_err(corrupt)?;
         let mut runs = Vec::new();
@@ -340,7 +350,11 @@ impl Store for SqliteStore {
         }
         let next_queue_seq: i64 = self
             .conn
-            .query_row("SELECT COALESCE(MAX(queue_seq) + 1, 0) FROM runs", [], |r| r.get(0))
+            .query_row(
+                "SELECT COALESCE(MAX(queue_seq) + 1, 0) FROM runs",
+                [],
+                |r| r.get(0),
+            )
             .map_err(corrupt)?;
         let mut tokens = Vec::new();
         {

@@ -35,7 +35,11 @@ fn durability_pragmas_are_wal_and_full() {
 fn a_corrupt_ledger_refuses_to_open() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("l.db");
-    std::fs::write(&path, b"this is not a sqlite database at all, just junk bytes....").unwrap();
+    std::fs::write(
+        &path,
+        b"this is not a sqlite database at all, just junk bytes....",
+    )
+    .unwrap();
     match SqliteStore::open(&path) {
         Err(e @ (StoreError::Corrupt(_) | StoreError::Open { .. })) => {
             assert!(e.to_string().contains("ledger"), "{e}");
@@ -48,7 +52,11 @@ fn a_corrupt_ledger_refuses_to_open() {
 /// writer and prints "ack N" only after N is durable.
 fn crash_child(path: &Path) {
     let writer = Writer::spawn(Box::new(SqliteStore::open(path).unwrap()), true);
-    let start = SqliteStore::open(path).unwrap().load(0).unwrap().next_queue_seq;
+    let start = SqliteStore::open(path)
+        .unwrap()
+        .load(0)
+        .unwrap()
+        .next_queue_seq;
     let out = std::sync::Arc::new(std::sync::Mutex::new(std::io::stdout()));
     for i in start.. {
         let mut run = sample_run(&format!("c{i}"), i, RunState::Granted);
@@ -88,7 +96,12 @@ fn kill_9_at_random_points_loses_no_acknowledged_write() {
     let rounds = 25;
     for round in 0..rounds {
         let mut child = Command::new(&exe)
-            .args(["--exact", "crash_child_entry", "--nocapture", "--test-threads=1"])
+            .args([
+                "--exact",
+                "crash_child_entry",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("BERTH_STORE_CRASH_CHILD", &path)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -96,7 +109,9 @@ fn kill_9_at_random_points_loses_no_acknowledged_write() {
             .unwrap();
         let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
         // Let it acknowledge a pseudo-random number of writes, then kill -9.
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let wait_for = 5 + (seed >> 33) % 200;
         let mut acked = Vec::new();
         for line in lines.by_ref() {
@@ -109,7 +124,7 @@ fn kill_9_at_random_points_loses_no_acknowledged_write() {
             }
         }
         child.kill().unwrap(); // SIGKILL
-        // Acks printed before the kill landed may still be in the pipe: they count too.
+                               // Acks printed before the kill landed may still be in the pipe: they count too.
         for line in lines.map_while(Result::ok) {
             if let Some(n) = line.strip_prefix("ack ") {
                 acked.push(n.parse::<u64>().unwrap());
@@ -126,10 +141,24 @@ fn kill_9_at_random_points_loses_no_acknowledged_write() {
             .map(|r| r.request.run_id[1..].parse().unwrap())
             .collect();
         for n in &acked {
-            assert!(ids.contains(n), "round {round}: acknowledged write {n} is missing");
+            assert!(
+                ids.contains(n),
+                "round {round}: acknowledged write {n} is missing"
+            );
         }
-        let max_fence = ledger.runs.iter().filter_map(|r| r.fence).max().unwrap_or(0);
-        assert!(ledger.last_fence >= max_fence, "round {round}: fence counter behind a run");
-        assert!(!acked.is_empty(), "round {round}: the child acknowledged nothing");
+        let max_fence = ledger
+            .runs
+            .iter()
+            .filter_map(|r| r.fence)
+            .max()
+            .unwrap_or(0);
+        assert!(
+            ledger.last_fence >= max_fence,
+            "round {round}: fence counter behind a run"
+        );
+        assert!(
+            !acked.is_empty(),
+            "round {round}: the child acknowledged nothing"
+        );
     }
 }
