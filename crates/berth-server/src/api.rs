@@ -1,0 +1,610 @@
+//! HTTP API v1 (SPEC section 12): wire types, strict validation, auth, routes.
+//! Only this module knows JSON; it turns requests into [`Msg`]s for the state task.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Query, Request, State as AxState};
+use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use berth_core::{validate, Class, Command, Priority, Request as CoreRequest, Resources, RunState, Snapshot};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::auth::{self, Scope};
+use crate::error::ApiError;
+use crate::state::{Msg, RunInfo, Shared};
+
+/// Largest request body accepted.
+pub const BODY_BYTES_MAX: usize = 64 * 1024;
+/// Labels per run, and their sizes.
+pub const LABELS_MAX: usize = 32;
+pub const LABEL_KEY_BYTES_MAX: usize = 64;
+pub const LABEL_VALUE_BYTES_MAX: usize = 256;
+/// Largest fence a client may send: JSON's safe integers (G5).
+pub const FENCE_MAX: u64 = (1 << 53) - 1;
+/// Runs listed at most by `GET /v1/runs`.
+pub const LIST_MAX: usize = 10_000;
+/// How often a waiting stream re-reads its position and reason.
+const WAIT_POLL: Duration = Duration::from_millis(1000);
+
+#[derive(Clone)]
+pub struct Api {
+    pub tx: mpsc::Sender<Msg>,
+    pub shared: Arc<Shared>,
+    pub auth: bool,
+    pub cfg: Arc<berth_core::Config>,
+}
+
+async fn ask<T>(api: &Api, make: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> Msg) -> Result<T, ApiError> {
+    let (tx, rx) = oneshot::channel();
+    api.tx
+        .send(make(tx))
+        .await
+        .map_err(|_| ApiError::new(503, "shutting_down", "berth is shutting down"))?;
+    rx.await
+        .map_err(|_| ApiError::new(503, "shutting_down", "berth is shutting down"))?
+}
+
+/// Reads a JSON body: size limit, UTF-8, unknown fields, wrong types, all as `400`s
+/// that name the field.
+async fn json_body<T: DeserializeOwned>(body: Body, empty_ok: bool) -> Result<T, ApiError> {
+    let bytes: Bytes = axum::body::to_bytes(body, BODY_BYTES_MAX)
+        .await
+        .map_err(|_| ApiError::invalid("body", format!("must be at most {BODY_BYTES_MAX} bytes")))?;
+    let text = std::str::from_utf8(&bytes).map_err(|_| ApiError::invalid("body", "must be UTF-8"))?;
+    let text = if text.trim().is_empty() && empty_ok { "{}" } else { text };
+    let de = &mut serde_json::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let field = if path.is_empty() || path == "." { "body".to_string() } else { path };
+        let inner = e.into_inner();
+        ApiError::invalid(&field, inner.to_string().split(" at line").next().unwrap_or_default())
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum ClassWire {
+    Managed,
+    Analysis,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum PriorityWire {
+    Foreground,
+    Background,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AcquireBody {
+    run_id: Option<String>,
+    project: String,
+    class: Option<ClassWire>,
+    priority: Option<PriorityWire>,
+    resources: Option<BTreeMap<String, u64>>,
+    singletons: Option<Vec<String>>,
+    budget: Option<Value>,
+    worktree: Option<String>,
+    ttl_s: Option<u64>,
+    wait_s: Option<u64>,
+    labels: Option<BTreeMap<String, String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RenewBody {
+    fence: Option<u64>,
+    ttl_s: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ReleaseBody {
+    fence: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenBody {
+    scope: String,
+}
+
+fn check_fence(f: u64) -> Result<u64, ApiError> {
+    if f == 0 || f > FENCE_MAX {
+        return Err(ApiError::invalid("fence", format!("must be a positive integer at most {FENCE_MAX}")));
+    }
+    Ok(f)
+}
+
+fn check_run_id(id: &str) -> Result<(), ApiError> {
+    validate::run_id(id).map_err(|e| ApiError::invalid("run_id", e))
+}
+
+/// A generated run id: 64 random bits, hex.
+fn new_run_id() -> String {
+    let t = auth::new_token().unwrap_or_else(|_| format!("berth_{:016x}", crate::clock::mono_ms()));
+    format!("r-{}", &t["berth_".len().."berth_".len() + 16])
+}
+
+/// Turns an acquire body into the engine's request, reading the worktree's contract.
+fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Option<String>, BTreeMap<String, String>), ApiError> {
+    let run_id = match b.run_id {
+        Some(id) => {
+            check_run_id(&id)?;
+            id
+        }
+        None => new_run_id(),
+    };
+    validate::project(&b.project).map_err(|e| ApiError::invalid("project", e))?;
+    if b.budget.is_some() {
+        return Err(ApiError::invalid("budget", "budgets are not supported by this berth yet"));
+    }
+    let ttl_s = b.ttl_s.unwrap_or(api.cfg.ttl_ms_default / 1000);
+    if ttl_s == 0 || ttl_s > 86_400 {
+        return Err(ApiError::invalid("ttl_s", "must be between 1 and 86400"));
+    }
+    let wait_s = b.wait_s.unwrap_or(api.cfg.wait_ms_default / 1000);
+    if wait_s > 86_400 {
+        return Err(ApiError::invalid("wait_s", "must be between 0 and 86400"));
+    }
+    let d = &api.cfg.default_request;
+    let mut res = Resources {
+        slots: d.slots,
+        memory: d.memory,
+        cpu_millis: d.cpu_millis,
+        disk: d.disk,
+        named: BTreeMap::new(),
+    };
+    for (k, v) in b.resources.unwrap_or_default() {
+        match k.as_str() {
+            "slots" => res.slots = v,
+            "memory" => res.memory = v,
+            "cpu_millis" => res.cpu_millis = v,
+            "disk" => res.disk = v,
+            name => {
+                if !api.cfg.named.iter().any(|(n, _)| n == name) {
+                    return Err(ApiError::invalid(
+                        &format!("resources.{name}"),
+                        "is not a resource this host declares",
+                    ));
+                }
+                res.named.insert(name.to_string(), v);
+            }
+        }
+    }
+    if res.slots == 0 {
+        return Err(ApiError::invalid("resources.slots", "must be at least 1"));
+    }
+    let labels = b.labels.unwrap_or_default();
+    if labels.len() > LABELS_MAX {
+        return Err(ApiError::invalid("labels", format!("at most {LABELS_MAX} entries")));
+    }
+    for (k, v) in &labels {
+        if k.is_empty() || k.len() > LABEL_KEY_BYTES_MAX || k.chars().any(char::is_control) {
+            return Err(ApiError::invalid("labels", format!("keys must be 1 to {LABEL_KEY_BYTES_MAX} bytes without control characters")));
+        }
+        if v.len() > LABEL_VALUE_BYTES_MAX || v.chars().any(char::is_control) {
+            return Err(ApiError::invalid(&format!("labels.{k}"), format!("must be at most {LABEL_VALUE_BYTES_MAX} bytes without control characters")));
+        }
+    }
+    let mut singletons = b.singletons.unwrap_or_default();
+    if singletons.len() > berth_core::SINGLETONS_MAX {
+        return Err(ApiError::invalid("singletons", format!("at most {} entries", berth_core::SINGLETONS_MAX)));
+    }
+    for s in &singletons {
+        validate::resource_name(s).map_err(|e| ApiError::invalid("singletons", e))?;
+    }
+    let class = match b.class {
+        Some(ClassWire::Analysis) => Class::Analysis,
+        _ => Class::Managed,
+    };
+    let mut contract = None;
+    if let Some(wt) = &b.worktree {
+        let p = std::path::Path::new(wt);
+        if !p.is_absolute() || wt.len() > 4096 {
+            return Err(ApiError::invalid("worktree", "must be an absolute path"));
+        }
+        if !p.is_dir() {
+            return Err(ApiError::invalid("worktree", "must be an existing directory"));
+        }
+        if let Some(c) = crate::contract::read(p).map_err(|e| ApiError::invalid("worktree", e))? {
+            if class == Class::Managed {
+                singletons.extend(c.singletons.clone());
+            }
+            contract = Some(c.info);
+        }
+    }
+    let req = CoreRequest {
+        run_id,
+        project: b.project,
+        class,
+        priority: match b.priority {
+            Some(PriorityWire::Background) => Priority::Background,
+            _ => Priority::Foreground,
+        },
+        resources: res,
+        singletons,
+        contract,
+        ttl_ms: ttl_s * 1000,
+        wait_ms: wait_s * 1000,
+    };
+    Ok((req, b.worktree, labels))
+}
+
+pub fn run_json(i: &RunInfo) -> Value {
+    let v = &i.view;
+    let mut resources = json!({
+        "slots": v.resources.slots,
+        "memory": v.resources.memory,
+        "cpu_millis": v.resources.cpu_millis,
+        "disk": v.resources.disk,
+    });
+    for (k, n) in &v.resources.named {
+        resources[k] = json!(n);
+    }
+    let keys: Vec<Value> = v.keys.iter().map(|(k, m)| json!({"key": k, "mode": m.as_str()})).collect();
+    json!({
+        "run_id": v.run_id,
+        "project": v.project,
+        "class": v.class.as_str(),
+        "priority": v.priority.as_str(),
+        "state": v.state.as_str(),
+        "fence": v.fence,
+        "expires_at": i.expires_at,
+        "position": v.position,
+        "reason": v.reason.as_ref().map(|r| json!({"code": r.code, "message": r.message})),
+        "workspace": i.workspace,
+        "worktree": i.worktree,
+        "labels": i.labels,
+        "env": i.env,
+        "ports": {},
+        "claim": { "resources": resources, "keys": keys },
+    })
+}
+
+fn ended_error(i: &RunInfo) -> ApiError {
+    let state = i.view.state;
+    let code = match state {
+        RunState::Expired => "expired",
+        RunState::Cancelled => "cancelled",
+        RunState::Rejected => "rejected",
+        _ => "gone",
+    };
+    let why = i.view.reason.as_ref().map(|r| format!(" ({}: {})", r.code, r.message)).unwrap_or_default();
+    ApiError::new(410, code, format!("run {} is {} without a grant{why}", i.view.run_id, state.as_str()))
+        .with(json!({"run_id": i.view.run_id, "state": state.as_str(), "reason": i.view.reason.as_ref().map(|r| json!({"code": r.code, "message": r.message}))}))
+}
+
+/// Sends `Detach` when a waiting connection goes away (A9).
+struct AttachGuard {
+    tx: mpsc::Sender<Msg>,
+    run_id: String,
+}
+
+impl Drop for AttachGuard {
+    fn drop(&mut self) {
+        let tx = self.tx.clone();
+        let run_id = std::mem::take(&mut self.run_id);
+        // Never block in drop; the channel is large and the state task drains it fast.
+        if tx.try_send(Msg::Detach { run_id: run_id.clone() }).is_err() {
+            tokio::spawn(async move {
+                let _ = tx.send(Msg::Detach { run_id }).await;
+            });
+        }
+    }
+}
+
+async fn acquire(AxState(api): AxState<Api>, headers: HeaderMap, body: Body) -> Response {
+    match acquire_inner(api, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let b: AcquireBody = json_body(body, false).await?;
+    let (req, worktree, labels) = build_request(&api, b)?;
+    let stream = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/x-ndjson"));
+    let run_id = req.run_id.clone();
+    let waits = req.wait_ms > 0;
+    // The guard exists before the acquire is sent: if this connection drops at any
+    // point from here on, the waiter is cancelled (A9).
+    let guard = waits.then(|| AttachGuard {
+        tx: api.tx.clone(),
+        run_id: run_id.clone(),
+    });
+    let first = ask(&api, |reply| Msg::Acquire {
+        req,
+        worktree,
+        labels,
+        attach: waits,
+        reply,
+    })
+    .await?;
+    if !stream {
+        let info = wait_for_grant(&api, first, None).await?;
+        drop(guard);
+        return Ok((StatusCode::CREATED, Json(run_json(&info))).into_response());
+    }
+    let (tx, rx) = mpsc::channel::<Bytes>(16);
+    tokio::spawn(async move {
+        let _guard = guard;
+        let line = |v: Value| Bytes::from(format!("{v}\n"));
+        let res = wait_for_grant(&api, first, Some(&tx)).await;
+        let last = match res {
+            Ok(info) => json!({"event": "granted", "lease": run_json(&info)}),
+            Err(e) => {
+                let event = if e.code == "expired" { "expired" } else { "rejected" };
+                json!({"event": event, "error": {"code": e.code, "message": e.message, "details": e.details}})
+            }
+        };
+        let _ = tx.send(line(last)).await;
+    });
+    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+    }));
+    Ok(Response::builder()
+        .status(StatusCode::OK)
+        .header(header::CONTENT_TYPE, "application/x-ndjson")
+        .body(body)
+        .expect("response"))
+}
+
+/// Waits until the run is granted or ends. With `lines`, reports position and reason
+/// whenever they change; a closed stream ends the wait (and the guard cancels).
+async fn wait_for_grant(api: &Api, mut info: RunInfo, lines: Option<&mpsc::Sender<Bytes>>) -> Result<RunInfo, ApiError> {
+    let mut rx = None;
+    let mut last_sent = None;
+    loop {
+        match info.view.state {
+            RunState::Queued => {}
+            RunState::Granted => return Ok(info),
+            _ => return Err(ended_error(&info)),
+        }
+        if let Some(tx) = lines {
+            let now = (info.view.position, info.view.reason.clone());
+            if last_sent.as_ref() != Some(&now) {
+                let v = json!({
+                    "event": "queued",
+                    "run_id": info.view.run_id,
+                    "position": info.view.position,
+                    "reason": info.view.reason.as_ref().map(|r| json!({"code": r.code, "message": r.message})),
+                });
+                if tx.send(Bytes::from(format!("{v}\n"))).await.is_err() {
+                    return Err(ApiError::new(499, "client_gone", "the client went away"));
+                }
+                last_sent = Some(now);
+            }
+        }
+        if rx.is_none() {
+            let (t, r) = oneshot::channel();
+            let _ = api.tx.send(Msg::Subscribe { run_id: info.view.run_id.clone(), reply: t }).await;
+            rx = r.await.ok().flatten();
+            if rx.is_none() {
+                return Err(ApiError::new(503, "shutting_down", "berth is shutting down"));
+            }
+        }
+        let w = rx.as_mut().expect("subscribed");
+        let closed = async {
+            match lines {
+                Some(tx) => tx.closed().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            changed = w.changed() => {
+                if changed.is_err() {
+                    // The watcher was dropped: the run left the queue; read it once more.
+                    rx = None;
+                }
+                let id = info.view.run_id.clone();
+                info = ask(api, |reply| Msg::Get { run_id: id, reply }).await?;
+            }
+            _ = tokio::time::sleep(WAIT_POLL) => {
+                let id = info.view.run_id.clone();
+                info = ask(api, |reply| Msg::Get { run_id: id, reply }).await?;
+            }
+            _ = closed => return Err(ApiError::new(499, "client_gone", "the client went away")),
+        }
+    }
+}
+
+async fn list_runs(AxState(api): AxState<Api>, Query(q): Query<BTreeMap<String, String>>) -> Result<Json<Value>, ApiError> {
+    if let Some(k) = q.keys().find(|k| *k != "limit") {
+        return Err(ApiError::invalid(k, "is not a known query parameter"));
+    }
+    let limit = match q.get("limit") {
+        Some(l) => l
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=LIST_MAX).contains(n))
+            .ok_or_else(|| ApiError::invalid("limit", format!("must be an integer from 1 to {LIST_MAX}")))?,
+        None => LIST_MAX,
+    };
+    let runs = ask(&api, |reply| Msg::List { limit, reply }).await?;
+    Ok(Json(json!({ "runs": runs.iter().map(run_json).collect::<Vec<_>>() })))
+}
+
+async fn get_run(AxState(api): AxState<Api>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+    check_run_id(&id)?;
+    let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
+    Ok(Json(run_json(&info)))
+}
+
+async fn renew(AxState(api): AxState<Api>, Path(id): Path<String>, body: Body) -> Result<Json<Value>, ApiError> {
+    check_run_id(&id)?;
+    let b: RenewBody = json_body(body, true).await?;
+    let fence = b.fence.map(check_fence).transpose()?;
+    if let Some(t) = b.ttl_s {
+        if t == 0 || t > 86_400 {
+            return Err(ApiError::invalid("ttl_s", "must be between 1 and 86400"));
+        }
+    }
+    let cmd = Command::Renew {
+        run_id: id,
+        fence,
+        ttl_ms: b.ttl_s.map(|t| t * 1000),
+    };
+    let info = ask(&api, |reply| Msg::Command { cmd, reply }).await?;
+    Ok(Json(run_json(&info)))
+}
+
+async fn release(AxState(api): AxState<Api>, Path(id): Path<String>, body: Body) -> Result<Json<Value>, ApiError> {
+    check_run_id(&id)?;
+    let b: ReleaseBody = json_body(body, false).await?;
+    let fence = check_fence(b.fence)?;
+    let cmd = Command::Release { run_id: id, fence };
+    let info = ask(&api, |reply| Msg::Command { cmd, reply }).await?;
+    Ok(Json(run_json(&info)))
+}
+
+async fn delete_run(AxState(api): AxState<Api>, Path(id): Path<String>, Query(q): Query<BTreeMap<String, String>>) -> Result<Json<Value>, ApiError> {
+    check_run_id(&id)?;
+    if let Some(k) = q.keys().find(|k| *k != "fence") {
+        return Err(ApiError::invalid(k, "is not a known query parameter"));
+    }
+    let cmd = match q.get("fence") {
+        Some(f) => {
+            let f = f.parse::<u64>().map_err(|_| ApiError::invalid("fence", "must be a positive integer"))?;
+            Command::Release { run_id: id, fence: check_fence(f)? }
+        }
+        None => Command::Cancel { run_id: id },
+    };
+    let info = ask(&api, |reply| Msg::Command { cmd, reply }).await?;
+    Ok(Json(run_json(&info)))
+}
+
+pub fn status_json(s: &Snapshot) -> Value {
+    let resources: Vec<Value> = s
+        .resources
+        .iter()
+        .map(|r| json!({"name": r.name, "total": r.total, "reserve": r.reserve, "allocatable": r.allocatable, "committed": r.committed, "available": r.available}))
+        .collect();
+    let projects: Vec<Value> = s
+        .projects
+        .iter()
+        .map(|p| json!({
+            "project": p.name, "active": p.active, "waiting": p.waiting, "degraded": p.degraded,
+            "concurrency": p.concurrency.as_str(),
+            "evidence": p.evidence.as_ref().map(|e| json!({"fingerprint": e.fingerprint, "commit": e.commit, "ports": e.ports, "run_id": e.run_id})),
+        }))
+        .collect();
+    json!({
+        "resources": resources,
+        "memory_available": s.memory_available,
+        "memory_pending": s.memory_pending,
+        "slots_max": s.slots_max,
+        "effective_max_now": s.effective_max_now,
+        "min_run_blocked": s.min_run_blocked.as_ref().map(|r| json!({"code": r.code, "message": r.message})),
+        "queued": {"foreground": s.queued_foreground, "background": s.queued_background},
+        "granted": s.granted,
+        "releasing": s.releasing,
+        "degraded": s.degraded,
+        "last_fence": s.last_fence,
+        "projects": projects,
+    })
+}
+
+async fn status(AxState(api): AxState<Api>) -> Result<Json<Value>, ApiError> {
+    let s = ask(&api, |reply| Msg::Status { reply }).await?;
+    Ok(Json(status_json(&s)))
+}
+
+async fn fence_check(AxState(api): AxState<Api>, Query(q): Query<BTreeMap<String, String>>) -> Result<Json<Value>, ApiError> {
+    if let Some(k) = q.keys().find(|k| *k != "fence" && *k != "run_id") {
+        return Err(ApiError::invalid(k, "is not a known query parameter"));
+    }
+    let run_id = q.get("run_id").ok_or_else(|| ApiError::invalid("run_id", "is required"))?.clone();
+    check_run_id(&run_id)?;
+    let fence = q
+        .get("fence")
+        .ok_or_else(|| ApiError::invalid("fence", "is required"))?
+        .parse::<u64>()
+        .map_err(|_| ApiError::invalid("fence", "must be a positive integer"))?;
+    let fence = check_fence(fence)?;
+    let id = run_id.clone();
+    let (current, state) = ask(&api, |reply| Msg::FenceCheck { run_id: id, fence, reply }).await?;
+    Ok(Json(json!({"run_id": run_id, "fence": fence, "current": current, "state": state.map(|s| s.as_str())})))
+}
+
+async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response, ApiError> {
+    let b: TokenBody = json_body(body, false).await?;
+    let scope = Scope::parse(&b.scope).ok_or_else(|| ApiError::invalid("scope", "must be read, operator or admin"))?;
+    let token = ask(&api, |reply| Msg::CreateToken { scope, reply }).await?;
+    Ok((StatusCode::CREATED, Json(json!({"token": token, "scope": scope.as_str()}))).into_response())
+}
+
+/// Which scope a route needs: reads need `read`, run changes `operator`, the rest `admin`.
+fn required_scope(method: &Method, path: &str) -> Scope {
+    if path.starts_with("/v1/tokens") || path.starts_with("/v1/drain") || path.starts_with("/v1/reap") {
+        Scope::Admin
+    } else if method == Method::GET || method == Method::HEAD {
+        Scope::Read
+    } else {
+        Scope::Operator
+    }
+}
+
+async fn authenticate(AxState(api): AxState<Api>, req: Request, next: Next) -> Response {
+    if !api.auth {
+        return next.run(req).await;
+    }
+    let token = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim);
+    let Some(token) = token else {
+        return ApiError::new(401, "unauthorized", "a bearer token is required (Authorization: Bearer <token>)").into_response();
+    };
+    let scope = {
+        let tokens = api.shared.tokens.read().unwrap();
+        auth::lookup(&tokens, token)
+    };
+    let Some(scope) = scope else {
+        return ApiError::new(401, "unauthorized", "the token is not valid").into_response();
+    };
+    let need = required_scope(req.method(), req.uri().path());
+    if scope < need {
+        return ApiError::new(403, "forbidden", format!("this call needs the {} scope; the token has {}", need.as_str(), scope.as_str()))
+            .into_response();
+    }
+    next.run(req).await
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(404, "not_found", "no such endpoint")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(405, "method_not_allowed", "this endpoint does not take that method")
+}
+
+pub fn router(api: Api) -> Router {
+    Router::new()
+        .route("/v1/runs", post(acquire).get(list_runs))
+        .route("/v1/runs/{id}", get(get_run).delete(delete_run))
+        .route("/v1/runs/{id}/renew", post(renew))
+        .route("/v1/runs/{id}/release", post(release))
+        .route("/v1/status", get(status))
+        .route("/v1/fences/check", get(fence_check))
+        .route("/v1/tokens", post(create_token))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(api.clone(), authenticate))
+        .with_state(api)
+}

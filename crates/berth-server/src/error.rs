@@ -1,0 +1,76 @@
+//! The API's error model: `{"error":{"code","message","details"}}` with stable codes.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use berth_core::Error as CoreError;
+use serde_json::{json, Value};
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub code: String,
+    pub message: String,
+    pub details: Value,
+}
+
+impl ApiError {
+    pub fn new(status: u16, code: &str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code: code.to_string(),
+            message: message.into(),
+            details: json!({}),
+        }
+    }
+
+    /// A `400` that names the field and the rule it broke.
+    pub fn invalid(field: &str, rule: impl std::fmt::Display) -> ApiError {
+        ApiError {
+            status: 400,
+            code: "invalid".into(),
+            message: format!("{field}: {rule}"),
+            details: json!({ "field": field }),
+        }
+    }
+
+    pub fn with(mut self, details: Value) -> ApiError {
+        self.details = details;
+        self
+    }
+}
+
+impl From<CoreError> for ApiError {
+    fn from(e: CoreError) -> ApiError {
+        let message = e.to_string();
+        let (status, details) = match &e {
+            CoreError::Invalid { field, .. } => (400, json!({ "field": field })),
+            CoreError::NotFound { run_id } => (404, json!({ "run_id": run_id })),
+            CoreError::StaleFence { run_id, given, current } => {
+                (409, json!({ "run_id": run_id, "fence": given, "current_fence": current }))
+            }
+            CoreError::FenceRequired { run_id } => (400, json!({ "run_id": run_id, "field": "fence" })),
+            CoreError::Gone { run_id, state } => (410, json!({ "run_id": run_id, "state": state.as_str() })),
+            CoreError::Conflict { run_id } => (409, json!({ "run_id": run_id })),
+            CoreError::CapacityImpossible { resource, request, max } => {
+                (422, json!({ "resource": resource, "request": request, "max": max }))
+            }
+            CoreError::QueueFull { max } => (503, json!({ "max": max })),
+            CoreError::ContractDisabled { project } => (422, json!({ "project": project })),
+            CoreError::NotEligible { run_id, .. } => (409, json!({ "run_id": run_id })),
+        };
+        ApiError {
+            status,
+            code: e.code().to_string(),
+            message,
+            details,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = json!({ "error": { "code": self.code, "message": self.message, "details": self.details } });
+        (status, axum::Json(body)).into_response()
+    }
+}

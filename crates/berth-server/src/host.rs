@@ -1,0 +1,41 @@
+//! What the host reports: cpus, memory, disk, and MemAvailable samples (A10).
+
+use std::path::Path;
+
+fn meminfo_field(field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map(|kib| kib * 1024)
+}
+
+pub fn memory_total() -> u64 {
+    meminfo_field("MemTotal").unwrap_or(8 << 30)
+}
+
+pub fn memory_available() -> Option<u64> {
+    meminfo_field("MemAvailable")
+}
+
+pub fn cpus() -> u64 {
+    std::thread::available_parallelism().map_or(1, |n| n.get() as u64)
+}
+
+pub fn disk_total(path: &Path) -> u64 {
+    rustix::fs::statvfs(path)
+        .map(|s| s.f_blocks * s.f_frsize)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_host_reports_plausible_figures() {
+        assert!(super::memory_total() > 64 << 20);
+        let avail = super::memory_available().unwrap();
+        assert!(avail > 0 && avail <= super::memory_total());
+        assert!(super::cpus() >= 1);
+        assert!(super::disk_total(std::path::Path::new("/")) > 0);
+    }
+}

@@ -1,0 +1,614 @@
+//! The state task: the one owner of the engine and the ledger writer. HTTP handlers
+//! talk to it only through [`Msg`]; it applies each message to the engine, carries out
+//! the events (workspaces), hands the durable effects to the writer and answers the
+//! caller once they are durable (D1). Reads also wait behind every write queued before
+//! them, so nobody ever sees state that a crash could take back.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+use berth_core::{
+    Command, Engine, Error as CoreError, Event, RestoredRun, RunState, RunView, Snapshot,
+};
+use berth_store::{Batch, Ledger, RunRecord, StoreError, WorkspaceIdentity, Writer};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::auth::Scope;
+use crate::clock;
+use crate::error::ApiError;
+use crate::workspace;
+
+/// A run as the API shows it: the engine's view plus what the server adds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunInfo {
+    pub view: RunView,
+    pub worktree: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub workspace: Option<String>,
+    pub expires_at: Option<String>,
+    pub env: BTreeMap<String, String>,
+}
+
+pub type Reply<T> = oneshot::Sender<Result<T, ApiError>>;
+
+pub enum Msg {
+    Acquire {
+        req: berth_core::Request,
+        worktree: Option<String>,
+        labels: BTreeMap<String, String>,
+        /// The caller keeps a connection open while it waits (A9 applies).
+        attach: bool,
+        reply: Reply<RunInfo>,
+    },
+    Command {
+        cmd: Command,
+        reply: Reply<RunInfo>,
+    },
+    Get {
+        run_id: String,
+        reply: Reply<RunInfo>,
+    },
+    List {
+        limit: usize,
+        reply: Reply<Vec<RunInfo>>,
+    },
+    Status {
+        reply: Reply<Snapshot>,
+    },
+    FenceCheck {
+        run_id: String,
+        fence: u64,
+        reply: Reply<(bool, Option<RunState>)>,
+    },
+    /// A waiting connection went away.
+    Detach {
+        run_id: String,
+    },
+    Subscribe {
+        run_id: String,
+        reply: oneshot::Sender<Option<watch::Receiver<RunInfo>>>,
+    },
+    CreateToken {
+        scope: Scope,
+        reply: Reply<String>,
+    },
+}
+
+struct Extra {
+    worktree: Option<String>,
+    labels: BTreeMap<String, String>,
+    queue_seq: u64,
+    workspace: Option<WorkspaceIdentity>,
+}
+
+pub struct Shared {
+    pub tokens: RwLock<Vec<(String, Scope)>>,
+    pub url: String,
+}
+
+pub struct State {
+    engine: Engine,
+    writer: Writer,
+    shared: Arc<Shared>,
+    runs_dir: PathBuf,
+    extras: HashMap<String, Extra>,
+    ended: VecDeque<String>,
+    next_seq: u64,
+    attached: HashMap<String, u32>,
+    /// Restored waiters nobody has re-attached to yet, with their reclaim deadline.
+    unclaimed: HashMap<String, u64>,
+    watchers: HashMap<String, Arc<watch::Sender<RunInfo>>>,
+    /// Runs whose cleanup must be retried (degraded, or releasing after a restart).
+    cleanup_retry: BTreeSet<String>,
+    next_cleanup_ms: u64,
+    fatal: Arc<tokio::sync::Notify>,
+}
+
+/// Retries failed cleanups this often.
+const CLEANUP_RETRY_MS: u64 = 5_000;
+
+fn store_error(e: &StoreError) -> ApiError {
+    ApiError::new(503, "store_unavailable", format!("the ledger cannot be written: {e}"))
+}
+
+impl State {
+    /// Rebuilds the state from the ledger (P5). Times in the ledger are this boot's
+    /// monotonic milliseconds; after a reboot every lease is over and every waiter has
+    /// one reconnect window.
+    #[allow(clippy::too_many_arguments)]
+    pub fn restore(
+        cfg: berth_core::Config,
+        ledger: Ledger,
+        same_boot: bool,
+        writer: Writer,
+        shared: Arc<Shared>,
+        runs_dir: PathBuf,
+        reconnect_window_ms: u64,
+        fatal: Arc<tokio::sync::Notify>,
+    ) -> Result<State, String> {
+        let now = clock::mono_ms();
+        let mut restored = Vec::new();
+        let mut extras = HashMap::new();
+        let mut unclaimed = HashMap::new();
+        let mut ended = VecDeque::new();
+        let mut cleanup_retry = BTreeSet::new();
+        for r in &ledger.runs {
+            let (mut enqueued, mut deadline, mut expires) =
+                (r.enqueued_ms, r.deadline_ms, r.expires_ms.unwrap_or(0));
+            if !same_boot {
+                enqueued = enqueued.min(now);
+                deadline = now + reconnect_window_ms;
+                expires = now;
+            }
+            let id = r.request.run_id.clone();
+            match r.state {
+                RunState::Queued => {
+                    unclaimed.insert(id.clone(), now + reconnect_window_ms);
+                }
+                RunState::Releasing | RunState::Degraded => {
+                    cleanup_retry.insert(id.clone());
+                }
+                s if s.is_terminal() => ended.push_back(id.clone()),
+                _ => {}
+            }
+            restored.push(RestoredRun {
+                request: r.request.clone(),
+                state: r.state,
+                fence: r.fence,
+                enqueued_at: enqueued,
+                deadline,
+                granted_at: r.granted_ms.unwrap_or(0).min(now),
+                expires_at: expires,
+                cause: r.end_cause,
+                primary_mode: r.primary_mode,
+            });
+            extras.insert(
+                id,
+                Extra {
+                    worktree: r.worktree.clone(),
+                    labels: r.labels.clone(),
+                    queue_seq: r.queue_seq,
+                    workspace: r.workspace.clone(),
+                },
+            );
+        }
+        let engine = Engine::restore(cfg, ledger.last_fence, now, restored)?;
+        Ok(State {
+            engine,
+            writer,
+            shared,
+            runs_dir,
+            extras,
+            ended,
+            next_seq: ledger.next_queue_seq,
+            attached: HashMap::new(),
+            unclaimed,
+            watchers: HashMap::new(),
+            cleanup_retry,
+            next_cleanup_ms: 0,
+            fatal,
+        })
+    }
+
+    pub fn writer_commits(&self) -> u64 {
+        self.writer.commits()
+    }
+
+    fn info(&self, run_id: &str) -> Option<RunInfo> {
+        let view = self.engine.view_of(run_id)?;
+        let extra = self.extras.get(run_id);
+        let granted = view.state == RunState::Granted;
+        let expires_at = view.expires_at_ms.map(clock::mono_to_rfc3339);
+        let ws = extra.and_then(|e| e.workspace.as_ref()).map(|w| w.path.clone());
+        let mut env = BTreeMap::new();
+        if granted {
+            let fence = view.fence.unwrap_or(0);
+            env.insert("BERTH_URL".into(), self.shared.url.clone());
+            env.insert("BERTH_RUN_ID".into(), view.run_id.clone());
+            env.insert("BERTH_FENCE".into(), fence.to_string());
+            env.insert("BERTH_PROJECT".into(), view.project.clone());
+            env.insert("BERTH_CLASS".into(), view.class.as_str().into());
+            env.insert("BERTH_PRIORITY".into(), view.priority.as_str().into());
+            if let Some(e) = &expires_at {
+                env.insert("BERTH_LEASE_EXPIRES_AT".into(), e.clone());
+            }
+            let concurrency = match view.keys.first().map(|k| k.1) {
+                Some(berth_core::KeyMode::Shared) => "parallel",
+                _ => "serial",
+            };
+            env.insert("BERTH_CONCURRENCY".into(), concurrency.into());
+            if let Some(ws) = &ws {
+                let p = |s: &str| format!("{ws}/{s}");
+                env.insert("BERTH_WORKSPACE".into(), ws.clone());
+                env.insert("BERTH_TMP_DIR".into(), p("tmp"));
+                env.insert("TMPDIR".into(), p("tmp"));
+                env.insert("BERTH_LOG_DIR".into(), p("logs"));
+                env.insert("BERTH_CACHE_DIR".into(), p("cache"));
+                env.insert("BERTH_BROWSER_DIR".into(), p("browser"));
+                env.insert("BERTH_OUTPUT_DIR".into(), p("out"));
+            }
+            if let Some(wt) = extra.and_then(|e| e.worktree.as_ref()) {
+                env.insert("BERTH_WORKTREE".into(), wt.clone());
+            }
+        }
+        Some(RunInfo {
+            worktree: extra.and_then(|e| e.worktree.clone()),
+            labels: extra.map(|e| e.labels.clone()).unwrap_or_default(),
+            workspace: ws,
+            expires_at,
+            env,
+            view,
+        })
+    }
+
+    fn record(&self, run_id: &str) -> Option<RunRecord> {
+        let r = self.engine.record(run_id)?;
+        let extra = self.extras.get(run_id)?;
+        let granted = r.fence.is_some();
+        Some(RunRecord {
+            request: r.request,
+            worktree: extra.worktree.clone(),
+            labels: extra.labels.clone(),
+            state: r.state,
+            fence: r.fence,
+            queue_seq: extra.queue_seq,
+            enqueued_ms: r.enqueued_at,
+            deadline_ms: r.deadline,
+            granted_ms: granted.then_some(r.granted_at),
+            expires_ms: granted.then_some(r.expires_at),
+            end_cause: r.cause,
+            primary_mode: r.primary_mode,
+            workspace: extra.workspace.clone(),
+        })
+    }
+
+    /// Applies one command and everything it sets off; returns the runs it touched.
+    fn apply(&mut self, cmd: Command, touched: &mut BTreeSet<String>) -> Result<(), CoreError> {
+        let now = clock::mono_ms();
+        let out = self.engine.apply(now, cmd);
+        let mut queue: VecDeque<Event> = out.events.into();
+        while let Some(ev) = queue.pop_front() {
+            match &ev {
+                Event::Granted { run_id, .. } => {
+                    touched.insert(run_id.clone());
+                    match workspace::create(&self.runs_dir, run_id) {
+                        Ok(ws) => {
+                            if let Some(e) = self.extras.get_mut(run_id) {
+                                e.workspace = Some(ws);
+                            }
+                        }
+                        Err(e) => tracing::error!(run_id, "workspace: {e}"),
+                    }
+                }
+                Event::StopRequested { run_id, .. } => {
+                    touched.insert(run_id.clone());
+                    // No processes are supervised yet: stopping is removing the workspace.
+                    let ok = self.cleanup(run_id);
+                    let more = self.engine.apply(now, Command::StopDone { run_id: run_id.clone(), ok });
+                    queue.extend(more.events);
+                }
+                Event::Degraded { run_id } => {
+                    touched.insert(run_id.clone());
+                    self.cleanup_retry.insert(run_id.clone());
+                }
+                Event::Ended { run_id, .. } => {
+                    touched.insert(run_id.clone());
+                    self.cleanup_retry.remove(run_id);
+                    self.attached.remove(run_id);
+                    self.unclaimed.remove(run_id);
+                    self.ended.push_back(run_id.clone());
+                }
+                Event::Queued { run_id, .. }
+                | Event::Renewed { run_id, .. }
+                | Event::QueueDeadlineExtended { run_id, .. }
+                | Event::KeyModeChanged { run_id, .. }
+                | Event::UpgradeQueued { run_id, .. }
+                | Event::UpgradeGranted { run_id, .. } => {
+                    touched.insert(run_id.clone());
+                }
+                Event::Promoted { .. } | Event::EvidenceInvalidated { .. } | Event::MemoryStabilized { .. } => {}
+            }
+        }
+        // Forget what the engine forgot (it keeps `ended_retained_max` ended runs).
+        while self.ended.len() > self.engine.config().ended_retained_max {
+            if let Some(id) = self.ended.pop_front() {
+                if self.engine.view_of(&id).is_none() {
+                    self.extras.remove(&id);
+                }
+            }
+        }
+        out.result.map(|_| ())
+    }
+
+    /// Removes a stopping run's workspace after its identity check. False leaves the
+    /// run degraded, its capacity still counted, to be retried.
+    fn cleanup(&mut self, run_id: &str) -> bool {
+        let Some(ws) = self.extras.get(run_id).and_then(|e| e.workspace.clone()) else {
+            return true;
+        };
+        match workspace::remove(&ws) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(run_id, "cleanup failed: {e}");
+                false
+            }
+        }
+    }
+
+    /// Hands the touched runs to the writer; `then` runs once they are durable.
+    fn commit(
+        &mut self,
+        touched: BTreeSet<String>,
+        then: impl FnOnce(Result<(), &StoreError>) + Send + 'static,
+    ) {
+        let runs: Vec<RunRecord> = touched.iter().filter_map(|id| self.record(id)).collect();
+        let mut notes = Vec::new();
+        for id in &touched {
+            if let Some(tx) = self.watchers.get(id) {
+                if let Some(info) = self.info(id) {
+                    let waiting = info.view.state == RunState::Queued;
+                    notes.push((tx.clone(), info));
+                    if !waiting {
+                        self.watchers.remove(id);
+                    }
+                }
+            }
+        }
+        let batch = Batch {
+            last_fence: self.engine.last_fence(),
+            runs,
+            tokens: vec![],
+        };
+        let fatal = self.fatal.clone();
+        self.writer.submit(Some(batch), move |res| {
+            if res.is_err() {
+                // D4: never go on after the ledger refused a write.
+                fatal.notify_one();
+            } else {
+                for (tx, info) in notes {
+                    let _ = tx.send(info);
+                }
+            }
+            then(res);
+        });
+    }
+
+    /// Answers after everything queued before is durable.
+    fn answer<T: Send + 'static>(&self, reply: Reply<T>, value: Result<T, ApiError>) {
+        self.writer.submit(None, move |res| {
+            let _ = reply.send(match res {
+                Ok(()) => value,
+                Err(e) => Err(store_error(e)),
+            });
+        });
+    }
+
+    pub fn handle(&mut self, msg: Msg) {
+        match msg {
+            Msg::Acquire {
+                req,
+                worktree,
+                labels,
+                attach,
+                reply,
+            } => {
+                let id = req.run_id.clone();
+                if let Some(ex) = self.extras.get(&id) {
+                    if ex.worktree != worktree || ex.labels != labels {
+                        let e = CoreError::Conflict { run_id: id };
+                        return self.answer(reply, Err(e.into()));
+                    }
+                }
+                let is_new = self.engine.view_of(&id).is_none();
+                let seq = self.next_seq;
+                if is_new {
+                    // Registered before the command so grants made by it find it.
+                    self.extras.insert(
+                        id.clone(),
+                        Extra {
+                            worktree,
+                            labels,
+                            queue_seq: seq,
+                            workspace: None,
+                        },
+                    );
+                }
+                let mut touched = BTreeSet::new();
+                let res = self.apply(Command::Acquire(req), &mut touched);
+                if is_new {
+                    if self.engine.view_of(&id).is_some() {
+                        self.next_seq += 1;
+                        touched.insert(id.clone());
+                    } else {
+                        self.extras.remove(&id);
+                    }
+                }
+                let info = self.info(&id);
+                if res.is_ok() {
+                    self.unclaimed.remove(&id);
+                    if attach && info.as_ref().is_some_and(|i| i.view.state == RunState::Queued) {
+                        *self.attached.entry(id.clone()).or_default() += 1;
+                    }
+                }
+                let value = match (res, info) {
+                    (Ok(()), Some(info)) => Ok(info),
+                    (Ok(()), None) => Err(ApiError::new(500, "internal", "run vanished")),
+                    (Err(e), _) => Err(e.into()),
+                };
+                self.commit(touched, move |r| {
+                    let _ = reply.send(r.map_err(store_error).and(value));
+                });
+            }
+            Msg::Command { cmd, reply } => {
+                let id = match &cmd {
+                    Command::Cancel { run_id }
+                    | Command::Renew { run_id, .. }
+                    | Command::Release { run_id, .. } => run_id.clone(),
+                    _ => String::new(),
+                };
+                if matches!(cmd, Command::Renew { fence: None, .. }) {
+                    self.unclaimed.remove(&id);
+                }
+                let mut touched = BTreeSet::new();
+                let res = self.apply(cmd, &mut touched);
+                let value = res.map_err(ApiError::from).and_then(|()| {
+                    self.info(&id)
+                        .ok_or_else(|| ApiError::new(500, "internal", "run vanished"))
+                });
+                self.commit(touched, move |r| {
+                    let _ = reply.send(r.map_err(store_error).and(value));
+                });
+            }
+            Msg::Get { run_id, reply } => {
+                let v = self.info(&run_id).ok_or_else(|| CoreError::NotFound { run_id }.into());
+                self.answer(reply, v);
+            }
+            Msg::List { limit, reply } => {
+                let mut all: Vec<(u64, RunInfo)> = self
+                    .extras
+                    .iter()
+                    .filter_map(|(id, e)| Some((e.queue_seq, self.info(id)?)))
+                    .filter(|(_, i)| !i.view.state.is_terminal())
+                    .collect();
+                all.sort_by_key(|(seq, _)| *seq);
+                let v = all.into_iter().take(limit).map(|(_, i)| i).collect();
+                self.answer(reply, Ok(v));
+            }
+            Msg::Status { reply } => {
+                let s = self.engine.snapshot();
+                self.answer(reply, Ok(s));
+            }
+            Msg::FenceCheck { run_id, fence, reply } => {
+                let v = self.engine.view_of(&run_id);
+                let state = v.as_ref().map(|v| v.state);
+                let current = v.is_some_and(|v| v.fence == Some(fence) && v.state == RunState::Granted);
+                self.answer(reply, Ok((current, state)));
+            }
+            Msg::Detach { run_id } => {
+                let left = match self.attached.get_mut(&run_id) {
+                    Some(n) => {
+                        *n = n.saturating_sub(1);
+                        *n
+                    }
+                    None => return,
+                };
+                if left == 0 {
+                    self.attached.remove(&run_id);
+                    // A9: the waiter's client went away; it leaves the queue at once.
+                    if self.engine.view_of(&run_id).is_some_and(|v| v.state == RunState::Queued) {
+                        let mut touched = BTreeSet::new();
+                        let _ = self.apply(Command::Cancel { run_id }, &mut touched);
+                        self.commit(touched, |_| {});
+                    }
+                }
+            }
+            Msg::Subscribe { run_id, reply } => {
+                let rx = self.info(&run_id).map(|info| {
+                    self.watchers
+                        .entry(run_id)
+                        .or_insert_with(|| Arc::new(watch::channel(info).0))
+                        .subscribe()
+                });
+                let _ = reply.send(rx);
+            }
+            Msg::CreateToken { scope, reply } => match crate::auth::new_token() {
+                Ok(token) => {
+                    let hash = crate::auth::hash_token(&token);
+                    self.shared.tokens.write().unwrap().push((hash.clone(), scope));
+                    let batch = Batch {
+                        last_fence: self.engine.last_fence(),
+                        runs: vec![],
+                        tokens: vec![(hash, scope.as_str().into())],
+                    };
+                    self.writer.submit(Some(batch), move |r| {
+                        let _ = reply.send(r.map_err(store_error).map(|()| token));
+                    });
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(ApiError::new(500, "internal", format!("token: {e}"))));
+                }
+            },
+        }
+    }
+
+    /// Time passes: expiries and deadlines (L6, A8), reclaim windows (P5), cleanup
+    /// retries (L3), and optionally a MemAvailable sample (A10).
+    pub fn tick(&mut self, sample: Option<u64>) {
+        let now = clock::mono_ms();
+        let mut touched = BTreeSet::new();
+        let _ = self.apply(Command::Tick, &mut touched);
+        if let Some(mem) = sample {
+            let _ = self.apply(Command::Sample { mem_available: mem }, &mut touched);
+        }
+        let lapsed: Vec<String> = self
+            .unclaimed
+            .iter()
+            .filter(|(_, &d)| d <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in lapsed {
+            self.unclaimed.remove(&id);
+            if !self.attached.contains_key(&id) {
+                let _ = self.apply(Command::Cancel { run_id: id }, &mut touched);
+            }
+        }
+        if now >= self.next_cleanup_ms && !self.cleanup_retry.is_empty() {
+            self.next_cleanup_ms = now + CLEANUP_RETRY_MS;
+            for id in std::mem::take(&mut self.cleanup_retry) {
+                let state = self.engine.view_of(&id).map(|v| v.state);
+                if matches!(state, Some(RunState::Releasing | RunState::Degraded)) {
+                    let ok = self.cleanup(&id);
+                    let _ = self.apply(Command::StopDone { run_id: id.clone(), ok }, &mut touched);
+                    if !ok {
+                        self.cleanup_retry.insert(id);
+                    }
+                }
+            }
+        }
+        if !touched.is_empty() {
+            self.commit(touched, |_| {});
+        }
+    }
+
+    pub fn close(self) {
+        self.writer.close();
+    }
+}
+
+/// Runs the state task until every sender is gone.
+pub async fn run(
+    mut st: State,
+    mut rx: mpsc::Receiver<Msg>,
+    tick_ms: u64,
+    sample_memory: bool,
+    probe: Option<crate::CommitProbe>,
+) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(tick_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_sample = 0u64;
+    loop {
+        tokio::select! {
+            msg = rx.recv() => match msg {
+                Some(m) => {
+                    st.handle(m);
+                    if let Some(p) = &probe {
+                        p.0.store(st.writer_commits(), std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+                None => break,
+            },
+            _ = tick.tick() => {
+                let now = clock::mono_ms();
+                let sample = if sample_memory && now >= last_sample + 1000 {
+                    last_sample = now;
+                    crate::host::memory_available()
+                } else {
+                    None
+                };
+                st.tick(sample);
+            }
+        }
+    }
+    st.close();
+}
