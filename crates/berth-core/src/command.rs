@@ -123,7 +123,7 @@ impl fmt::Display for Error {
                 )
             }
             Error::FenceRequired { run_id } => {
-                write!(f, "run {run_id} is granted; the call must carry its fence")
+                write!(f, "fence: run {run_id} is granted; the call must carry its fence")
             }
             Error::Gone { run_id, state } => write!(
                 f,

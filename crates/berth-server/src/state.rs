@@ -264,7 +264,7 @@ impl State {
     }
 
     /// Applies one command and everything it sets off; returns the runs it touched.
-    fn apply(&mut self, cmd: Command, touched: &mut BTreeSet<String>) -> Result<(), CoreError> {
+    fn apply(&mut self, cmd: Command, touched: &mut BTreeSet<String>) -> Result<Option<RunView>, CoreError> {
         let now = clock::mono_ms();
         let out = self.engine.apply(now, cmd);
         let mut queue: VecDeque<Event> = out.events.into();
@@ -318,7 +318,7 @@ impl State {
                 }
             }
         }
-        out.result.map(|_| ())
+        out.result
     }
 
     /// Removes a stopping run's workspace after its identity check. False leaves the
@@ -424,7 +424,13 @@ impl State {
                         self.extras.remove(&id);
                     }
                 }
-                let info = self.info(&id);
+                let mut info = self.info(&id);
+                // A run that expired on arrival (`wait_s = 0`) keeps the reason why.
+                if let (Ok(Some(v)), Some(i)) = (&res, info.as_mut()) {
+                    if i.view.reason.is_none() {
+                        i.view.reason = v.reason.clone();
+                    }
+                }
                 if res.is_ok() {
                     self.unclaimed.remove(&id);
                     if attach && info.as_ref().is_some_and(|i| i.view.state == RunState::Queued) {
@@ -432,8 +438,8 @@ impl State {
                     }
                 }
                 let value = match (res, info) {
-                    (Ok(()), Some(info)) => Ok(info),
-                    (Ok(()), None) => Err(ApiError::new(500, "internal", "run vanished")),
+                    (Ok(_), Some(info)) => Ok(info),
+                    (Ok(_), None) => Err(ApiError::new(500, "internal", "run vanished")),
                     (Err(e), _) => Err(e.into()),
                 };
                 self.commit(touched, move |r| {
@@ -452,7 +458,7 @@ impl State {
                 }
                 let mut touched = BTreeSet::new();
                 let res = self.apply(cmd, &mut touched);
-                let value = res.map_err(ApiError::from).and_then(|()| {
+                let value = res.map_err(ApiError::from).and_then(|_| {
                     self.info(&id)
                         .ok_or_else(|| ApiError::new(500, "internal", "run vanished"))
                 });

@@ -1,0 +1,400 @@
+//! `berth run` and `berth acquire`.
+//!
+//! `berth run` streams the acquire (showing position and reason), re-posts the same
+//! run id if the daemon restarts while it waits (L7, P5), runs CMD in a new process
+//! group with the lease's environment, renews at a third of the ttl, forwards SIGINT and
+//! SIGTERM to CMD's group, releases when CMD exits and exits with CMD's code.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::anyhow;
+use berth_core::validate;
+use clap::Args;
+use serde_json::{json, Value};
+
+use crate::client::{error_text, Client, ConnArgs};
+use crate::{EXIT_REFUSED, EXIT_TIMEOUT};
+
+pub fn parse_size_arg(s: &str) -> Result<u64, String> {
+    validate::parse_size(s)
+}
+
+/// Durations as milliseconds: `30s`, `5m`.
+pub fn parse_duration(s: &str) -> Result<u64, String> {
+    validate::parse_duration_ms(s)
+}
+
+fn parse_cpus(s: &str) -> Result<u64, String> {
+    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of CPUs like 1.5"))?;
+    if !(v > 0.0 && v <= 4096.0) {
+        return Err("must be more than 0 and at most 4096".into());
+    }
+    Ok((v * 1000.0).round() as u64)
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ClaimArgs {
+    /// Project (default: the git toplevel's directory name, else the current directory's).
+    #[arg(long)]
+    pub project: Option<String>,
+    #[arg(long, value_parser = ["managed", "analysis"])]
+    pub class: Option<String>,
+    #[arg(long, value_parser = ["foreground", "background"])]
+    pub priority: Option<String>,
+    #[arg(long)]
+    pub slots: Option<u64>,
+    #[arg(long, value_parser = parse_size_arg)]
+    pub memory: Option<u64>,
+    /// CPUs, decimal (1.5 = 1500 millis).
+    #[arg(long, value_parser = parse_cpus)]
+    pub cpus: Option<u64>,
+    #[arg(long, value_parser = parse_size_arg)]
+    pub disk: Option<u64>,
+    /// NAME=COUNT of a named resource (repeatable).
+    #[arg(long = "resource", value_name = "NAME=COUNT")]
+    pub resources: Vec<String>,
+    /// An exclusive singleton key (repeatable).
+    #[arg(long = "singleton")]
+    pub singletons: Vec<String>,
+    /// The worktree whose .berth.toml shapes the claim (absolute or relative).
+    #[arg(long)]
+    pub worktree: Option<PathBuf>,
+    #[arg(long)]
+    pub run_id: Option<String>,
+    /// Lease ttl, e.g. 5m.
+    #[arg(long, value_parser = parse_duration)]
+    pub ttl: Option<u64>,
+    /// How long to wait in the queue, e.g. 30m (0 = do not wait).
+    #[arg(long, value_parser = parse_duration)]
+    pub wait: Option<u64>,
+    #[command(flatten)]
+    pub conn: ConnArgs,
+}
+
+#[derive(Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub claim: ClaimArgs,
+    /// The command to run, after `--`.
+    #[arg(last = true, required = true)]
+    pub cmd: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct AcquireArgs {
+    #[command(flatten)]
+    pub claim: ClaimArgs,
+}
+
+fn default_project() -> String {
+    let top = std::process::Command::new("git")
+        .args(["rev-parse", "--show-toplevel"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()));
+    let dir = top.or_else(|| std::env::current_dir().ok());
+    dir.and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .filter(|n| validate::project(n).is_ok())
+        .unwrap_or_else(|| "default".into())
+}
+
+fn random_id() -> String {
+    let mut buf = [0u8; 8];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        let _ = std::io::Read::read_exact(&mut f, &mut buf);
+    }
+    let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+    format!("r-{hex}")
+}
+
+/// The acquire body. The run id is chosen here, so a retry re-attaches (L7).
+fn acquire_body(c: &ClaimArgs) -> anyhow::Result<Value> {
+    let mut resources = serde_json::Map::new();
+    if let Some(v) = c.slots {
+        resources.insert("slots".into(), v.into());
+    }
+    if let Some(v) = c.memory {
+        resources.insert("memory".into(), v.into());
+    }
+    if let Some(v) = c.cpus {
+        resources.insert("cpu_millis".into(), v.into());
+    }
+    if let Some(v) = c.disk {
+        resources.insert("disk".into(), v.into());
+    }
+    for r in &c.resources {
+        let (n, v) = r.split_once('=').ok_or_else(|| anyhow!("--resource {r:?}: expected NAME=COUNT"))?;
+        let v: u64 = v.parse().map_err(|_| anyhow!("--resource {r:?}: COUNT must be a whole number"))?;
+        resources.insert(n.into(), v.into());
+    }
+    let mut body = json!({
+        "run_id": c.run_id.clone().unwrap_or_else(random_id),
+        "project": c.project.clone().unwrap_or_else(default_project),
+    });
+    if !resources.is_empty() {
+        body["resources"] = Value::Object(resources);
+    }
+    if let Some(v) = &c.class {
+        body["class"] = v.clone().into();
+    }
+    if let Some(v) = &c.priority {
+        body["priority"] = v.clone().into();
+    }
+    if !c.singletons.is_empty() {
+        body["singletons"] = c.singletons.clone().into();
+    }
+    if let Some(w) = &c.worktree {
+        let abs = std::fs::canonicalize(w).map_err(|e| anyhow!("--worktree {}: {e}", w.display()))?;
+        body["worktree"] = abs.to_string_lossy().into_owned().into();
+    }
+    if let Some(t) = c.ttl {
+        body["ttl_s"] = (t / 1000).max(1).into();
+    }
+    if let Some(w) = c.wait {
+        body["wait_s"] = (w / 1000).into();
+    }
+    Ok(body)
+}
+
+enum Admission {
+    Granted(Value),
+    /// Exit code and message.
+    Refused(u8, String),
+}
+
+/// Maps a refusal to the CLI's exit code: 75 for an admission timeout, 69 otherwise.
+fn refusal(err: &Value) -> (u8, String) {
+    let code = err["code"].as_str().unwrap_or("");
+    let msg = format!("{}: {}", code, err["message"].as_str().unwrap_or(""));
+    if code == "expired" {
+        (EXIT_TIMEOUT, msg)
+    } else {
+        (EXIT_REFUSED, msg)
+    }
+}
+
+/// How long `berth run` keeps trying to reach a daemon that is restarting.
+const RECONNECT_FOR: Duration = Duration::from_secs(30);
+
+fn wait_for_lease(client: &Client, body: &Value, wait_ms: u64) -> Admission {
+    let tty = std::io::stderr().is_terminal();
+    let started = Instant::now();
+    let give_up = started + Duration::from_millis(wait_ms) + RECONNECT_FOR;
+    let mut last_ok = Instant::now();
+    loop {
+        match client.acquire_stream(body) {
+            Ok((status, reader)) if status == 200 => {
+                last_ok = Instant::now();
+                for line in reader.lines() {
+                    let Ok(line) = line else { break };
+                    let Ok(v) = serde_json::from_str::<Value>(&line) else { continue };
+                    match v["event"].as_str() {
+                        Some("queued") => {
+                            let text = format!(
+                                "waiting: position {}, {} ({}), {}s",
+                                v["position"],
+                                v["reason"]["code"].as_str().unwrap_or("?"),
+                                v["reason"]["message"].as_str().unwrap_or(""),
+                                started.elapsed().as_secs()
+                            );
+                            if tty {
+                                eprint!("\r\x1b[Kberth: {text}");
+                                let _ = std::io::stderr().flush();
+                            } else {
+                                eprintln!("berth: {text}");
+                            }
+                        }
+                        Some("granted") => {
+                            if tty {
+                                eprint!("\r\x1b[K");
+                            }
+                            return Admission::Granted(v["lease"].clone());
+                        }
+                        Some(_) => {
+                            if tty {
+                                eprintln!();
+                            }
+                            let (code, msg) = refusal(&v["error"]);
+                            return Admission::Refused(code, msg);
+                        }
+                        None => {}
+                    }
+                }
+                // The stream broke without an answer: the daemon went away. Re-post the
+                // same run id; it keeps its place (P5).
+            }
+            Ok((status, mut reader)) => {
+                let mut text = String::new();
+                let _ = std::io::Read::read_to_string(&mut reader, &mut text);
+                let v: Value = serde_json::from_str(&text).unwrap_or(json!({"error": {"code": "error", "message": text}}));
+                if status == 503 && v["error"]["code"] == "shutting_down" {
+                    // fall through to retry
+                } else {
+                    let (code, msg) = refusal(&v["error"]);
+                    return Admission::Refused(if status == 410 { code } else { EXIT_REFUSED }, msg);
+                }
+            }
+            Err(e) => {
+                if last_ok.elapsed() > RECONNECT_FOR && started.elapsed() > RECONNECT_FOR {
+                    return Admission::Refused(EXIT_REFUSED, format!("cannot reach berth at {}: {e}", client.url));
+                }
+            }
+        }
+        if Instant::now() > give_up {
+            return Admission::Refused(EXIT_TIMEOUT, "admission timed out while berth was unreachable".into());
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+pub fn acquire_main(a: AcquireArgs) -> anyhow::Result<u8> {
+    let client = Client::new(&a.claim.conn)?;
+    let body = acquire_body(&a.claim)?;
+    let r = client
+        .call("POST", "/v1/runs", Some(&body))
+        .map_err(|e| anyhow!("cannot reach berth at {}: {e}", client.url))?;
+    println!("{}", serde_json::to_string_pretty(&r.body)?);
+    Ok(match r.status {
+        200..=299 => 0,
+        410 if r.body["error"]["code"] == "expired" => EXIT_TIMEOUT,
+        _ => {
+            eprintln!("berth: {}", error_text(&r.body));
+            EXIT_REFUSED
+        }
+    })
+}
+
+/// Grace between SIGTERM and SIGKILL when berth itself stops CMD.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
+fn signal_group(pgid: i32, sig: rustix::process::Signal) {
+    if let Some(pid) = rustix::process::Pid::from_raw(pgid) {
+        let _ = rustix::process::kill_process_group(pid, sig);
+    }
+}
+
+pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
+    let client = Arc::new(Client::new(&a.claim.conn)?);
+    let body = acquire_body(&a.claim)?;
+    let run_id = body["run_id"].as_str().unwrap_or_default().to_string();
+    let wait_ms = a.claim.wait.unwrap_or(1_800_000);
+    let lease = match wait_for_lease(&client, &body, wait_ms) {
+        Admission::Granted(l) => l,
+        Admission::Refused(code, msg) => {
+            eprintln!("berth: run {run_id} not admitted: {msg}");
+            return Ok(code);
+        }
+    };
+    let fence = lease["fence"].as_u64().unwrap_or(0);
+    let env: BTreeMap<String, String> = serde_json::from_value(lease["env"].clone()).unwrap_or_default();
+    let ttl_ms = a.claim.ttl.unwrap_or(300_000).max(1000);
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut cmd = tokio::process::Command::new(&a.cmd[0]);
+        cmd.args(&a.cmd[1..]).envs(&env).process_group(0).kill_on_drop(false);
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("berth: cannot start {}: {e}", a.cmd[0]);
+                release(&client, &run_id, fence).await;
+                return Ok(127);
+            }
+        };
+        let pgid = child.id().unwrap_or(0) as i32;
+        let lost = Arc::new(AtomicBool::new(false));
+        let (lost_tx, mut lost_rx) = tokio::sync::mpsc::channel::<String>(1);
+        let renewer = {
+            let client = client.clone();
+            let run_id = run_id.clone();
+            let lost = lost.clone();
+            tokio::spawn(async move {
+                let every = Duration::from_millis(ttl_ms / 3);
+                let mut deadline = Instant::now() + Duration::from_millis(ttl_ms);
+                loop {
+                    tokio::time::sleep(every).await;
+                    let c = client.clone();
+                    let id = run_id.clone();
+                    let r = tokio::task::spawn_blocking(move || {
+                        c.call("POST", &format!("/v1/runs/{id}/renew"), Some(&json!({ "fence": fence })))
+                    })
+                    .await;
+                    match r {
+                        Ok(Ok(reply)) if reply.status == 200 => {
+                            deadline = Instant::now() + Duration::from_millis(ttl_ms);
+                        }
+                        Ok(Ok(reply)) if reply.status == 410 || reply.status == 409 => {
+                            lost.store(true, Ordering::SeqCst);
+                            let _ = lost_tx.send(error_text(&reply.body)).await;
+                            return;
+                        }
+                        // Unreachable or busy (a restart): keep trying until the lease
+                        // would have run out.
+                        _ => {
+                            if Instant::now() > deadline {
+                                lost.store(true, Ordering::SeqCst);
+                                let _ = lost_tx.send("berth was unreachable until the lease ran out".into()).await;
+                                return;
+                            }
+                        }
+                    }
+                }
+            })
+        };
+        let mut sigint = signal(SignalKind::interrupt())?;
+        let mut sigterm = signal(SignalKind::terminate())?;
+        let mut lost_reason = None;
+        let status = loop {
+            tokio::select! {
+                s = child.wait() => break s?,
+                _ = sigint.recv() => signal_group(pgid, rustix::process::Signal::INT),
+                _ = sigterm.recv() => signal_group(pgid, rustix::process::Signal::TERM),
+                Some(why) = lost_rx.recv(), if lost_reason.is_none() => {
+                    lost_reason = Some(why);
+                    signal_group(pgid, rustix::process::Signal::TERM);
+                    let pg = pgid;
+                    tokio::spawn(async move {
+                        tokio::time::sleep(STOP_GRACE).await;
+                        signal_group(pg, rustix::process::Signal::KILL);
+                    });
+                }
+            }
+        };
+        renewer.abort();
+        if let Some(why) = lost_reason {
+            eprintln!("berth: the lease for run {run_id} was lost ({why}); CMD was stopped");
+            return Ok(EXIT_TIMEOUT);
+        }
+        release(&client, &run_id, fence).await;
+        use std::os::unix::process::ExitStatusExt;
+        Ok(match (status.code(), status.signal()) {
+            (Some(c), _) => c as u8,
+            (None, Some(sig)) => 128 + sig as u8,
+            _ => 1,
+        })
+    })
+}
+
+async fn release(client: &Arc<Client>, run_id: &str, fence: u64) {
+    for attempt in 0..20 {
+        let c = client.clone();
+        let id = run_id.to_string();
+        let r = tokio::task::spawn_blocking(move || {
+            c.call("POST", &format!("/v1/runs/{id}/release"), Some(&json!({ "fence": fence })))
+        })
+        .await;
+        match r {
+            Ok(Ok(reply)) if reply.status < 500 => return,
+            _ => tokio::time::sleep(Duration::from_millis(250 * (attempt + 1).min(4))).await,
+        }
+    }
+    eprintln!("berth: could not release run {run_id}; it will expire");
+}

@@ -1,0 +1,174 @@
+//! `berth serve`: flags (each also a `BERTH_*` variable) over `berth.toml` over the
+//! host's own figures and SPEC defaults.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::{anyhow, bail, Context};
+use berth_core::validate::{parse_duration_ms, parse_size};
+use clap::Args;
+use serde::Deserialize;
+
+use crate::run::{parse_duration, parse_size_arg};
+
+#[derive(Args, Debug, Default)]
+pub struct ServeArgs {
+    /// State directory: ledger, workspaces, admin token.
+    #[arg(long, env = "BERTH_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// Listen address.
+    #[arg(long, env = "BERTH_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Configuration file (default: <state_dir>/berth.toml, if it exists).
+    #[arg(long, env = "BERTH_CONFIG")]
+    pub config: Option<PathBuf>,
+    #[arg(long, env = "BERTH_SLOTS_MAX")]
+    pub slots_max: Option<u64>,
+    #[arg(long, env = "BERTH_MEMORY_TOTAL", value_parser = parse_size_arg)]
+    pub memory_total: Option<u64>,
+    /// CPU total in millis (4000 = four CPUs).
+    #[arg(long, env = "BERTH_CPU_TOTAL")]
+    pub cpu_total: Option<u64>,
+    #[arg(long, env = "BERTH_DISK_TOTAL", value_parser = parse_size_arg)]
+    pub disk_total: Option<u64>,
+    #[arg(long, env = "BERTH_MEMORY_RESERVE", value_parser = parse_size_arg)]
+    pub memory_reserve: Option<u64>,
+    /// CPU reserve in millis.
+    #[arg(long, env = "BERTH_CPU_RESERVE")]
+    pub cpu_reserve: Option<u64>,
+    #[arg(long, env = "BERTH_DISK_RESERVE", value_parser = parse_size_arg)]
+    pub disk_reserve: Option<u64>,
+    /// A named counted resource, NAME=COUNT (repeatable), e.g. gpu=2.
+    #[arg(long = "resource", value_name = "NAME=COUNT")]
+    pub resources: Vec<String>,
+    /// Waiters scanned per admission pass after the head (A6).
+    #[arg(long, env = "BERTH_WINDOW")]
+    pub window: Option<usize>,
+    #[arg(long, env = "BERTH_STARVATION_GUARD", value_parser = parse_duration)]
+    pub starvation_guard: Option<u64>,
+    /// How long a waiter restored after a restart keeps its place for its client.
+    #[arg(long, env = "BERTH_RECONNECT_WINDOW", value_parser = parse_duration)]
+    pub reconnect_window: Option<u64>,
+    /// Accept requests without a token (loopback listen addresses only).
+    #[arg(long, env = "BERTH_INSECURE_NO_AUTH")]
+    pub insecure_no_auth: bool,
+    /// Do not sample MemAvailable (use only the configured totals).
+    #[arg(long, env = "BERTH_NO_MEMORY_SAMPLING")]
+    pub no_memory_sampling: bool,
+}
+
+/// `berth.toml`: the same keys as the flags, in snake case.
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    listen: Option<SocketAddr>,
+    slots_max: Option<u64>,
+    memory_total: Option<String>,
+    cpu_total: Option<u64>,
+    disk_total: Option<String>,
+    memory_reserve: Option<String>,
+    cpu_reserve: Option<u64>,
+    disk_reserve: Option<String>,
+    resources: Option<BTreeMap<String, u64>>,
+    window: Option<usize>,
+    starvation_guard: Option<String>,
+    reconnect_window: Option<String>,
+    insecure_no_auth: Option<bool>,
+    no_memory_sampling: Option<bool>,
+}
+
+fn size(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
+    v.map(|s| parse_size(&s).map_err(|e| anyhow!("berth.toml {key}: {e}"))).transpose()
+}
+
+fn duration(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
+    v.map(|s| parse_duration_ms(&s).map_err(|e| anyhow!("berth.toml {key}: {e}"))).transpose()
+}
+
+pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
+    let state_dir = a.state_dir.clone().unwrap_or_else(crate::client::default_state_dir);
+    let file_path = a.config.clone().unwrap_or_else(|| state_dir.join("berth.toml"));
+    let file: FileConfig = match std::fs::read_to_string(&file_path) {
+        Ok(text) => toml::from_str(&text).map_err(|e| anyhow!("{}: {}", file_path.display(), e.message()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && a.config.is_none() => FileConfig::default(),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", file_path.display())),
+    };
+    std::fs::create_dir_all(&state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
+    let cpus = berth_server::host::cpus();
+    let mem = a.memory_total.or(size("memory_total", file.memory_total)?).unwrap_or_else(berth_server::host::memory_total);
+    let disk = a.disk_total.or(size("disk_total", file.disk_total)?).unwrap_or_else(|| berth_server::host::disk_total(&state_dir));
+    let mut c = berth_core::Config::for_host(cpus, mem, disk);
+    if let Some(v) = a.cpu_total.or(file.cpu_total) {
+        c.cpu_total_millis = v;
+        c.slots_max = (v / 2000).clamp(1, 8);
+    }
+    if let Some(v) = a.slots_max.or(file.slots_max) {
+        c.slots_max = v;
+    }
+    if let Some(v) = a.memory_reserve.or(size("memory_reserve", file.memory_reserve)?) {
+        c.memory_reserve = v;
+    }
+    if let Some(v) = a.cpu_reserve.or(file.cpu_reserve) {
+        c.cpu_reserve_millis = v;
+    }
+    if let Some(v) = a.disk_reserve.or(size("disk_reserve", file.disk_reserve)?) {
+        c.disk_reserve = v;
+    }
+    if let Some(v) = a.window.or(file.window) {
+        c.window = v;
+    }
+    if let Some(v) = a.starvation_guard.or(duration("starvation_guard", file.starvation_guard)?) {
+        c.starvation_guard_ms = v;
+    }
+    let mut named: BTreeMap<String, u64> = file.resources.unwrap_or_default();
+    for r in &a.resources {
+        let (name, count) = r
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--resource {r:?}: expected NAME=COUNT"))?;
+        let count: u64 = count.parse().map_err(|_| anyhow!("--resource {r:?}: COUNT must be a whole number"))?;
+        named.insert(name.to_string(), count);
+    }
+    c.named = named.into_iter().collect();
+    if let Err(e) = c.validate() {
+        bail!("configuration: {e}");
+    }
+    Ok(berth_server::ServeConfig {
+        state_dir,
+        listen: a.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:7420".parse().expect("addr")),
+        insecure_no_auth: a.insecure_no_auth || file.insecure_no_auth.unwrap_or(false),
+        engine: c,
+        sample_memory: !(a.no_memory_sampling || file.no_memory_sampling.unwrap_or(false)),
+        reconnect_window_ms: a.reconnect_window.or(duration("reconnect_window", file.reconnect_window)?).unwrap_or(30_000),
+        group_commit: true,
+        tick_ms: 100,
+    })
+}
+
+pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = build_config(a)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let running = berth_server::start(cfg.clone()).await?;
+        // One parseable line for scripts and tests, then the human one.
+        println!("listening on http://{}", running.addr);
+        eprintln!(
+            "berth serving on http://{} (state {}; {})",
+            running.addr,
+            cfg.state_dir.display(),
+            if cfg.insecure_no_auth {
+                "no auth".to_string()
+            } else {
+                format!("admin token in {}", cfg.state_dir.join("admin.token").display())
+            }
+        );
+        running.wait().await
+    })?;
+    Ok(0)
+}

@@ -1,0 +1,198 @@
+//! Black-box harness: starts the real `berth` binary on a free loopback port with a
+//! temporary state dir and small fixed totals, and talks to it over HTTP.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+pub const BERTH: &str = env!("CARGO_BIN_EXE_berth");
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+pub struct Daemon {
+    pub child: Option<Child>,
+    pub state: PathBuf,
+    pub port: u16,
+    pub url: String,
+    pub token: String,
+    pub args: Vec<String>,
+    _dir: Option<tempfile::TempDir>,
+}
+
+pub struct Resp {
+    pub status: u16,
+    pub body: Value,
+}
+
+impl Resp {
+    pub fn code(&self) -> &str {
+        self.body["error"]["code"].as_str().unwrap_or("")
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(60)))
+        .build()
+        .into()
+}
+
+impl Daemon {
+    /// Small fixed totals: slots, 8 GiB memory (1 GiB reserve), 4 cpus (1 reserved),
+    /// 100 GiB disk, no memory sampling.
+    pub fn start(extra: &[&str]) -> Daemon {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().to_path_buf();
+        let mut d = Daemon::start_in(&state, free_port(), extra);
+        d._dir = Some(dir);
+        d
+    }
+
+    pub fn start_in(state: &Path, port: u16, extra: &[&str]) -> Daemon {
+        let mut args: Vec<String> = vec![
+            "serve".into(),
+            "--state-dir".into(),
+            state.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--memory-total".into(),
+            "8GiB".into(),
+            "--memory-reserve".into(),
+            "1GiB".into(),
+            "--cpu-total".into(),
+            "4000".into(),
+            "--disk-total".into(),
+            "100GiB".into(),
+            "--disk-reserve".into(),
+            "0".into(),
+            "--no-memory-sampling".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut d = Daemon {
+            child: None,
+            state: state.to_path_buf(),
+            port,
+            url: format!("http://127.0.0.1:{port}"),
+            token: String::new(),
+            args,
+            _dir: None,
+        };
+        d.spawn();
+        d
+    }
+
+    fn spawn(&mut self) {
+        let mut child = Command::new(BERTH)
+            .args(&self.args)
+            .env("BERTH_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start berth serve");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with("listening on"), "berth serve said {line:?}");
+        self.token = std::fs::read_to_string(self.state.join("admin.token"))
+            .map(|t| t.trim().to_string())
+            .unwrap_or_default();
+        self.child = Some(child);
+    }
+
+    /// kill -9, then start again on the same state dir and port.
+    pub fn kill9_and_restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    pub fn call_as(&self, token: Option<&str>, method: &str, path: &str, body: Option<&str>) -> Resp {
+        let url = format!("{}{}", self.url, path);
+        let a = agent();
+        let auth = token.map(|t| format!("Bearer {t}"));
+        let resp = match method {
+            "GET" => {
+                let mut r = a.get(&url);
+                if let Some(h) = &auth {
+                    r = r.header("Authorization", h);
+                }
+                r.call()
+            }
+            "DELETE" => {
+                let mut r = a.delete(&url);
+                if let Some(h) = &auth {
+                    r = r.header("Authorization", h);
+                }
+                r.call()
+            }
+            m => {
+                let mut r = match m {
+                    "PUT" => a.put(&url),
+                    "PATCH" => a.patch(&url),
+                    _ => a.post(&url),
+                }
+                .header("Content-Type", "application/json");
+                if let Some(h) = &auth {
+                    r = r.header("Authorization", h);
+                }
+                r.send(body.unwrap_or("").as_bytes())
+            }
+        }
+        .expect("daemon answers");
+        let status = resp.status().as_u16();
+        let text = resp.into_body().read_to_string().unwrap_or_default();
+        Resp {
+            status,
+            body: serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        }
+    }
+
+    pub fn call(&self, method: &str, path: &str, body: Option<&str>) -> Resp {
+        self.call_as(Some(&self.token.clone()), method, path, body)
+    }
+
+    pub fn get(&self, path: &str) -> Resp {
+        self.call("GET", path, None)
+    }
+
+    pub fn post(&self, path: &str, body: &str) -> Resp {
+        self.call("POST", path, Some(body))
+    }
+
+    /// `berth` CLI command pointed at this daemon.
+    pub fn cli(&self) -> Command {
+        let mut c = Command::new(BERTH);
+        c.env("BERTH_URL", &self.url).env("BERTH_TOKEN", &self.token);
+        c
+    }
+
+    pub fn wait_until(&self, what: &str, mut f: impl FnMut(&Daemon) -> bool) {
+        let end = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < end {
+            if f(self) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("timed out waiting until {what}");
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
