@@ -12,7 +12,9 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use berth_core::{validate, Class, Command, Priority, Request as CoreRequest, Resources, RunState, Snapshot};
+use berth_core::{
+    validate, Class, Command, Priority, Request as CoreRequest, Resources, RunState, Snapshot,
+};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -43,7 +45,10 @@ pub struct Api {
     pub cfg: Arc<berth_core::Config>,
 }
 
-async fn ask<T>(api: &Api, make: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> Msg) -> Result<T, ApiError> {
+async fn ask<T>(
+    api: &Api,
+    make: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> Msg,
+) -> Result<T, ApiError> {
     let (tx, rx) = oneshot::channel();
     api.tx
         .send(make(tx))
@@ -58,15 +63,33 @@ async fn ask<T>(api: &Api, make: impl FnOnce(oneshot::Sender<Result<T, ApiError>
 async fn json_body<T: DeserializeOwned>(body: Body, empty_ok: bool) -> Result<T, ApiError> {
     let bytes: Bytes = axum::body::to_bytes(body, BODY_BYTES_MAX)
         .await
-        .map_err(|_| ApiError::invalid("body", format!("must be at most {BODY_BYTES_MAX} bytes")))?;
-    let text = std::str::from_utf8(&bytes).map_err(|_| ApiError::invalid("body", "must be UTF-8"))?;
-    let text = if text.trim().is_empty() && empty_ok { "{}" } else { text };
+        .map_err(|_| {
+            ApiError::invalid("body", format!("must be at most {BODY_BYTES_MAX} bytes"))
+        })?;
+    let text =
+        std::str::from_utf8(&bytes).map_err(|_| ApiError::invalid("body", "must be UTF-8"))?;
+    let text = if text.trim().is_empty() && empty_ok {
+        "{}"
+    } else {
+        text
+    };
     let de = &mut serde_json::Deserializer::from_str(text);
     serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
-        let field = if path.is_empty() || path == "." { "body".to_string() } else { path };
+        let field = if path.is_empty() || path == "." {
+            "body".to_string()
+        } else {
+            path
+        };
         let inner = e.into_inner();
-        ApiError::invalid(&field, inner.to_string().split(" at line").next().unwrap_or_default())
+        ApiError::invalid(
+            &field,
+            inner
+                .to_string()
+                .split(" at line")
+                .next()
+                .unwrap_or_default(),
+        )
     })
 }
 
@@ -121,7 +144,10 @@ struct TokenBody {
 
 fn check_fence(f: u64) -> Result<u64, ApiError> {
     if f == 0 || f > FENCE_MAX {
-        return Err(ApiError::invalid("fence", format!("must be a positive integer at most {FENCE_MAX}")));
+        return Err(ApiError::invalid(
+            "fence",
+            format!("must be a positive integer at most {FENCE_MAX}"),
+        ));
     }
     Ok(f)
 }
@@ -137,7 +163,10 @@ fn new_run_id() -> String {
 }
 
 /// Turns an acquire body into the engine's request, reading the worktree's contract.
-fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Option<String>, BTreeMap<String, String>), ApiError> {
+fn build_request(
+    api: &Api,
+    b: AcquireBody,
+) -> Result<(CoreRequest, Option<String>, BTreeMap<String, String>), ApiError> {
     let run_id = match b.run_id {
         Some(id) => {
             check_run_id(&id)?;
@@ -147,7 +176,10 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Option<Strin
     };
     validate::project(&b.project).map_err(|e| ApiError::invalid("project", e))?;
     if b.budget.is_some() {
-        return Err(ApiError::invalid("budget", "budgets are not supported by this berth yet"));
+        return Err(ApiError::invalid(
+            "budget",
+            "budgets are not supported by this berth yet",
+        ));
     }
     let ttl_s = b.ttl_s.unwrap_or(api.cfg.ttl_ms_default / 1000);
     if ttl_s == 0 || ttl_s > 86_400 {
@@ -187,19 +219,31 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Option<Strin
     }
     let labels = b.labels.unwrap_or_default();
     if labels.len() > LABELS_MAX {
-        return Err(ApiError::invalid("labels", format!("at most {LABELS_MAX} entries")));
+        return Err(ApiError::invalid(
+            "labels",
+            format!("at most {LABELS_MAX} entries"),
+        ));
     }
     for (k, v) in &labels {
         if k.is_empty() || k.len() > LABEL_KEY_BYTES_MAX || k.chars().any(char::is_control) {
-            return Err(ApiError::invalid("labels", format!("keys must be 1 to {LABEL_KEY_BYTES_MAX} bytes without control characters")));
+            return Err(ApiError::invalid(
+                "labels",
+                format!("keys must be 1 to {LABEL_KEY_BYTES_MAX} bytes without control characters"),
+            ));
         }
         if v.len() > LABEL_VALUE_BYTES_MAX || v.chars().any(char::is_control) {
-            return Err(ApiError::invalid(&format!("labels.{k}"), format!("must be at most {LABEL_VALUE_BYTES_MAX} bytes without control characters")));
+            return Err(ApiError::invalid(
+                &format!("labels.{k}"),
+                format!("must be at most {LABEL_VALUE_BYTES_MAX} bytes without control characters"),
+            ));
         }
     }
     let mut singletons = b.singletons.unwrap_or_default();
     if singletons.len() > berth_core::SINGLETONS_MAX {
-        return Err(ApiError::invalid("singletons", format!("at most {} entries", berth_core::SINGLETONS_MAX)));
+        return Err(ApiError::invalid(
+            "singletons",
+            format!("at most {} entries", berth_core::SINGLETONS_MAX),
+        ));
     }
     for s in &singletons {
         validate::resource_name(s).map_err(|e| ApiError::invalid("singletons", e))?;
@@ -215,7 +259,10 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Option<Strin
             return Err(ApiError::invalid("worktree", "must be an absolute path"));
         }
         if !p.is_dir() {
-            return Err(ApiError::invalid("worktree", "must be an existing directory"));
+            return Err(ApiError::invalid(
+                "worktree",
+                "must be an existing directory",
+            ));
         }
         if let Some(c) = crate::contract::read(p).map_err(|e| ApiError::invalid("worktree", e))? {
             if class == Class::Managed {
@@ -252,7 +299,11 @@ pub fn run_json(i: &RunInfo) -> Value {
     for (k, n) in &v.resources.named {
         resources[k] = json!(n);
     }
-    let keys: Vec<Value> = v.keys.iter().map(|(k, m)| json!({"key": k, "mode": m.as_str()})).collect();
+    let keys: Vec<Value> = v
+        .keys
+        .iter()
+        .map(|(k, m)| json!({"key": k, "mode": m.as_str()}))
+        .collect();
     json!({
         "run_id": v.run_id,
         "project": v.project,
@@ -280,7 +331,12 @@ fn ended_error(i: &RunInfo) -> ApiError {
         RunState::Rejected => "rejected",
         _ => "gone",
     };
-    let why = i.view.reason.as_ref().map(|r| format!(" ({}: {})", r.code, r.message)).unwrap_or_default();
+    let why = i
+        .view
+        .reason
+        .as_ref()
+        .map(|r| format!(" ({}: {})", r.code, r.message))
+        .unwrap_or_default();
     ApiError::new(410, code, format!("run {} is {} without a grant{why}", i.view.run_id, state.as_str()))
         .with(json!({"run_id": i.view.run_id, "state": state.as_str(), "reason": i.view.reason.as_ref().map(|r| json!({"code": r.code, "message": r.message}))}))
 }
@@ -296,7 +352,12 @@ impl Drop for AttachGuard {
         let tx = self.tx.clone();
         let run_id = std::mem::take(&mut self.run_id);
         // Never block in drop; the channel is large and the state task drains it fast.
-        if tx.try_send(Msg::Detach { run_id: run_id.clone() }).is_err() {
+        if tx
+            .try_send(Msg::Detach {
+                run_id: run_id.clone(),
+            })
+            .is_err()
+        {
             tokio::spawn(async move {
                 let _ = tx.send(Msg::Detach { run_id }).await;
             });
@@ -347,14 +408,20 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         let last = match res {
             Ok(info) => json!({"event": "granted", "lease": run_json(&info)}),
             Err(e) => {
-                let event = if e.code == "expired" { "expired" } else { "rejected" };
+                let event = if e.code == "expired" {
+                    "expired"
+                } else {
+                    "rejected"
+                };
                 json!({"event": event, "error": {"code": e.code, "message": e.message, "details": e.details}})
             }
         };
         let _ = tx.send(line(last)).await;
     });
     let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
+        rx.recv()
+            .await
+            .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
     }));
     Ok(Response::builder()
         .status(StatusCode::OK)
@@ -365,7 +432,11 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
 
 /// Waits until the run is granted or ends. With `lines`, reports position and reason
 /// whenever they change; a closed stream ends the wait (and the guard cancels).
-async fn wait_for_grant(api: &Api, mut info: RunInfo, lines: Option<&mpsc::Sender<Bytes>>) -> Result<RunInfo, ApiError> {
+async fn wait_for_grant(
+    api: &Api,
+    mut info: RunInfo,
+    lines: Option<&mpsc::Sender<Bytes>>,
+) -> Result<RunInfo, ApiError> {
     let mut rx = None;
     let mut last_sent = None;
     loop {
@@ -391,10 +462,20 @@ async fn wait_for_grant(api: &Api, mut info: RunInfo, lines: Option<&mpsc::Sende
         }
         if rx.is_none() {
             let (t, r) = oneshot::channel();
-            let _ = api.tx.send(Msg::Subscribe { run_id: info.view.run_id.clone(), reply: t }).await;
+            let _ = api
+                .tx
+                .send(Msg::Subscribe {
+                    run_id: info.view.run_id.clone(),
+                    reply: t,
+                })
+                .await;
             rx = r.await.ok().flatten();
             if rx.is_none() {
-                return Err(ApiError::new(503, "shutting_down", "berth is shutting down"));
+                return Err(ApiError::new(
+                    503,
+                    "shutting_down",
+                    "berth is shutting down",
+                ));
             }
         }
         let w = rx.as_mut().expect("subscribed");
@@ -422,7 +503,10 @@ async fn wait_for_grant(api: &Api, mut info: RunInfo, lines: Option<&mpsc::Sende
     }
 }
 
-async fn list_runs(AxState(api): AxState<Api>, Query(q): Query<BTreeMap<String, String>>) -> Result<Json<Value>, ApiError> {
+async fn list_runs(
+    AxState(api): AxState<Api>,
+    Query(q): Query<BTreeMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
     if let Some(k) = q.keys().find(|k| *k != "limit") {
         return Err(ApiError::invalid(k, "is not a known query parameter"));
     }
@@ -431,20 +515,31 @@ async fn list_runs(AxState(api): AxState<Api>, Query(q): Query<BTreeMap<String, 
             .parse::<usize>()
             .ok()
             .filter(|n| (1..=LIST_MAX).contains(n))
-            .ok_or_else(|| ApiError::invalid("limit", format!("must be an integer from 1 to {LIST_MAX}")))?,
+            .ok_or_else(|| {
+                ApiError::invalid("limit", format!("must be an integer from 1 to {LIST_MAX}"))
+            })?,
         None => LIST_MAX,
     };
     let runs = ask(&api, |reply| Msg::List { limit, reply }).await?;
-    Ok(Json(json!({ "runs": runs.iter().map(run_json).collect::<Vec<_>>() })))
+    Ok(Json(
+        json!({ "runs": runs.iter().map(run_json).collect::<Vec<_>>() }),
+    ))
 }
 
-async fn get_run(AxState(api): AxState<Api>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn get_run(
+    AxState(api): AxState<Api>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     check_run_id(&id)?;
     let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
     Ok(Json(run_json(&info)))
 }
 
-async fn renew(AxState(api): AxState<Api>, Path(id): Path<String>, body: Body) -> Result<Json<Value>, ApiError> {
+async fn renew(
+    AxState(api): AxState<Api>,
+    Path(id): Path<String>,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
     check_run_id(&id)?;
     let b: RenewBody = json_body(body, true).await?;
     let fence = b.fence.map(check_fence).transpose()?;
@@ -462,7 +557,11 @@ async fn renew(AxState(api): AxState<Api>, Path(id): Path<String>, body: Body) -
     Ok(Json(run_json(&info)))
 }
 
-async fn release(AxState(api): AxState<Api>, Path(id): Path<String>, body: Body) -> Result<Json<Value>, ApiError> {
+async fn release(
+    AxState(api): AxState<Api>,
+    Path(id): Path<String>,
+    body: Body,
+) -> Result<Json<Value>, ApiError> {
     check_run_id(&id)?;
     let b: ReleaseBody = json_body(body, false).await?;
     let fence = check_fence(b.fence)?;
@@ -471,15 +570,24 @@ async fn release(AxState(api): AxState<Api>, Path(id): Path<String>, body: Body)
     Ok(Json(run_json(&info)))
 }
 
-async fn delete_run(AxState(api): AxState<Api>, Path(id): Path<String>, Query(q): Query<BTreeMap<String, String>>) -> Result<Json<Value>, ApiError> {
+async fn delete_run(
+    AxState(api): AxState<Api>,
+    Path(id): Path<String>,
+    Query(q): Query<BTreeMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
     check_run_id(&id)?;
     if let Some(k) = q.keys().find(|k| *k != "fence") {
         return Err(ApiError::invalid(k, "is not a known query parameter"));
     }
     let cmd = match q.get("fence") {
         Some(f) => {
-            let f = f.parse::<u64>().map_err(|_| ApiError::invalid("fence", "must be a positive integer"))?;
-            Command::Release { run_id: id, fence: check_fence(f)? }
+            let f = f
+                .parse::<u64>()
+                .map_err(|_| ApiError::invalid("fence", "must be a positive integer"))?;
+            Command::Release {
+                run_id: id,
+                fence: check_fence(f)?,
+            }
         }
         None => Command::Cancel { run_id: id },
     };
@@ -523,11 +631,17 @@ async fn status(AxState(api): AxState<Api>) -> Result<Json<Value>, ApiError> {
     Ok(Json(status_json(&s)))
 }
 
-async fn fence_check(AxState(api): AxState<Api>, Query(q): Query<BTreeMap<String, String>>) -> Result<Json<Value>, ApiError> {
+async fn fence_check(
+    AxState(api): AxState<Api>,
+    Query(q): Query<BTreeMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
     if let Some(k) = q.keys().find(|k| *k != "fence" && *k != "run_id") {
         return Err(ApiError::invalid(k, "is not a known query parameter"));
     }
-    let run_id = q.get("run_id").ok_or_else(|| ApiError::invalid("run_id", "is required"))?.clone();
+    let run_id = q
+        .get("run_id")
+        .ok_or_else(|| ApiError::invalid("run_id", "is required"))?
+        .clone();
     check_run_id(&run_id)?;
     let fence = q
         .get("fence")
@@ -536,20 +650,35 @@ async fn fence_check(AxState(api): AxState<Api>, Query(q): Query<BTreeMap<String
         .map_err(|_| ApiError::invalid("fence", "must be a positive integer"))?;
     let fence = check_fence(fence)?;
     let id = run_id.clone();
-    let (current, state) = ask(&api, |reply| Msg::FenceCheck { run_id: id, fence, reply }).await?;
-    Ok(Json(json!({"run_id": run_id, "fence": fence, "current": current, "state": state.map(|s| s.as_str())})))
+    let (current, state) = ask(&api, |reply| Msg::FenceCheck {
+        run_id: id,
+        fence,
+        reply,
+    })
+    .await?;
+    Ok(Json(
+        json!({"run_id": run_id, "fence": fence, "current": current, "state": state.map(|s| s.as_str())}),
+    ))
 }
 
 async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response, ApiError> {
     let b: TokenBody = json_body(body, false).await?;
-    let scope = Scope::parse(&b.scope).ok_or_else(|| ApiError::invalid("scope", "must be read, operator or admin"))?;
+    let scope = Scope::parse(&b.scope)
+        .ok_or_else(|| ApiError::invalid("scope", "must be read, operator or admin"))?;
     let token = ask(&api, |reply| Msg::CreateToken { scope, reply }).await?;
-    Ok((StatusCode::CREATED, Json(json!({"token": token, "scope": scope.as_str()}))).into_response())
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"token": token, "scope": scope.as_str()})),
+    )
+        .into_response())
 }
 
 /// Which scope a route needs: reads need `read`, run changes `operator`, the rest `admin`.
 fn required_scope(method: &Method, path: &str) -> Scope {
-    if path.starts_with("/v1/tokens") || path.starts_with("/v1/drain") || path.starts_with("/v1/reap") {
+    if path.starts_with("/v1/tokens")
+        || path.starts_with("/v1/drain")
+        || path.starts_with("/v1/reap")
+    {
         Scope::Admin
     } else if method == Method::GET || method == Method::HEAD {
         Scope::Read
@@ -569,7 +698,12 @@ async fn authenticate(AxState(api): AxState<Api>, req: Request, next: Next) -> R
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
     let Some(token) = token else {
-        return ApiError::new(401, "unauthorized", "a bearer token is required (Authorization: Bearer <token>)").into_response();
+        return ApiError::new(
+            401,
+            "unauthorized",
+            "a bearer token is required (Authorization: Bearer <token>)",
+        )
+        .into_response();
     };
     let scope = {
         let tokens = api.shared.tokens.read().unwrap();
@@ -580,8 +714,16 @@ async fn authenticate(AxState(api): AxState<Api>, req: Request, next: Next) -> R
     };
     let need = required_scope(req.method(), req.uri().path());
     if scope < need {
-        return ApiError::new(403, "forbidden", format!("this call needs the {} scope; the token has {}", need.as_str(), scope.as_str()))
-            .into_response();
+        return ApiError::new(
+            403,
+            "forbidden",
+            format!(
+                "this call needs the {} scope; the token has {}",
+                need.as_str(),
+                scope.as_str()
+            ),
+        )
+        .into_response();
     }
     next.run(req).await
 }
@@ -591,7 +733,11 @@ async fn not_found() -> ApiError {
 }
 
 async fn method_not_allowed() -> ApiError {
-    ApiError::new(405, "method_not_allowed", "this endpoint does not take that method")
+    ApiError::new(
+        405,
+        "method_not_allowed",
+        "this endpoint does not take that method",
+    )
 }
 
 pub fn router(api: Api) -> Router {
@@ -605,6 +751,9 @@ pub fn router(api: Api) -> Router {
         .route("/v1/tokens", post(create_token))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(axum::middleware::from_fn_with_state(api.clone(), authenticate))
+        .layer(axum::middleware::from_fn_with_state(
+            api.clone(),
+            authenticate,
+        ))
         .with_state(api)
 }

@@ -58,7 +58,10 @@ pub fn new_token() -> std::io::Result<String> {
     use std::io::Read;
     let mut buf = [0u8; 32];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
-    Ok(format!("berth_{}", buf.iter().map(|b| format!("{b:02x}")).collect::<String>()))
+    Ok(format!(
+        "berth_{}",
+        buf.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    ))
 }
 
 #[cfg(test)]
@@ -68,7 +71,10 @@ mod tests {
     #[test]
     fn tokens_match_only_their_hash() {
         let t = new_token().unwrap();
-        let tokens = vec![(hash_token(&t), Scope::Operator), (hash_token("other"), Scope::Admin)];
+        let tokens = vec![
+            (hash_token(&t), Scope::Operator),
+            (hash_token("other"), Scope::Admin),
+        ];
         assert_eq!(lookup(&tokens, &t), Some(Scope::Operator));
         assert_eq!(lookup(&tokens, "other"), Some(Scope::Admin));
         assert_eq!(lookup(&tokens, "nope"), None);

@@ -60,7 +60,10 @@ mod tests {
     #[test]
     fn rfc3339_formats_known_instants() {
         assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(super::rfc3339(1_796_000_000_123), "2026-11-30T00:53:20.123Z");
+        assert_eq!(
+            super::rfc3339(1_796_000_000_123),
+            "2026-11-30T00:53:20.123Z"
+        );
         assert_eq!(super::rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
     }
 }

@@ -40,7 +40,9 @@ pub fn read(worktree: &Path) -> Result<Option<Contract>, String> {
         return Err(bad(format!("must be at most {CONTRACT_BYTES_MAX} bytes")));
     }
     let text = std::fs::read_to_string(&path).map_err(|e| bad(format!("cannot be read: {e}")))?;
-    let table: toml::Table = text.parse().map_err(|e: toml::de::Error| bad(e.message().to_string()))?;
+    let table: toml::Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| bad(e.message().to_string()))?;
     let mut concurrency = Concurrency::Serial;
     let mut singletons = Vec::new();
     let mut ports = Vec::new();
@@ -51,35 +53,55 @@ pub fn read(worktree: &Path) -> Result<Option<Contract>, String> {
                     Some("serial") => Concurrency::Serial,
                     Some("parallel") => Concurrency::Parallel,
                     Some("disabled") => Concurrency::Disabled,
-                    _ => return Err(bad("concurrency must be \"serial\", \"parallel\" or \"disabled\"")),
+                    _ => {
+                        return Err(bad(
+                            "concurrency must be \"serial\", \"parallel\" or \"disabled\"",
+                        ))
+                    }
                 }
             }
             "singletons" => {
-                let arr = value.as_array().ok_or_else(|| bad("singletons must be an array of names"))?;
+                let arr = value
+                    .as_array()
+                    .ok_or_else(|| bad("singletons must be an array of names"))?;
                 for v in arr {
-                    let s = v.as_str().ok_or_else(|| bad("singletons must be an array of names"))?;
-                    berth_core::validate::resource_name(s).map_err(|e| bad(format!("singletons: {e}")))?;
+                    let s = v
+                        .as_str()
+                        .ok_or_else(|| bad("singletons must be an array of names"))?;
+                    berth_core::validate::resource_name(s)
+                        .map_err(|e| bad(format!("singletons: {e}")))?;
                     singletons.push(s.to_string());
                 }
             }
             "port" => {
-                let arr = value.as_array().ok_or_else(|| bad("port must be an array of tables ([[port]])"))?;
+                let arr = value
+                    .as_array()
+                    .ok_or_else(|| bad("port must be an array of tables ([[port]])"))?;
                 for p in arr {
-                    let t = p.as_table().ok_or_else(|| bad("port entries must be tables"))?;
+                    let t = p
+                        .as_table()
+                        .ok_or_else(|| bad("port entries must be tables"))?;
                     let name = t
                         .get("name")
                         .and_then(|n| n.as_str())
                         .ok_or_else(|| bad("every [[port]] needs a name"))?;
                     let upper = name.to_ascii_uppercase().replace(['-', '.'], "_");
-                    if name.is_empty() || name.len() > 32 || !upper.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
-                        return Err(bad(format!("port name {name:?} must be 1-32 letters, digits, '-' or '_'")));
+                    if name.is_empty()
+                        || name.len() > 32
+                        || !upper.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                    {
+                        return Err(bad(format!(
+                            "port name {name:?} must be 1-32 letters, digits, '-' or '_'"
+                        )));
                     }
                     for k in t.keys() {
                         if !["name", "launch", "ready"].contains(&k.as_str()) {
                             return Err(bad(format!("unknown key port.{k}")));
                         }
                     }
-                    ports.push(Port { name: name.to_string() });
+                    ports.push(Port {
+                        name: name.to_string(),
+                    });
                 }
             }
             other => return Err(bad(format!("unknown key {other:?}"))),
@@ -88,7 +110,10 @@ pub fn read(worktree: &Path) -> Result<Option<Contract>, String> {
     // The fingerprint is the SHA-256 of the canonical form: the parsed table written
     // back out with sorted keys, so whitespace and comments do not change it.
     let canonical = toml::to_string(&table).map_err(|e| bad(e.to_string()))?;
-    let fingerprint: String = Sha256::digest(canonical.as_bytes()).iter().map(|b| format!("{b:02x}")).collect();
+    let fingerprint: String = Sha256::digest(canonical.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     Ok(Some(Contract {
         info: ContractInfo {
             concurrency,
@@ -107,7 +132,11 @@ pub fn git_commit(worktree: &Path) -> Option<String> {
         let text = std::fs::read_to_string(&dot_git).ok()?;
         let p = text.trim().strip_prefix("gitdir:")?.trim().to_string();
         let p = Path::new(&p);
-        if p.is_absolute() { p.to_path_buf() } else { worktree.join(p) }
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            worktree.join(p)
+        }
     } else {
         dot_git
     };
@@ -157,10 +186,22 @@ mod tests {
             "# hi\nsingletons = [ \"postgres\" ]\nconcurrency   = \"parallel\"\n\n[[port]]\nname = \"web\"\n",
         )
         .unwrap();
-        assert_eq!(read(wt.path()).unwrap().unwrap().info.fingerprint, c.info.fingerprint);
+        assert_eq!(
+            read(wt.path()).unwrap().unwrap().info.fingerprint,
+            c.info.fingerprint
+        );
         std::fs::write(wt.path().join(".berth.toml"), "concurrency = \"serial\"\n").unwrap();
-        assert_ne!(read(wt.path()).unwrap().unwrap().info.fingerprint, c.info.fingerprint);
-        for bad in ["concurrency = \"sometimes\"", "colour = 1", "singletons = [\"a/b\"]", "[[port]]\nlaunch = {}", "not toml ="] {
+        assert_ne!(
+            read(wt.path()).unwrap().unwrap().info.fingerprint,
+            c.info.fingerprint
+        );
+        for bad in [
+            "concurrency = \"sometimes\"",
+            "colour = 1",
+            "singletons = [\"a/b\"]",
+            "[[port]]\nlaunch = {}",
+            "not toml =",
+        ] {
             std::fs::write(wt.path().join(".berth.toml"), bad).unwrap();
             let e = read(wt.path()).unwrap_err();
             assert!(e.starts_with("worktree .berth.toml:"), "{e}");
@@ -175,7 +216,11 @@ mod tests {
         std::fs::write(wt.path().join(".git/refs/heads/main"), "abc123\n").unwrap();
         assert_eq!(git_commit(wt.path()).as_deref(), Some("abc123"));
         std::fs::remove_file(wt.path().join(".git/refs/heads/main")).unwrap();
-        std::fs::write(wt.path().join(".git/packed-refs"), "# pack\ndef456 refs/heads/main\n").unwrap();
+        std::fs::write(
+            wt.path().join(".git/packed-refs"),
+            "# pack\ndef456 refs/heads/main\n",
+        )
+        .unwrap();
         assert_eq!(git_commit(wt.path()).as_deref(), Some("def456"));
     }
 }

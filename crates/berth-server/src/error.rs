@@ -45,15 +45,29 @@ impl From<CoreError> for ApiError {
         let (status, details) = match &e {
             CoreError::Invalid { field, .. } => (400, json!({ "field": field })),
             CoreError::NotFound { run_id } => (404, json!({ "run_id": run_id })),
-            CoreError::StaleFence { run_id, given, current } => {
-                (409, json!({ "run_id": run_id, "fence": given, "current_fence": current }))
+            CoreError::StaleFence {
+                run_id,
+                given,
+                current,
+            } => (
+                409,
+                json!({ "run_id": run_id, "fence": given, "current_fence": current }),
+            ),
+            CoreError::FenceRequired { run_id } => {
+                (400, json!({ "run_id": run_id, "field": "fence" }))
             }
-            CoreError::FenceRequired { run_id } => (400, json!({ "run_id": run_id, "field": "fence" })),
-            CoreError::Gone { run_id, state } => (410, json!({ "run_id": run_id, "state": state.as_str() })),
+            CoreError::Gone { run_id, state } => {
+                (410, json!({ "run_id": run_id, "state": state.as_str() }))
+            }
             CoreError::Conflict { run_id } => (409, json!({ "run_id": run_id })),
-            CoreError::CapacityImpossible { resource, request, max } => {
-                (422, json!({ "resource": resource, "request": request, "max": max }))
-            }
+            CoreError::CapacityImpossible {
+                resource,
+                request,
+                max,
+            } => (
+                422,
+                json!({ "resource": resource, "request": request, "max": max }),
+            ),
             CoreError::QueueFull { max } => (503, json!({ "max": max })),
             CoreError::ContractDisabled { project } => (422, json!({ "project": project })),
             CoreError::NotEligible { run_id, .. } => (409, json!({ "run_id": run_id })),

@@ -97,9 +97,14 @@ fn admin_token(state_dir: &std::path::Path) -> anyhow::Result<(String, bool)> {
 /// Starts the daemon on the current tokio runtime and returns once it is serving.
 pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     if cfg.insecure_no_auth && !is_loopback(&cfg.listen) {
-        bail!("--insecure-no-auth is only allowed with a loopback listen address, not {}", cfg.listen);
+        bail!(
+            "--insecure-no-auth is only allowed with a loopback listen address, not {}",
+            cfg.listen
+        );
     }
-    cfg.engine.validate().map_err(|e| anyhow::anyhow!("configuration: {e}"))?;
+    cfg.engine
+        .validate()
+        .map_err(|e| anyhow::anyhow!("configuration: {e}"))?;
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating state directory {}", cfg.state_dir.display()))?;
     let runs_dir = workspace::ensure_runs_dir(&cfg.state_dir)?;
@@ -203,7 +208,10 @@ pub struct CommitProbe(pub Arc<std::sync::atomic::AtomicU64>);
 
 async fn signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         return std::future::pending().await;
     };
     tokio::select! {

@@ -109,7 +109,11 @@ pub struct State {
 const CLEANUP_RETRY_MS: u64 = 5_000;
 
 fn store_error(e: &StoreError) -> ApiError {
-    ApiError::new(503, "store_unavailable", format!("the ledger cannot be written: {e}"))
+    ApiError::new(
+        503,
+        "store_unavailable",
+        format!("the ledger cannot be written: {e}"),
+    )
 }
 
 impl State {
@@ -200,7 +204,9 @@ impl State {
         let extra = self.extras.get(run_id);
         let granted = view.state == RunState::Granted;
         let expires_at = view.expires_at_ms.map(clock::mono_to_rfc3339);
-        let ws = extra.and_then(|e| e.workspace.as_ref()).map(|w| w.path.clone());
+        let ws = extra
+            .and_then(|e| e.workspace.as_ref())
+            .map(|w| w.path.clone());
         let mut env = BTreeMap::new();
         if granted {
             let fence = view.fence.unwrap_or(0);
@@ -264,7 +270,11 @@ impl State {
     }
 
     /// Applies one command and everything it sets off; returns the runs it touched.
-    fn apply(&mut self, cmd: Command, touched: &mut BTreeSet<String>) -> Result<Option<RunView>, CoreError> {
+    fn apply(
+        &mut self,
+        cmd: Command,
+        touched: &mut BTreeSet<String>,
+    ) -> Result<Option<RunView>, CoreError> {
         let now = clock::mono_ms();
         let out = self.engine.apply(now, cmd);
         let mut queue: VecDeque<Event> = out.events.into();
@@ -285,7 +295,13 @@ impl State {
                     touched.insert(run_id.clone());
                     // No processes are supervised yet: stopping is removing the workspace.
                     let ok = self.cleanup(run_id);
-                    let more = self.engine.apply(now, Command::StopDone { run_id: run_id.clone(), ok });
+                    let more = self.engine.apply(
+                        now,
+                        Command::StopDone {
+                            run_id: run_id.clone(),
+                            ok,
+                        },
+                    );
                     queue.extend(more.events);
                 }
                 Event::Degraded { run_id } => {
@@ -307,7 +323,9 @@ impl State {
                 | Event::UpgradeGranted { run_id, .. } => {
                     touched.insert(run_id.clone());
                 }
-                Event::Promoted { .. } | Event::EvidenceInvalidated { .. } | Event::MemoryStabilized { .. } => {}
+                Event::Promoted { .. }
+                | Event::EvidenceInvalidated { .. }
+                | Event::MemoryStabilized { .. } => {}
             }
         }
         // Forget what the engine forgot (it keeps `ended_retained_max` ended runs).
@@ -433,7 +451,11 @@ impl State {
                 }
                 if res.is_ok() {
                     self.unclaimed.remove(&id);
-                    if attach && info.as_ref().is_some_and(|i| i.view.state == RunState::Queued) {
+                    if attach
+                        && info
+                            .as_ref()
+                            .is_some_and(|i| i.view.state == RunState::Queued)
+                    {
                         *self.attached.entry(id.clone()).or_default() += 1;
                     }
                 }
@@ -467,7 +489,9 @@ impl State {
                 });
             }
             Msg::Get { run_id, reply } => {
-                let v = self.info(&run_id).ok_or_else(|| CoreError::NotFound { run_id }.into());
+                let v = self
+                    .info(&run_id)
+                    .ok_or_else(|| CoreError::NotFound { run_id }.into());
                 self.answer(reply, v);
             }
             Msg::List { limit, reply } => {
@@ -485,10 +509,15 @@ impl State {
                 let s = self.engine.snapshot();
                 self.answer(reply, Ok(s));
             }
-            Msg::FenceCheck { run_id, fence, reply } => {
+            Msg::FenceCheck {
+                run_id,
+                fence,
+                reply,
+            } => {
                 let v = self.engine.view_of(&run_id);
                 let state = v.as_ref().map(|v| v.state);
-                let current = v.is_some_and(|v| v.fence == Some(fence) && v.state == RunState::Granted);
+                let current =
+                    v.is_some_and(|v| v.fence == Some(fence) && v.state == RunState::Granted);
                 self.answer(reply, Ok((current, state)));
             }
             Msg::Detach { run_id } => {
@@ -502,7 +531,11 @@ impl State {
                 if left == 0 {
                     self.attached.remove(&run_id);
                     // A9: the waiter's client went away; it leaves the queue at once.
-                    if self.engine.view_of(&run_id).is_some_and(|v| v.state == RunState::Queued) {
+                    if self
+                        .engine
+                        .view_of(&run_id)
+                        .is_some_and(|v| v.state == RunState::Queued)
+                    {
                         let mut touched = BTreeSet::new();
                         let _ = self.apply(Command::Cancel { run_id }, &mut touched);
                         self.commit(touched, |_| {});
@@ -521,7 +554,11 @@ impl State {
             Msg::CreateToken { scope, reply } => match crate::auth::new_token() {
                 Ok(token) => {
                     let hash = crate::auth::hash_token(&token);
-                    self.shared.tokens.write().unwrap().push((hash.clone(), scope));
+                    self.shared
+                        .tokens
+                        .write()
+                        .unwrap()
+                        .push((hash.clone(), scope));
                     let batch = Batch {
                         last_fence: self.engine.last_fence(),
                         runs: vec![],
@@ -565,7 +602,13 @@ impl State {
                 let state = self.engine.view_of(&id).map(|v| v.state);
                 if matches!(state, Some(RunState::Releasing | RunState::Degraded)) {
                     let ok = self.cleanup(&id);
-                    let _ = self.apply(Command::StopDone { run_id: id.clone(), ok }, &mut touched);
+                    let _ = self.apply(
+                        Command::StopDone {
+                            run_id: id.clone(),
+                            ok,
+                        },
+                        &mut touched,
+                    );
                     if !ok {
                         self.cleanup_retry.insert(id);
                     }

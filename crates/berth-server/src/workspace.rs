@@ -30,7 +30,10 @@ pub fn dir_name(run_id: &str) -> String {
     d.iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
-fn io<'a>(path: &'a Path, op: &'static str) -> impl FnOnce(rustix::io::Errno) -> WorkspaceError + 'a {
+fn io<'a>(
+    path: &'a Path,
+    op: &'static str,
+) -> impl FnOnce(rustix::io::Errno) -> WorkspaceError + 'a {
     move |e| WorkspaceError::Io {
         path: path.display().to_string(),
         op,
@@ -51,27 +54,34 @@ fn open_dir_nofollow<Fd: std::os::fd::AsFd>(dir: Fd, name: &str) -> rustix::io::
 pub fn create(runs_dir: &Path, run_id: &str) -> Result<WorkspaceIdentity, WorkspaceError> {
     let name = dir_name(run_id);
     let path = runs_dir.join(&name);
-    let parent = fs::open(runs_dir, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
-        .map_err(io(runs_dir, "open runs directory"))?;
+    let parent = fs::open(
+        runs_dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io(runs_dir, "open runs directory"))?;
     // Leftovers under our name (a crash between create and record) are removed first:
     // nothing else may live at this path.
     match open_dir_nofollow(&parent, name.as_str()) {
         Ok(fd) => {
             remove_contents(&fd, &path)?;
             drop(fd);
-            fs::unlinkat(&parent, name.as_str(), AtFlags::REMOVEDIR).map_err(io(&path, "remove leftover"))?;
+            fs::unlinkat(&parent, name.as_str(), AtFlags::REMOVEDIR)
+                .map_err(io(&path, "remove leftover"))?;
         }
         Err(rustix::io::Errno::NOENT) => {}
         Err(_) => {
             // A file or symlink squatting on the name: unlink it, never follow it.
-            fs::unlinkat(&parent, name.as_str(), AtFlags::empty()).map_err(io(&path, "remove squatter"))?;
+            fs::unlinkat(&parent, name.as_str(), AtFlags::empty())
+                .map_err(io(&path, "remove squatter"))?;
         }
     }
     fs::mkdirat(&parent, name.as_str(), Mode::from_raw_mode(0o700)).map_err(io(&path, "mkdir"))?;
     let dir = open_dir_nofollow(&parent, name.as_str()).map_err(io(&path, "open"))?;
     let st = fs::fstat(&dir).map_err(io(&path, "stat"))?;
     for sub in SUBDIRS {
-        fs::mkdirat(&dir, sub, Mode::from_raw_mode(0o700)).map_err(io(&path, "mkdir subdirectory"))?;
+        fs::mkdirat(&dir, sub, Mode::from_raw_mode(0o700))
+            .map_err(io(&path, "mkdir subdirectory"))?;
     }
     Ok(WorkspaceIdentity {
         path: path.display().to_string(),
@@ -84,19 +94,33 @@ pub fn create(runs_dir: &Path, run_id: &str) -> Result<WorkspaceIdentity, Worksp
 /// Already gone is fine; swapped (other inode, a symlink, a file) is an error.
 pub fn remove(ws: &WorkspaceIdentity) -> Result<(), WorkspaceError> {
     let path = PathBuf::from(&ws.path);
-    let (Some(parent_path), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
-        return Err(WorkspaceError::Swapped { path: ws.path.clone() });
+    let (Some(parent_path), Some(name)) =
+        (path.parent(), path.file_name().and_then(|n| n.to_str()))
+    else {
+        return Err(WorkspaceError::Swapped {
+            path: ws.path.clone(),
+        });
     };
-    let parent = fs::open(parent_path, OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
-        .map_err(io(parent_path, "open runs directory"))?;
+    let parent = fs::open(
+        parent_path,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io(parent_path, "open runs directory"))?;
     let dir = match open_dir_nofollow(&parent, name) {
         Ok(fd) => fd,
         Err(rustix::io::Errno::NOENT) => return Ok(()),
-        Err(_) => return Err(WorkspaceError::Swapped { path: ws.path.clone() }),
+        Err(_) => {
+            return Err(WorkspaceError::Swapped {
+                path: ws.path.clone(),
+            })
+        }
     };
     let st = fs::fstat(&dir).map_err(io(&path, "stat"))?;
     if st.st_dev != ws.dev || st.st_ino != ws.ino {
-        return Err(WorkspaceError::Swapped { path: ws.path.clone() });
+        return Err(WorkspaceError::Swapped {
+            path: ws.path.clone(),
+        });
     }
     remove_contents(&dir, &path)?;
     drop(dir);
@@ -124,7 +148,8 @@ fn remove_contents(dir: &OwnedFd, path: &Path) -> Result<(), WorkspaceError> {
             _ => false,
         };
         if is_dir {
-            let sub = open_dir_nofollow(dir, name.as_str()).map_err(io(path, "open subdirectory"))?;
+            let sub =
+                open_dir_nofollow(dir, name.as_str()).map_err(io(path, "open subdirectory"))?;
             remove_contents(&sub, &path.join(&name))?;
             drop(sub);
             fs::unlinkat(dir, name.as_str(), AtFlags::REMOVEDIR).map_err(io(path, "rmdir"))?;

@@ -58,7 +58,9 @@ pub fn default_state_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_STATE_HOME") {
         return PathBuf::from(d).join("berth");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/tmp"));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/tmp"));
     home.join(".local/state/berth")
 }
 
@@ -103,7 +105,12 @@ impl Client {
     }
 
     /// One request with a JSON reply. Connection failures are `Err`.
-    pub fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Result<Reply, ureq::Error> {
+    pub fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Reply, ureq::Error> {
         let url = format!("{}{}", self.url, path);
         let resp = match method {
             "GET" => {
@@ -121,7 +128,10 @@ impl Client {
                 r.call()?
             }
             _ => {
-                let mut r = self.agent.post(&url).header("Content-Type", "application/json");
+                let mut r = self
+                    .agent
+                    .post(&url)
+                    .header("Content-Type", "application/json");
                 if let Some(a) = self.auth() {
                     r = r.header("Authorization", &a);
                 }
@@ -135,7 +145,10 @@ impl Client {
     }
 
     /// `POST /v1/runs` as a stream of JSON lines.
-    pub fn acquire_stream(&self, body: &Value) -> Result<(u16, Box<dyn std::io::BufRead + Send>), ureq::Error> {
+    pub fn acquire_stream(
+        &self,
+        body: &Value,
+    ) -> Result<(u16, Box<dyn std::io::BufRead + Send>), ureq::Error> {
         let mut r = self
             .agent
             .post(format!("{}/v1/runs", self.url))
@@ -169,7 +182,9 @@ fn print_json_reply(r: Reply) -> anyhow::Result<u8> {
 
 pub fn status_main(a: StatusArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a.conn)?;
-    let r = c.call("GET", "/v1/status", None).map_err(|e| anyhow!("cannot reach berth at {}: {e}", c.url))?;
+    let r = c
+        .call("GET", "/v1/status", None)
+        .map_err(|e| anyhow!("cannot reach berth at {}: {e}", c.url))?;
     if r.status >= 300 || a.json {
         return print_json_reply(r);
     }
@@ -190,7 +205,10 @@ pub fn status_main(a: StatusArgs) -> anyhow::Result<u8> {
         s["slots_max"], s["effective_max_now"], s["queued"]["foreground"], s["queued"]["background"], s["granted"], s["degraded"]
     );
     if let Some(r) = s["min_run_blocked"].as_object() {
-        println!("  a default-size run cannot start now: {} {}", r["code"], r["message"]);
+        println!(
+            "  a default-size run cannot start now: {} {}",
+            r["code"], r["message"]
+        );
     }
     for p in s["projects"].as_array().into_iter().flatten() {
         println!(
@@ -207,19 +225,30 @@ pub fn status_main(a: StatusArgs) -> anyhow::Result<u8> {
 
 pub fn runs_main(a: ConnArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a)?;
-    let r = c.call("GET", "/v1/runs", None).map_err(|e| anyhow!("cannot reach berth at {}: {e}", c.url))?;
+    let r = c
+        .call("GET", "/v1/runs", None)
+        .map_err(|e| anyhow!("cannot reach berth at {}: {e}", c.url))?;
     if r.status >= 300 {
         return print_json_reply(r);
     }
-    println!("{:<24} {:<20} {:<10} {:>6} {:>5}  reason", "run", "project", "state", "fence", "pos");
+    println!(
+        "{:<24} {:<20} {:<10} {:>6} {:>5}  reason",
+        "run", "project", "state", "fence", "pos"
+    );
     for run in r.body["runs"].as_array().into_iter().flatten() {
         println!(
             "{:<24} {:<20} {:<10} {:>6} {:>5}  {}",
             run["run_id"].as_str().unwrap_or(""),
             run["project"].as_str().unwrap_or(""),
             run["state"].as_str().unwrap_or(""),
-            run["fence"].as_u64().map(|f| f.to_string()).unwrap_or_default(),
-            run["position"].as_u64().map(|f| f.to_string()).unwrap_or_default(),
+            run["fence"]
+                .as_u64()
+                .map(|f| f.to_string())
+                .unwrap_or_default(),
+            run["position"]
+                .as_u64()
+                .map(|f| f.to_string())
+                .unwrap_or_default(),
             run["reason"]["message"].as_str().unwrap_or("")
         );
     }
@@ -245,7 +274,11 @@ pub fn release_main(a: ReleaseArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a.conn)?;
     let body = serde_json::json!({ "fence": a.fence });
     let r = c
-        .call("POST", &format!("/v1/runs/{}/release", a.run_id), Some(&body))
+        .call(
+            "POST",
+            &format!("/v1/runs/{}/release", a.run_id),
+            Some(&body),
+        )
         .map_err(|e| anyhow!("cannot reach berth at {}: {e}", c.url))?;
     print_json_reply(r)
 }

@@ -15,7 +15,11 @@ pub const EXIT_REFUSED: u8 = 69;
 pub const EXIT_TIMEOUT: u8 = 75;
 
 #[derive(Parser)]
-#[command(name = "berth", version, about = "Host admission and lease broker for agent runs and short jobs")]
+#[command(
+    name = "berth",
+    version,
+    about = "Host admission and lease broker for agent runs and short jobs"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,

@@ -30,7 +30,9 @@ pub fn parse_duration(s: &str) -> Result<u64, String> {
 }
 
 fn parse_cpus(s: &str) -> Result<u64, String> {
-    let v: f64 = s.parse().map_err(|_| format!("{s:?} is not a number of CPUs like 1.5"))?;
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of CPUs like 1.5"))?;
     if !(v > 0.0 && v <= 4096.0) {
         return Err("must be more than 0 and at most 4096".into());
     }
@@ -130,8 +132,12 @@ fn acquire_body(c: &ClaimArgs) -> anyhow::Result<Value> {
         resources.insert("disk".into(), v.into());
     }
     for r in &c.resources {
-        let (n, v) = r.split_once('=').ok_or_else(|| anyhow!("--resource {r:?}: expected NAME=COUNT"))?;
-        let v: u64 = v.parse().map_err(|_| anyhow!("--resource {r:?}: COUNT must be a whole number"))?;
+        let (n, v) = r
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--resource {r:?}: expected NAME=COUNT"))?;
+        let v: u64 = v
+            .parse()
+            .map_err(|_| anyhow!("--resource {r:?}: COUNT must be a whole number"))?;
         resources.insert(n.into(), v.into());
     }
     let mut body = json!({
@@ -151,7 +157,8 @@ fn acquire_body(c: &ClaimArgs) -> anyhow::Result<Value> {
         body["singletons"] = c.singletons.clone().into();
     }
     if let Some(w) = &c.worktree {
-        let abs = std::fs::canonicalize(w).map_err(|e| anyhow!("--worktree {}: {e}", w.display()))?;
+        let abs =
+            std::fs::canonicalize(w).map_err(|e| anyhow!("--worktree {}: {e}", w.display()))?;
         body["worktree"] = abs.to_string_lossy().into_owned().into();
     }
     if let Some(t) = c.ttl {
@@ -194,7 +201,9 @@ fn wait_for_lease(client: &Client, body: &Value, wait_ms: u64) -> Admission {
                 last_ok = Instant::now();
                 for line in reader.lines() {
                     let Ok(line) = line else { break };
-                    let Ok(v) = serde_json::from_str::<Value>(&line) else { continue };
+                    let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                        continue;
+                    };
                     match v["event"].as_str() {
                         Some("queued") => {
                             let text = format!(
@@ -233,22 +242,32 @@ fn wait_for_lease(client: &Client, body: &Value, wait_ms: u64) -> Admission {
             Ok((status, mut reader)) => {
                 let mut text = String::new();
                 let _ = std::io::Read::read_to_string(&mut reader, &mut text);
-                let v: Value = serde_json::from_str(&text).unwrap_or(json!({"error": {"code": "error", "message": text}}));
+                let v: Value = serde_json::from_str(&text)
+                    .unwrap_or(json!({"error": {"code": "error", "message": text}}));
                 if status == 503 && v["error"]["code"] == "shutting_down" {
                     // fall through to retry
                 } else {
                     let (code, msg) = refusal(&v["error"]);
-                    return Admission::Refused(if status == 410 { code } else { EXIT_REFUSED }, msg);
+                    return Admission::Refused(
+                        if status == 410 { code } else { EXIT_REFUSED },
+                        msg,
+                    );
                 }
             }
             Err(e) => {
                 if last_ok.elapsed() > RECONNECT_FOR && started.elapsed() > RECONNECT_FOR {
-                    return Admission::Refused(EXIT_REFUSED, format!("cannot reach berth at {}: {e}", client.url));
+                    return Admission::Refused(
+                        EXIT_REFUSED,
+                        format!("cannot reach berth at {}: {e}", client.url),
+                    );
                 }
             }
         }
         if Instant::now() > give_up {
-            return Admission::Refused(EXIT_TIMEOUT, "admission timed out while berth was unreachable".into());
+            return Admission::Refused(
+                EXIT_TIMEOUT,
+                "admission timed out while berth was unreachable".into(),
+            );
         }
         std::thread::sleep(Duration::from_millis(250));
     }
@@ -293,14 +312,20 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         }
     };
     let fence = lease["fence"].as_u64().unwrap_or(0);
-    let env: BTreeMap<String, String> = serde_json::from_value(lease["env"].clone()).unwrap_or_default();
+    let env: BTreeMap<String, String> =
+        serde_json::from_value(lease["env"].clone()).unwrap_or_default();
     let ttl_ms = a.claim.ttl.unwrap_or(300_000).max(1000);
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         use tokio::signal::unix::{signal, SignalKind};
         let mut cmd = tokio::process::Command::new(&a.cmd[0]);
-        cmd.args(&a.cmd[1..]).envs(&env).process_group(0).kill_on_drop(false);
+        cmd.args(&a.cmd[1..])
+            .envs(&env)
+            .process_group(0)
+            .kill_on_drop(false);
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
@@ -324,7 +349,11 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
                     let c = client.clone();
                     let id = run_id.clone();
                     let r = tokio::task::spawn_blocking(move || {
-                        c.call("POST", &format!("/v1/runs/{id}/renew"), Some(&json!({ "fence": fence })))
+                        c.call(
+                            "POST",
+                            &format!("/v1/runs/{id}/renew"),
+                            Some(&json!({ "fence": fence })),
+                        )
                     })
                     .await;
                     match r {
@@ -341,7 +370,9 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
                         _ => {
                             if Instant::now() > deadline {
                                 lost.store(true, Ordering::SeqCst);
-                                let _ = lost_tx.send("berth was unreachable until the lease ran out".into()).await;
+                                let _ = lost_tx
+                                    .send("berth was unreachable until the lease ran out".into())
+                                    .await;
                                 return;
                             }
                         }
@@ -388,7 +419,11 @@ async fn release(client: &Arc<Client>, run_id: &str, fence: u64) {
         let c = client.clone();
         let id = run_id.to_string();
         let r = tokio::task::spawn_blocking(move || {
-            c.call("POST", &format!("/v1/runs/{id}/release"), Some(&json!({ "fence": fence })))
+            c.call(
+                "POST",
+                &format!("/v1/runs/{id}/release"),
+                Some(&json!({ "fence": fence })),
+            )
         })
         .await;
         match r {

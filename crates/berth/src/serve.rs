@@ -79,25 +79,43 @@ struct FileConfig {
 }
 
 fn size(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
-    v.map(|s| parse_size(&s).map_err(|e| anyhow!("berth.toml {key}: {e}"))).transpose()
+    v.map(|s| parse_size(&s).map_err(|e| anyhow!("berth.toml {key}: {e}")))
+        .transpose()
 }
 
 fn duration(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
-    v.map(|s| parse_duration_ms(&s).map_err(|e| anyhow!("berth.toml {key}: {e}"))).transpose()
+    v.map(|s| parse_duration_ms(&s).map_err(|e| anyhow!("berth.toml {key}: {e}")))
+        .transpose()
 }
 
 pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
-    let state_dir = a.state_dir.clone().unwrap_or_else(crate::client::default_state_dir);
-    let file_path = a.config.clone().unwrap_or_else(|| state_dir.join("berth.toml"));
+    let state_dir = a
+        .state_dir
+        .clone()
+        .unwrap_or_else(crate::client::default_state_dir);
+    let file_path = a
+        .config
+        .clone()
+        .unwrap_or_else(|| state_dir.join("berth.toml"));
     let file: FileConfig = match std::fs::read_to_string(&file_path) {
-        Ok(text) => toml::from_str(&text).map_err(|e| anyhow!("{}: {}", file_path.display(), e.message()))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && a.config.is_none() => FileConfig::default(),
+        Ok(text) => toml::from_str(&text)
+            .map_err(|e| anyhow!("{}: {}", file_path.display(), e.message()))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && a.config.is_none() => {
+            FileConfig::default()
+        }
         Err(e) => return Err(e).with_context(|| format!("reading {}", file_path.display())),
     };
-    std::fs::create_dir_all(&state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating {}", state_dir.display()))?;
     let cpus = berth_server::host::cpus();
-    let mem = a.memory_total.or(size("memory_total", file.memory_total)?).unwrap_or_else(berth_server::host::memory_total);
-    let disk = a.disk_total.or(size("disk_total", file.disk_total)?).unwrap_or_else(|| berth_server::host::disk_total(&state_dir));
+    let mem = a
+        .memory_total
+        .or(size("memory_total", file.memory_total)?)
+        .unwrap_or_else(berth_server::host::memory_total);
+    let disk = a
+        .disk_total
+        .or(size("disk_total", file.disk_total)?)
+        .unwrap_or_else(|| berth_server::host::disk_total(&state_dir));
     let mut c = berth_core::Config::for_host(cpus, mem, disk);
     if let Some(v) = a.cpu_total.or(file.cpu_total) {
         c.cpu_total_millis = v;
@@ -106,7 +124,10 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     if let Some(v) = a.slots_max.or(file.slots_max) {
         c.slots_max = v;
     }
-    if let Some(v) = a.memory_reserve.or(size("memory_reserve", file.memory_reserve)?) {
+    if let Some(v) = a
+        .memory_reserve
+        .or(size("memory_reserve", file.memory_reserve)?)
+    {
         c.memory_reserve = v;
     }
     if let Some(v) = a.cpu_reserve.or(file.cpu_reserve) {
@@ -118,7 +139,10 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     if let Some(v) = a.window.or(file.window) {
         c.window = v;
     }
-    if let Some(v) = a.starvation_guard.or(duration("starvation_guard", file.starvation_guard)?) {
+    if let Some(v) = a
+        .starvation_guard
+        .or(duration("starvation_guard", file.starvation_guard)?)
+    {
         c.starvation_guard_ms = v;
     }
     let mut named: BTreeMap<String, u64> = file.resources.unwrap_or_default();
@@ -126,7 +150,9 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         let (name, count) = r
             .split_once('=')
             .ok_or_else(|| anyhow!("--resource {r:?}: expected NAME=COUNT"))?;
-        let count: u64 = count.parse().map_err(|_| anyhow!("--resource {r:?}: COUNT must be a whole number"))?;
+        let count: u64 = count
+            .parse()
+            .map_err(|_| anyhow!("--resource {r:?}: COUNT must be a whole number"))?;
         named.insert(name.to_string(), count);
     }
     c.named = named.into_iter().collect();
@@ -135,11 +161,17 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     }
     Ok(berth_server::ServeConfig {
         state_dir,
-        listen: a.listen.or(file.listen).unwrap_or_else(|| "127.0.0.1:7420".parse().expect("addr")),
+        listen: a
+            .listen
+            .or(file.listen)
+            .unwrap_or_else(|| "127.0.0.1:7420".parse().expect("addr")),
         insecure_no_auth: a.insecure_no_auth || file.insecure_no_auth.unwrap_or(false),
         engine: c,
         sample_memory: !(a.no_memory_sampling || file.no_memory_sampling.unwrap_or(false)),
-        reconnect_window_ms: a.reconnect_window.or(duration("reconnect_window", file.reconnect_window)?).unwrap_or(30_000),
+        reconnect_window_ms: a
+            .reconnect_window
+            .or(duration("reconnect_window", file.reconnect_window)?)
+            .unwrap_or(30_000),
         group_commit: true,
         tick_ms: 100,
     })
@@ -148,12 +180,15 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
 pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG").unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_env("BERTH_LOG")
+                .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
     let cfg = build_config(a)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async move {
         let running = berth_server::start(cfg.clone()).await?;
         // One parseable line for scripts and tests, then the human one.
@@ -165,7 +200,10 @@ pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
             if cfg.insecure_no_auth {
                 "no auth".to_string()
             } else {
-                format!("admin token in {}", cfg.state_dir.join("admin.token").display())
+                format!(
+                    "admin token in {}",
+                    cfg.state_dir.join("admin.token").display()
+                )
             }
         );
         running.wait().await

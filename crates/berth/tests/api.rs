@@ -16,27 +16,53 @@ fn acquire(d: &Daemon, body: Value) -> common::Resp {
 #[test]
 fn stale_fence_idempotent_release_gone_after_release_and_impossible_at_once() {
     let d = Daemon::start(&["--slots-max", "2"]);
-    let a = acquire(&d, json!({"run_id": "a", "project": "p", "resources": {"memory": 1 << 30, "cpu_millis": 500}}));
+    let a = acquire(
+        &d,
+        json!({"run_id": "a", "project": "p", "resources": {"memory": 1 << 30, "cpu_millis": 500}}),
+    );
     assert_eq!(a.status, 201, "{:?}", a.body);
     assert_eq!(a.body["state"], "granted");
     let fence = a.body["fence"].as_u64().unwrap();
     assert!(fence >= 1);
     // L7: the same body re-attaches to the same lease and fence; another body conflicts.
-    let again = acquire(&d, json!({"run_id": "a", "project": "p", "resources": {"memory": 1 << 30, "cpu_millis": 500}}));
-    assert_eq!((again.status, again.body["fence"].as_u64()), (201, Some(fence)));
+    let again = acquire(
+        &d,
+        json!({"run_id": "a", "project": "p", "resources": {"memory": 1 << 30, "cpu_millis": 500}}),
+    );
+    assert_eq!(
+        (again.status, again.body["fence"].as_u64()),
+        (201, Some(fence))
+    );
     let other = acquire(&d, json!({"run_id": "a", "project": "p"}));
     assert_eq!((other.status, other.code()), (409, "conflict"));
     // L2: a wrong fence is 409 stale_fence.
     let stale = d.post("/v1/runs/a/renew", &json!({"fence": fence + 1}).to_string());
-    assert_eq!((stale.status, stale.code()), (409, "stale_fence"), "{:?}", stale.body);
-    let stale = d.post("/v1/runs/a/release", &json!({"fence": fence + 7}).to_string());
+    assert_eq!(
+        (stale.status, stale.code()),
+        (409, "stale_fence"),
+        "{:?}",
+        stale.body
+    );
+    let stale = d.post(
+        "/v1/runs/a/release",
+        &json!({"fence": fence + 7}).to_string(),
+    );
     assert_eq!((stale.status, stale.code()), (409, "stale_fence"));
-    let ok = d.post("/v1/runs/a/renew", &json!({"fence": fence, "ttl_s": 120}).to_string());
+    let ok = d.post(
+        "/v1/runs/a/renew",
+        &json!({"fence": fence, "ttl_s": 120}).to_string(),
+    );
     assert_eq!(ok.status, 200);
     // L5: release is idempotent for the same fence.
     let r1 = d.post("/v1/runs/a/release", &json!({"fence": fence}).to_string());
     let r2 = d.post("/v1/runs/a/release", &json!({"fence": fence}).to_string());
-    assert_eq!((r1.status, r2.status), (200, 200), "{:?} {:?}", r1.body, r2.body);
+    assert_eq!(
+        (r1.status, r2.status),
+        (200, 200),
+        "{:?} {:?}",
+        r1.body,
+        r2.body
+    );
     assert_eq!(r2.body["state"], "released");
     // L4: renew after release is 410 gone.
     let gone = d.post("/v1/runs/a/renew", &json!({"fence": fence}).to_string());
@@ -44,7 +70,10 @@ fn stale_fence_idempotent_release_gone_after_release_and_impossible_at_once() {
     assert_eq!(gone.body["error"]["details"]["state"], "released");
     // A3: refused at once, naming the resource, request and maximum.
     let t = Instant::now();
-    let imp = acquire(&d, json!({"project": "p", "resources": {"memory": 64u64 << 30}, "wait_s": 600}));
+    let imp = acquire(
+        &d,
+        json!({"project": "p", "resources": {"memory": 64u64 << 30}, "wait_s": 600}),
+    );
     assert_eq!((imp.status, imp.code()), (422, "capacity_impossible"));
     assert!(t.elapsed() < Duration::from_secs(5));
     assert_eq!(imp.body["error"]["details"]["resource"], "memory");
@@ -53,7 +82,10 @@ fn stale_fence_idempotent_release_gone_after_release_and_impossible_at_once() {
     let fc = d.get(&format!("/v1/fences/check?run_id=a&fence={fence}"));
     assert_eq!(fc.body["current"], false);
     assert_eq!(fc.body["state"], "released");
-    let b = acquire(&d, json!({"run_id": "b", "project": "p", "resources": {"cpu_millis": 100}}));
+    let b = acquire(
+        &d,
+        json!({"run_id": "b", "project": "p", "resources": {"cpu_millis": 100}}),
+    );
     let bf = b.body["fence"].as_u64().unwrap();
     assert!(bf > fence);
     let fc = d.get(&format!("/v1/fences/check?run_id=b&fence={bf}"));
@@ -73,24 +105,49 @@ fn tokens_missing_wrong_and_under_scoped() {
     let op = d.post("/v1/tokens", r#"{"scope":"operator"}"#);
     let op_token = op.body["token"].as_str().unwrap().to_string();
     // read: GET only.
-    assert_eq!(d.call_as(Some(&read_token), "GET", "/v1/status", None).status, 200);
-    let denied = d.call_as(Some(&read_token), "POST", "/v1/runs", Some(r#"{"project":"p"}"#));
+    assert_eq!(
+        d.call_as(Some(&read_token), "GET", "/v1/status", None)
+            .status,
+        200
+    );
+    let denied = d.call_as(
+        Some(&read_token),
+        "POST",
+        "/v1/runs",
+        Some(r#"{"project":"p"}"#),
+    );
     assert_eq!((denied.status, denied.code()), (403, "forbidden"));
     // operator: runs, but not tokens.
-    let ok = d.call_as(Some(&op_token), "POST", "/v1/runs", Some(r#"{"project":"p","resources":{"cpu_millis":10}}"#));
+    let ok = d.call_as(
+        Some(&op_token),
+        "POST",
+        "/v1/runs",
+        Some(r#"{"project":"p","resources":{"cpu_millis":10}}"#),
+    );
     assert_eq!(ok.status, 201, "{:?}", ok.body);
-    let denied = d.call_as(Some(&op_token), "POST", "/v1/tokens", Some(r#"{"scope":"admin"}"#));
+    let denied = d.call_as(
+        Some(&op_token),
+        "POST",
+        "/v1/tokens",
+        Some(r#"{"scope":"admin"}"#),
+    );
     assert_eq!(denied.status, 403);
     // Tokens are stored hashed: the ledger file does not contain them.
     let ledger = std::fs::read(d.state.join("ledger.db")).unwrap();
     let wal = std::fs::read(d.state.join("ledger.db-wal")).unwrap_or_default();
     for t in [&read_token, &op_token, &d.token] {
         let needle = t.as_bytes();
-        assert!(!ledger.windows(needle.len()).any(|w| w == needle) && !wal.windows(needle.len()).any(|w| w == needle));
+        assert!(
+            !ledger.windows(needle.len()).any(|w| w == needle)
+                && !wal.windows(needle.len()).any(|w| w == needle)
+        );
     }
     // The admin token file is 0600.
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(d.state.join("admin.token")).unwrap().permissions().mode();
+    let mode = std::fs::metadata(d.state.join("admin.token"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o600);
 }
 
@@ -98,11 +155,22 @@ fn tokens_missing_wrong_and_under_scoped() {
 fn insecure_no_auth_is_refused_off_loopback() {
     let dir = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(common::BERTH)
-        .args(["serve", "--state-dir", dir.path().to_str().unwrap(), "--listen", "0.0.0.0:0", "--insecure-no-auth"])
+        .args([
+            "serve",
+            "--state-dir",
+            dir.path().to_str().unwrap(),
+            "--listen",
+            "0.0.0.0:0",
+            "--insecure-no-auth",
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("loopback"), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("loopback"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// Raw HTTP, for bodies no well-behaved client would send.
@@ -119,21 +187,35 @@ fn raw(d: &Daemon, method: &str, path: &str, headers: &str, body: &[u8]) -> (u16
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
     let text = String::from_utf8_lossy(&out).to_string();
-    let status: u16 = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let status: u16 = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     let body = text.split("\r\n\r\n").nth(1).unwrap_or("");
-    (status, serde_json::from_str(body).unwrap_or(Value::String(body.to_string())))
+    (
+        status,
+        serde_json::from_str(body).unwrap_or(Value::String(body.to_string())),
+    )
 }
 
 #[test]
 fn malformed_requests_get_4xx_with_a_code_and_change_nothing() {
     let d = Daemon::start(&["--slots-max", "2"]);
-    let held = acquire(&d, json!({"run_id": "held", "project": "p", "resources": {"cpu_millis": 100}}));
+    let held = acquire(
+        &d,
+        json!({"run_id": "held", "project": "p", "resources": {"cpu_millis": 100}}),
+    );
     let fence = held.body["fence"].as_u64().unwrap();
     let before_status = d.get("/v1/status").body;
     let before_runs = d.get("/v1/runs").body;
-    let big = format!(r#"{{"project":"p","labels":{{"x":"{}"}}}}"#, "y".repeat(70 * 1024));
+    let big = format!(
+        r#"{{"project":"p","labels":{{"x":"{}"}}}}"#,
+        "y".repeat(70 * 1024)
+    );
     let long_id = "r".repeat(129);
-    let many_labels: serde_json::Map<String, Value> = (0..33).map(|i| (format!("k{i}"), json!("v"))).collect();
+    let many_labels: serde_json::Map<String, Value> =
+        (0..33).map(|i| (format!("k{i}"), json!("v"))).collect();
     let cases: Vec<(&str, String, String)> = vec![
         ("POST", "/v1/runs".into(), "".into()),
         ("POST", "/v1/runs".into(), "{".into()),
@@ -145,48 +227,184 @@ fn malformed_requests_get_4xx_with_a_code_and_change_nothing() {
         ("POST", "/v1/runs".into(), r#"{"project":"-x"}"#.into()),
         ("POST", "/v1/runs".into(), r#"{"project":"a b"}"#.into()),
         ("POST", "/v1/runs".into(), r#"{"project":7}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","unknown":1}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","class":"wizard"}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","priority":"urgent"}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","ttl_s":0}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","ttl_s":86401}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","ttl_s":-5}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","ttl_s":1.5}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","ttl_s":"10"}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","wait_s":86401}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","wait_s":99999999999999999999999}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","resources":{"memory":-1}}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","resources":{"memory":"2GiB"}}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","resources":{"slots":0}}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","resources":{"fpga":1}}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","resources":[]}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","singletons":["a/b"]}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","singletons":"db"}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","worktree":"relative/path"}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","worktree":"/definitely/not/here"}"#.into()),
-        ("POST", "/v1/runs".into(), format!(r#"{{"project":"p","run_id":"{long_id}"}}"#)),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","run_id":"bad/id"}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","labels":{"k":5}}"#.into()),
-        ("POST", "/v1/runs".into(), json!({"project": "p", "labels": many_labels}).to_string()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","budget":{"scope":"s","harness":"h"}}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"p","project":"q"}"#.into()),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","unknown":1}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","class":"wizard"}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","priority":"urgent"}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","ttl_s":0}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","ttl_s":86401}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","ttl_s":-5}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","ttl_s":1.5}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","ttl_s":"10"}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","wait_s":86401}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","wait_s":99999999999999999999999}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","resources":{"memory":-1}}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","resources":{"memory":"2GiB"}}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","resources":{"slots":0}}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","resources":{"fpga":1}}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","resources":[]}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","singletons":["a/b"]}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","singletons":"db"}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","worktree":"relative/path"}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","worktree":"/definitely/not/here"}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            format!(r#"{{"project":"p","run_id":"{long_id}"}}"#),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","run_id":"bad/id"}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","labels":{"k":5}}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            json!({"project": "p", "labels": many_labels}).to_string(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","budget":{"scope":"s","harness":"h"}}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs".into(),
+            r#"{"project":"p","project":"q"}"#.into(),
+        ),
         ("POST", "/v1/runs".into(), big),
-        ("POST", "/v1/runs/held/renew".into(), r#"{"fence":0}"#.into()),
-        ("POST", "/v1/runs/held/renew".into(), r#"{"fence":9007199254740992}"#.into()),
-        ("POST", "/v1/runs/held/renew".into(), r#"{"fence":"1"}"#.into()),
-        ("POST", "/v1/runs/held/renew".into(), format!(r#"{{"fence":{fence},"ttl_s":0}}"#)),
-        ("POST", "/v1/runs/held/renew".into(), format!(r#"{{"fence":{fence},"extra":true}}"#)),
+        (
+            "POST",
+            "/v1/runs/held/renew".into(),
+            r#"{"fence":0}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs/held/renew".into(),
+            r#"{"fence":9007199254740992}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs/held/renew".into(),
+            r#"{"fence":"1"}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs/held/renew".into(),
+            format!(r#"{{"fence":{fence},"ttl_s":0}}"#),
+        ),
+        (
+            "POST",
+            "/v1/runs/held/renew".into(),
+            format!(r#"{{"fence":{fence},"extra":true}}"#),
+        ),
         ("POST", "/v1/runs/held/release".into(), r#"{}"#.into()),
-        ("POST", "/v1/runs/held/release".into(), r#"{"fence":-1}"#.into()),
-        ("POST", "/v1/runs/held/release".into(), format!(r#"{{"fence":{}}}"#, fence + 1)),
-        ("POST", "/v1/runs/nobody/release".into(), r#"{"fence":1}"#.into()),
+        (
+            "POST",
+            "/v1/runs/held/release".into(),
+            r#"{"fence":-1}"#.into(),
+        ),
+        (
+            "POST",
+            "/v1/runs/held/release".into(),
+            format!(r#"{{"fence":{}}}"#, fence + 1),
+        ),
+        (
+            "POST",
+            "/v1/runs/nobody/release".into(),
+            r#"{"fence":1}"#.into(),
+        ),
         ("DELETE", "/v1/runs/held".into(), "".into()),
         ("DELETE", "/v1/runs/held?fence=abc".into(), "".into()),
         ("DELETE", "/v1/runs/held?fence=1&x=2".into(), "".into()),
         ("GET", "/v1/runs/bad%2Fid".into(), "".into()),
         ("GET", "/v1/runs?limit=0".into(), "".into()),
         ("GET", "/v1/fences/check?run_id=held".into(), "".into()),
-        ("GET", "/v1/fences/check?run_id=held&fence=x".into(), "".into()),
+        (
+            "GET",
+            "/v1/fences/check?run_id=held&fence=x".into(),
+            "".into(),
+        ),
         ("GET", "/v1/nope".into(), "".into()),
         ("PUT", "/v1/runs".into(), "{}".into()),
         ("POST", "/v1/tokens".into(), r#"{"scope":"god"}"#.into()),
@@ -194,31 +412,57 @@ fn malformed_requests_get_4xx_with_a_code_and_change_nothing() {
     assert!(cases.len() >= 40);
     for (method, path, body) in &cases {
         let r = d.call(method, path, Some(body));
-        assert!((400..500).contains(&r.status), "{method} {path} {body:.80} -> {} {:?}", r.status, r.body);
-        assert!(!r.code().is_empty(), "{method} {path} {body:.80}: no error code in {:?}", r.body);
+        assert!(
+            (400..500).contains(&r.status),
+            "{method} {path} {body:.80} -> {} {:?}",
+            r.status,
+            r.body
+        );
+        assert!(
+            !r.code().is_empty(),
+            "{method} {path} {body:.80}: no error code in {:?}",
+            r.body
+        );
         if r.status == 400 {
             let msg = r.body["error"]["message"].as_str().unwrap_or("");
-            assert!(msg.contains(':'), "{method} {path}: message should name the field: {msg}");
+            assert!(
+                msg.contains(':'),
+                "{method} {path}: message should name the field: {msg}"
+            );
         }
     }
     // Invalid UTF-8 and a lying Content-Type.
-    let (status, body) = raw(&d, "POST", "/v1/runs", "Content-Type: application/json\r\n", b"{\"project\":\"\xff\xfe\"}");
+    let (status, body) = raw(
+        &d,
+        "POST",
+        "/v1/runs",
+        "Content-Type: application/json\r\n",
+        b"{\"project\":\"\xff\xfe\"}",
+    );
     assert_eq!(status, 400, "{body:?}");
     assert_eq!(body["error"]["details"]["field"], "body");
     // Still serving, nothing changed (no new run, no fence issued, the holder intact).
     assert_eq!(d.get("/v1/status").body, before_status);
     assert_eq!(d.get("/v1/runs").body, before_runs);
-    assert_eq!(d.post("/v1/runs/held/renew", &json!({"fence": fence}).to_string()).status, 200);
+    assert_eq!(
+        d.post("/v1/runs/held/renew", &json!({"fence": fence}).to_string())
+            .status,
+        200
+    );
 }
 
 #[test]
 fn a_dropped_long_poll_leaves_the_queue_at_once() {
     let d = Daemon::start(&["--slots-max", "1"]);
-    let h = acquire(&d, json!({"run_id": "holder", "project": "a", "resources": {"cpu_millis": 100}}));
+    let h = acquire(
+        &d,
+        json!({"run_id": "holder", "project": "a", "resources": {"cpu_millis": 100}}),
+    );
     assert_eq!(h.status, 201);
     // A raw long-poll that we then drop.
     let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
-    let body = json!({"run_id": "waiter", "project": "b", "resources": {"cpu_millis": 100}}).to_string();
+    let body =
+        json!({"run_id": "waiter", "project": "b", "resources": {"cpu_millis": 100}}).to_string();
     write!(
         s,
         "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
@@ -226,35 +470,55 @@ fn a_dropped_long_poll_leaves_the_queue_at_once() {
         body.len()
     )
     .unwrap();
-    d.wait_until("the waiter is queued", |d| d.get("/v1/runs/waiter").body["state"] == "queued");
+    d.wait_until("the waiter is queued", |d| {
+        d.get("/v1/runs/waiter").body["state"] == "queued"
+    });
     drop(s);
-    d.wait_until("the waiter is cancelled", |d| d.get("/v1/runs/waiter").body["state"] == "cancelled");
+    d.wait_until("the waiter is cancelled", |d| {
+        d.get("/v1/runs/waiter").body["state"] == "cancelled"
+    });
 }
 
 #[test]
 fn ndjson_stream_reports_position_and_reason_then_the_grant() {
     let d = Daemon::start(&["--slots-max", "1"]);
-    let h = acquire(&d, json!({"run_id": "holder", "project": "acme/web", "resources": {"cpu_millis": 100}}));
+    let h = acquire(
+        &d,
+        json!({"run_id": "holder", "project": "acme/web", "resources": {"cpu_millis": 100}}),
+    );
     let fence = h.body["fence"].as_u64().unwrap();
     let url = d.url.clone();
     let token = d.token.clone();
     let reader = std::thread::spawn(move || {
-        let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .build()
+            .into();
         let resp = agent
             .post(format!("{url}/v1/runs"))
             .header("Authorization", &format!("Bearer {token}"))
             .header("Accept", "application/x-ndjson")
-            .send(json!({"run_id": "w", "project": "acme/web", "resources": {"cpu_millis": 100}}).to_string())
+            .send(
+                json!({"run_id": "w", "project": "acme/web", "resources": {"cpu_millis": 100}})
+                    .to_string(),
+            )
             .unwrap();
         let text = resp.into_body().read_to_string().unwrap();
-        text.lines().map(|l| serde_json::from_str::<Value>(l).unwrap()).collect::<Vec<_>>()
+        text.lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .collect::<Vec<_>>()
     });
-    d.wait_until("w is queued", |d| d.get("/v1/runs/w").body["state"] == "queued");
+    d.wait_until("w is queued", |d| {
+        d.get("/v1/runs/w").body["state"] == "queued"
+    });
     let q = d.get("/v1/runs/w").body;
     assert_eq!(q["position"], 1);
     assert_eq!(q["reason"]["code"], "key.exclusive");
     assert!(q["reason"]["message"].as_str().unwrap().contains("holder"));
-    d.post("/v1/runs/holder/release", &json!({"fence": fence}).to_string());
+    d.post(
+        "/v1/runs/holder/release",
+        &json!({"fence": fence}).to_string(),
+    );
     let lines = reader.join().unwrap();
     assert_eq!(lines.first().unwrap()["event"], "queued", "{lines:?}");
     assert_eq!(lines.first().unwrap()["reason"]["code"], "key.exclusive");
@@ -267,12 +531,24 @@ fn ndjson_stream_reports_position_and_reason_then_the_grant() {
 #[test]
 fn a_run_that_waits_past_its_deadline_expires() {
     let d = Daemon::start(&["--slots-max", "1"]);
-    acquire(&d, json!({"run_id": "holder", "project": "a", "resources": {"cpu_millis": 100}}));
+    acquire(
+        &d,
+        json!({"run_id": "holder", "project": "a", "resources": {"cpu_millis": 100}}),
+    );
     let t = Instant::now();
-    let r = acquire(&d, json!({"run_id": "late", "project": "b", "wait_s": 1, "resources": {"cpu_millis": 100}}));
+    let r = acquire(
+        &d,
+        json!({"run_id": "late", "project": "b", "wait_s": 1, "resources": {"cpu_millis": 100}}),
+    );
     assert_eq!((r.status, r.code()), (410, "expired"), "{:?}", r.body);
     assert!(t.elapsed() >= Duration::from_millis(900));
-    let now0 = acquire(&d, json!({"run_id": "now", "project": "c", "wait_s": 0, "resources": {"cpu_millis": 100}}));
+    let now0 = acquire(
+        &d,
+        json!({"run_id": "now", "project": "c", "wait_s": 0, "resources": {"cpu_millis": 100}}),
+    );
     assert_eq!((now0.status, now0.code()), (410, "expired"));
-    assert_eq!(now0.body["error"]["details"]["reason"]["code"], "capacity.slots");
+    assert_eq!(
+        now0.body["error"]["details"]["reason"]["code"],
+        "capacity.slots"
+    );
 }

@@ -13,7 +13,11 @@ use serde_json::Value;
 pub const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 pub struct Daemon {
@@ -57,24 +61,27 @@ impl Daemon {
     }
 
     pub fn start_in(state: &Path, port: u16, extra: &[&str]) -> Daemon {
+        let defaults = [
+            ("--memory-total", "8GiB"),
+            ("--memory-reserve", "1GiB"),
+            ("--cpu-total", "4000"),
+            ("--disk-total", "100GiB"),
+            ("--disk-reserve", "0"),
+        ];
         let mut args: Vec<String> = vec![
             "serve".into(),
             "--state-dir".into(),
             state.display().to_string(),
             "--listen".into(),
             format!("127.0.0.1:{port}"),
-            "--memory-total".into(),
-            "8GiB".into(),
-            "--memory-reserve".into(),
-            "1GiB".into(),
-            "--cpu-total".into(),
-            "4000".into(),
-            "--disk-total".into(),
-            "100GiB".into(),
-            "--disk-reserve".into(),
-            "0".into(),
             "--no-memory-sampling".into(),
         ];
+        for (flag, value) in defaults {
+            if !extra.contains(&flag) {
+                args.push(flag.into());
+                args.push(value.into());
+            }
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut d = Daemon {
             child: None,
@@ -98,8 +105,13 @@ impl Daemon {
             .spawn()
             .expect("start berth serve");
         let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        assert!(line.starts_with("listening on"), "berth serve said {line:?}");
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(
+            line.starts_with("listening on"),
+            "berth serve said {line:?}"
+        );
         self.token = std::fs::read_to_string(self.state.join("admin.token"))
             .map(|t| t.trim().to_string())
             .unwrap_or_default();
@@ -119,7 +131,13 @@ impl Daemon {
         }
     }
 
-    pub fn call_as(&self, token: Option<&str>, method: &str, path: &str, body: Option<&str>) -> Resp {
+    pub fn call_as(
+        &self,
+        token: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<&str>,
+    ) -> Resp {
         let url = format!("{}{}", self.url, path);
         let a = agent();
         let auth = token.map(|t| format!("Bearer {t}"));
@@ -175,7 +193,8 @@ impl Daemon {
     /// `berth` CLI command pointed at this daemon.
     pub fn cli(&self) -> Command {
         let mut c = Command::new(BERTH);
-        c.env("BERTH_URL", &self.url).env("BERTH_TOKEN", &self.token);
+        c.env("BERTH_URL", &self.url)
+            .env("BERTH_TOKEN", &self.token);
         c
     }
 

@@ -1,0 +1,324 @@
+//! `berth run` and friends against the real daemon: concurrency limits, serial
+//! projects, exit codes, the environment, signal forwarding, release on exit.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::Daemon;
+use serde_json::json;
+
+/// A CMD that records how many runs of its group are inside at once: it creates a
+/// marker, counts the markers, holds for a while, removes it. The largest count seen is
+/// the real concurrency (the last of N concurrent runs to arrive sees all N).
+fn probe_script(dir: &Path, group: &str) -> String {
+    format!(
+        "d={dir}/{group}; mkdir -p $d; touch $d/$BERTH_RUN_ID; n=$(ls $d | wc -l); echo $n >> {dir}/{group}.counts; sleep 0.4; rm $d/$BERTH_RUN_ID",
+        dir = dir.display()
+    )
+}
+
+fn max_count(dir: &Path, group: &str) -> usize {
+    std::fs::read_to_string(dir.join(format!("{group}.counts")))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+#[test]
+fn concurrency_never_exceeds_slots_max() {
+    let d = Daemon::start(&["--slots-max", "3", "--cpu-total", "64000"]);
+    let dir = tempfile::tempdir().unwrap();
+    let children: Vec<_> = (0..10)
+        .map(|i| {
+            d.cli()
+                .args([
+                    "run",
+                    "--project",
+                    &format!("p{i}"),
+                    "--cpus",
+                    "0.1",
+                    "--memory",
+                    "10MiB",
+                    "--disk",
+                    "0",
+                    "--",
+                    "sh",
+                    "-c",
+                ])
+                .arg(probe_script(dir.path(), "all"))
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    let max = max_count(dir.path(), "all");
+    assert!(max <= 3, "saw {max} runs at once with --slots-max 3");
+    assert!(
+        max >= 2,
+        "runs never overlapped (max {max}): the test would prove nothing"
+    );
+    let lines = std::fs::read_to_string(dir.path().join("all.counts")).unwrap();
+    assert_eq!(lines.lines().count(), 10);
+}
+
+#[test]
+fn serial_projects_serialize_while_different_projects_run_in_parallel() {
+    let d = Daemon::start(&["--slots-max", "8", "--cpu-total", "64000"]);
+    let dir = tempfile::tempdir().unwrap();
+    let mut children = Vec::new();
+    for i in 0..4 {
+        for (group, project) in [
+            ("same", "acme/web".to_string()),
+            ("diff", format!("solo{i}")),
+        ] {
+            children.push(
+                d.cli()
+                    .args([
+                        "run",
+                        "--project",
+                        &project,
+                        "--cpus",
+                        "0.1",
+                        "--memory",
+                        "10MiB",
+                        "--disk",
+                        "0",
+                        "--",
+                        "sh",
+                        "-c",
+                    ])
+                    .arg(probe_script(dir.path(), group))
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            );
+        }
+    }
+    for mut c in children {
+        assert!(c.wait().unwrap().success());
+    }
+    assert_eq!(
+        max_count(dir.path(), "same"),
+        1,
+        "runs of one serial project overlapped"
+    );
+    assert!(
+        max_count(dir.path(), "diff") >= 2,
+        "different projects never ran in parallel"
+    );
+}
+
+#[test]
+fn exit_codes_environment_and_release_on_exit() {
+    let d = Daemon::start(&["--slots-max", "2"]);
+    // CMD's exit code is berth's.
+    let st = d
+        .cli()
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--cpus",
+            "0.1",
+            "--",
+            "sh",
+            "-c",
+            "exit 7",
+        ])
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(7));
+    // The environment of W2, a workspace with an empty out/ (W4), TMPDIR inside it.
+    let out = d
+        .cli()
+        .args(["run", "--project", "Acme", "--run-id", "env-1", "--cpus", "0.1", "--", "sh", "-c",
+               "env | grep -E '^(BERTH_|TMPDIR=)' | sort; ls -A $BERTH_OUTPUT_DIR | wc -l; test -d $TMPDIR && echo tmp-ok"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    for var in [
+        "BERTH_URL=",
+        "BERTH_RUN_ID=env-1",
+        "BERTH_FENCE=",
+        "BERTH_PROJECT=Acme",
+        "BERTH_CLASS=managed",
+        "BERTH_PRIORITY=foreground",
+        "BERTH_LEASE_EXPIRES_AT=",
+        "BERTH_WORKSPACE=",
+        "BERTH_TMP_DIR=",
+        "TMPDIR=",
+        "BERTH_LOG_DIR=",
+        "BERTH_CACHE_DIR=",
+        "BERTH_BROWSER_DIR=",
+        "BERTH_OUTPUT_DIR=",
+        "BERTH_CONCURRENCY=serial",
+    ] {
+        assert!(
+            text.lines().any(|l| l.starts_with(var)),
+            "missing {var} in\n{text}"
+        );
+    }
+    assert!(text.contains("\n0\n") && text.contains("tmp-ok"), "{text}");
+    // Released when CMD exited, and its workspace is gone.
+    let r = d.get("/v1/runs/env-1");
+    assert_eq!(r.body["state"], "released", "{:?}", r.body);
+    let ws = text
+        .lines()
+        .find_map(|l| l.strip_prefix("BERTH_WORKSPACE="))
+        .unwrap();
+    assert!(!Path::new(ws).exists(), "workspace {ws} left behind");
+    // Refused: 69. Admission timeout: 75. Usage: 2.
+    let st = d
+        .cli()
+        .args(["run", "--project", "p", "--memory", "64GiB", "--", "true"])
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(69));
+    let blocker = d.post("/v1/runs", &json!({"run_id": "blocker", "project": "busy", "resources": {"slots": 2, "cpu_millis": 10}}).to_string());
+    assert_eq!(blocker.status, 201);
+    let st = d
+        .cli()
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--cpus",
+            "0.1",
+            "--wait",
+            "1s",
+            "--",
+            "true",
+        ])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(75));
+    let st = d
+        .cli()
+        .args(["run", "--project", "p"])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(2));
+    let st = d
+        .cli()
+        .args(["run", "--memory", "lots", "--", "true"])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(2));
+}
+
+#[test]
+fn signals_are_forwarded_to_cmd_and_the_lease_released() {
+    let d = Daemon::start(&["--slots-max", "2"]);
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("got-term");
+    let script = format!(
+        "trap 'echo term > {m}; exit 42' TERM; echo started > {m}.start; while true; do sleep 0.05; done",
+        m = marker.display()
+    );
+    let mut child = d
+        .cli()
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--run-id",
+            "sig-1",
+            "--cpus",
+            "0.1",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let start = dir.path().join("got-term.start");
+    for _ in 0..200 {
+        if start.exists() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert!(start.exists(), "CMD never started");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_child(&child),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(42), "berth run should exit with CMD's code");
+    assert_eq!(std::fs::read_to_string(&marker).unwrap().trim(), "term");
+    assert_eq!(d.get("/v1/runs/sig-1").body["state"], "released");
+}
+
+#[test]
+fn scripts_get_json_from_acquire_renew_release_status_and_runs() {
+    let d = Daemon::start(&["--slots-max", "2"]);
+    let out = d
+        .cli()
+        .args([
+            "acquire",
+            "--project",
+            "s",
+            "--run-id",
+            "s-1",
+            "--cpus",
+            "0.1",
+            "--ttl",
+            "1m",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lease: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let fence = lease["fence"].as_u64().unwrap().to_string();
+    let out = d
+        .cli()
+        .args(["renew", "s-1", "--fence", &fence, "--ttl", "2m"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let out = d.cli().args(["runs"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("s-1"));
+    let out = d.cli().args(["status"]).output().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("project s"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let out = d
+        .cli()
+        .args(["release", "s-1", "--fence", &fence])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["state"], "released");
+    let out = d
+        .cli()
+        .args(["release", "s-1", "--fence", "999"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let _ = Command::new("true");
+}

@@ -1,0 +1,168 @@
+//! P5: `kill -9` of the daemon while runs hold leases and others wait, then a restart
+//! on the same ledger: leases renew with the same fences, waiters keep their order,
+//! new fences are higher than any before, and `berth run` clients ride it out.
+
+mod common;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::Daemon;
+use serde_json::{json, Value};
+
+/// Starts a long-poll acquire on a raw socket and returns the socket (kept open).
+fn long_poll(d: &Daemon, body: &Value) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    let body = body.to_string();
+    write!(
+        s,
+        "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        d.token,
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+fn waiter(id: &str) -> Value {
+    json!({"run_id": id, "project": format!("w-{id}"), "resources": {"cpu_millis": 100}, "ttl_s": 60})
+}
+
+#[test]
+fn kill_9_keeps_leases_fences_and_queue_order() {
+    let mut d = Daemon::start(&["--slots-max", "2", "--reconnect-window", "3s"]);
+    let mut fences = Vec::new();
+    for id in ["h1", "h2"] {
+        let r = d.post(
+            "/v1/runs",
+            &json!({"run_id": id, "project": id, "resources": {"cpu_millis": 100}, "ttl_s": 60})
+                .to_string(),
+        );
+        assert_eq!(r.status, 201);
+        fences.push(r.body["fence"].as_u64().unwrap());
+    }
+    let ws = d.get("/v1/runs/h1").body["workspace"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut sockets = Vec::new();
+    for id in ["w1", "w2", "w3"] {
+        sockets.push(long_poll(&d, &waiter(id)));
+        d.wait_until("the waiter is queued", |d| {
+            d.get(&format!("/v1/runs/{id}")).body["state"] == "queued"
+        });
+    }
+    let order = |d: &Daemon| -> Vec<(String, u64)> {
+        d.get("/v1/runs").body["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| r["state"] == "queued")
+            .map(|r| {
+                (
+                    r["run_id"].as_str().unwrap().to_string(),
+                    r["position"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    let before = order(&d);
+    assert_eq!(
+        before,
+        vec![("w1".into(), 1), ("w2".into(), 2), ("w3".into(), 3)]
+    );
+    let max_before = *fences.iter().max().unwrap();
+
+    d.kill9_and_restart();
+
+    // Leases renew with the same fences; the workspace is still there.
+    for (id, f) in ["h1", "h2"].iter().zip(&fences) {
+        let r = d.post(
+            &format!("/v1/runs/{id}/renew"),
+            &json!({"fence": f}).to_string(),
+        );
+        assert_eq!(r.status, 200, "{id}: {:?}", r.body);
+        assert_eq!(r.body["fence"].as_u64(), Some(*f));
+    }
+    assert!(std::path::Path::new(&ws).is_dir());
+    // Waiters keep their order and positions.
+    assert_eq!(order(&d), before);
+    // w1's client reconnects by posting the same run again (L7).
+    let _w1 = long_poll(&d, &waiter("w1"));
+    std::thread::sleep(Duration::from_millis(300));
+    // Capacity frees: w1 gets the next fence, above every fence issued before.
+    let r = d.post(
+        "/v1/runs/h1/release",
+        &json!({"fence": fences[0]}).to_string(),
+    );
+    assert_eq!(r.status, 200);
+    d.wait_until("w1 is granted", |d| {
+        d.get("/v1/runs/w1").body["state"] == "granted"
+    });
+    let f = d.get("/v1/runs/w1").body["fence"].as_u64().unwrap();
+    assert!(f > max_before, "fence {f} not above {max_before}");
+    // Nobody reclaimed w2 and w3 within the reconnect window: they are cancelled.
+    d.wait_until("w2 and w3 are cancelled", |d| {
+        d.get("/v1/runs/w2").body["state"] == "cancelled"
+            && d.get("/v1/runs/w3").body["state"] == "cancelled"
+    });
+    // A second crash right away loses nothing acknowledged either.
+    d.kill9_and_restart();
+    assert_eq!(d.get("/v1/runs/w1").body["fence"].as_u64(), Some(f));
+    assert_eq!(d.get("/v1/runs/h1").body["state"], "released");
+    let n = d.post(
+        "/v1/runs",
+        &json!({"run_id": "n", "project": "n", "resources": {"cpu_millis": 100}, "wait_s": 0})
+            .to_string(),
+    );
+    let nf = d.post(
+        "/v1/runs/h2/release",
+        &json!({"fence": fences[1]}).to_string(),
+    );
+    assert_eq!(nf.status, 200);
+    let n2 = d.post(
+        "/v1/runs",
+        &json!({"run_id": "n2", "project": "n2", "resources": {"cpu_millis": 100}}).to_string(),
+    );
+    assert_eq!(n2.status, 201, "{:?} {:?}", n.body, n2.body);
+    assert!(n2.body["fence"].as_u64().unwrap() > f);
+}
+
+#[test]
+fn berth_run_keeps_renewing_across_a_daemon_restart() {
+    let mut d = Daemon::start(&["--slots-max", "2"]);
+    let mut child = d
+        .cli()
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--run-id",
+            "survivor",
+            "--cpus",
+            "0.1",
+            "--ttl",
+            "3s",
+            "--",
+            "sh",
+            "-c",
+            "sleep 6; exit 5",
+        ])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    d.wait_until("survivor is granted", |d| {
+        d.get("/v1/runs/survivor").body["state"] == "granted"
+    });
+    let fence = d.get("/v1/runs/survivor").body["fence"].as_u64();
+    d.kill9();
+    std::thread::sleep(Duration::from_millis(1500));
+    d.kill9_and_restart();
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(5), "the child should finish normally");
+    let r = d.get("/v1/runs/survivor").body;
+    assert_eq!(r["state"], "released", "{r:?}");
+    assert_eq!(r["fence"].as_u64(), fence);
+}
