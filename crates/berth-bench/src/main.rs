@@ -56,7 +56,16 @@ enum Bench {
         #[arg(long, default_value_t = 200)]
         naive_passes: usize,
     },
+    /// acquire -> release lifecycles over HTTP against a real daemon on SQLite.
+    Http {
+        #[arg(long, default_value_t = 64)]
+        clients: usize,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+    },
 }
+
+mod http;
 
 const SLOTS: u64 = 8;
 const PROJECTS: u64 = 512;
@@ -219,6 +228,7 @@ fn naive_depth(depth: u64, passes: usize) -> f64 {
 fn main() {
     let args = Args::parse();
     match args.bench {
+        Bench::Http { clients, seconds } => http::main(clients, seconds),
         Bench::Core {
             passes,
             naive_passes,

@@ -341,14 +341,19 @@ fn ended_error(i: &RunInfo) -> ApiError {
         .with(json!({"run_id": i.view.run_id, "state": state.as_str(), "reason": i.view.reason.as_ref().map(|r| json!({"code": r.code, "message": r.message}))}))
 }
 
-/// Sends `Detach` when a waiting connection goes away (A9).
+/// Sends `Detach` when a waiting connection goes away (A9). Disarmed when the run
+/// never waited (granted or refused at once): then there is nothing to detach from.
 struct AttachGuard {
     tx: mpsc::Sender<Msg>,
     run_id: String,
+    armed: bool,
 }
 
 impl Drop for AttachGuard {
     fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
         let tx = self.tx.clone();
         let run_id = std::mem::take(&mut self.run_id);
         // Never block in drop; the channel is large and the state task drains it fast.
@@ -383,9 +388,10 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
     let waits = req.wait_ms > 0;
     // The guard exists before the acquire is sent: if this connection drops at any
     // point from here on, the waiter is cancelled (A9).
-    let guard = waits.then(|| AttachGuard {
+    let mut guard = waits.then(|| AttachGuard {
         tx: api.tx.clone(),
         run_id: run_id.clone(),
+        armed: true,
     });
     let first = ask(&api, |reply| Msg::Acquire {
         req,
@@ -394,7 +400,12 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         attach: waits,
         reply,
     })
-    .await?;
+    .await;
+    // The state task counted an attachment only if the run is queued.
+    if let Some(g) = guard.as_mut() {
+        g.armed = matches!(&first, Ok(i) if i.view.state == RunState::Queued);
+    }
+    let first = first?;
     if !stream {
         let info = wait_for_grant(&api, first, None).await?;
         drop(guard);

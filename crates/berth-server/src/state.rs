@@ -91,7 +91,7 @@ pub struct State {
     engine: Engine,
     writer: Writer,
     shared: Arc<Shared>,
-    runs_dir: PathBuf,
+    workspaces: workspace::Pool,
     extras: HashMap<String, Extra>,
     ended: VecDeque<String>,
     next_seq: u64,
@@ -182,7 +182,8 @@ impl State {
             engine,
             writer,
             shared,
-            runs_dir,
+            workspaces: workspace::Pool::start(&runs_dir)
+                .map_err(|e| format!("workspace pool: {e}"))?,
             extras,
             ended,
             next_seq: ledger.next_queue_seq,
@@ -282,7 +283,7 @@ impl State {
             match &ev {
                 Event::Granted { run_id, .. } => {
                     touched.insert(run_id.clone());
-                    match workspace::create(&self.runs_dir, run_id) {
+                    match self.workspaces.create(run_id) {
                         Ok(ws) => {
                             if let Some(e) = self.extras.get_mut(run_id) {
                                 e.workspace = Some(ws);
@@ -345,7 +346,7 @@ impl State {
         let Some(ws) = self.extras.get(run_id).and_then(|e| e.workspace.clone()) else {
             return true;
         };
-        match workspace::remove(&ws) {
+        match self.workspaces.remove(&ws) {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(run_id, "cleanup failed: {e}");

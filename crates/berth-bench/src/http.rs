@@ -1,0 +1,140 @@
+//! `berth-bench http`: acquire -> release lifecycles from N concurrent HTTP clients
+//! against a daemon on a temporary SQLite ledger with durability on; then the same
+//! workload against a daemon whose ledger commits every write on its own (baseline).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+struct Outcome {
+    lifecycles: u64,
+    seconds: f64,
+    grant_ms: Vec<f64>,
+    commits: u64,
+    errors: u64,
+}
+
+fn config(state: &std::path::Path, group_commit: bool) -> berth_server::ServeConfig {
+    let mut engine = berth_core::Config::for_host(64, 1 << 40, 1 << 44);
+    engine.slots_max = 4096;
+    engine.memory_reserve = 0;
+    engine.cpu_reserve_millis = 0;
+    engine.disk_reserve = 0;
+    berth_server::ServeConfig {
+        state_dir: state.to_path_buf(),
+        listen: "127.0.0.1:0".parse().unwrap(),
+        insecure_no_auth: false,
+        engine,
+        sample_memory: false,
+        reconnect_window_ms: 30_000,
+        group_commit,
+        tick_ms: 100,
+    }
+}
+
+fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
+    let dir = tempfile::tempdir().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let running = rt
+        .block_on(berth_server::start(config(dir.path(), group_commit)))
+        .expect("daemon");
+    let url = format!("http://{}", running.addr);
+    let token = running.admin_token.clone().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicU64::new(0));
+    let errors = Arc::new(AtomicU64::new(0));
+    let lat = Arc::new(Mutex::new(Vec::new()));
+    let commits_before = running.commits();
+    let started = Instant::now();
+    let threads: Vec<_> = (0..clients)
+        .map(|c| {
+            let (url, token, stop, count, errors, lat) =
+                (url.clone(), format!("Bearer {token}"), stop.clone(), count.clone(), errors.clone(), lat.clone());
+            std::thread::spawn(move || {
+                let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+                let mut mine = Vec::new();
+                let mut i = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    i += 1;
+                    let id = format!("c{c}-{i}");
+                    let body = json!({"run_id": id, "project": format!("bench-{c}"), "resources": {"memory": 1 << 20, "cpu_millis": 1, "disk": 0}}).to_string();
+                    let t = Instant::now();
+                    let r = agent.post(format!("{url}/v1/runs")).header("Authorization", &token).send(body);
+                    let Ok(r) = r else {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    let status = r.status().as_u16();
+                    let v: serde_json::Value = r.into_body().read_json().unwrap_or_default();
+                    mine.push(t.elapsed().as_secs_f64() * 1000.0);
+                    if status != 201 {
+                        errors.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    }
+                    let fence = v["fence"].as_u64().unwrap_or(0);
+                    let r = agent
+                        .post(format!("{url}/v1/runs/{id}/release"))
+                        .header("Authorization", &token)
+                        .send(json!({"fence": fence}).to_string());
+                    match r {
+                        Ok(r) if r.status().as_u16() == 200 => {
+                            let _ = r.into_body().read_to_string();
+                            count.fetch_add(1, Ordering::Relaxed);
+                        }
+                        _ => {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                lat.lock().unwrap().extend(mine);
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(seconds));
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let commits = running.commits() - commits_before;
+    rt.block_on(running.stop()).unwrap();
+    let mut grant_ms = Arc::try_unwrap(lat).unwrap().into_inner().unwrap();
+    grant_ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Outcome {
+        lifecycles: count.load(Ordering::Relaxed),
+        seconds: secs,
+        grant_ms,
+        commits,
+        errors: errors.load(Ordering::Relaxed),
+    }
+}
+
+fn pct(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+pub fn main(clients: usize, seconds: u64) {
+    let grouped = run(clients, seconds, true);
+    let baseline = run(clients, seconds, false);
+    let rate = grouped.lifecycles as f64 / grouped.seconds;
+    let base_rate = baseline.lifecycles as f64 / baseline.seconds;
+    println!(
+        "{{\"clients\":{clients},\"seconds\":{seconds},\"lifecycles\":{},\"lifecycles_per_s\":{rate:.0},\"grant_p50_ms\":{:.3},\"grant_p99_ms\":{:.3},\"commits_per_lifecycle\":{:.3},\"errors\":{},\"baseline_lifecycles_per_s\":{base_rate:.0},\"baseline_commits_per_lifecycle\":{:.3},\"speedup\":{:.2}}}",
+        grouped.lifecycles,
+        pct(&grouped.grant_ms, 0.5),
+        pct(&grouped.grant_ms, 0.99),
+        grouped.commits as f64 / grouped.lifecycles.max(1) as f64,
+        grouped.errors + baseline.errors,
+        baseline.commits as f64 / baseline.lifecycles.max(1) as f64,
+        rate / base_rate.max(1e-9),
+    );
+}
