@@ -552,3 +552,136 @@ fn a_run_that_waits_past_its_deadline_expires() {
         "capacity.slots"
     );
 }
+
+#[test]
+fn the_worktree_contract_shapes_the_claim() {
+    let d = Daemon::start(&["--slots-max", "4"]);
+    let wt = tempfile::tempdir().unwrap();
+    let path = wt.path().to_str().unwrap().to_string();
+    // No contract: serial, no singletons.
+    let r = acquire(
+        &d,
+        json!({"run_id": "c0", "project": "web", "worktree": path, "resources": {"cpu_millis": 10}}),
+    );
+    assert_eq!(r.status, 201);
+    assert_eq!(r.body["env"]["BERTH_WORKTREE"], path.as_str());
+    d.post(
+        "/v1/runs/c0/release",
+        &json!({"fence": r.body["fence"]}).to_string(),
+    );
+    // Singletons from the contract become exclusive keys (C2).
+    std::fs::write(
+        wt.path().join(".berth.toml"),
+        "concurrency = \"parallel\"\nsingletons = [\"postgres\"]\n",
+    )
+    .unwrap();
+    let r = acquire(
+        &d,
+        json!({"run_id": "c1", "project": "web", "worktree": path, "resources": {"cpu_millis": 10}}),
+    );
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let keys: Vec<String> = r.body["claim"]["keys"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| {
+            format!(
+                "{}={}",
+                k["key"].as_str().unwrap(),
+                k["mode"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        keys,
+        vec![
+            "project:web:runtime=exclusive",
+            "singleton:postgres=exclusive"
+        ]
+    );
+    // Another project's run wanting the same singleton waits for it.
+    let w = acquire(
+        &d,
+        json!({"run_id": "c2", "project": "api", "singletons": ["postgres"], "wait_s": 0, "resources": {"cpu_millis": 10}}),
+    );
+    assert_eq!(w.status, 410);
+    assert_eq!(
+        w.body["error"]["details"]["reason"]["code"],
+        "key.exclusive"
+    );
+    // disabled: 422; invalid: 400 naming the file and the key.
+    std::fs::write(
+        wt.path().join(".berth.toml"),
+        "concurrency = \"disabled\"\n",
+    )
+    .unwrap();
+    let r = acquire(&d, json!({"project": "web", "worktree": path}));
+    assert_eq!((r.status, r.code()), (422, "contract_disabled"));
+    std::fs::write(wt.path().join(".berth.toml"), "concurrency = \"maybe\"\n").unwrap();
+    let r = acquire(&d, json!({"project": "web", "worktree": path}));
+    assert_eq!(r.status, 400);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains(".berth.toml"),
+        "{:?}",
+        r.body
+    );
+}
+
+#[test]
+fn the_config_file_sets_totals_and_bad_files_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("berth.toml"),
+        "slots_max = 3\nmemory_total = \"6GiB\"\nmemory_reserve = \"1GiB\"\ncpu_total = 8000\n[resources]\ngpu = 2\n",
+    )
+    .unwrap();
+    let d = Daemon::start_in(dir.path(), common::free_port(), &[]);
+    let s = d.get("/v1/status").body;
+    assert_eq!(s["slots_max"], 3);
+    let res = s["resources"].as_array().unwrap();
+    let find = |n: &str| res.iter().find(|r| r["name"] == n).unwrap().clone();
+    assert_eq!(find("gpu")["total"], 2);
+    // The harness passes --memory-total 8GiB: flags win over the file.
+    assert_eq!(find("memory")["total"], 8u64 << 30);
+    drop(d);
+    std::fs::write(dir.path().join("berth.toml"), "slots_maxx = 3\n").unwrap();
+    let out = std::process::Command::new(common::BERTH)
+        .args([
+            "serve",
+            "--state-dir",
+            dir.path().to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("berth.toml") && err.contains("slots_maxx"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_corrupt_ledger_stops_the_daemon_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ledger.db"), vec![0x42u8; 8192]).unwrap();
+    let out = std::process::Command::new(common::BERTH)
+        .args([
+            "serve",
+            "--state-dir",
+            dir.path().to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:0",
+            "--no-memory-sampling",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("ledger"), "{err}");
+}

@@ -322,3 +322,33 @@ fn scripts_get_json_from_acquire_renew_release_status_and_runs() {
     assert!(!out.status.success());
     let _ = Command::new("true");
 }
+
+#[test]
+fn berth_run_shows_position_and_reason_while_it_waits() {
+    let d = Daemon::start(&["--slots-max", "1"]);
+    let h = d.post(
+        "/v1/runs",
+        &json!({"run_id": "h", "project": "acme", "resources": {"cpu_millis": 10}}).to_string(),
+    );
+    let fence = h.body["fence"].as_u64().unwrap();
+    let child = d
+        .cli()
+        .args(["run", "--project", "acme", "--cpus", "0.1", "--", "true"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    d.wait_until("a waiter queues", |d| {
+        d.get("/v1/runs").body["runs"].as_array().unwrap().len() == 2
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    d.post("/v1/runs/h/release", &json!({"fence": fence}).to_string());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    // Not a terminal: plain lines.
+    assert!(
+        err.contains("waiting: position 1, key.exclusive (project acme is serial; run h holds it)"),
+        "{err}"
+    );
+    assert!(!err.contains('\r'));
+}
