@@ -14,6 +14,12 @@ macro_rules! ensure {
 
 impl Engine {
     pub fn check_invariants(&self) -> Result<(), String> {
+        // A5: no background run was ever granted while a foreground run waited.
+        ensure!(
+            self.background_grants_while_foreground_waits == 0,
+            "{} background grant(s) while foreground runs waited",
+            self.background_grants_while_foreground_waits
+        );
         let n = self.allocatable.len();
         let nkeys = self.keys.len();
         let mut committed = vec![0u64; n];
