@@ -107,25 +107,35 @@ pub fn remove(ws: &WorkspaceIdentity) -> Result<(), WorkspaceError> {
         Mode::empty(),
     )
     .map_err(io(parent_path, "open runs directory"))?;
-    let dir = match open_dir_nofollow(&parent, name) {
-        Ok(fd) => fd,
-        Err(rustix::io::Errno::NOENT) => return Ok(()),
-        Err(_) => {
-            return Err(WorkspaceError::Swapped {
-                path: ws.path.clone(),
-            })
-        }
+    let Some(dir) = open_verified(&parent, name, ws)? else {
+        return Ok(());
     };
-    let st = fs::fstat(&dir).map_err(io(&path, "stat"))?;
-    if st.st_dev != ws.dev || st.st_ino != ws.ino {
-        return Err(WorkspaceError::Swapped {
-            path: ws.path.clone(),
-        });
-    }
     remove_contents(&dir, &path)?;
     drop(dir);
     fs::unlinkat(&parent, name, AtFlags::REMOVEDIR).map_err(io(&path, "rmdir"))?;
     Ok(())
+}
+
+/// Opens `name` under `parent` if it is still the workspace berth created (W1):
+/// `None` when it is already gone; `Swapped` when it is another inode, a link or a file.
+fn open_verified(
+    parent: &OwnedFd,
+    name: &str,
+    ws: &WorkspaceIdentity,
+) -> Result<Option<OwnedFd>, WorkspaceError> {
+    let swapped = || WorkspaceError::Swapped {
+        path: ws.path.clone(),
+    };
+    let dir = match open_dir_nofollow(parent, name) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Ok(None),
+        Err(_) => return Err(swapped()),
+    };
+    let st = fs::fstat(&dir).map_err(io(Path::new(&ws.path), "stat"))?;
+    if st.st_dev != ws.dev || st.st_ino != ws.ino {
+        return Err(swapped());
+    }
+    Ok(Some(dir))
 }
 
 /// Empties a directory through its descriptor, depth first, never following links.
@@ -270,20 +280,8 @@ impl Pool {
             return remove(ws);
         }
         let parent = &self.runs_fd;
-        let dir = match open_dir_nofollow(parent, name) {
-            Ok(fd) => fd,
-            Err(rustix::io::Errno::NOENT) => return Ok(()),
-            Err(_) => {
-                return Err(WorkspaceError::Swapped {
-                    path: ws.path.clone(),
-                })
-            }
-        };
-        let st = fs::fstat(&dir).map_err(io(&path, "stat"))?;
-        if st.st_dev != ws.dev || st.st_ino != ws.ino {
-            return Err(WorkspaceError::Swapped {
-                path: ws.path.clone(),
-            });
+        if open_verified(parent, name, ws)?.is_none() {
+            return Ok(());
         }
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let aside = format!("{name}-{n}");
