@@ -31,6 +31,8 @@ fn config(state: &std::path::Path, group_commit: bool) -> berth_server::ServeCon
         reconnect_window_ms: 30_000,
         group_commit,
         tick_ms: 100,
+        stop_grace_ms: 10_000,
+        cgroups: true,
     }
 }
 

@@ -138,6 +138,13 @@ struct ReleaseBody {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct ProcessBody {
+    fence: u64,
+    pid: i32,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct TokenBody {
     scope: String,
 }
@@ -581,6 +588,27 @@ async fn release(
     Ok(Json(run_json(&info)))
 }
 
+async fn register_process(
+    AxState(api): AxState<Api>,
+    Path(id): Path<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    check_run_id(&id)?;
+    let b: ProcessBody = json_body(body, false).await?;
+    let fence = check_fence(b.fence)?;
+    if b.pid <= 0 {
+        return Err(ApiError::invalid("pid", "must be a positive process id"));
+    }
+    let info = ask(&api, |reply| Msg::RegisterProcess {
+        run_id: id,
+        fence,
+        pid: b.pid,
+        reply,
+    })
+    .await?;
+    Ok((StatusCode::CREATED, Json(run_json(&info))).into_response())
+}
+
 async fn delete_run(
     AxState(api): AxState<Api>,
     Path(id): Path<String>,
@@ -757,6 +785,7 @@ pub fn router(api: Api) -> Router {
         .route("/v1/runs/{id}", get(get_run).delete(delete_run))
         .route("/v1/runs/{id}/renew", post(renew))
         .route("/v1/runs/{id}/release", post(release))
+        .route("/v1/runs/{id}/processes", post(register_process))
         .route("/v1/status", get(status))
         .route("/v1/fences/check", get(fence_check))
         .route("/v1/tokens", post(create_token))

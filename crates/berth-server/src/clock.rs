@@ -23,11 +23,13 @@ pub fn boot_id() -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
-/// A monotonic instant shown as the wall-clock time it corresponds to now.
+/// A monotonic instant shown as wall-clock time. The offset between the clocks is
+/// taken once per daemon, so the same instant always prints the same (and a wall-clock
+/// jump later changes what people see, never when a lease expires, L6).
 pub fn mono_to_rfc3339(mono: u64) -> String {
-    let now_mono = mono_ms() as i128;
-    let now_wall = wall_ms() as i128;
-    rfc3339((now_wall + (mono as i128 - now_mono)).max(0) as u64)
+    static OFFSET: std::sync::OnceLock<i128> = std::sync::OnceLock::new();
+    let offset = *OFFSET.get_or_init(|| wall_ms() as i128 - mono_ms() as i128);
+    rfc3339((mono as i128 + offset).max(0) as u64)
 }
 
 /// Formats Unix milliseconds as RFC 3339 in UTC, e.g. `2026-11-29T19:31:07.123Z`.

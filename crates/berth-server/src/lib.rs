@@ -32,6 +32,10 @@ pub struct ServeConfig {
     /// Group commit on (false only for the benchmark's baseline).
     pub group_commit: bool,
     pub tick_ms: u64,
+    /// Between SIGTERM and SIGKILL when a run is stopped (P2).
+    pub stop_grace_ms: u64,
+    /// Use a cgroup v2 group per run where the host allows it.
+    pub cgroups: bool,
 }
 
 /// Messages in flight to the state task at most; handlers wait beyond it.
@@ -155,10 +159,21 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         runs_dir,
         cfg.reconnect_window_ms,
         fatal.clone(),
+        state::Supervision {
+            cgroup_base: if cfg.cgroups {
+                berth_proc::cgroup::base()
+            } else {
+                None
+            },
+            grace_ms: cfg.stop_grace_ms,
+            kill_wait_ms: 5_000,
+        },
     )
     .map_err(|e| anyhow::anyhow!("ledger {}: {e}", ledger_path.display()))?;
     let commits_cell = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (tx, rx) = mpsc::channel(INBOX_MAX);
+    let mut st = st;
+    st.set_inbox(&tx);
     let api = api::Api {
         tx,
         shared,

@@ -11,7 +11,7 @@ use std::sync::{Arc, RwLock};
 use berth_core::{
     Command, Engine, Error as CoreError, Event, RestoredRun, RunState, RunView, Snapshot,
 };
-use berth_store::{Batch, Ledger, RunRecord, StoreError, WorkspaceIdentity, Writer};
+use berth_store::{Batch, Ledger, ProcessRecord, RunRecord, StoreError, WorkspaceIdentity, Writer};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::auth::Scope;
@@ -73,6 +73,18 @@ pub enum Msg {
         scope: Scope,
         reply: Reply<String>,
     },
+    /// P1: a process (tree) the run's client started; recorded before it is relied on.
+    RegisterProcess {
+        run_id: String,
+        fence: u64,
+        pid: i32,
+        reply: Reply<RunInfo>,
+    },
+    /// A stop started for a run has finished (sent by the stopping thread).
+    Stopped {
+        run_id: String,
+        report: berth_proc::StopReport,
+    },
 }
 
 struct Extra {
@@ -80,6 +92,18 @@ struct Extra {
     labels: BTreeMap<String, String>,
     queue_seq: u64,
     workspace: Option<WorkspaceIdentity>,
+    processes: Vec<ProcessRecord>,
+}
+
+/// How processes are stopped (P2).
+#[derive(Clone, Debug)]
+pub struct Supervision {
+    /// Where run cgroups go, when the host allows them.
+    pub cgroup_base: Option<PathBuf>,
+    /// Between SIGTERM and SIGKILL.
+    pub grace_ms: u64,
+    /// How long SIGKILLed processes may take to vanish before the run degrades.
+    pub kill_wait_ms: u64,
 }
 
 pub struct Shared {
@@ -103,6 +127,11 @@ pub struct State {
     cleanup_retry: BTreeSet<String>,
     next_cleanup_ms: u64,
     fatal: Arc<tokio::sync::Notify>,
+    supervision: Supervision,
+    /// Runs whose processes are being stopped right now.
+    stopping: BTreeSet<String>,
+    /// For stopping threads to report back; weak, so it does not keep the task alive.
+    inbox: Option<mpsc::WeakSender<Msg>>,
 }
 
 /// Retries failed cleanups this often.
@@ -130,6 +159,7 @@ impl State {
         runs_dir: PathBuf,
         reconnect_window_ms: u64,
         fatal: Arc<tokio::sync::Notify>,
+        supervision: Supervision,
     ) -> Result<State, String> {
         let now = clock::mono_ms();
         let mut restored = Vec::new();
@@ -174,6 +204,7 @@ impl State {
                     labels: r.labels.clone(),
                     queue_seq: r.queue_seq,
                     workspace: r.workspace.clone(),
+                    processes: r.processes.clone(),
                 },
             );
         }
@@ -193,7 +224,68 @@ impl State {
             cleanup_retry,
             next_cleanup_ms: 0,
             fatal,
+            supervision,
+            stopping: BTreeSet::new(),
+            inbox: None,
         })
+    }
+
+    /// Gives the state task a way to hear back from the threads it starts.
+    pub fn set_inbox(&mut self, tx: &mpsc::Sender<Msg>) {
+        self.inbox = Some(tx.downgrade());
+    }
+
+    fn cgroup_of(&self, run_id: &str) -> Option<berth_proc::cgroup::Group> {
+        let base = self.supervision.cgroup_base.as_ref()?;
+        let path = base.join(workspace::dir_name(run_id));
+        path.exists().then(|| berth_proc::cgroup::Group::open(path))
+    }
+
+    /// P2: stops the run's processes on a thread; `Msg::Stopped` comes back.
+    fn start_stop(&mut self, run_id: &str) {
+        if !self.stopping.insert(run_id.to_string()) {
+            return;
+        }
+        let roots: Vec<berth_proc::ProcId> = self
+            .extras
+            .get(run_id)
+            .map(|e| {
+                e.processes
+                    .iter()
+                    .map(|p| berth_proc::ProcId {
+                        pid: p.pid,
+                        start_ticks: p.start_ticks,
+                        boot_id: p.boot_id.clone(),
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let group = self.cgroup_of(run_id);
+        let sup = self.supervision.clone();
+        let inbox = self.inbox.clone();
+        let id = run_id.to_string();
+        std::thread::Builder::new()
+            .name("berth-stop".into())
+            .spawn(move || {
+                let report =
+                    berth_proc::stop(&roots, group.as_ref(), sup.grace_ms, sup.kill_wait_ms);
+                if report.ok() {
+                    if let Some(g) = &group {
+                        let _ = g.remove();
+                    }
+                }
+                if let Some(tx) = inbox.and_then(|w| w.upgrade()) {
+                    let _ = tx.blocking_send(Msg::Stopped { run_id: id, report });
+                }
+            })
+            .expect("spawn stop thread");
+    }
+
+    fn has_processes(&self, run_id: &str) -> bool {
+        self.extras
+            .get(run_id)
+            .is_some_and(|e| !e.processes.is_empty())
+            || self.cgroup_of(run_id).is_some()
     }
 
     pub fn writer_commits(&self) -> u64 {
@@ -267,6 +359,7 @@ impl State {
             end_cause: r.cause,
             primary_mode: r.primary_mode,
             workspace: extra.workspace.clone(),
+            processes: extra.processes.clone(),
         })
     }
 
@@ -294,16 +387,20 @@ impl State {
                 }
                 Event::StopRequested { run_id, .. } => {
                     touched.insert(run_id.clone());
-                    // No processes are supervised yet: stopping is removing the workspace.
-                    let ok = self.cleanup(run_id);
-                    let more = self.engine.apply(
-                        now,
-                        Command::StopDone {
-                            run_id: run_id.clone(),
-                            ok,
-                        },
-                    );
-                    queue.extend(more.events);
+                    if self.has_processes(run_id) {
+                        // Capacity stays counted until the processes are proven gone (L5).
+                        self.start_stop(run_id);
+                    } else {
+                        let ok = self.cleanup(run_id);
+                        let more = self.engine.apply(
+                            now,
+                            Command::StopDone {
+                                run_id: run_id.clone(),
+                                ok,
+                            },
+                        );
+                        queue.extend(more.events);
+                    }
                 }
                 Event::Degraded { run_id } => {
                     touched.insert(run_id.clone());
@@ -403,6 +500,62 @@ impl State {
         });
     }
 
+    /// P1: records a process of a granted run by identity, and moves it into the
+    /// run's cgroup where the host allows one.
+    fn register(&mut self, run_id: &str, fence: u64, pid: i32) -> Result<RunInfo, ApiError> {
+        let view = self
+            .engine
+            .view_of(run_id)
+            .ok_or_else(|| CoreError::NotFound {
+                run_id: run_id.to_string(),
+            })?;
+        if view.fence != Some(fence) {
+            return Err(CoreError::StaleFence {
+                run_id: run_id.to_string(),
+                given: Some(fence),
+                current: view.fence,
+            }
+            .into());
+        }
+        if view.state != RunState::Granted {
+            return Err(CoreError::Gone {
+                run_id: run_id.to_string(),
+                state: view.state,
+            }
+            .into());
+        }
+        if pid <= 1 || pid == std::process::id() as i32 {
+            return Err(ApiError::invalid(
+                "pid",
+                "must be a process of the run, not init or berth itself",
+            ));
+        }
+        let id = berth_proc::identify(pid)
+            .map_err(|_| ApiError::invalid("pid", format!("no process {pid} is running")))?;
+        if let Some(base) = &self.supervision.cgroup_base {
+            let group = berth_proc::cgroup::Group::create(base, &workspace::dir_name(run_id));
+            if let Err(e) = group.and_then(|g| g.add(pid)) {
+                tracing::warn!(
+                    run_id,
+                    pid,
+                    "cgroup: {e}; the process group is the fallback"
+                );
+            }
+        }
+        let rec = ProcessRecord {
+            pid: id.pid,
+            start_ticks: id.start_ticks,
+            boot_id: id.boot_id,
+        };
+        if let Some(e) = self.extras.get_mut(run_id) {
+            if !e.processes.contains(&rec) {
+                e.processes.push(rec);
+            }
+        }
+        self.info(run_id)
+            .ok_or_else(|| ApiError::new(500, "internal", "run vanished"))
+    }
+
     pub fn handle(&mut self, msg: Msg) {
         match msg {
             Msg::Acquire {
@@ -430,6 +583,7 @@ impl State {
                             labels,
                             queue_seq: seq,
                             workspace: None,
+                            processes: Vec::new(),
                         },
                     );
                 }
@@ -552,6 +706,43 @@ impl State {
                 });
                 let _ = reply.send(rx);
             }
+            Msg::RegisterProcess {
+                run_id,
+                fence,
+                pid,
+                reply,
+            } => {
+                let value = self.register(&run_id, fence, pid);
+                let mut touched = BTreeSet::new();
+                if value.is_ok() {
+                    touched.insert(run_id);
+                }
+                self.commit(touched, move |r| {
+                    let _ = reply.send(r.map_err(store_error).and(value));
+                });
+            }
+            Msg::Stopped { run_id, report } => {
+                self.stopping.remove(&run_id);
+                if !report.ok() {
+                    tracing::warn!(run_id, survivors = ?report.survivors, "processes survived SIGKILL; the run is degraded");
+                }
+                let ok = report.ok() && self.cleanup(&run_id);
+                let mut touched = BTreeSet::new();
+                let state = self.engine.view_of(&run_id).map(|v| v.state);
+                if matches!(state, Some(RunState::Releasing | RunState::Degraded)) {
+                    let _ = self.apply(
+                        Command::StopDone {
+                            run_id: run_id.clone(),
+                            ok,
+                        },
+                        &mut touched,
+                    );
+                    if !ok {
+                        self.cleanup_retry.insert(run_id);
+                    }
+                }
+                self.commit(touched, |_| {});
+            }
             Msg::CreateToken { scope, reply } => match crate::auth::new_token() {
                 Ok(token) => {
                     let hash = crate::auth::hash_token(&token);
@@ -602,6 +793,10 @@ impl State {
             for id in std::mem::take(&mut self.cleanup_retry) {
                 let state = self.engine.view_of(&id).map(|v| v.state);
                 if matches!(state, Some(RunState::Releasing | RunState::Degraded)) {
+                    if self.has_processes(&id) {
+                        self.start_stop(&id);
+                        continue;
+                    }
                     let ok = self.cleanup(&id);
                     let _ = self.apply(
                         Command::StopDone {

@@ -8,7 +8,7 @@ use berth_core::{
     Class, Concurrency, ContractInfo, EndCause, KeyMode, Priority, Request, Resources, RunState,
 };
 
-use crate::{Batch, RunRecord, Store, WorkspaceIdentity, Writer};
+use crate::{Batch, ProcessRecord, RunRecord, Store, WorkspaceIdentity, Writer};
 
 pub type Open<'a> = &'a dyn Fn() -> Box<dyn Store>;
 
@@ -84,6 +84,22 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
             dev: 2049,
             ino: 1_000_000 + seq,
         }),
+        processes: if granted {
+            vec![
+                ProcessRecord {
+                    pid: 4000 + seq as i32,
+                    start_ticks: 77 + seq,
+                    boot_id: "boot-a".into(),
+                },
+                ProcessRecord {
+                    pid: 5000 + seq as i32,
+                    start_ticks: 78 + seq,
+                    boot_id: "boot-a".into(),
+                },
+            ]
+        } else {
+            vec![]
+        },
     }
 }
 

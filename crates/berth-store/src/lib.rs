@@ -43,6 +43,14 @@ pub struct WorkspaceIdentity {
     pub ino: u64,
 }
 
+/// A process a run owns, by identity (P1): never a pid alone.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ProcessRecord {
+    pub pid: i32,
+    pub start_ticks: u64,
+    pub boot_id: String,
+}
+
 /// Everything berth must remember about one run. Times are CLOCK_MONOTONIC
 /// milliseconds of the boot named in the ledger's `boot_id`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,6 +70,8 @@ pub struct RunRecord {
     /// Mode of the run's primary key (runtime or analysis).
     pub primary_mode: KeyMode,
     pub workspace: Option<WorkspaceIdentity>,
+    /// Processes registered for the run (recorded before berth relies on them).
+    pub processes: Vec<ProcessRecord>,
 }
 
 /// One command's durable effects.

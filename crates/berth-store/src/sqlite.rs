@@ -8,7 +8,7 @@ use berth_core::{
 };
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
-use crate::{Batch, Ledger, RunRecord, Store, StoreError, WorkspaceIdentity};
+use crate::{Batch, Ledger, ProcessRecord, RunRecord, Store, StoreError, WorkspaceIdentity};
 
 /// Schema migrations, applied in order; the ledger records how many have run.
 const MIGRATIONS: &[&str] = &[
@@ -49,6 +49,14 @@ const MIGRATIONS: &[&str] = &[
      ) STRICT;
      CREATE INDEX runs_terminal_seq ON runs (terminal, queue_seq);
      CREATE TABLE tokens (hash TEXT PRIMARY KEY, scope TEXT NOT NULL) STRICT;",
+    // 2: process identities per run (P1).
+    "CREATE TABLE processes (
+        run_id TEXT NOT NULL,
+        pid INTEGER NOT NULL,
+        start_ticks INTEGER NOT NULL,
+        boot_id TEXT NOT NULL,
+        PRIMARY KEY (run_id, pid, start_ticks, boot_id)
+     ) STRICT;",
 ];
 
 pub struct SqliteStore {
@@ -294,6 +302,7 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
             x => return Err(StoreError::Corrupt(format!("unknown key mode {x:?}"))),
         },
         workspace,
+        processes: Vec::new(),
     })
 }
 
@@ -346,6 +355,28 @@ impl Store for SqliteStore {
             let mut rows = stmt.query([ended_max as i64]).map_err(corrupt)?;
             while let Some(row) = rows.next().map_err(corrupt)? {
                 runs.push(read_run(row)?);
+            }
+        }
+        {
+            let mut index: std::collections::HashMap<String, usize> =
+                std::collections::HashMap::new();
+            for (i, r) in runs.iter().enumerate() {
+                index.insert(r.request.run_id.clone(), i);
+            }
+            let mut stmt = self
+                .conn
+                .prepare("SELECT run_id, pid, start_ticks, boot_id FROM processes ORDER BY run_id, pid, start_ticks")
+                .map_err(corrupt)?;
+            let mut rows = stmt.query([]).map_err(corrupt)?;
+            while let Some(row) = rows.next().map_err(corrupt)? {
+                let run_id: String = row.get(0).map_err(corrupt)?;
+                if let Some(&i) = index.get(&run_id) {
+                    runs[i].processes.push(ProcessRecord {
+                        pid: row.get::<_, i64>(1).map_err(corrupt)? as i32,
+                        start_ticks: row.get::<_, i64>(2).map_err(corrupt)? as u64,
+                        boot_id: row.get(3).map_err(corrupt)?,
+                    });
+                }
             }
         }
         let next_queue_seq: i64 = self
@@ -435,6 +466,23 @@ impl Store for SqliteStore {
                             r.state.is_terminal() as i64,
                         ])
                         .map_err(write_err)?;
+                }
+                for r in &b.runs {
+                    for p in &r.processes {
+                        let mut ins = tx
+                            .prepare_cached(
+                                "INSERT OR IGNORE INTO processes (run_id, pid, start_ticks, boot_id)
+                                 VALUES (?1, ?2, ?3, ?4)",
+                            )
+                            .map_err(write_err)?;
+                        ins.execute(params![
+                            r.request.run_id,
+                            p.pid as i64,
+                            p.start_ticks as i64,
+                            p.boot_id
+                        ])
+                        .map_err(write_err)?;
+                    }
                 }
                 for (hash, scope) in &b.tokens {
                     tx.execute(

@@ -321,6 +321,9 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         .build()?;
     rt.block_on(async move {
         use tokio::signal::unix::{signal, SignalKind};
+        // Handlers first: a signal that arrives once CMD exists must reach CMD.
+        let mut sigint = signal(SignalKind::interrupt())?;
+        let mut sigterm = signal(SignalKind::terminate())?;
         let mut cmd = tokio::process::Command::new(&a.cmd[0]);
         cmd.args(&a.cmd[1..])
             .envs(&env)
@@ -335,6 +338,25 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
             }
         };
         let pgid = child.id().unwrap_or(0) as i32;
+        // P1: the broker records the child by identity (and moves it into the run's
+        // cgroup), so it can stop the tree if this client dies (P6).
+        {
+            let c = client.clone();
+            let id = run_id.clone();
+            let r = tokio::task::spawn_blocking(move || {
+                let body = json!({ "fence": fence, "pid": pgid });
+                c.call("POST", &format!("/v1/runs/{id}/processes"), Some(&body))
+            })
+            .await;
+            match r {
+                Ok(Ok(reply)) if reply.status < 300 => {}
+                Ok(Ok(reply)) => eprintln!(
+                    "berth: could not register CMD with the broker: {}",
+                    error_text(&reply.body)
+                ),
+                _ => eprintln!("berth: could not register CMD with the broker"),
+            }
+        }
         let lost = Arc::new(AtomicBool::new(false));
         let (lost_tx, mut lost_rx) = tokio::sync::mpsc::channel::<String>(1);
         let renewer = {
@@ -380,8 +402,6 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
                 }
             })
         };
-        let mut sigint = signal(SignalKind::interrupt())?;
-        let mut sigterm = signal(SignalKind::terminate())?;
         let mut lost_reason = None;
         let status = loop {
             tokio::select! {

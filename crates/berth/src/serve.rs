@@ -56,6 +56,12 @@ pub struct ServeArgs {
     /// Do not sample MemAvailable (use only the configured totals).
     #[arg(long, env = "BERTH_NO_MEMORY_SAMPLING")]
     pub no_memory_sampling: bool,
+    /// Grace between SIGTERM and SIGKILL when a run is stopped.
+    #[arg(long, env = "BERTH_STOP_GRACE", value_parser = parse_duration)]
+    pub stop_grace: Option<u64>,
+    /// Never use cgroups (process groups only).
+    #[arg(long, env = "BERTH_NO_CGROUPS")]
+    pub no_cgroups: bool,
 }
 
 /// `berth.toml`: the same keys as the flags, in snake case.
@@ -76,6 +82,8 @@ struct FileConfig {
     reconnect_window: Option<String>,
     insecure_no_auth: Option<bool>,
     no_memory_sampling: Option<bool>,
+    stop_grace: Option<String>,
+    no_cgroups: Option<bool>,
 }
 
 fn size(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
@@ -174,6 +182,11 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             .unwrap_or(30_000),
         group_commit: true,
         tick_ms: 100,
+        stop_grace_ms: a
+            .stop_grace
+            .or(duration("stop_grace", file.stop_grace)?)
+            .unwrap_or(10_000),
+        cgroups: !(a.no_cgroups || file.no_cgroups.unwrap_or(false)),
     })
 }
 

@@ -173,13 +173,15 @@ fn exit_codes_environment_and_release_on_exit() {
     }
     assert!(text.contains("\n0\n") && text.contains("tmp-ok"), "{text}");
     // Released when CMD exited, and its workspace is gone.
-    let r = d.get("/v1/runs/env-1");
-    assert_eq!(r.body["state"], "released", "{:?}", r.body);
+    d.wait_until("env-1 is released", |d| {
+        d.get("/v1/runs/env-1").body["state"] == "released"
+    });
     let ws = text
         .lines()
         .find_map(|l| l.strip_prefix("BERTH_WORKSPACE="))
-        .unwrap();
-    assert!(!Path::new(ws).exists(), "workspace {ws} left behind");
+        .unwrap()
+        .to_string();
+    d.wait_until("the workspace is removed", |_| !Path::new(&ws).exists());
     // Refused: 69. Admission timeout: 75. Usage: 2.
     let st = d
         .cli()
@@ -265,7 +267,10 @@ fn signals_are_forwarded_to_cmd_and_the_lease_released() {
     let st = child.wait().unwrap();
     assert_eq!(st.code(), Some(42), "berth run should exit with CMD's code");
     assert_eq!(std::fs::read_to_string(&marker).unwrap().trim(), "term");
-    assert_eq!(d.get("/v1/runs/sig-1").body["state"], "released");
+    // The broker stops what is left of CMD's tree, then the run is released.
+    d.wait_until("sig-1 is released", |d| {
+        d.get("/v1/runs/sig-1").body["state"] == "released"
+    });
 }
 
 #[test]

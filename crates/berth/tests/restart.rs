@@ -162,7 +162,9 @@ fn berth_run_keeps_renewing_across_a_daemon_restart() {
     d.kill9_and_restart();
     let st = child.wait().unwrap();
     assert_eq!(st.code(), Some(5), "the child should finish normally");
+    d.wait_until("survivor is released", |d| {
+        d.get("/v1/runs/survivor").body["state"] == "released"
+    });
     let r = d.get("/v1/runs/survivor").body;
-    assert_eq!(r["state"], "released", "{r:?}");
     assert_eq!(r["fence"].as_u64(), fence);
 }
