@@ -1,0 +1,215 @@
+//! P1, P2, P5, P6 against the real daemon: registered trees are stopped exactly, a
+//! dead `berth run` client's child is stopped by the broker, and identities recorded in
+//! the ledger survive a `kill -9` of the daemon.
+
+mod common;
+
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Daemon;
+use serde_json::json;
+
+fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next())
+                != Some("Z")
+        })
+        .unwrap_or(false)
+}
+
+fn wait_pids(path: &std::path::Path, n: usize) -> Vec<i32> {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v: Vec<i32> = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        if v.len() >= n || Instant::now() > end {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn acquire(d: &Daemon, id: &str, ttl: u64) -> u64 {
+    let r = d.post(
+        "/v1/runs",
+        &json!({"run_id": id, "project": id, "resources": {"cpu_millis": 100}, "ttl_s": ttl})
+            .to_string(),
+    );
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    r.body["fence"].as_u64().unwrap()
+}
+
+#[test]
+fn release_stops_exactly_the_registered_tree() {
+    let d = Daemon::start(&["--slots-max", "2", "--stop-grace", "1s"]);
+    let fence = acquire(&d, "t", 60);
+    let dir = tempfile::tempdir().unwrap();
+    let pids = dir.path().join("pids");
+    let p = pids.display();
+    // Three generations, TERM ignored, and a grandchild that calls setsid.
+    let script = format!(
+        "trap '' TERM; echo $$ >> {p}; (trap '' TERM; sleep 60 & echo $! >> {p}; (sleep 60 & echo $! >> {p}; wait) & wait) & \
+         setsid sh -c 'echo $$ >> {p}; exec sleep 60' & wait"
+    );
+    let mut root = Command::new("sh")
+        .arg("-c")
+        .arg(&script)
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let tree = wait_pids(&pids, 4);
+    assert_eq!(tree.len(), 4);
+    // A stranger that must survive.
+    let mut stranger = Command::new("sleep").arg("60").spawn().unwrap();
+    let reg = d.post(
+        "/v1/runs/t/processes",
+        &json!({"fence": fence, "pid": root.id()}).to_string(),
+    );
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    // Bad registrations change nothing.
+    assert_eq!(
+        d.post(
+            "/v1/runs/t/processes",
+            &json!({"fence": fence + 1, "pid": root.id()}).to_string()
+        )
+        .status,
+        409
+    );
+    assert_eq!(
+        d.post(
+            "/v1/runs/t/processes",
+            &json!({"fence": fence, "pid": 4_000_000}).to_string()
+        )
+        .status,
+        400
+    );
+    assert_eq!(
+        d.post(
+            "/v1/runs/t/processes",
+            &json!({"fence": fence, "pid": 1}).to_string()
+        )
+        .status,
+        400
+    );
+    assert_eq!(
+        d.post("/v1/runs/t/processes", &json!({"fence": fence}).to_string())
+            .status,
+        400
+    );
+    let t = Instant::now();
+    let r = d.post("/v1/runs/t/release", &json!({"fence": fence}).to_string());
+    assert_eq!(r.status, 200);
+    d.wait_until("the run is released", |d| {
+        d.get("/v1/runs/t").body["state"] == "released"
+    });
+    let _ = root.wait();
+    for pid in &tree {
+        assert!(!alive(*pid), "{pid} of the tree survived");
+    }
+    // TERM was ignored, so it took the grace period and then KILL.
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(alive(stranger.id() as i32), "a stranger was signalled");
+    stranger.kill().unwrap();
+    // Capacity is free again.
+    assert_eq!(d.get("/v1/status").body["granted"], 0);
+    let _ = stranger.wait();
+}
+
+#[test]
+fn a_killed_berth_run_has_its_child_stopped_within_ttl_plus_grace() {
+    let d = Daemon::start(&["--slots-max", "2", "--stop-grace", "1s"]);
+    let dir = tempfile::tempdir().unwrap();
+    let pidfile = dir.path().join("pid");
+    let mut client = d
+        .cli()
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--run-id",
+            "orphan",
+            "--cpus",
+            "0.1",
+            "--ttl",
+            "2s",
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(format!(
+            "echo $$ > {}; trap '' TERM; sleep 100; sleep 100",
+            pidfile.display()
+        ))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let child = wait_pids(&pidfile, 1)[0];
+    d.wait_until("orphan is granted", |d| {
+        d.get("/v1/runs/orphan").body["state"] == "granted"
+    });
+    std::thread::sleep(Duration::from_millis(300)); // let the registration land
+    client.kill().unwrap(); // SIGKILL: no release, no renewals
+    client.wait().unwrap();
+    let killed_at = Instant::now();
+    let end = killed_at + Duration::from_secs(2 + 1 + 2);
+    while alive(child) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!alive(child), "the child outlived ttl + grace + 2 s");
+    d.wait_until("the run is expired", |d| {
+        d.get("/v1/runs/orphan").body["state"] == "expired"
+    });
+}
+
+#[test]
+fn recorded_processes_survive_a_daemon_kill_9_and_are_stopped_afterwards() {
+    let mut d = Daemon::start(&["--slots-max", "2", "--stop-grace", "1s"]);
+    let fence = acquire(&d, "keep", 60);
+    let mut worker = Command::new("sleep")
+        .arg("60")
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let pid = worker.id() as i32;
+    assert_eq!(
+        d.post(
+            "/v1/runs/keep/processes",
+            &json!({"fence": fence, "pid": pid}).to_string()
+        )
+        .status,
+        201
+    );
+    d.kill9_and_restart();
+    // The process kept running through the crash; the lease and fence are intact.
+    assert!(alive(pid));
+    assert_eq!(
+        d.post("/v1/runs/keep/renew", &json!({"fence": fence}).to_string())
+            .status,
+        200
+    );
+    assert_eq!(
+        d.post(
+            "/v1/runs/keep/release",
+            &json!({"fence": fence}).to_string()
+        )
+        .status,
+        200
+    );
+    d.wait_until("keep is released", |d| {
+        d.get("/v1/runs/keep").body["state"] == "released"
+    });
+    let _ = worker.wait();
+    assert!(!alive(pid), "the re-adopted process was not stopped");
+}
