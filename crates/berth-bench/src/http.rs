@@ -33,6 +33,8 @@ fn config(state: &std::path::Path, group_commit: bool) -> berth_server::ServeCon
         tick_ms: 100,
         stop_grace_ms: 10_000,
         cgroups: true,
+        diagnostics_run_bytes_max: 1 << 20,
+        diagnostics_total_bytes_max: 64 << 20,
     }
 }
 

@@ -184,9 +184,20 @@ pub fn members(roots: &[ProcId], all: &[Stat]) -> Vec<Stat> {
                 .filter(|s| s.start_ticks == r.start_ticks)
         })
         .collect();
+    // A root whose pid now belongs to another process (P3) says nothing about groups:
+    // its old group is empty (Linux does not reuse a pid still used as a group id), and
+    // the new owner may lead a group of the same number.
+    let usable: Vec<&ProcId> = roots
+        .iter()
+        .filter(|r| {
+            by_pid
+                .get(&r.pid)
+                .is_none_or(|s| s.start_ticks == r.start_ticks)
+        })
+        .collect();
     let mut member: std::collections::BTreeMap<i32, Stat> = std::collections::BTreeMap::new();
     for s in all {
-        let in_group = roots
+        let in_group = usable
             .iter()
             .any(|r| (s.pgrp == r.pid || s.session == r.pid) && s.start_ticks >= r.start_ticks);
         let is_root = live_roots.iter().any(|r| r.pid == s.pid);
@@ -354,5 +365,14 @@ mod tests {
         ];
         let m: Vec<i32> = members(&[root], &all).iter().map(|s| s.pid).collect();
         assert_eq!(m, vec![100, 101, 102, 103]);
+        // pid 300 was a root once; now it is a stranger leading its own group. Neither
+        // it nor its group may be taken for the run's.
+        let gone = ProcId {
+            pid: 300,
+            start_ticks: 40,
+            boot_id: "b".into(),
+        };
+        let all = vec![s(300, 1, 300, 300, 90), s(301, 300, 300, 300, 91)];
+        assert!(members(&[gone], &all).is_empty());
     }
 }

@@ -609,6 +609,35 @@ async fn register_process(
     Ok((StatusCode::CREATED, Json(run_json(&info))).into_response())
 }
 
+/// `POST /v1/reap`: one reaper pass now (P4). Waits for the stops it starts (at most
+/// the grace period plus the kill wait and a margin) and reports what it did.
+async fn reap(AxState(api): AxState<Api>, body: Body) -> Result<Json<Value>, ApiError> {
+    let _: serde_json::Map<String, Value> = json_body(body, true).await?;
+    let (runs, before) = ask(&api, |reply| Msg::Reap { reply }).await?;
+    let deadline = tokio::time::Instant::now() + REAP_WAIT;
+    let (states, after) = loop {
+        let ids = runs.clone();
+        let (busy, states, counters) =
+            ask(&api, |reply| Msg::ReapStatus { runs: ids, reply }).await?;
+        if busy == 0 || tokio::time::Instant::now() >= deadline {
+            break (states, counters);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    Ok(Json(json!({
+        "examined": runs.len(),
+        "reaped": states.iter().filter(|s| s.is_terminal()).count(),
+        "degraded": states.iter().filter(|s| **s == RunState::Degraded).count(),
+        "processes_terminated": after.processes_terminated - before.processes_terminated,
+        "reused_pids_protected": after.reused_pids_protected - before.reused_pids_protected,
+        "diagnostics_bytes": after.diagnostics_bytes,
+        "diagnostics_dropped": after.diagnostics_dropped,
+    })))
+}
+
+/// How long `POST /v1/reap` waits for the stops it started.
+const REAP_WAIT: Duration = Duration::from_secs(30);
+
 async fn delete_run(
     AxState(api): AxState<Api>,
     Path(id): Path<String>,
@@ -666,8 +695,15 @@ pub fn status_json(s: &Snapshot) -> Value {
 }
 
 async fn status(AxState(api): AxState<Api>) -> Result<Json<Value>, ApiError> {
-    let s = ask(&api, |reply| Msg::Status { reply }).await?;
-    Ok(Json(status_json(&s)))
+    let (s, c) = ask(&api, |reply| Msg::Status { reply }).await?;
+    let mut v = status_json(&s);
+    v["reaper"] = json!({
+        "processes_terminated": c.processes_terminated,
+        "reused_pids_protected": c.reused_pids_protected,
+        "diagnostics_bytes": c.diagnostics_bytes,
+        "diagnostics_dropped": c.diagnostics_dropped,
+    });
+    Ok(Json(v))
 }
 
 async fn fence_check(
@@ -789,6 +825,7 @@ pub fn router(api: Api) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/fences/check", get(fence_check))
         .route("/v1/tokens", post(create_token))
+        .route("/v1/reap", post(reap))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

@@ -36,6 +36,9 @@ pub struct ServeConfig {
     pub stop_grace_ms: u64,
     /// Use a cgroup v2 group per run where the host allows it.
     pub cgroups: bool,
+    /// Diagnostics kept per run and in all (P4).
+    pub diagnostics_run_bytes_max: u64,
+    pub diagnostics_total_bytes_max: u64,
 }
 
 /// Messages in flight to the state task at most; handlers wait beyond it.
@@ -167,6 +170,11 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
             },
             grace_ms: cfg.stop_grace_ms,
             kill_wait_ms: 5_000,
+        },
+        workspace::Diagnostics {
+            dir: cfg.state_dir.join("diagnostics"),
+            run_bytes_max: cfg.diagnostics_run_bytes_max,
+            total_bytes_max: cfg.diagnostics_total_bytes_max,
         },
     )
     .map_err(|e| anyhow::anyhow!("ledger {}: {e}", ledger_path.display()))?;

@@ -54,7 +54,7 @@ pub enum Msg {
         reply: Reply<Vec<RunInfo>>,
     },
     Status {
-        reply: Reply<Snapshot>,
+        reply: Reply<(Snapshot, ReapCounters)>,
     },
     FenceCheck {
         run_id: String,
@@ -85,6 +85,24 @@ pub enum Msg {
         run_id: String,
         report: berth_proc::StopReport,
     },
+    /// P4 on demand: stop and clean every run that is releasing or degraded now.
+    Reap {
+        reply: Reply<(Vec<String>, ReapCounters)>,
+    },
+    /// How the runs of a reap pass are doing.
+    ReapStatus {
+        runs: Vec<String>,
+        reply: Reply<(usize, Vec<RunState>, ReapCounters)>,
+    },
+}
+
+/// Running totals for the reaper's report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReapCounters {
+    pub processes_terminated: u64,
+    pub reused_pids_protected: u64,
+    pub diagnostics_bytes: u64,
+    pub diagnostics_dropped: u64,
 }
 
 struct Extra {
@@ -132,6 +150,7 @@ pub struct State {
     stopping: BTreeSet<String>,
     /// For stopping threads to report back; weak, so it does not keep the task alive.
     inbox: Option<mpsc::WeakSender<Msg>>,
+    counters: ReapCounters,
 }
 
 /// Retries failed cleanups this often.
@@ -160,6 +179,7 @@ impl State {
         reconnect_window_ms: u64,
         fatal: Arc<tokio::sync::Notify>,
         supervision: Supervision,
+        diagnostics: workspace::Diagnostics,
     ) -> Result<State, String> {
         let now = clock::mono_ms();
         let mut restored = Vec::new();
@@ -213,7 +233,7 @@ impl State {
             engine,
             writer,
             shared,
-            workspaces: workspace::Pool::start(&runs_dir)
+            workspaces: workspace::Pool::start(&runs_dir, Some(diagnostics))
                 .map_err(|e| format!("workspace pool: {e}"))?,
             extras,
             ended,
@@ -227,6 +247,7 @@ impl State {
             supervision,
             stopping: BTreeSet::new(),
             inbox: None,
+            counters: ReapCounters::default(),
         })
     }
 
@@ -279,6 +300,16 @@ impl State {
                 }
             })
             .expect("spawn stop thread");
+    }
+
+    fn reap_counters(&self) -> ReapCounters {
+        use std::sync::atomic::Ordering::Relaxed;
+        let d = &self.workspaces.diagnostics;
+        ReapCounters {
+            diagnostics_bytes: d.bytes.load(Relaxed),
+            diagnostics_dropped: d.dropped.load(Relaxed),
+            ..self.counters
+        }
     }
 
     fn has_processes(&self, run_id: &str) -> bool {
@@ -662,7 +693,8 @@ impl State {
             }
             Msg::Status { reply } => {
                 let s = self.engine.snapshot();
-                self.answer(reply, Ok(s));
+                let c = self.reap_counters();
+                self.answer(reply, Ok((s, c)));
             }
             Msg::FenceCheck {
                 run_id,
@@ -721,8 +753,51 @@ impl State {
                     let _ = reply.send(r.map_err(store_error).and(value));
                 });
             }
+            Msg::Reap { reply } => {
+                let runs: Vec<String> = self
+                    .extras
+                    .keys()
+                    .filter(|id| {
+                        matches!(
+                            self.engine.view_of(id).map(|v| v.state),
+                            Some(RunState::Releasing | RunState::Degraded)
+                        )
+                    })
+                    .cloned()
+                    .collect();
+                let mut touched = BTreeSet::new();
+                for id in &runs {
+                    if self.has_processes(id) {
+                        self.start_stop(id);
+                    } else {
+                        let ok = self.cleanup(id);
+                        let _ = self.apply(
+                            Command::StopDone {
+                                run_id: id.clone(),
+                                ok,
+                            },
+                            &mut touched,
+                        );
+                    }
+                }
+                let counters = self.reap_counters();
+                self.commit(touched, move |r| {
+                    let _ = reply.send(r.map_err(store_error).map(|()| (runs, counters)));
+                });
+            }
+            Msg::ReapStatus { runs, reply } => {
+                let busy = runs.iter().filter(|id| self.stopping.contains(*id)).count();
+                let states = runs
+                    .iter()
+                    .filter_map(|id| self.engine.view_of(id).map(|v| v.state))
+                    .collect();
+                let counters = self.reap_counters();
+                self.answer(reply, Ok((busy, states, counters)));
+            }
             Msg::Stopped { run_id, report } => {
                 self.stopping.remove(&run_id);
+                self.counters.processes_terminated += report.terminated as u64;
+                self.counters.reused_pids_protected += report.reused_pids_protected as u64;
                 if !report.ok() {
                     tracing::warn!(run_id, survivors = ?report.survivors, "processes survived SIGKILL; the run is degraded");
                 }

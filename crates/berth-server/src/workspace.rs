@@ -184,6 +184,115 @@ pub struct Pool {
     ready: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>,
     wake: std::sync::mpsc::Sender<()>,
     next: std::sync::atomic::AtomicU64,
+    pub diagnostics: std::sync::Arc<DiagnosticsCounters>,
+}
+
+/// Where diagnostics go and how much they may take (P4).
+#[derive(Clone, Debug)]
+pub struct Diagnostics {
+    pub dir: PathBuf,
+    /// Bytes of one run's `logs/` kept at most; the rest is cut.
+    pub run_bytes_max: u64,
+    /// Bytes of all archives kept at most; the oldest archives are dropped first.
+    pub total_bytes_max: u64,
+}
+
+/// Running totals of the archiving the pool thread did.
+#[derive(Debug, Default)]
+pub struct DiagnosticsCounters {
+    pub archived: std::sync::atomic::AtomicU64,
+    pub bytes: std::sync::atomic::AtomicU64,
+    pub dropped: std::sync::atomic::AtomicU64,
+}
+
+/// Copies the regular files under `logs` (never following links) into `dest`, at most
+/// `budget` bytes in all; returns the bytes copied.
+fn archive_logs(logs: &Path, dest: &Path, budget: u64) -> u64 {
+    fn walk(src: &Path, dest: &Path, left: &mut u64) -> u64 {
+        let Ok(rd) = std::fs::read_dir(src) else {
+            return 0;
+        };
+        let mut names: Vec<_> = rd.filter_map(|e| e.ok()).collect();
+        names.sort_by_key(|e| e.file_name());
+        let mut copied = 0;
+        for e in names {
+            if *left == 0 {
+                break;
+            }
+            let Ok(meta) = std::fs::symlink_metadata(e.path()) else {
+                continue;
+            };
+            let target = dest.join(e.file_name());
+            if meta.is_dir() {
+                if std::fs::create_dir_all(&target).is_ok() {
+                    copied += walk(&e.path(), &target, left);
+                }
+            } else if meta.is_file() {
+                use std::io::{Read, Write};
+                let (Ok(f), Ok(mut out)) = (
+                    std::fs::File::open(e.path()),
+                    std::fs::File::create(&target),
+                ) else {
+                    continue;
+                };
+                let mut buf = Vec::new();
+                let n = f.take(*left).read_to_end(&mut buf).unwrap_or(0) as u64;
+                if out.write_all(&buf).is_ok() {
+                    copied += n;
+                    *left -= n;
+                }
+            }
+        }
+        copied
+    }
+    if std::fs::create_dir_all(dest).is_err() {
+        return 0;
+    }
+    let mut left = budget;
+    walk(logs, dest, &mut left)
+}
+
+fn dir_bytes(p: &Path) -> u64 {
+    let Ok(rd) = std::fs::read_dir(p) else {
+        return 0;
+    };
+    rd.filter_map(|e| e.ok())
+        .map(|e| match std::fs::symlink_metadata(e.path()) {
+            Ok(m) if m.is_dir() => dir_bytes(&e.path()),
+            Ok(m) => m.len(),
+            Err(_) => 0,
+        })
+        .sum()
+}
+
+/// Keeps the diagnostics directory under its total budget, oldest first; returns how
+/// many archives were dropped.
+fn enforce_total(d: &Diagnostics) -> u64 {
+    let Ok(rd) = std::fs::read_dir(&d.dir) else {
+        return 0;
+    };
+    let mut archives: Vec<(String, u64)> = rd
+        .filter_map(|e| e.ok())
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                dir_bytes(&e.path()),
+            )
+        })
+        .collect();
+    archives.sort();
+    let mut total: u64 = archives.iter().map(|a| a.1).sum();
+    let mut dropped = 0;
+    for (name, bytes) in archives {
+        if total <= d.total_bytes_max {
+            break;
+        }
+        if std::fs::remove_dir_all(d.dir.join(&name)).is_ok() {
+            total -= bytes;
+            dropped += 1;
+        }
+    }
+    dropped
 }
 
 /// Empty workspaces made ahead when the pool runs low (creating inodes is the costly
@@ -193,7 +302,7 @@ pub const POOL_TARGET: usize = 64;
 pub const POOL_MAX: usize = 4 * POOL_TARGET;
 
 impl Pool {
-    pub fn start(runs_dir: &Path) -> std::io::Result<Pool> {
+    pub fn start(runs_dir: &Path, diag: Option<Diagnostics>) -> std::io::Result<Pool> {
         let pool_dir = runs_dir.join(".pool");
         let trash_dir = runs_dir.join(".trash");
         std::fs::create_dir_all(&pool_dir)?;
@@ -209,9 +318,11 @@ impl Pool {
         let ready = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
         let (wake, rx) = std::sync::mpsc::channel::<()>();
         let (pd, td, r) = (pool_dir.clone(), trash_dir.clone(), ready.clone());
+        let counters = std::sync::Arc::new(DiagnosticsCounters::default());
+        let c = counters.clone();
         std::thread::Builder::new()
             .name("berth-workspaces".into())
-            .spawn(move || pool_worker(pd, td, r, rx))?;
+            .spawn(move || pool_worker(pd, td, r, rx, diag, c))?;
         let _ = wake.send(());
         let dir_fd = |p: &Path| {
             fs::open(
@@ -225,6 +336,7 @@ impl Pool {
             pool_fd: dir_fd(&pool_dir)?,
             trash_fd: dir_fd(&trash_dir)?,
             runs_dir: runs_dir.to_path_buf(),
+            diagnostics: counters,
             ready,
             wake,
             next: std::sync::atomic::AtomicU64::new(0),
@@ -311,7 +423,10 @@ fn pool_worker(
     trash_dir: PathBuf,
     ready: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>,
     wake: std::sync::mpsc::Receiver<()>,
+    diag: Option<Diagnostics>,
+    counters: std::sync::Arc<DiagnosticsCounters>,
 ) {
+    use std::sync::atomic::Ordering::Relaxed;
     let mut n = 0u64;
     loop {
         // The trash is scanned every few milliseconds (releases never wait for this
@@ -335,7 +450,24 @@ fn pool_worker(
             }
             let path = trash_dir.join(&entry);
             let pooled = ready.lock().unwrap().len();
-            if pooled < POOL_MAX && is_clean(&path) {
+            let clean = is_clean(&path);
+            // L5/P4: archived after the claim was freed; never holds capacity.
+            if let (false, Some(d)) = (clean, &diag) {
+                let logs = path.join("logs");
+                if dir_bytes(&logs) > 0 {
+                    let stamp = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|t| t.as_millis())
+                        .unwrap_or(0);
+                    let digest = entry.split('-').next().unwrap_or(&entry);
+                    let dest = d.dir.join(format!("{stamp:015}-{digest}"));
+                    let bytes = archive_logs(&logs, &dest, d.run_bytes_max);
+                    counters.archived.fetch_add(1, Relaxed);
+                    counters.bytes.fetch_add(bytes, Relaxed);
+                    counters.dropped.fetch_add(enforce_total(d), Relaxed);
+                }
+            }
+            if pooled < POOL_MAX && clean {
                 n += 1;
                 let name = format!("w{n}-{}", std::process::id());
                 if std::fs::rename(&path, pool_dir.join(&name)).is_ok() {
@@ -459,7 +591,7 @@ mod tests {
     fn the_pool_hands_out_clean_workspaces_and_recycles_only_clean_ones() {
         let state = tempfile::tempdir().unwrap();
         let runs = ensure_runs_dir(state.path()).unwrap();
-        let pool = Pool::start(&runs).unwrap();
+        let pool = Pool::start(&runs, None).unwrap();
         for _ in 0..200 {
             if pool.ready.lock().unwrap().len() == POOL_TARGET {
                 break;
@@ -498,6 +630,50 @@ mod tests {
             Err(WorkspaceError::Swapped { .. })
         ));
         assert!(pc.exists());
+    }
+
+    #[test]
+    fn logs_are_archived_within_the_run_and_total_budgets() {
+        let state = tempfile::tempdir().unwrap();
+        let runs = ensure_runs_dir(state.path()).unwrap();
+        let diag = Diagnostics {
+            dir: state.path().join("diagnostics"),
+            run_bytes_max: 1000,
+            total_bytes_max: 2500,
+        };
+        let pool = Pool::start(&runs, Some(diag.clone())).unwrap();
+        for i in 0..4 {
+            let w = pool.create(&format!("d{i}")).unwrap();
+            let p = PathBuf::from(&w.path);
+            std::fs::write(p.join("logs/build.log"), vec![b'x'; 800]).unwrap();
+            std::fs::create_dir(p.join("logs/sub")).unwrap();
+            std::fs::write(p.join("logs/sub/run.log"), vec![b'y'; 800]).unwrap();
+            std::os::unix::fs::symlink("/etc/passwd", p.join("logs/link")).unwrap();
+            pool.remove(&w).unwrap();
+            // One archive at a time, so the order (and so what is dropped) is known.
+            let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while pool
+                .diagnostics
+                .archived
+                .load(std::sync::atomic::Ordering::Relaxed)
+                < i + 1
+            {
+                assert!(
+                    std::time::Instant::now() < end,
+                    "archive {i} never happened"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        use std::sync::atomic::Ordering::Relaxed;
+        // Each run's 1600 bytes of logs are cut to 1000; links are not followed.
+        assert_eq!(pool.diagnostics.bytes.load(Relaxed), 4000);
+        // 2500 bytes total: only two archives fit; the two oldest were dropped.
+        assert_eq!(pool.diagnostics.dropped.load(Relaxed), 2);
+        let left: Vec<_> = std::fs::read_dir(&diag.dir).unwrap().collect();
+        assert_eq!(left.len(), 2);
+        assert!(dir_bytes(&diag.dir) <= 2500);
     }
 
     #[test]

@@ -282,3 +282,11 @@ pub fn release_main(a: ReleaseArgs) -> anyhow::Result<u8> {
         .map_err(|e| anyhow!("cannot reach berth at {}: {e}", c.url))?;
     print_json_reply(r)
 }
+
+pub fn reap_main(a: ConnArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a)?;
+    let r = c
+        .call("POST", "/v1/reap", Some(&serde_json::json!({})))
+        .map_err(|e| anyhow!("cannot reach berth at {}: {e}", c.url))?;
+    print_json_reply(r)
+}

@@ -41,6 +41,8 @@ enum Cmd {
     Renew(client::RenewArgs),
     /// Release a lease and print the run as JSON.
     Release(client::ReleaseArgs),
+    /// Run one reaper pass now and print its report.
+    Reap(client::ConnArgs),
 }
 
 fn main() -> ExitCode {
@@ -53,6 +55,7 @@ fn main() -> ExitCode {
         Cmd::Acquire(a) => run::acquire_main(a),
         Cmd::Renew(a) => client::renew_main(a),
         Cmd::Release(a) => client::release_main(a),
+        Cmd::Reap(a) => client::reap_main(a),
     };
     match result {
         Ok(code) => ExitCode::from(code),

@@ -62,6 +62,12 @@ pub struct ServeArgs {
     /// Never use cgroups (process groups only).
     #[arg(long, env = "BERTH_NO_CGROUPS")]
     pub no_cgroups: bool,
+    /// Diagnostics (a run's logs/) kept per run.
+    #[arg(long, env = "BERTH_DIAGNOSTICS_RUN_BYTES", value_parser = parse_size_arg)]
+    pub diagnostics_run_bytes: Option<u64>,
+    /// Diagnostics kept in all; the oldest archives are dropped first.
+    #[arg(long, env = "BERTH_DIAGNOSTICS_TOTAL_BYTES", value_parser = parse_size_arg)]
+    pub diagnostics_total_bytes: Option<u64>,
 }
 
 /// `berth.toml`: the same keys as the flags, in snake case.
@@ -84,6 +90,8 @@ struct FileConfig {
     no_memory_sampling: Option<bool>,
     stop_grace: Option<String>,
     no_cgroups: Option<bool>,
+    diagnostics_run_bytes: Option<String>,
+    diagnostics_total_bytes: Option<String>,
 }
 
 fn size(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
@@ -187,6 +195,17 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             .or(duration("stop_grace", file.stop_grace)?)
             .unwrap_or(10_000),
         cgroups: !(a.no_cgroups || file.no_cgroups.unwrap_or(false)),
+        diagnostics_run_bytes_max: a
+            .diagnostics_run_bytes
+            .or(size("diagnostics_run_bytes", file.diagnostics_run_bytes)?)
+            .unwrap_or(1 << 20),
+        diagnostics_total_bytes_max: a
+            .diagnostics_total_bytes
+            .or(size(
+                "diagnostics_total_bytes",
+                file.diagnostics_total_bytes,
+            )?)
+            .unwrap_or(256 << 20),
     })
 }
 

@@ -213,3 +213,123 @@ fn recorded_processes_survive_a_daemon_kill_9_and_are_stopped_afterwards() {
     let _ = worker.wait();
     assert!(!alive(pid), "the re-adopted process was not stopped");
 }
+
+#[test]
+fn a_swapped_workspace_is_never_removed_and_the_run_degrades() {
+    let d = Daemon::start(&["--slots-max", "2"]);
+    let fence = acquire(&d, "swap", 60);
+    let ws = std::path::PathBuf::from(d.get("/v1/runs/swap").body["workspace"].as_str().unwrap());
+    // Replace the workspace with a symlink to a directory that must survive.
+    let precious = tempfile::tempdir().unwrap();
+    std::fs::write(precious.path().join("keep"), b"keep").unwrap();
+    std::fs::rename(&ws, ws.with_extension("moved")).unwrap();
+    std::os::unix::fs::symlink(precious.path(), &ws).unwrap();
+    assert_eq!(
+        d.post(
+            "/v1/runs/swap/release",
+            &json!({"fence": fence}).to_string()
+        )
+        .status,
+        200
+    );
+    d.wait_until("swap is degraded", |d| {
+        d.get("/v1/runs/swap").body["state"] == "degraded"
+    });
+    assert!(precious.path().join("keep").exists());
+    let s = d.get("/v1/status").body;
+    assert_eq!(s["degraded"], 1);
+    assert_eq!(
+        s["resources"][0]["committed"], 1,
+        "a degraded run keeps its capacity counted"
+    );
+    // A reaper pass retries and reports it, still degraded, still untouched.
+    let out = d.cli().args(["reap"]).output().unwrap();
+    assert!(out.status.success());
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        (report["examined"].as_u64(), report["degraded"].as_u64()),
+        (Some(1), Some(1)),
+        "{report}"
+    );
+    for key in [
+        "reaped",
+        "processes_terminated",
+        "reused_pids_protected",
+        "diagnostics_bytes",
+        "diagnostics_dropped",
+    ] {
+        assert!(report[key].is_u64(), "{key} missing in {report}");
+    }
+    assert!(precious.path().join("keep").exists());
+}
+
+#[test]
+fn a_recorded_pid_that_now_belongs_to_a_stranger_is_left_alone() {
+    let mut d = Daemon::start(&["--slots-max", "2", "--stop-grace", "1s"]);
+    let fence = acquire(&d, "reuse", 60);
+    d.kill9();
+    // An unrelated process leading its own group; the ledger says the run owns its pid,
+    // with an older start time: the run's process is gone and the pid was reused.
+    let mut stranger = Command::new("sleep")
+        .arg("60")
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let pid = stranger.id() as i32;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let start: u64 = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(19)
+        .unwrap()
+        .parse()
+        .unwrap();
+    {
+        use berth_store::{Batch, ProcessRecord, SqliteStore, Store};
+        let mut store = SqliteStore::open(&d.state.join("ledger.db")).unwrap();
+        let ledger = store.load(100).unwrap();
+        let mut rec = ledger
+            .runs
+            .iter()
+            .find(|r| r.request.run_id == "reuse")
+            .unwrap()
+            .clone();
+        let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .unwrap()
+            .trim()
+            .to_string();
+        rec.processes = vec![ProcessRecord {
+            pid,
+            start_ticks: start.saturating_sub(50),
+            boot_id: boot,
+        }];
+        store
+            .write(&[&Batch {
+                last_fence: ledger.last_fence,
+                runs: vec![rec],
+                tokens: vec![],
+            }])
+            .unwrap();
+    }
+    d.kill9_and_restart();
+    assert_eq!(
+        d.post(
+            "/v1/runs/reuse/release",
+            &json!({"fence": fence}).to_string()
+        )
+        .status,
+        200
+    );
+    d.wait_until("reuse is released", |d| {
+        d.get("/v1/runs/reuse").body["state"] == "released"
+    });
+    assert!(alive(pid), "the stranger was signalled");
+    assert_eq!(
+        d.get("/v1/status").body["reaper"]["reused_pids_protected"],
+        1
+    );
+    stranger.kill().unwrap();
+    let _ = stranger.wait();
+}
