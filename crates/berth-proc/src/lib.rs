@@ -241,79 +241,161 @@ impl StopReport {
     }
 }
 
-/// Stops a run's processes: its registered roots and their process groups, sessions
+/// One run to stop.
+pub struct StopJob {
+    /// The caller's name for the run.
+    pub key: String,
+    pub roots: Vec<ProcId>,
+    pub group: Option<cgroup::Group>,
+}
+
+struct Active {
+    job: StopJob,
+    plan: StopPlan,
+    started: std::time::Instant,
+    report: StopReport,
+    signalled: std::collections::BTreeSet<ProcId>,
+}
+
+/// Stops many runs at once: each round takes one `/proc` scan for all of them, so a
+/// thousand expired runs cost a thousand membership checks, not a thousand scans.
+pub struct Stopper {
+    boot: String,
+    grace_ms: u64,
+    kill_wait_ms: u64,
+    active: Vec<Active>,
+}
+
+/// The pause between rounds of a stop.
+pub const STOP_ROUND_MS: u64 = 20;
+
+impl Stopper {
+    pub fn new(grace_ms: u64, kill_wait_ms: u64) -> Stopper {
+        Stopper {
+            boot: boot_id(),
+            grace_ms,
+            kill_wait_ms,
+            active: Vec::new(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.active.is_empty()
+    }
+
+    pub fn add(&mut self, job: StopJob) {
+        let reused = job
+            .roots
+            .iter()
+            .filter(|r| liveness(r, &self.boot) == Liveness::Reused)
+            .count();
+        self.active.push(Active {
+            job,
+            plan: StopPlan::new(self.grace_ms, self.kill_wait_ms),
+            started: std::time::Instant::now(),
+            report: StopReport {
+                reused_pids_protected: reused,
+                ..StopReport::default()
+            },
+            signalled: std::collections::BTreeSet::new(),
+        });
+    }
+
+    /// One round: signal what the plans say, and return the stops that finished.
+    pub fn round(&mut self) -> Vec<(String, StopReport)> {
+        let all = scan();
+        let mut finished = Vec::new();
+        let mut i = 0;
+        while i < self.active.len() {
+            let a = &mut self.active[i];
+            // Everything that belongs to the run right now, each with its identity.
+            let mut alive: std::collections::BTreeMap<i32, ProcId> = members(&a.job.roots, &all)
+                .into_iter()
+                .map(|s| {
+                    (
+                        s.pid,
+                        ProcId {
+                            pid: s.pid,
+                            start_ticks: s.start_ticks,
+                            boot_id: self.boot.clone(),
+                        },
+                    )
+                })
+                .collect();
+            if let Some(g) = &a.job.group {
+                for pid in g.pids() {
+                    if let Ok(id) = identify(pid) {
+                        alive.entry(pid).or_insert(id);
+                    }
+                }
+            }
+            let populated = a.job.group.as_ref().is_some_and(|g| g.populated());
+            let now = a.started.elapsed().as_millis() as u64;
+            let done = match a.plan.next(now, !alive.is_empty() || populated) {
+                StopAction::Term => {
+                    for id in alive.values() {
+                        if signal(id, Signal::TERM) == Signalled::Sent {
+                            a.signalled.insert(id.clone());
+                        }
+                    }
+                    false
+                }
+                StopAction::Kill => {
+                    if let Some(g) = &a.job.group {
+                        let _ = g.kill();
+                    }
+                    for id in alive.values() {
+                        if signal(id, Signal::KILL) == Signalled::Sent {
+                            a.signalled.insert(id.clone());
+                        }
+                    }
+                    false
+                }
+                StopAction::Wait => false,
+                StopAction::Done => true,
+                StopAction::Degraded => {
+                    a.report.survivors = alive.keys().copied().collect();
+                    true
+                }
+            };
+            if done {
+                let mut a = self.active.swap_remove(i);
+                a.report.terminated = a.signalled.len();
+                if a.report.ok() {
+                    if let Some(g) = &a.job.group {
+                        let _ = g.remove();
+                    }
+                }
+                finished.push((a.job.key, a.report));
+            } else {
+                i += 1;
+            }
+        }
+        finished
+    }
+}
+
+/// Stops one run's processes: its registered roots and their process groups, sessions
 /// and descendants, and everything in its cgroup. TERM, `grace_ms`, KILL, then proof
-/// that nothing is left (or a report of what survived). Blocking; run it on a thread.
+/// that nothing is left (or a report of what survived). Blocking.
 pub fn stop(
     roots: &[ProcId],
-    group: Option<&cgroup::Group>,
+    group: Option<cgroup::Group>,
     grace_ms: u64,
     kill_wait_ms: u64,
 ) -> StopReport {
-    let boot = boot_id();
-    let started = std::time::Instant::now();
-    let mut plan = StopPlan::new(grace_ms, kill_wait_ms);
-    let mut report = StopReport {
-        reused_pids_protected: roots
-            .iter()
-            .filter(|r| liveness(r, &boot) == Liveness::Reused)
-            .count(),
-        ..StopReport::default()
-    };
-    let mut signalled = std::collections::BTreeSet::new();
+    let mut s = Stopper::new(grace_ms, kill_wait_ms);
+    s.add(StopJob {
+        key: String::new(),
+        roots: roots.to_vec(),
+        group,
+    });
     loop {
-        // Everything that belongs to the run right now, each with its identity.
-        let mut alive: std::collections::BTreeMap<i32, ProcId> = members(roots, &scan())
-            .into_iter()
-            .map(|s| {
-                (
-                    s.pid,
-                    ProcId {
-                        pid: s.pid,
-                        start_ticks: s.start_ticks,
-                        boot_id: boot.clone(),
-                    },
-                )
-            })
-            .collect();
-        if let Some(g) = group {
-            for pid in g.pids() {
-                if let Ok(id) = identify(pid) {
-                    alive.entry(pid).or_insert(id);
-                }
-            }
+        if let Some((_, report)) = s.round().pop() {
+            return report;
         }
-        let populated = group.is_some_and(|g| g.populated());
-        let now = started.elapsed().as_millis() as u64;
-        match plan.next(now, !alive.is_empty() || populated) {
-            StopAction::Term => {
-                for id in alive.values() {
-                    if signal(id, Signal::TERM) == Signalled::Sent {
-                        signalled.insert(id.clone());
-                    }
-                }
-            }
-            StopAction::Kill => {
-                if let Some(g) = group {
-                    let _ = g.kill();
-                }
-                for id in alive.values() {
-                    if signal(id, Signal::KILL) == Signalled::Sent {
-                        signalled.insert(id.clone());
-                    }
-                }
-            }
-            StopAction::Wait => {}
-            StopAction::Done => break,
-            StopAction::Degraded => {
-                report.survivors = alive.keys().copied().collect();
-                break;
-            }
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::thread::sleep(std::time::Duration::from_millis(STOP_ROUND_MS));
     }
-    report.terminated = signalled.len();
-    report
 }
 
 #[cfg(test)]

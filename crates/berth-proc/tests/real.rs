@@ -151,7 +151,12 @@ fn the_fallback_misses_a_double_forked_daemon_and_a_cgroup_catches_it() {
         group.pids().contains(&daemon),
         "the escaped daemon is still in the cgroup"
     );
-    let report = stop(&[], Some(&group), 200, 3000);
+    let report = stop(
+        &[],
+        Some(cgroup::Group::open(group.path.clone())),
+        200,
+        3000,
+    );
     assert!(report.ok(), "{report:?}");
     assert!(!group.populated());
     assert!(wait_gone(&[daemon], Duration::from_secs(3)));

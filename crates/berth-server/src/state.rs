@@ -151,6 +151,42 @@ pub struct State {
     /// For stopping threads to report back; weak, so it does not keep the task alive.
     inbox: Option<mpsc::WeakSender<Msg>>,
     counters: ReapCounters,
+    /// The one thread that stops processes, started on first use.
+    stopper: Option<std::sync::mpsc::Sender<berth_proc::StopJob>>,
+}
+
+/// The stopper thread: takes stop jobs, runs rounds while any are active (one `/proc`
+/// scan per round for all of them), reports each finished stop to the state task.
+fn spawn_stopper(
+    sup: &Supervision,
+    inbox: Option<mpsc::WeakSender<Msg>>,
+) -> std::sync::mpsc::Sender<berth_proc::StopJob> {
+    let (tx, rx) = std::sync::mpsc::channel::<berth_proc::StopJob>();
+    let (grace, kill_wait) = (sup.grace_ms, sup.kill_wait_ms);
+    std::thread::Builder::new()
+        .name("berth-stopper".into())
+        .spawn(move || {
+            let mut stopper = berth_proc::Stopper::new(grace, kill_wait);
+            loop {
+                if stopper.is_empty() {
+                    match rx.recv() {
+                        Ok(job) => stopper.add(job),
+                        Err(_) => return,
+                    }
+                }
+                while let Ok(job) = rx.try_recv() {
+                    stopper.add(job);
+                }
+                for (run_id, report) in stopper.round() {
+                    if let Some(tx) = inbox.as_ref().and_then(|w| w.upgrade()) {
+                        let _ = tx.blocking_send(Msg::Stopped { run_id, report });
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(berth_proc::STOP_ROUND_MS));
+            }
+        })
+        .expect("spawn stopper thread");
+    tx
 }
 
 /// Retries failed cleanups this often.
@@ -248,6 +284,7 @@ impl State {
             stopping: BTreeSet::new(),
             inbox: None,
             counters: ReapCounters::default(),
+            stopper: None,
         })
     }
 
@@ -262,7 +299,7 @@ impl State {
         path.exists().then(|| berth_proc::cgroup::Group::open(path))
     }
 
-    /// P2: stops the run's processes on a thread; `Msg::Stopped` comes back.
+    /// P2: hands the run's processes to the stopper thread; `Msg::Stopped` comes back.
     fn start_stop(&mut self, run_id: &str) {
         if !self.stopping.insert(run_id.to_string()) {
             return;
@@ -281,25 +318,17 @@ impl State {
                     .collect()
             })
             .unwrap_or_default();
-        let group = self.cgroup_of(run_id);
-        let sup = self.supervision.clone();
-        let inbox = self.inbox.clone();
-        let id = run_id.to_string();
-        std::thread::Builder::new()
-            .name("berth-stop".into())
-            .spawn(move || {
-                let report =
-                    berth_proc::stop(&roots, group.as_ref(), sup.grace_ms, sup.kill_wait_ms);
-                if report.ok() {
-                    if let Some(g) = &group {
-                        let _ = g.remove();
-                    }
-                }
-                if let Some(tx) = inbox.and_then(|w| w.upgrade()) {
-                    let _ = tx.blocking_send(Msg::Stopped { run_id: id, report });
-                }
-            })
-            .expect("spawn stop thread");
+        let job = berth_proc::StopJob {
+            key: run_id.to_string(),
+            roots,
+            group: self.cgroup_of(run_id),
+        };
+        if self.stopper.is_none() {
+            self.stopper = Some(spawn_stopper(&self.supervision, self.inbox.clone()));
+        }
+        if let Some(tx) = &self.stopper {
+            let _ = tx.send(job);
+        }
     }
 
     fn reap_counters(&self) -> ReapCounters {
