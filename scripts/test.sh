@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
 cargo test --workspace --locked
+# The crash tests need the daemon built with its failpoints (a cargo feature).
+cargo test --locked -p berth --features failpoints --test failpoints
 cargo run --locked -q -p berth-sim -- --seeds "${BERTH_SIM_SEEDS:-200}"

@@ -7,6 +7,7 @@ pub mod auth;
 pub mod clock;
 pub mod contract;
 pub mod error;
+pub mod failpoint;
 pub mod host;
 pub mod state;
 pub mod workspace;

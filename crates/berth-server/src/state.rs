@@ -177,7 +177,11 @@ fn spawn_stopper(
                 while let Ok(job) = rx.try_recv() {
                     stopper.add(job);
                 }
-                for (run_id, report) in stopper.round() {
+                let finished = stopper.round();
+                if !stopper.is_empty() {
+                    crate::failpoint::hit("mid-stop");
+                }
+                for (run_id, report) in finished {
                     if let Some(tx) = inbox.as_ref().and_then(|w| w.upgrade()) {
                         let _ = tx.blocking_send(Msg::Stopped { run_id, report });
                     }
@@ -537,7 +541,14 @@ impl State {
             tokens: vec![],
         };
         let fatal = self.fatal.clone();
+        let granted = batch
+            .runs
+            .iter()
+            .any(|r| r.state == RunState::Granted && r.granted_ms.is_some());
         self.writer.submit(Some(batch), move |res| {
+            if granted {
+                crate::failpoint::hit("grant-committed");
+            }
             if res.is_err() {
                 // D4: never go on after the ledger refused a write.
                 fatal.notify_one();

@@ -165,6 +165,7 @@ fn remove_contents(dir: &OwnedFd, path: &Path) -> Result<(), WorkspaceError> {
             fs::unlinkat(dir, name.as_str(), AtFlags::REMOVEDIR).map_err(io(path, "rmdir"))?;
         } else {
             fs::unlinkat(dir, name.as_str(), AtFlags::empty()).map_err(io(path, "unlink"))?;
+            crate::failpoint::hit("mid-workspace-removal");
         }
     }
     Ok(())
@@ -462,6 +463,7 @@ fn pool_worker(
                     let digest = entry.split('-').next().unwrap_or(&entry);
                     let dest = d.dir.join(format!("{stamp:015}-{digest}"));
                     let bytes = archive_logs(&logs, &dest, d.run_bytes_max);
+                    crate::failpoint::hit("mid-archive");
                     counters.archived.fetch_add(1, Relaxed);
                     counters.bytes.fetch_add(bytes, Relaxed);
                     counters.dropped.fetch_add(enforce_total(d), Relaxed);

@@ -27,6 +27,8 @@ pub struct Daemon {
     pub url: String,
     pub token: String,
     pub args: Vec<String>,
+    /// Extra environment for the next spawn (e.g. `BERTH_FAILPOINT`).
+    pub env: Vec<(String, String)>,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -90,15 +92,17 @@ impl Daemon {
             url: format!("http://127.0.0.1:{port}"),
             token: String::new(),
             args,
+            env: Vec::new(),
             _dir: None,
         };
         d.spawn();
         d
     }
 
-    fn spawn(&mut self) {
+    pub fn spawn(&mut self) {
         let mut child = Command::new(BERTH)
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("BERTH_LOG", "warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -122,6 +126,21 @@ impl Daemon {
     pub fn kill9_and_restart(&mut self) {
         self.kill9();
         self.spawn();
+    }
+
+    /// Waits for the daemon to exit by itself (a failpoint), up to `within`.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + within;
+        while Instant::now() < end {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(st)) = c.try_wait() {
+                    self.child = None;
+                    return Some(st);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
     }
 
     pub fn kill9(&mut self) {

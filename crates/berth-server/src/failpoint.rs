@@ -1,0 +1,27 @@
+//! Named crash points (cargo feature `failpoints`, off by default). With the feature,
+//! `BERTH_FAILPOINT=name[,name...]` makes the process abort the first time it passes
+//! one of those points, as a crash there would. Without the feature every call is
+//! empty and compiles away. `BERTH_FAILPOINT_ARM=<path>` arms the points only once
+//! that file exists.
+//!
+//! Points: `grant-committed` (a grant is durable but not yet answered), `mid-stop`
+//! (between SIGTERM and SIGKILL of a run's tree), `mid-archive` (diagnostics half
+//! copied), `mid-workspace-removal` (a workspace half deleted).
+
+#[cfg(feature = "failpoints")]
+pub fn hit(name: &str) {
+    if let Ok(v) = std::env::var("BERTH_FAILPOINT") {
+        // With BERTH_FAILPOINT_ARM=<path>, only once that file exists: a test sets
+        // up its scene first, then arms the crash.
+        let armed = std::env::var_os("BERTH_FAILPOINT_ARM")
+            .is_none_or(|p| std::path::Path::new(&p).exists());
+        if armed && v.split(',').any(|n| n.trim() == name) {
+            eprintln!("berth: failpoint {name}: aborting");
+            std::process::abort();
+        }
+    }
+}
+
+#[cfg(not(feature = "failpoints"))]
+#[inline(always)]
+pub fn hit(_name: &str) {}

@@ -1,0 +1,258 @@
+//! Crash tests (cargo feature `failpoints`): the daemon aborts at a named point; after
+//! a restart no acknowledged lease is lost, no fence repeats, no capacity leaks, live
+//! children keep running and the runs being stopped are stopped.
+//!
+//!     cargo test -p berth --features failpoints --test failpoints
+//!     BERTH_CRASH_LOOP_ITERATIONS=200 cargo test -p berth --features failpoints --test failpoints crash_loop
+#![cfg(feature = "failpoints")]
+
+mod common;
+
+use std::io::Write;
+use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use common::Daemon;
+use serde_json::{json, Value};
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next())
+                != Some("Z")
+        })
+        .unwrap_or(false)
+}
+
+struct Held {
+    fence: u64,
+    child: Child,
+}
+
+fn hold(d: &Daemon, id: &str, ignore_term: bool) -> Held {
+    let r = d.post(
+        "/v1/runs",
+        &json!({"run_id": id, "project": id, "resources": {"cpu_millis": 100}, "ttl_s": 120})
+            .to_string(),
+    );
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let fence = r.body["fence"].as_u64().unwrap();
+    let script = if ignore_term {
+        "trap '' TERM; sleep 120; sleep 120"
+    } else {
+        "sleep 120"
+    };
+    let child = Command::new("sh")
+        .args(["-c", script])
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let reg = d.post(
+        &format!("/v1/runs/{id}/processes"),
+        &json!({"fence": fence, "pid": child.id()}).to_string(),
+    );
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    Held { fence, child }
+}
+
+fn long_poll(d: &Daemon, body: &Value) -> TcpStream {
+    let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    let body = body.to_string();
+    write!(
+        s,
+        "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        d.token,
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+/// Runs one crash at `failpoint` and checks everything that must hold after a restart.
+fn crash_at(failpoint: &str, variant: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start_in(
+        dir.path(),
+        common::free_port(),
+        &["--slots-max", "3", "--stop-grace", "2s"],
+    );
+    let arm = dir.path().join("armed");
+    d.env = vec![
+        ("BERTH_FAILPOINT".into(), failpoint.into()),
+        ("BERTH_FAILPOINT_ARM".into(), arm.display().to_string()),
+    ];
+    d.kill9_and_restart();
+    let mut keep = hold(&d, "keep", false);
+    let mut stop = hold(&d, "stop", failpoint == "mid-stop");
+    // A run with diagnostics and a dirty workspace, released without processes.
+    let dirty = d.post(
+        "/v1/runs",
+        &json!({"run_id": "dirty", "project": "dirty", "resources": {"cpu_millis": 100}})
+            .to_string(),
+    );
+    let dirty_fence = dirty.body["fence"].as_u64().unwrap();
+    let ws = std::path::PathBuf::from(dirty.body["workspace"].as_str().unwrap());
+    std::fs::write(ws.join("logs/run.log"), vec![b'l'; 4096 + variant as usize]).unwrap();
+    std::fs::write(ws.join("out/result"), b"r").unwrap();
+    let _waiter = long_poll(
+        &d,
+        &json!({"run_id": "waiter", "project": "waiter", "resources": {"cpu_millis": 100}}),
+    );
+    d.wait_until("the waiter queues", |d| {
+        d.get("/v1/runs/waiter").body["state"] == "queued"
+    });
+    let fences_before: Vec<u64> = d.get("/v1/runs").body["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["fence"].as_u64())
+        .collect();
+
+    // Arm the crash, then trigger it.
+    std::fs::write(&arm, b"").unwrap();
+    // (Raw: the daemon may die before it answers this very call.)
+    let (path, fence) = match failpoint {
+        "mid-stop" => ("/v1/runs/stop/release", stop.fence),
+        // Releasing `dirty` grants the waiter (grant-committed), archives its logs
+        // (mid-archive) and deletes its dirty workspace (mid-workspace-removal).
+        _ => ("/v1/runs/dirty/release", dirty_fence),
+    };
+    let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    let body = json!({ "fence": fence }).to_string();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        d.token,
+        body.len()
+    )
+    .unwrap();
+    let st = d
+        .wait_exit(Duration::from_secs(20))
+        .unwrap_or_else(|| panic!("{failpoint}: the daemon did not crash"));
+    assert!(
+        !st.success(),
+        "{failpoint}: the daemon exited cleanly instead of crashing"
+    );
+
+    d.env.clear();
+    d.spawn();
+    // No acknowledged lease is lost: `keep` renews with its fence, its child runs on.
+    let r = d.post(
+        "/v1/runs/keep/renew",
+        &json!({"fence": keep.fence}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{failpoint}: keep: {:?}", r.body);
+    assert!(
+        alive(keep.child.id()),
+        "{failpoint}: a live child was killed"
+    );
+    // The run that was being stopped is stopped after the restart.
+    if failpoint == "mid-stop" {
+        d.wait_until("stop is released", |d| {
+            d.get("/v1/runs/stop").body["state"] == "released"
+        });
+        let _ = stop.child.wait();
+    } else {
+        let r = d.post(
+            "/v1/runs/stop/renew",
+            &json!({"fence": stop.fence}).to_string(),
+        );
+        assert_eq!(r.status, 200, "{failpoint}: stop: {:?}", r.body);
+        d.wait_until("dirty is released", |d| {
+            d.get("/v1/runs/dirty").body["state"] == "released"
+        });
+    }
+    // No fence repeats: everything issued from here on is above every fence seen.
+    let runs = d.get("/v1/runs").body["runs"].as_array().unwrap().clone();
+    let max_seen = runs
+        .iter()
+        .filter_map(|r| r["fence"].as_u64())
+        .chain(fences_before)
+        .max()
+        .unwrap();
+    let n = d.post("/v1/runs", &json!({"run_id": "after", "project": "after", "resources": {"cpu_millis": 100}, "wait_s": 0}).to_string());
+    if n.status == 201 {
+        assert!(
+            n.body["fence"].as_u64().unwrap() > max_seen,
+            "{failpoint}: a fence repeated"
+        );
+    }
+    // No capacity leaks: committed slots equal the live runs that hold claims.
+    let s = d.get("/v1/status").body;
+    let holding = d.get("/v1/runs").body["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| {
+            matches!(
+                r["state"].as_str(),
+                Some("granted" | "releasing" | "degraded")
+            )
+        })
+        .count() as u64;
+    assert_eq!(
+        s["resources"][0]["committed"].as_u64(),
+        Some(holding),
+        "{failpoint}: capacity leak: {s}"
+    );
+    let _ = keep.child.kill();
+    let _ = keep.child.wait();
+    let _ = stop.child.kill();
+    let _ = stop.child.wait();
+}
+
+#[test]
+fn crash_after_a_grant_is_committed_but_not_answered() {
+    crash_at("grant-committed", 0);
+}
+
+#[test]
+fn crash_in_the_middle_of_a_stop() {
+    crash_at("mid-stop", 0);
+}
+
+#[test]
+fn crash_in_the_middle_of_archiving() {
+    crash_at("mid-archive", 0);
+}
+
+#[test]
+fn crash_in_the_middle_of_removing_a_workspace() {
+    crash_at("mid-workspace-removal", 0);
+}
+
+/// The seeded crash loop: a random failpoint per iteration. Two iterations in the
+/// default run; `BERTH_CRASH_LOOP_ITERATIONS=200` for the heavy run.
+#[test]
+fn crash_loop() {
+    let n: u64 = std::env::var("BERTH_CRASH_LOOP_ITERATIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let seed: u64 = std::env::var("BERTH_CRASH_LOOP_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(42);
+    let points = [
+        "grant-committed",
+        "mid-stop",
+        "mid-archive",
+        "mid-workspace-removal",
+    ];
+    let mut x = seed;
+    let mut count = [0u64; 4];
+    for i in 0..n {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let k = (x >> 33) as usize % points.len();
+        count[k] += 1;
+        eprintln!("crash loop {i}: {}", points[k]);
+        crash_at(points[k], x % 997);
+    }
+    eprintln!("crash loop: {n} iterations, per failpoint {count:?}, all invariants held");
+}
