@@ -56,6 +56,11 @@ enum Bench {
         #[arg(long, default_value_t = 200)]
         naive_passes: usize,
     },
+    /// Restart with N expired runs (process trees, logs) and time the reaping.
+    Recovery {
+        #[arg(long, default_value_t = 1000)]
+        runs: usize,
+    },
     /// acquire -> release lifecycles over HTTP against a real daemon on SQLite.
     Http {
         #[arg(long, default_value_t = 64)]
@@ -66,6 +71,7 @@ enum Bench {
 }
 
 mod http;
+mod recovery;
 
 const SLOTS: u64 = 8;
 const PROJECTS: u64 = 512;
@@ -229,6 +235,7 @@ fn main() {
     let args = Args::parse();
     match args.bench {
         Bench::Http { clients, seconds } => http::main(clients, seconds),
+        Bench::Recovery { runs } => recovery::main(runs),
         Bench::Core {
             passes,
             naive_passes,
