@@ -324,12 +324,25 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         // Handlers first: a signal that arrives once CMD exists must reach CMD.
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
-        let mut cmd = tokio::process::Command::new(&a.cmd[0]);
-        cmd.args(&a.cmd[1..])
+        // CMD must never run unregistered (P1): it starts behind a gate, a shell that
+        // waits for one byte on a pipe and then execs CMD under the same pid. If this
+        // process dies before it registers CMD, the pipe closes, the read fails and CMD
+        // never starts.
+        let (gate_read, gate_write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::empty())?;
+        rustix::io::fcntl_setfd(&gate_write, rustix::io::FdFlags::CLOEXEC)?;
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&gate_read);
+        let gate = format!("read -r _ <&{fd} || exit 125; exec \"$@\" {fd}<&-");
+        let mut cmd = tokio::process::Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(gate)
+            .arg("berth-run")
+            .args(&a.cmd)
             .envs(&env)
             .process_group(0)
             .kill_on_drop(false);
-        let mut child = match cmd.spawn() {
+        let spawned = cmd.spawn();
+        drop(gate_read);
+        let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("berth: cannot start {}: {e}", a.cmd[0]);
@@ -338,6 +351,7 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
             }
         };
         let pgid = child.id().unwrap_or(0) as i32;
+        berth_server::failpoint::hit("spawn-before-register");
         // P1: the broker records the child by identity (and moves it into the run's
         // cgroup), so it can stop the tree if this client dies (P6).
         {
@@ -357,6 +371,9 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
                 _ => eprintln!("berth: could not register CMD with the broker"),
             }
         }
+        // Open the gate: CMD starts now.
+        rustix::io::write(&gate_write, b"go\n")?;
+        drop(gate_write);
         let lost = Arc::new(AtomicBool::new(false));
         let (lost_tx, mut lost_rx) = tokio::sync::mpsc::channel::<String>(1);
         let renewer = {

@@ -78,7 +78,14 @@ fn crash_at(failpoint: &str, variant: u64) {
     let mut d = Daemon::start_in(
         dir.path(),
         common::free_port(),
-        &["--slots-max", "3", "--stop-grace", "2s"],
+        &[
+            "--slots-max",
+            "4",
+            "--stop-grace",
+            "2s",
+            "--memory-total",
+            "64GiB",
+        ],
     );
     let arm = dir.path().join("armed");
     d.env = vec![
@@ -98,6 +105,23 @@ fn crash_at(failpoint: &str, variant: u64) {
     let ws = std::path::PathBuf::from(dirty.body["workspace"].as_str().unwrap());
     std::fs::write(ws.join("logs/run.log"), vec![b'l'; 4096 + variant as usize]).unwrap();
     std::fs::write(ws.join("out/result"), b"r").unwrap();
+    // A run whose lease runs out around the crash: it must be reaped afterwards.
+    let exp = d.post(
+        "/v1/runs",
+        &json!({"run_id": "exp", "project": "exp", "resources": {"cpu_millis": 100}, "ttl_s": 2})
+            .to_string(),
+    );
+    let exp_fence = exp.body["fence"].as_u64().unwrap();
+    let mut exp_child = Command::new("sleep")
+        .arg("120")
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let reg = d.post(
+        "/v1/runs/exp/processes",
+        &json!({"fence": exp_fence, "pid": exp_child.id()}).to_string(),
+    );
+    assert_eq!(reg.status, 201);
     let _waiter = long_poll(
         &d,
         &json!({"run_id": "waiter", "project": "waiter", "resources": {"cpu_millis": 100}}),
@@ -166,6 +190,11 @@ fn crash_at(failpoint: &str, variant: u64) {
             d.get("/v1/runs/dirty").body["state"] == "released"
         });
     }
+    // The expired run is reaped: its process stopped, its claim freed.
+    d.wait_until("exp is expired", |d| {
+        d.get("/v1/runs/exp").body["state"] == "expired"
+    });
+    let _ = exp_child.wait();
     // No fence repeats: everything issued from here on is above every fence seen.
     let runs = d.get("/v1/runs").body["runs"].as_array().unwrap().clone();
     let max_seen = runs
@@ -223,6 +252,42 @@ fn crash_in_the_middle_of_archiving() {
 #[test]
 fn crash_in_the_middle_of_removing_a_workspace() {
     crash_at("mid-workspace-removal", 0);
+}
+
+#[test]
+fn a_berth_run_that_dies_between_spawn_and_registration_never_starts_cmd() {
+    let d = Daemon::start(&["--slots-max", "2", "--stop-grace", "1s"]);
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ran");
+    let out = d
+        .cli()
+        .env("BERTH_FAILPOINT", "spawn-before-register")
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--run-id",
+            "gated",
+            "--cpus",
+            "0.1",
+            "--ttl",
+            "2s",
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(format!("touch {}; sleep 100", marker.display()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "berth run should have crashed");
+    // CMD waited behind the gate; the gate closed with its parent; CMD never ran.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!marker.exists(), "CMD ran although it was never registered");
+    // The lease runs out and the run is reaped like any other.
+    d.wait_until("gated is expired", |d| {
+        d.get("/v1/runs/gated").body["state"] == "expired"
+    });
+    assert_eq!(d.get("/v1/status").body["granted"], 0);
 }
 
 /// The seeded crash loop: a random failpoint per iteration. Two iterations in the
