@@ -326,6 +326,7 @@ pub fn run_json(i: &RunInfo) -> Value {
         "labels": i.labels,
         "env": i.env,
         "ports": {},
+        "survivors": i.survivors,
         "claim": { "resources": resources, "keys": keys },
     })
 }

@@ -28,6 +28,8 @@ pub struct RunInfo {
     pub workspace: Option<String>,
     pub expires_at: Option<String>,
     pub env: BTreeMap<String, String>,
+    /// Pids that survived the last stop (a degraded run).
+    pub survivors: Vec<i32>,
 }
 
 pub type Reply<T> = oneshot::Sender<Result<T, ApiError>>;
@@ -111,6 +113,8 @@ struct Extra {
     queue_seq: u64,
     workspace: Option<WorkspaceIdentity>,
     processes: Vec<ProcessRecord>,
+    /// Pids that survived SIGKILL in the last stop (the run is degraded).
+    survivors: Vec<i32>,
 }
 
 /// How processes are stopped (P2).
@@ -142,8 +146,8 @@ pub struct State {
     unclaimed: HashMap<String, u64>,
     watchers: HashMap<String, Arc<watch::Sender<RunInfo>>>,
     /// Runs whose cleanup must be retried (degraded, or releasing after a restart).
-    cleanup_retry: BTreeSet<String>,
-    next_cleanup_ms: u64,
+    /// Runs whose stop or cleanup must be retried: (failed attempts, next try at).
+    cleanup_retry: BTreeMap<String, (u32, u64)>,
     fatal: Arc<tokio::sync::Notify>,
     supervision: Supervision,
     /// Runs whose processes are being stopped right now.
@@ -193,8 +197,10 @@ fn spawn_stopper(
     tx
 }
 
-/// Retries failed cleanups this often.
+/// The first retry of a failed stop or cleanup; each next one waits twice as long.
 const CLEANUP_RETRY_MS: u64 = 5_000;
+/// The longest wait between retries.
+const CLEANUP_RETRY_MAX_MS: u64 = 300_000;
 
 fn store_error(e: &StoreError) -> ApiError {
     ApiError::new(
@@ -226,7 +232,7 @@ impl State {
         let mut extras = HashMap::new();
         let mut unclaimed = HashMap::new();
         let mut ended = VecDeque::new();
-        let mut cleanup_retry = BTreeSet::new();
+        let mut cleanup_retry = BTreeMap::new();
         for r in &ledger.runs {
             let (mut enqueued, mut deadline, mut expires) =
                 (r.enqueued_ms, r.deadline_ms, r.expires_ms.unwrap_or(0));
@@ -241,7 +247,7 @@ impl State {
                     unclaimed.insert(id.clone(), now + reconnect_window_ms);
                 }
                 RunState::Releasing | RunState::Degraded => {
-                    cleanup_retry.insert(id.clone());
+                    cleanup_retry.insert(id.clone(), (0, 0));
                 }
                 s if s.is_terminal() => ended.push_back(id.clone()),
                 _ => {}
@@ -265,6 +271,7 @@ impl State {
                     queue_seq: r.queue_seq,
                     workspace: r.workspace.clone(),
                     processes: r.processes.clone(),
+                    survivors: Vec::new(),
                 },
             );
         }
@@ -282,7 +289,6 @@ impl State {
             unclaimed,
             watchers: HashMap::new(),
             cleanup_retry,
-            next_cleanup_ms: 0,
             fatal,
             supervision,
             stopping: BTreeSet::new(),
@@ -333,6 +339,16 @@ impl State {
         if let Some(tx) = &self.stopper {
             let _ = tx.send(job);
         }
+    }
+
+    /// L3/P4: a failed stop or cleanup is retried with exponential backoff, from
+    /// `CLEANUP_RETRY_MS` up to `CLEANUP_RETRY_MAX_MS`.
+    fn schedule_retry(&mut self, run_id: &str) {
+        let now = clock::mono_ms();
+        let e = self.cleanup_retry.entry(run_id.to_string()).or_insert((0, 0));
+        let delay = CLEANUP_RETRY_MS.saturating_mul(1u64 << e.0.min(16)).min(CLEANUP_RETRY_MAX_MS);
+        e.0 += 1;
+        e.1 = now + delay;
     }
 
     fn reap_counters(&self) -> ReapCounters {
@@ -401,6 +417,7 @@ impl State {
             workspace: ws,
             expires_at,
             env,
+            survivors: extra.map(|e| e.survivors.clone()).unwrap_or_default(),
             view,
         })
     }
@@ -468,11 +485,14 @@ impl State {
                 }
                 Event::Degraded { run_id } => {
                     touched.insert(run_id.clone());
-                    self.cleanup_retry.insert(run_id.clone());
+                    self.schedule_retry(run_id);
                 }
                 Event::Ended { run_id, .. } => {
                     touched.insert(run_id.clone());
                     self.cleanup_retry.remove(run_id);
+                    if let Some(e) = self.extras.get_mut(run_id) {
+                        e.survivors.clear();
+                    }
                     self.attached.remove(run_id);
                     self.unclaimed.remove(run_id);
                     self.ended.push_back(run_id.clone());
@@ -655,6 +675,7 @@ impl State {
                             queue_seq: seq,
                             workspace: None,
                             processes: Vec::new(),
+                            survivors: Vec::new(),
                         },
                     );
                 }
@@ -841,6 +862,9 @@ impl State {
                 if !report.ok() {
                     tracing::warn!(run_id, survivors = ?report.survivors, "processes survived SIGKILL; the run is degraded");
                 }
+                if let Some(e) = self.extras.get_mut(&run_id) {
+                    e.survivors = report.survivors.clone();
+                }
                 let ok = report.ok() && self.cleanup(&run_id);
                 let mut touched = BTreeSet::new();
                 let state = self.engine.view_of(&run_id).map(|v| v.state);
@@ -853,7 +877,7 @@ impl State {
                         &mut touched,
                     );
                     if !ok {
-                        self.cleanup_retry.insert(run_id);
+                        self.schedule_retry(&run_id);
                     }
                 }
                 self.commit(touched, |_| {});
@@ -903,28 +927,26 @@ impl State {
                 let _ = self.apply(Command::Cancel { run_id: id }, &mut touched);
             }
         }
-        if now >= self.next_cleanup_ms && !self.cleanup_retry.is_empty() {
-            self.next_cleanup_ms = now + CLEANUP_RETRY_MS;
-            for id in std::mem::take(&mut self.cleanup_retry) {
-                let state = self.engine.view_of(&id).map(|v| v.state);
-                if matches!(state, Some(RunState::Releasing | RunState::Degraded)) {
-                    if self.has_processes(&id) {
-                        self.start_stop(&id);
-                        continue;
-                    }
-                    let ok = self.cleanup(&id);
-                    let _ = self.apply(
-                        Command::StopDone {
-                            run_id: id.clone(),
-                            ok,
-                        },
-                        &mut touched,
-                    );
-                    if !ok {
-                        self.cleanup_retry.insert(id);
-                    }
-                }
+        let due: Vec<String> = self
+            .cleanup_retry
+            .iter()
+            .filter(|(_, (_, at))| *at <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in due {
+            let state = self.engine.view_of(&id).map(|v| v.state);
+            if !matches!(state, Some(RunState::Releasing | RunState::Degraded)) {
+                self.cleanup_retry.remove(&id);
+                continue;
             }
+            // Not again until this attempt has had its chance.
+            self.schedule_retry(&id);
+            if self.has_processes(&id) {
+                self.start_stop(&id);
+                continue;
+            }
+            let ok = self.cleanup(&id);
+            let _ = self.apply(Command::StopDone { run_id: id.clone(), ok }, &mut touched);
         }
         if !touched.is_empty() {
             self.commit(touched, |_| {});
