@@ -247,6 +247,8 @@ pub struct StopJob {
     pub key: String,
     pub roots: Vec<ProcId>,
     pub group: Option<cgroup::Group>,
+    /// This run's grace between SIGTERM and SIGKILL, instead of the stopper's default.
+    pub grace_ms: Option<u64>,
 }
 
 struct Active {
@@ -284,6 +286,7 @@ impl Stopper {
     }
 
     pub fn add(&mut self, job: StopJob) {
+        let grace = job.grace_ms.unwrap_or(self.grace_ms);
         let reused = job
             .roots
             .iter()
@@ -291,7 +294,7 @@ impl Stopper {
             .count();
         self.active.push(Active {
             job,
-            plan: StopPlan::new(self.grace_ms, self.kill_wait_ms),
+            plan: StopPlan::new(grace, self.kill_wait_ms),
             started: std::time::Instant::now(),
             report: StopReport {
                 reused_pids_protected: reused,
@@ -389,6 +392,7 @@ pub fn stop(
         key: String::new(),
         roots: roots.to_vec(),
         group,
+        grace_ms: None,
     });
     loop {
         if let Some((_, report)) = s.round().pop() {

@@ -121,6 +121,8 @@ struct AcquireBody {
     ttl_s: Option<u64>,
     wait_s: Option<u64>,
     labels: Option<BTreeMap<String, String>>,
+    /// Grace between SIGTERM and SIGKILL when this run is stopped (P2).
+    stop_grace_s: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -169,11 +171,20 @@ fn new_run_id() -> String {
     format!("r-{}", &t["berth_".len().."berth_".len() + 16])
 }
 
+/// Longest stop grace a run may ask for.
+pub const STOP_GRACE_S_MAX: u64 = 3_600;
+
+/// The server-side parts of an acquire: (worktree, labels, stop grace).
+type Extras = (Option<String>, BTreeMap<String, String>, Option<u64>);
+
 /// Turns an acquire body into the engine's request, reading the worktree's contract.
-fn build_request(
-    api: &Api,
-    b: AcquireBody,
-) -> Result<(CoreRequest, Option<String>, BTreeMap<String, String>), ApiError> {
+fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), ApiError> {
+    if b.stop_grace_s.is_some_and(|g| g > STOP_GRACE_S_MAX) {
+        return Err(ApiError::invalid(
+            "stop_grace_s",
+            format!("must be between 0 and {STOP_GRACE_S_MAX}"),
+        ));
+    }
     let run_id = match b.run_id {
         Some(id) => {
             check_run_id(&id)?;
@@ -292,7 +303,7 @@ fn build_request(
         ttl_ms: ttl_s * 1000,
         wait_ms: wait_s * 1000,
     };
-    Ok((req, b.worktree, labels))
+    Ok((req, (b.worktree, labels, b.stop_grace_s.map(|g| g * 1000))))
 }
 
 pub fn run_json(i: &RunInfo) -> Value {
@@ -387,7 +398,7 @@ async fn acquire(AxState(api): AxState<Api>, headers: HeaderMap, body: Body) -> 
 
 async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let b: AcquireBody = json_body(body, false).await?;
-    let (req, worktree, labels) = build_request(&api, b)?;
+    let (req, (worktree, labels, stop_grace_ms)) = build_request(&api, b)?;
     let stream = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
@@ -405,6 +416,7 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         req,
         worktree,
         labels,
+        stop_grace_ms,
         attach: waits,
         reply,
     })

@@ -39,6 +39,7 @@ pub enum Msg {
         req: berth_core::Request,
         worktree: Option<String>,
         labels: BTreeMap<String, String>,
+        stop_grace_ms: Option<u64>,
         /// The caller keeps a connection open while it waits (A9 applies).
         attach: bool,
         reply: Reply<RunInfo>,
@@ -115,6 +116,8 @@ struct Extra {
     processes: Vec<ProcessRecord>,
     /// Pids that survived SIGKILL in the last stop (the run is degraded).
     survivors: Vec<i32>,
+    /// The run's own grace between SIGTERM and SIGKILL (P2), if it asked for one.
+    stop_grace_ms: Option<u64>,
 }
 
 /// How processes are stopped (P2).
@@ -272,6 +275,7 @@ impl State {
                     workspace: r.workspace.clone(),
                     processes: r.processes.clone(),
                     survivors: Vec::new(),
+                    stop_grace_ms: r.stop_grace_ms,
                 },
             );
         }
@@ -332,6 +336,7 @@ impl State {
             key: run_id.to_string(),
             roots,
             group: self.cgroup_of(run_id),
+            grace_ms: self.extras.get(run_id).and_then(|e| e.stop_grace_ms),
         };
         if self.stopper.is_none() {
             self.stopper = Some(spawn_stopper(&self.supervision, self.inbox.clone()));
@@ -345,8 +350,13 @@ impl State {
     /// `CLEANUP_RETRY_MS` up to `CLEANUP_RETRY_MAX_MS`.
     fn schedule_retry(&mut self, run_id: &str) {
         let now = clock::mono_ms();
-        let e = self.cleanup_retry.entry(run_id.to_string()).or_insert((0, 0));
-        let delay = CLEANUP_RETRY_MS.saturating_mul(1u64 << e.0.min(16)).min(CLEANUP_RETRY_MAX_MS);
+        let e = self
+            .cleanup_retry
+            .entry(run_id.to_string())
+            .or_insert((0, 0));
+        let delay = CLEANUP_RETRY_MS
+            .saturating_mul(1u64 << e.0.min(16))
+            .min(CLEANUP_RETRY_MAX_MS);
         e.0 += 1;
         e.1 = now + delay;
     }
@@ -441,6 +451,7 @@ impl State {
             primary_mode: r.primary_mode,
             workspace: extra.workspace.clone(),
             processes: extra.processes.clone(),
+            stop_grace_ms: extra.stop_grace_ms,
         })
     }
 
@@ -653,12 +664,16 @@ impl State {
                 req,
                 worktree,
                 labels,
+                stop_grace_ms,
                 attach,
                 reply,
             } => {
                 let id = req.run_id.clone();
                 if let Some(ex) = self.extras.get(&id) {
-                    if ex.worktree != worktree || ex.labels != labels {
+                    if ex.worktree != worktree
+                        || ex.labels != labels
+                        || ex.stop_grace_ms != stop_grace_ms
+                    {
                         let e = CoreError::Conflict { run_id: id };
                         return self.answer(reply, Err(e.into()));
                     }
@@ -676,6 +691,7 @@ impl State {
                             workspace: None,
                             processes: Vec::new(),
                             survivors: Vec::new(),
+                            stop_grace_ms,
                         },
                     );
                 }
@@ -946,7 +962,13 @@ impl State {
                 continue;
             }
             let ok = self.cleanup(&id);
-            let _ = self.apply(Command::StopDone { run_id: id.clone(), ok }, &mut touched);
+            let _ = self.apply(
+                Command::StopDone {
+                    run_id: id.clone(),
+                    ok,
+                },
+                &mut touched,
+            );
         }
         if !touched.is_empty() {
             self.commit(touched, |_| {});

@@ -100,6 +100,7 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
         } else {
             vec![]
         },
+        stop_grace_ms: Some(2_500 + seq),
     }
 }
 

@@ -72,6 +72,8 @@ pub struct RunRecord {
     pub workspace: Option<WorkspaceIdentity>,
     /// Processes registered for the run (recorded before berth relies on them).
     pub processes: Vec<ProcessRecord>,
+    /// The run's own grace between SIGTERM and SIGKILL, if it asked for one.
+    pub stop_grace_ms: Option<u64>,
 }
 
 /// One command's durable effects.

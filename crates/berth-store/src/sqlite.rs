@@ -57,6 +57,8 @@ const MIGRATIONS: &[&str] = &[
         boot_id TEXT NOT NULL,
         PRIMARY KEY (run_id, pid, start_ticks, boot_id)
      ) STRICT;",
+    // 3: a run's own stop grace (P2).
+    "ALTER TABLE runs ADD COLUMN stop_grace_ms INTEGER;",
 ];
 
 pub struct SqliteStore {
@@ -303,6 +305,7 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         },
         workspace,
         processes: Vec::new(),
+        stop_grace_ms: oi("stop_grace_ms")?.map(u),
     })
 }
 
@@ -310,9 +313,9 @@ const UPSERT: &str =
     "INSERT INTO runs (run_id, project, class, priority, slots, memory, cpu_millis,
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
-    expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal)
+    expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms)
   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
-    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30)
+    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31)
   ON CONFLICT (run_id) DO UPDATE SET
     state = excluded.state, fence = excluded.fence, deadline_ms = excluded.deadline_ms,
     granted_ms = excluded.granted_ms, expires_ms = excluded.expires_ms,
@@ -464,6 +467,7 @@ impl Store for SqliteStore {
                             ws.map(|w| w.dev as i64),
                             ws.map(|w| w.ino as i64),
                             r.state.is_terminal() as i64,
+                            r.stop_grace_ms.map(|g| g as i64),
                         ])
                         .map_err(write_err)?;
                 }

@@ -333,3 +333,46 @@ fn a_recorded_pid_that_now_belongs_to_a_stranger_is_left_alone() {
     stranger.kill().unwrap();
     let _ = stranger.wait();
 }
+
+#[test]
+fn a_run_may_ask_for_its_own_stop_grace() {
+    // The host's grace is 30 s; this run asks for 1 s.
+    let d = Daemon::start(&["--slots-max", "2", "--stop-grace", "30s"]);
+    let r = d.post("/v1/runs", &json!({"run_id": "quick", "project": "q", "resources": {"cpu_millis": 100}, "stop_grace_s": 1}).to_string());
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let fence = r.body["fence"].as_u64().unwrap();
+    let mut child = Command::new("sh")
+        .args(["-c", "trap '' TERM; sleep 100; sleep 100"])
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    assert_eq!(
+        d.post(
+            "/v1/runs/quick/processes",
+            &json!({"fence": fence, "pid": child.id()}).to_string()
+        )
+        .status,
+        201
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    d.post(
+        "/v1/runs/quick/release",
+        &json!({"fence": fence}).to_string(),
+    );
+    d.wait_until("quick is released", |d| {
+        d.get("/v1/runs/quick").body["state"] == "released"
+    });
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_secs(10),
+        "{took:?}"
+    );
+    let _ = child.wait();
+    let bad = d.post(
+        "/v1/runs",
+        &json!({"project": "q", "stop_grace_s": 3601}).to_string(),
+    );
+    assert_eq!(bad.status, 400);
+    assert_eq!(bad.body["error"]["details"]["field"], "stop_grace_s");
+}
