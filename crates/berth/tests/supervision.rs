@@ -376,3 +376,67 @@ fn a_run_may_ask_for_its_own_stop_grace() {
     assert_eq!(bad.status, 400);
     assert_eq!(bad.body["error"]["details"]["field"], "stop_grace_s");
 }
+
+#[test]
+fn a_double_forked_daemon_is_stopped_by_the_cgroup_and_missed_by_the_fallback() {
+    let cgroups = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .contains(" - cgroup2 ");
+    for use_cgroups in [true, false] {
+        let mut args = vec!["--slots-max", "2", "--stop-grace", "1s"];
+        if !use_cgroups {
+            args.push("--no-cgroups");
+        }
+        let d = Daemon::start(&args);
+        let dir = tempfile::tempdir().unwrap();
+        let pidfile = dir.path().join("daemon");
+        // CMD double-forks a daemon (setsid, reparented to init) and exits at once.
+        let st = d
+            .cli()
+            .args([
+                "run",
+                "--project",
+                "p",
+                "--run-id",
+                "df",
+                "--cpus",
+                "0.1",
+                "--",
+                "sh",
+                "-c",
+            ])
+            .arg(format!(
+                "setsid sh -c 'echo $$ > {}; exec sleep 100' & sleep 0.3; exit 0",
+                pidfile.display()
+            ))
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(st.success());
+        let pid = wait_pids(&pidfile, 1)[0];
+        d.wait_until("df is released", |d| {
+            d.get("/v1/runs/df").body["state"] == "released"
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        // As root on a cgroup2 host berth can make its groups; otherwise it may not.
+        let expect_cgroup = use_cgroups && cgroups && rustix::process::geteuid().is_root();
+        if expect_cgroup {
+            assert!(
+                !alive(pid),
+                "the cgroup should have caught the double-forked daemon"
+            );
+        } else if !use_cgroups {
+            // The documented limit of the process-group fallback (ARCHITECTURE.md).
+            assert!(
+                alive(pid),
+                "the fallback is documented not to see a double-forked daemon"
+            );
+        }
+        if alive(pid) {
+            let _ = rustix::process::kill_process(
+                rustix::process::Pid::from_raw(pid).unwrap(),
+                rustix::process::Signal::KILL,
+            );
+        }
+    }
+}
