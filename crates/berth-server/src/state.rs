@@ -308,6 +308,14 @@ impl State {
     }
 
     fn cgroup_of(&self, run_id: &str) -> Option<berth_proc::cgroup::Group> {
+        // A run gets a group when its first process registers; none before.
+        if self
+            .extras
+            .get(run_id)
+            .is_some_and(|e| e.processes.is_empty())
+        {
+            return None;
+        }
         let base = self.supervision.cgroup_base.as_ref()?;
         let path = base.join(workspace::dir_name(run_id));
         path.exists().then(|| berth_proc::cgroup::Group::open(path))

@@ -429,10 +429,14 @@ fn pool_worker(
 ) {
     use std::sync::atomic::Ordering::Relaxed;
     let mut n = 0u64;
+    let mut busy = false;
     loop {
         // The trash is scanned every few milliseconds (releases never wait for this
         // thread); a nudge only comes when the pool runs low.
-        match wake.recv_timeout(std::time::Duration::from_millis(20)) {
+        // Busy: look again soon, so released workspaces return to the pool before it
+        // runs dry; idle: a relaxed pace.
+        let pause = if busy { 2 } else { 20 };
+        match wake.recv_timeout(std::time::Duration::from_millis(pause)) {
             Ok(()) => while wake.try_recv().is_ok() {},
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
@@ -445,6 +449,7 @@ fn pool_worker(
                     .collect()
             })
             .unwrap_or_default();
+        busy = !entries.is_empty();
         for entry in entries {
             if entry.starts_with("swapped-") {
                 continue;
