@@ -299,6 +299,8 @@ fn enforce_total(d: &Diagnostics) -> u64 {
 /// Empty workspaces made ahead when the pool runs low (creating inodes is the costly
 /// part on ext4, so released workspaces are recycled rather than deleted and remade).
 pub const POOL_TARGET: usize = 64;
+/// New workspaces made per round of the pool thread.
+const REFILL_BATCH: usize = 4;
 /// Recycled workspaces kept at most; beyond it released ones are deleted.
 pub const POOL_MAX: usize = 4 * POOL_TARGET;
 
@@ -501,7 +503,12 @@ fn pool_worker(
         if ready.lock().unwrap().len() >= POOL_TARGET / 4 {
             continue;
         }
-        while ready.lock().unwrap().len() < POOL_TARGET {
+        // A few at a time, so the trash is scanned again soon: recycling released
+        // workspaces matters more than making new ones.
+        for _ in 0..REFILL_BATCH {
+            if ready.lock().unwrap().len() >= POOL_TARGET {
+                break;
+            }
             n += 1;
             let name = format!("w{n}-{}", std::process::id());
             match create_named(&pool_dir, &name) {
