@@ -17,7 +17,9 @@ struct Outcome {
     errors: u64,
 }
 
-fn config(state: &std::path::Path, group_commit: bool) -> berth_server::ServeConfig {
+/// A daemon with room for everything the benchmarks ask (slots, memory, disk), durable
+/// ledger on, memory sampling off.
+pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::ServeConfig {
     let mut engine = berth_core::Config::for_host(64, 1 << 40, 1 << 44);
     engine.slots_max = 4096;
     engine.memory_reserve = 0;
@@ -35,7 +37,7 @@ fn config(state: &std::path::Path, group_commit: bool) -> berth_server::ServeCon
         stop_grace_ms: 10_000,
         cgroups: true,
         diagnostics_run_bytes_max: 1 << 20,
-        diagnostics_total_bytes_max: 64 << 20,
+        diagnostics_total_bytes_max: 1 << 30,
     }
 }
 

@@ -9,28 +9,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-fn config(state: &std::path::Path) -> berth_server::ServeConfig {
-    let mut engine = berth_core::Config::for_host(64, 1 << 40, 1 << 44);
-    engine.slots_max = 4096;
-    engine.memory_reserve = 0;
-    engine.cpu_reserve_millis = 0;
-    engine.disk_reserve = 0;
-    berth_server::ServeConfig {
-        state_dir: state.to_path_buf(),
-        listen: "127.0.0.1:0".parse().unwrap(),
-        insecure_no_auth: false,
-        engine,
-        sample_memory: false,
-        reconnect_window_ms: 30_000,
-        group_commit: true,
-        tick_ms: 100,
-        stop_grace_ms: 10_000,
-        cgroups: true,
-        diagnostics_run_bytes_max: 1 << 20,
-        diagnostics_total_bytes_max: 1 << 30,
-    }
-}
-
 pub fn main(runs: usize) {
     let dir = tempfile::tempdir().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -43,7 +21,7 @@ pub fn main(runs: usize) {
     let ttl_s = (runs as u64 / 100 + 5).max(2);
     let created = Instant::now();
     let first = rt
-        .block_on(berth_server::start(config(dir.path())))
+        .block_on(berth_server::start(crate::http::config(dir.path(), true)))
         .expect("daemon");
     let url = format!("http://{}", first.addr);
     let auth = format!("Bearer {}", first.admin_token.clone().unwrap());
@@ -86,7 +64,7 @@ pub fn main(runs: usize) {
 
     let started = Instant::now();
     let second = rt
-        .block_on(berth_server::start(config(dir.path())))
+        .block_on(berth_server::start(crate::http::config(dir.path(), true)))
         .expect("restart");
     let url = format!("http://{}", second.addr);
     let serving = loop {

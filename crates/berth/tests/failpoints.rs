@@ -14,19 +14,8 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 use std::time::Duration;
 
-use common::Daemon;
-use serde_json::{json, Value};
-
-fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            s.rsplit(')')
-                .next()
-                .and_then(|r| r.split_whitespace().next())
-                != Some("Z")
-        })
-        .unwrap_or(false)
-}
+use common::{alive, long_poll, Daemon};
+use serde_json::json;
 
 struct Held {
     fence: u64,
@@ -57,19 +46,6 @@ fn hold(d: &Daemon, id: &str, ignore_term: bool) -> Held {
     );
     assert_eq!(reg.status, 201, "{:?}", reg.body);
     Held { fence, child }
-}
-
-fn long_poll(d: &Daemon, body: &Value) -> TcpStream {
-    let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
-    let body = body.to_string();
-    write!(
-        s,
-        "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        d.token,
-        body.len()
-    )
-    .unwrap();
-    s
 }
 
 /// Runs one crash at `failpoint` and checks everything that must hold after a restart.
@@ -171,7 +147,7 @@ fn crash_at(failpoint: &str, variant: u64) {
     );
     assert_eq!(r.status, 200, "{failpoint}: keep: {:?}", r.body);
     assert!(
-        alive(keep.child.id()),
+        alive(keep.child.id() as i32),
         "{failpoint}: a live child was killed"
     );
     // The run that was being stopped is stopped after the restart.

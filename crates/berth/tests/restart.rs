@@ -4,28 +4,13 @@
 
 mod common;
 
-use std::io::Write;
-use std::net::TcpStream;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::Daemon;
+use common::{long_poll, Daemon};
 use serde_json::{json, Value};
 
 /// Starts a long-poll acquire on a raw socket and returns the socket (kept open).
-fn long_poll(d: &Daemon, body: &Value) -> TcpStream {
-    let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
-    let body = body.to_string();
-    write!(
-        s,
-        "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        d.token,
-        body.len()
-    )
-    .unwrap();
-    s
-}
-
 fn waiter(id: &str) -> Value {
     json!({"run_id": id, "project": format!("w-{id}"), "resources": {"cpu_millis": 100}, "ttl_s": 60})
 }

@@ -8,34 +8,8 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::Daemon;
+use common::{alive, wait_pids, Daemon};
 use serde_json::json;
-
-fn alive(pid: i32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| {
-            s.rsplit(')')
-                .next()
-                .and_then(|r| r.split_whitespace().next())
-                != Some("Z")
-        })
-        .unwrap_or(false)
-}
-
-fn wait_pids(path: &std::path::Path, n: usize) -> Vec<i32> {
-    let end = Instant::now() + Duration::from_secs(10);
-    loop {
-        let v: Vec<i32> = std::fs::read_to_string(path)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| l.trim().parse().ok())
-            .collect();
-        if v.len() >= n || Instant::now() > end {
-            return v;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 fn acquire(d: &Daemon, id: &str, ttl: u64) -> u64 {
     let r = d.post(

@@ -234,3 +234,46 @@ impl Drop for Daemon {
         self.kill9();
     }
 }
+
+/// Is `pid` a live (non-zombie) process?
+pub fn alive(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit(')')
+                .next()
+                .and_then(|r| r.split_whitespace().next())
+                != Some("Z")
+        })
+        .unwrap_or(false)
+}
+
+/// Waits (up to 10 s) until `path` lists at least `n` pids, one per line.
+pub fn wait_pids(path: &Path, n: usize) -> Vec<i32> {
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v: Vec<i32> = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
+        if v.len() >= n || Instant::now() > end {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Starts a long-poll acquire on a raw socket and returns the socket (kept open).
+pub fn long_poll(d: &Daemon, body: &Value) -> std::net::TcpStream {
+    use std::io::Write;
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    let body = body.to_string();
+    write!(
+        s,
+        "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        d.token,
+        body.len()
+    )
+    .unwrap();
+    s
+}
