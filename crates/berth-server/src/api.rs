@@ -58,6 +58,47 @@ async fn ask<T>(
         .map_err(|_| ApiError::new(503, "shutting_down", "berth is shutting down"))?
 }
 
+/// The `{id}` of a route, refused with a JSON `400` (not axum's plain text) when the
+/// path is not valid percent-encoded UTF-8.
+pub struct RunIdPath(pub String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for RunIdPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match Path::<String>::from_request_parts(parts, state).await {
+            Ok(Path(id)) => Ok(RunIdPath(id)),
+            Err(_) => Err(ApiError::invalid(
+                "run_id",
+                "must be valid percent-encoded UTF-8",
+            )),
+        }
+    }
+}
+
+/// Query parameters, refused with a JSON `400` when malformed.
+pub struct Params(pub BTreeMap<String, String>);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Params {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        match Query::<BTreeMap<String, String>>::from_request_parts(parts, state).await {
+            Ok(Query(q)) => Ok(Params(q)),
+            Err(_) => Err(ApiError::invalid(
+                "query",
+                "must be well-formed key=value pairs",
+            )),
+        }
+    }
+}
+
 /// Reads a JSON body: size limit, UTF-8, unknown fields, wrong types, all as `400`s
 /// that name the field.
 async fn json_body<T: DeserializeOwned>(body: Body, empty_ok: bool) -> Result<T, ApiError> {
@@ -534,10 +575,7 @@ async fn wait_for_grant(
     }
 }
 
-async fn list_runs(
-    AxState(api): AxState<Api>,
-    Query(q): Query<BTreeMap<String, String>>,
-) -> Result<Json<Value>, ApiError> {
+async fn list_runs(AxState(api): AxState<Api>, Params(q): Params) -> Result<Json<Value>, ApiError> {
     if let Some(k) = q.keys().find(|k| *k != "limit") {
         return Err(ApiError::invalid(k, "is not a known query parameter"));
     }
@@ -559,7 +597,7 @@ async fn list_runs(
 
 async fn get_run(
     AxState(api): AxState<Api>,
-    Path(id): Path<String>,
+    RunIdPath(id): RunIdPath,
 ) -> Result<Json<Value>, ApiError> {
     check_run_id(&id)?;
     let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
@@ -568,7 +606,7 @@ async fn get_run(
 
 async fn renew(
     AxState(api): AxState<Api>,
-    Path(id): Path<String>,
+    RunIdPath(id): RunIdPath,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
     check_run_id(&id)?;
@@ -590,7 +628,7 @@ async fn renew(
 
 async fn release(
     AxState(api): AxState<Api>,
-    Path(id): Path<String>,
+    RunIdPath(id): RunIdPath,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
     check_run_id(&id)?;
@@ -603,7 +641,7 @@ async fn release(
 
 async fn register_process(
     AxState(api): AxState<Api>,
-    Path(id): Path<String>,
+    RunIdPath(id): RunIdPath,
     body: Body,
 ) -> Result<Response, ApiError> {
     check_run_id(&id)?;
@@ -653,8 +691,8 @@ const REAP_WAIT: Duration = Duration::from_secs(30);
 
 async fn delete_run(
     AxState(api): AxState<Api>,
-    Path(id): Path<String>,
-    Query(q): Query<BTreeMap<String, String>>,
+    RunIdPath(id): RunIdPath,
+    Params(q): Params,
 ) -> Result<Json<Value>, ApiError> {
     check_run_id(&id)?;
     if let Some(k) = q.keys().find(|k| *k != "fence") {
@@ -721,7 +759,7 @@ async fn status(AxState(api): AxState<Api>) -> Result<Json<Value>, ApiError> {
 
 async fn fence_check(
     AxState(api): AxState<Api>,
-    Query(q): Query<BTreeMap<String, String>>,
+    Params(q): Params,
 ) -> Result<Json<Value>, ApiError> {
     if let Some(k) = q.keys().find(|k| *k != "fence" && *k != "run_id") {
         return Err(ApiError::invalid(k, "is not a known query parameter"));

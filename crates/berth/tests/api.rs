@@ -398,6 +398,8 @@ fn malformed_requests_get_4xx_with_a_code_and_change_nothing() {
         ("DELETE", "/v1/runs/held?fence=abc".into(), "".into()),
         ("DELETE", "/v1/runs/held?fence=1&x=2".into(), "".into()),
         ("GET", "/v1/runs/bad%2Fid".into(), "".into()),
+        ("GET", "/v1/runs/bad%ff%fe".into(), "".into()),
+        ("GET", "/v1/runs?limit=%zz".into(), "".into()),
         ("GET", "/v1/runs?limit=0".into(), "".into()),
         ("GET", "/v1/fences/check?run_id=held".into(), "".into()),
         (
