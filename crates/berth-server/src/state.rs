@@ -160,6 +160,8 @@ pub struct State {
     counters: ReapCounters,
     /// The one thread that stops processes, started on first use.
     stopper: Option<std::sync::mpsc::Sender<berth_proc::StopJob>>,
+    /// Stops decided in this step, handed to the stopper after the commit.
+    pending_stops: Vec<berth_proc::StopJob>,
 }
 
 /// The stopper thread: takes stop jobs, runs rounds while any are active (one `/proc`
@@ -299,6 +301,7 @@ impl State {
             inbox: None,
             counters: ReapCounters::default(),
             stopper: None,
+            pending_stops: Vec::new(),
         })
     }
 
@@ -349,9 +352,10 @@ impl State {
         if self.stopper.is_none() {
             self.stopper = Some(spawn_stopper(&self.supervision, self.inbox.clone()));
         }
-        if let Some(tx) = &self.stopper {
-            let _ = tx.send(job);
-        }
+        // Sent by the next commit, once the decision to stop is durable: a crash in
+        // between must not leave a run that the ledger says is granted with its
+        // processes already killed.
+        self.pending_stops.push(job);
     }
 
     /// L3/P4: a failed stop or cleanup is retried with exponential backoff, from
@@ -584,7 +588,16 @@ impl State {
             .runs
             .iter()
             .any(|r| r.state == RunState::Granted && r.granted_ms.is_some());
+        let stops = std::mem::take(&mut self.pending_stops);
+        let stopper = self.stopper.clone();
         self.writer.submit(Some(batch), move |res| {
+            if res.is_ok() {
+                if let Some(tx) = &stopper {
+                    for job in stops {
+                        let _ = tx.send(job);
+                    }
+                }
+            }
             if granted {
                 crate::failpoint::hit("grant-committed");
             }
@@ -978,7 +991,7 @@ impl State {
                 &mut touched,
             );
         }
-        if !touched.is_empty() {
+        if !touched.is_empty() || !self.pending_stops.is_empty() {
             self.commit(touched, |_| {});
         }
     }

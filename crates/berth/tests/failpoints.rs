@@ -162,6 +162,14 @@ fn crash_at(failpoint: &str, variant: u64) {
             &json!({"fence": stop.fence}).to_string(),
         );
         assert_eq!(r.status, 200, "{failpoint}: stop: {:?}", r.body);
+        // The release of `dirty` was never answered: the crash may have come before it
+        // was durable (then `dirty` is still granted) or after. A client retries; the
+        // retry is idempotent either way (L5).
+        let r = d.post(
+            "/v1/runs/dirty/release",
+            &json!({ "fence": dirty_fence }).to_string(),
+        );
+        assert_eq!(r.status, 200, "{failpoint}: dirty: {:?}", r.body);
         d.wait_until("dirty is released", |d| {
             d.get("/v1/runs/dirty").body["state"] == "released"
         });
