@@ -78,6 +78,25 @@ impl Config {
         }
     }
 
+    /// Shrinks the *default* request to what this host can ever allocate, so that a
+    /// plain `berth run` works on a small host (SPEC's 2000 cpu millis do not fit a
+    /// 2-cpu machine with its 1000-milli reserve). Explicit requests are never changed;
+    /// they are refused as impossible (A3) when they cannot fit.
+    pub fn fit_default_request(&mut self) {
+        let d = &mut self.default_request;
+        d.memory = d
+            .memory
+            .min(self.memory_total.saturating_sub(self.memory_reserve));
+        d.cpu_millis = d.cpu_millis.min(
+            self.cpu_total_millis
+                .saturating_sub(self.cpu_reserve_millis),
+        );
+        d.disk = d
+            .disk
+            .min(self.disk_total.saturating_sub(self.disk_reserve));
+        d.slots = d.slots.min(self.slots_max).max(1);
+    }
+
     /// Refuses configurations the engine cannot keep its promises under.
     pub fn validate(&self) -> Result<(), String> {
         if self.slots_max == 0 || self.slots_max > SLOTS_MAX_LIMIT {
@@ -115,5 +134,24 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_request_fits_a_small_host_and_is_unchanged_on_a_big_one() {
+        // 2 cpus (1000 reserved), 2 GiB memory (1 GiB reserved), 12 GiB disk (10 reserved).
+        let mut small = Config::for_host(2, 2 * GIB, 12 * GIB);
+        small.fit_default_request();
+        assert_eq!(small.default_request.cpu_millis, 1000);
+        assert_eq!(small.default_request.memory, GIB);
+        assert_eq!(small.default_request.disk, 2 * GIB);
+        let mut big = Config::for_host(64, 256 * GIB, 4096 * GIB);
+        let before = big.default_request.clone();
+        big.fit_default_request();
+        assert_eq!(big.default_request, before);
     }
 }

@@ -172,6 +172,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         named.insert(name.to_string(), count);
     }
     c.named = named.into_iter().collect();
+    c.fit_default_request();
     if let Err(e) = c.validate() {
         bail!("configuration: {e}");
     }
