@@ -29,32 +29,35 @@ fn max_count(dir: &Path, group: &str) -> usize {
         .unwrap_or(0)
 }
 
+/// A small `berth run` of `project` running the probe script of `group`.
+fn spawn_probe(d: &Daemon, project: &str, dir: &Path, group: &str) -> std::process::Child {
+    d.cli()
+        .args([
+            "run",
+            "--project",
+            project,
+            "--cpus",
+            "0.1",
+            "--memory",
+            "10MiB",
+            "--disk",
+            "0",
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(probe_script(dir, group))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
 #[test]
 fn concurrency_never_exceeds_slots_max() {
     let d = Daemon::start(&["--slots-max", "3", "--cpu-total", "64000"]);
     let dir = tempfile::tempdir().unwrap();
     let children: Vec<_> = (0..10)
-        .map(|i| {
-            d.cli()
-                .args([
-                    "run",
-                    "--project",
-                    &format!("p{i}"),
-                    "--cpus",
-                    "0.1",
-                    "--memory",
-                    "10MiB",
-                    "--disk",
-                    "0",
-                    "--",
-                    "sh",
-                    "-c",
-                ])
-                .arg(probe_script(dir.path(), "all"))
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap()
-        })
+        .map(|i| spawn_probe(&d, &format!("p{i}"), dir.path(), "all"))
         .collect();
     for mut c in children {
         assert!(c.wait().unwrap().success());
@@ -79,27 +82,7 @@ fn serial_projects_serialize_while_different_projects_run_in_parallel() {
             ("same", "acme/web".to_string()),
             ("diff", format!("solo{i}")),
         ] {
-            children.push(
-                d.cli()
-                    .args([
-                        "run",
-                        "--project",
-                        &project,
-                        "--cpus",
-                        "0.1",
-                        "--memory",
-                        "10MiB",
-                        "--disk",
-                        "0",
-                        "--",
-                        "sh",
-                        "-c",
-                    ])
-                    .arg(probe_script(dir.path(), group))
-                    .stderr(Stdio::null())
-                    .spawn()
-                    .unwrap(),
-            );
+            children.push(spawn_probe(&d, &project, dir.path(), group));
         }
     }
     for mut c in children {
