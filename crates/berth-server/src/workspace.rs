@@ -3,11 +3,15 @@
 //! symlink planted in the path is never followed. The (device, inode) pair goes into the
 //! ledger and must match before anything is removed.
 
-use std::os::fd::OwnedFd;
+use std::collections::{HashMap, VecDeque};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
 
 use berth_store::WorkspaceIdentity;
-use rustix::fs::{self, AtFlags, FileType, Mode, OFlags, CWD};
+use rustix::fs::{self, inotify, AtFlags, FileType, Mode, OFlags, CWD};
 use sha2::{Digest, Sha256};
 
 pub const SUBDIRS: [&str; 5] = ["tmp", "logs", "cache", "browser", "out"];
@@ -171,22 +175,47 @@ fn remove_contents(dir: &OwnedFd, path: &Path) -> Result<(), WorkspaceError> {
     Ok(())
 }
 
-/// Ready-made workspaces, so a grant costs one `rename` instead of six `mkdir`s and a
-/// release one `rename` instead of a recursive delete. A background thread keeps
-/// `target` empty workspaces in `runs/.pool`, and scrubs what releases move to
-/// `runs/.trash`: a workspace whose subdirectories are all present and empty is
-/// recycled into the pool, anything else is deleted (through descriptors, never
-/// following links). Identity checks (W1) happen before anything is moved.
+/// Ready-made workspaces, so a grant costs one `rename` instead of six `mkdir`s, and a
+/// release one `rename` instead of a recursive delete.
+///
+/// A background thread keeps up to `POOL_TARGET` empty workspaces in `runs/.pool`. A
+/// release checks the workspace's identity (W1) and moves it into `runs/.pool` under a
+/// new name; the thread then judges whether it may be handed out again. Judging must
+/// not cost a scan of six directories per run (that scan was the largest single cost
+/// of a lifecycle), so the thread watches each workspace's six directories with inotify
+/// (`Watcher`): a workspace none of whose directories saw an event since it was last
+/// proven clean is still clean. Anything else (an event, an overflowed event queue, a
+/// workspace it could not watch) takes the slow path through `runs/.trash`: scanned
+/// through descriptors, its logs archived, then recycled if clean, else deleted.
 pub struct Pool {
     runs_dir: PathBuf,
     runs_fd: OwnedFd,
     pool_fd: OwnedFd,
     trash_fd: OwnedFd,
-    ready: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>,
-    wake: std::sync::mpsc::Sender<()>,
-    next: std::sync::atomic::AtomicU64,
-    pub diagnostics: std::sync::Arc<DiagnosticsCounters>,
+    shared: Arc<Shared>,
+    wake: mpsc::Sender<()>,
+    next: AtomicU64,
+    pub diagnostics: Arc<DiagnosticsCounters>,
 }
+
+/// What the state task and the pool thread share.
+#[derive(Default)]
+struct Shared {
+    /// Proven clean, in `runs/.pool`, ready to hand out.
+    ready: Mutex<VecDeque<Pooled>>,
+    /// Released into `runs/.pool`, not judged yet.
+    released: Mutex<Vec<Pooled>>,
+}
+
+/// A workspace directory in `runs/.pool` and its identity.
+#[derive(Clone, Debug)]
+struct Pooled {
+    name: String,
+    ident: Ident,
+}
+
+/// (device, inode) of a directory.
+type Ident = (u64, u64);
 
 /// Where diagnostics go and how much they may take (P4).
 #[derive(Clone, Debug)]
@@ -198,12 +227,14 @@ pub struct Diagnostics {
     pub total_bytes_max: u64,
 }
 
-/// Running totals of the archiving the pool thread did.
+/// Running totals of the pool thread's slow path and archiving.
 #[derive(Debug, Default)]
 pub struct DiagnosticsCounters {
     pub archived: std::sync::atomic::AtomicU64,
     pub bytes: std::sync::atomic::AtomicU64,
     pub dropped: std::sync::atomic::AtomicU64,
+    /// Workspaces that took the slow path (scanned, then recycled or deleted).
+    pub scrubbed: std::sync::atomic::AtomicU64,
 }
 
 /// Copies the regular files under `logs` (never following links) into `dest`, at most
@@ -303,6 +334,13 @@ pub const POOL_TARGET: usize = 64;
 const REFILL_BATCH: usize = 4;
 /// Recycled workspaces kept at most; beyond it released ones are deleted.
 pub const POOL_MAX: usize = 4 * POOL_TARGET;
+/// How often the pool thread looks for releases while they keep coming, and when idle.
+/// Releases never wait for the thread nor wake it; the pool holds enough for the gap.
+const BUSY_PAUSE_MS: u64 = 2;
+const IDLE_PAUSE_MS: u64 = 20;
+/// How often the whole trash directory is listed again: leftovers of an earlier daemon
+/// and entries whose deletion failed (retried until it succeeds).
+const TRASH_RESCAN_MS: u64 = 1_000;
 
 impl Pool {
     pub fn start(runs_dir: &Path, diag: Option<Diagnostics>) -> std::io::Result<Pool> {
@@ -318,15 +356,6 @@ impl Pool {
                 trash_dir.join(format!("old-{}", e.file_name().to_string_lossy())),
             );
         }
-        let ready = std::sync::Arc::new(std::sync::Mutex::new(std::collections::VecDeque::new()));
-        let (wake, rx) = std::sync::mpsc::channel::<()>();
-        let (pd, td, r) = (pool_dir.clone(), trash_dir.clone(), ready.clone());
-        let counters = std::sync::Arc::new(DiagnosticsCounters::default());
-        let c = counters.clone();
-        std::thread::Builder::new()
-            .name("berth-workspaces".into())
-            .spawn(move || pool_worker(pd, td, r, rx, diag, c))?;
-        let _ = wake.send(());
         let dir_fd = |p: &Path| {
             fs::open(
                 p,
@@ -334,15 +363,33 @@ impl Pool {
                 Mode::empty(),
             )
         };
+        let shared = Arc::new(Shared::default());
+        let counters = Arc::new(DiagnosticsCounters::default());
+        let (wake, rx) = mpsc::channel::<()>();
+        let worker = Worker {
+            pool_fd: dir_fd(&pool_dir)?,
+            trash_fd: dir_fd(&trash_dir)?,
+            trash_dir,
+            shared: shared.clone(),
+            diag,
+            counters: counters.clone(),
+            watcher: Watcher::new(),
+            made: 0,
+            trash: Vec::new(),
+        };
+        std::thread::Builder::new()
+            .name("berth-workspaces".into())
+            .spawn(move || worker.run(rx))?;
+        let _ = wake.send(());
         Ok(Pool {
             runs_fd: dir_fd(runs_dir)?,
             pool_fd: dir_fd(&pool_dir)?,
-            trash_fd: dir_fd(&trash_dir)?,
+            trash_fd: dir_fd(&runs_dir.join(".trash"))?,
             runs_dir: runs_dir.to_path_buf(),
             diagnostics: counters,
-            ready,
+            shared,
             wake,
-            next: std::sync::atomic::AtomicU64::new(0),
+            next: AtomicU64::new(0),
         })
     }
 
@@ -351,37 +398,42 @@ impl Pool {
         let name = dir_name(run_id);
         let path = self.runs_dir.join(&name);
         let (taken, low) = {
-            let mut ready = self.ready.lock().unwrap();
+            let mut ready = self.shared.ready.lock().unwrap();
             (ready.pop_front(), ready.len() < POOL_TARGET / 2)
         };
         if low {
             let _ = self.wake.send(());
         }
-        if let Some(entry) = taken {
+        if let Some(p) = taken {
             // RENAME_NOREPLACE: never lands on anything already at the run's name.
-            if fs::renameat_with(
+            let moved = fs::renameat_with(
                 &self.pool_fd,
-                entry.as_str(),
+                p.name.as_str(),
                 &self.runs_fd,
                 name.as_str(),
                 fs::RenameFlags::NOREPLACE,
             )
-            .is_ok()
-            {
-                let dir =
-                    open_dir_nofollow(&self.runs_fd, name.as_str()).map_err(io(&path, "open"))?;
-                let st = fs::fstat(&dir).map_err(io(&path, "stat"))?;
-                return Ok(WorkspaceIdentity {
-                    path: path.display().to_string(),
-                    dev: st.st_dev,
-                    ino: st.st_ino,
-                });
+            .is_ok();
+            if moved {
+                // What arrived must be the directory the pool proved clean; anything
+                // else (swapped while pooled) is replaced by a fresh one below.
+                match fs::statat(&self.runs_fd, name.as_str(), AtFlags::SYMLINK_NOFOLLOW) {
+                    Ok(st) if (st.st_dev, st.st_ino) == p.ident => {
+                        return Ok(WorkspaceIdentity {
+                            path: path.display().to_string(),
+                            dev: p.ident.0,
+                            ino: p.ident.1,
+                        });
+                    }
+                    _ => tracing::warn!("workspace pool: {} was replaced while pooled", p.name),
+                }
             }
         }
         create(&self.runs_dir, run_id)
     }
 
-    /// Checks the workspace's identity, then moves it aside for the background thread.
+    /// Checks the workspace's identity, then moves it into the pool to be judged by the
+    /// background thread.
     pub fn remove(&self, ws: &WorkspaceIdentity) -> Result<(), WorkspaceError> {
         let path = PathBuf::from(&ws.path);
         let (Some(parent_path), Some(name)) =
@@ -394,125 +446,232 @@ impl Pool {
         if parent_path != self.runs_dir {
             return remove(ws);
         }
-        let parent = &self.runs_fd;
-        if open_verified(parent, name, ws)?.is_none() {
-            return Ok(());
+        let swapped = || WorkspaceError::Swapped {
+            path: ws.path.clone(),
+        };
+        let ident = (ws.dev, ws.ino);
+        // SYMLINK_NOFOLLOW: a link planted at the name has its own inode, so it fails.
+        match fs::statat(&self.runs_fd, name, AtFlags::SYMLINK_NOFOLLOW) {
+            Err(rustix::io::Errno::NOENT) => return Ok(()),
+            Err(e) => return Err(io(&path, "stat")(e)),
+            Ok(st) if (st.st_dev, st.st_ino) != ident => return Err(swapped()),
+            Ok(_) => {}
         }
-        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let aside = format!("{name}-{n}");
-        let trash = &self.trash_fd;
-        fs::renameat(parent, name, trash, aside.as_str()).map_err(io(&path, "move aside"))?;
-        // The entry moved must be the one just verified; if something swapped it in
-        // between, it is left in the trash untouched, and reported.
-        let moved = open_dir_nofollow(trash, aside.as_str()).map_err(io(&path, "reopen"))?;
-        let st2 = fs::fstat(&moved).map_err(io(&path, "stat"))?;
-        if (st2.st_dev, st2.st_ino) != (ws.dev, ws.ino) {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let aside = format!("{name}-r{n}");
+        fs::renameat(&self.runs_fd, name, &self.pool_fd, aside.as_str())
+            .map_err(io(&path, "move aside"))?;
+        // The entry moved must be the one just checked; if something swapped it in
+        // between, it goes to the trash untouched (the thread skips `swapped-`), reported.
+        let st = fs::statat(&self.pool_fd, aside.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(io(&path, "stat"))?;
+        if (st.st_dev, st.st_ino) != ident {
             let _ = fs::renameat(
-                trash,
+                &self.pool_fd,
                 aside.as_str(),
-                trash,
+                &self.trash_fd,
                 format!("swapped-{aside}").as_str(),
             );
-            return Err(WorkspaceError::Swapped {
-                path: ws.path.clone(),
-            });
+            return Err(swapped());
         }
+        self.shared
+            .released
+            .lock()
+            .unwrap()
+            .push(Pooled { name: aside, ident });
         Ok(())
     }
 }
 
-fn pool_worker(
-    pool_dir: PathBuf,
+/// The pool thread: judges releases, scrubs the trash, refills.
+struct Worker {
+    pool_fd: OwnedFd,
+    trash_fd: OwnedFd,
     trash_dir: PathBuf,
-    ready: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<String>>>,
-    wake: std::sync::mpsc::Receiver<()>,
+    shared: Arc<Shared>,
     diag: Option<Diagnostics>,
-    counters: std::sync::Arc<DiagnosticsCounters>,
-) {
-    use std::sync::atomic::Ordering::Relaxed;
-    let mut n = 0u64;
-    let mut busy = false;
-    loop {
-        // The trash is scanned every few milliseconds (releases never wait for this
-        // thread); a nudge only comes when the pool runs low.
-        // Busy: look again soon, so released workspaces return to the pool before it
-        // runs dry; idle: a relaxed pace.
-        let pause = if busy { 2 } else { 20 };
-        match wake.recv_timeout(std::time::Duration::from_millis(pause)) {
-            Ok(()) => while wake.try_recv().is_ok() {},
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
-        }
-        // Scrub the trash: recycle clean workspaces, delete the rest.
-        let entries: Vec<String> = std::fs::read_dir(&trash_dir)
-            .map(|rd| {
-                rd.filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default();
-        busy = !entries.is_empty();
-        for entry in entries {
-            if entry.starts_with("swapped-") {
-                continue;
+    counters: Arc<DiagnosticsCounters>,
+    watcher: Watcher,
+    /// Workspaces made or recycled so far; names pool entries uniquely.
+    made: u64,
+    /// Trash entries this thread moved there itself, scrubbed in the same round.
+    trash: Vec<String>,
+}
+
+impl Worker {
+    fn run(mut self, wake: mpsc::Receiver<()>) {
+        let mut busy = false;
+        let mut rescan_at = std::time::Instant::now();
+        loop {
+            let pause = if busy { BUSY_PAUSE_MS } else { IDLE_PAUSE_MS };
+            match wake.recv_timeout(std::time::Duration::from_millis(pause)) {
+                Ok(()) => while wake.try_recv().is_ok() {},
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
             }
-            let path = trash_dir.join(&entry);
-            let pooled = ready.lock().unwrap().len();
-            let clean = is_clean(&path);
-            // L5/P4: archived after the claim was freed; never holds capacity.
-            if let (false, Some(d)) = (clean, &diag) {
-                let logs = path.join("logs");
-                if dir_bytes(&logs) > 0 {
-                    let stamp = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|t| t.as_millis())
-                        .unwrap_or(0);
-                    let digest = entry.split('-').next().unwrap_or(&entry);
-                    let dest = d.dir.join(format!("{stamp:015}-{digest}"));
-                    let bytes = archive_logs(&logs, &dest, d.run_bytes_max);
-                    crate::failpoint::hit("mid-archive");
-                    counters.archived.fetch_add(1, Relaxed);
-                    counters.bytes.fetch_add(bytes, Relaxed);
-                    counters.dropped.fetch_add(enforce_total(d), Relaxed);
+            // Every round reads the events, so the kernel's queue never fills up with
+            // the events of one busy run.
+            let dirtied = self.watcher.drain();
+            if !dirtied.is_empty() {
+                self.evict_ready(&dirtied);
+            }
+            let released = std::mem::take(&mut *self.shared.released.lock().unwrap());
+            busy = !released.is_empty();
+            for r in released {
+                self.judge(r);
+            }
+            let entries = if std::time::Instant::now() >= rescan_at {
+                rescan_at =
+                    std::time::Instant::now() + std::time::Duration::from_millis(TRASH_RESCAN_MS);
+                self.trash.clear();
+                std::fs::read_dir(&self.trash_dir)
+                    .map(|rd| {
+                        rd.filter_map(|e| e.ok())
+                            .map(|e| e.file_name().to_string_lossy().into_owned())
+                            .collect()
+                    })
+                    .unwrap_or_default()
+            } else {
+                std::mem::take(&mut self.trash)
+            };
+            for entry in entries {
+                if !entry.starts_with("swapped-") {
+                    self.scrub(&entry);
                 }
             }
-            if pooled < POOL_MAX && clean {
-                n += 1;
-                let name = format!("w{n}-{}", std::process::id());
-                if std::fs::rename(&path, pool_dir.join(&name)).is_ok() {
-                    ready.lock().unwrap().push_back(name);
-                    continue;
-                }
+            self.refill();
+        }
+    }
+
+    fn pooled(&self) -> usize {
+        self.shared.ready.lock().unwrap().len()
+    }
+
+    fn next_name(&mut self) -> String {
+        self.made += 1;
+        format!("w{}-{}", self.made, std::process::id())
+    }
+
+    /// A released workspace: back to the ready list if its watches saw nothing since it
+    /// was proven clean; else down the slow path.
+    fn judge(&mut self, r: Pooled) {
+        if self.pooled() < POOL_MAX && self.watcher.vouches(r.ident) {
+            self.shared.ready.lock().unwrap().push_back(r);
+            return;
+        }
+        self.watcher.forget(r.ident);
+        match fs::renameat(
+            &self.pool_fd,
+            r.name.as_str(),
+            &self.trash_fd,
+            r.name.as_str(),
+        ) {
+            Ok(()) => self.trash.push(r.name),
+            Err(e) => tracing::warn!("workspace pool: moving {} to the trash: {e}", r.name),
+        }
+    }
+
+    /// Ready workspaces written to while pooled are not handed out.
+    fn evict_ready(&mut self, dirtied: &[Ident]) {
+        let evicted: Vec<Pooled> = {
+            let mut ready = self.shared.ready.lock().unwrap();
+            let (bad, good): (Vec<_>, Vec<_>) =
+                ready.drain(..).partition(|p| dirtied.contains(&p.ident));
+            ready.extend(good);
+            bad
+        };
+        for p in evicted {
+            self.judge(p);
+        }
+    }
+
+    /// The slow path: a trash entry is scanned; clean ones are watched and recycled,
+    /// the rest have their logs archived (P4) and are deleted, never following links.
+    fn scrub(&mut self, entry: &str) {
+        let path = self.trash_dir.join(entry);
+        let dir = match open_dir_nofollow(&self.trash_fd, entry) {
+            Ok(dir) => dir,
+            Err(rustix::io::Errno::NOENT) => return,
+            Err(_) => {
+                // A file or a link: unlinked, never followed.
+                let _ = fs::unlinkat(&self.trash_fd, entry, AtFlags::empty());
+                return;
             }
-            if let Ok(fd) = fs::open(
-                &trash_dir,
-                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-            ) {
-                if let Ok(dir) = open_dir_nofollow(&fd, entry.as_str()) {
-                    let _ = remove_contents(&dir, &path);
-                    drop(dir);
-                    let _ = fs::unlinkat(&fd, entry.as_str(), AtFlags::REMOVEDIR);
-                } else {
-                    let _ = fs::unlinkat(&fd, entry.as_str(), AtFlags::empty());
+        };
+        let Ok(st) = fs::fstat(&dir) else { return };
+        let ident = (st.st_dev, st.st_ino);
+        self.counters
+            .scrubbed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let room = self.pooled() < POOL_MAX;
+        // Watch first, then look: a change made while looking shows up as an event.
+        let watched = room && self.watcher.watch(&dir, ident);
+        let clean = is_clean_fd(&dir);
+        if clean && room {
+            let dirtied = self.watcher.drain();
+            if !dirtied.is_empty() {
+                self.evict_ready(&dirtied);
+            }
+            // Unwatchable (no inotify, no watches left) but clean: recycled all the
+            // same; its next release takes this path again.
+            if !watched || self.watcher.vouches(ident) {
+                let name = self.next_name();
+                if fs::renameat(&self.trash_fd, entry, &self.pool_fd, name.as_str()).is_ok() {
+                    self.shared
+                        .ready
+                        .lock()
+                        .unwrap()
+                        .push_back(Pooled { name, ident });
+                    return;
                 }
             }
         }
-        // Refill only when low: released workspaces come back through the trash, and
-        // making new ones ahead of them would only churn inodes.
-        if ready.lock().unwrap().len() >= POOL_TARGET / 4 {
-            continue;
+        self.watcher.forget(ident);
+        // L5/P4: archived after the claim was freed; never holds capacity.
+        if let (false, Some(d)) = (clean, &self.diag) {
+            let logs = path.join("logs");
+            if dir_bytes(&logs) > 0 {
+                let stamp = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|t| t.as_millis())
+                    .unwrap_or(0);
+                let digest = entry.split('-').next().unwrap_or(entry);
+                let dest = d.dir.join(format!("{stamp:015}-{digest}"));
+                let bytes = archive_logs(&logs, &dest, d.run_bytes_max);
+                crate::failpoint::hit("mid-archive");
+                use std::sync::atomic::Ordering::Relaxed;
+                self.counters.archived.fetch_add(1, Relaxed);
+                self.counters.bytes.fetch_add(bytes, Relaxed);
+                self.counters.dropped.fetch_add(enforce_total(d), Relaxed);
+            }
         }
-        // A few at a time, so the trash is scanned again soon: recycling released
-        // workspaces matters more than making new ones.
+        let _ = remove_contents(&dir, &path);
+        drop(dir);
+        let _ = fs::unlinkat(&self.trash_fd, entry, AtFlags::REMOVEDIR);
+    }
+
+    /// Makes new workspaces only when the pool runs low: released ones come back by
+    /// themselves, and making new ones ahead of them would only churn inodes. A few at
+    /// a time, so releases are judged again soon.
+    fn refill(&mut self) {
+        if self.pooled() >= POOL_TARGET / 4 {
+            return;
+        }
         for _ in 0..REFILL_BATCH {
-            if ready.lock().unwrap().len() >= POOL_TARGET {
+            if self.pooled() >= POOL_TARGET {
                 break;
             }
-            n += 1;
-            let name = format!("w{n}-{}", std::process::id());
-            match create_named(&pool_dir, &name) {
-                Ok(()) => ready.lock().unwrap().push_back(name),
+            let name = self.next_name();
+            match create_named(&self.pool_fd, &name) {
+                Ok((dir, ident)) => {
+                    // Watched once it is complete: making it is not a change to it.
+                    self.watcher.watch(&dir, ident);
+                    self.shared
+                        .ready
+                        .lock()
+                        .unwrap()
+                        .push_back(Pooled { name, ident });
+                }
                 Err(e) => {
                     tracing::warn!("workspace pool: {e}");
                     break;
@@ -522,8 +681,155 @@ fn pool_worker(
     }
 }
 
+/// What a watch reports: any change to a directory's entries or to its attributes, and
+/// its deletion. `IN_MOVE_SELF` is left out: the pool's own renames of a workspace are
+/// not changes to it (its subdirectories moving shows as `IN_MOVED_FROM` on the top).
+fn watch_flags() -> inotify::WatchFlags {
+    use inotify::WatchFlags as W;
+    W::CREATE | W::DELETE | W::MOVED_FROM | W::MOVED_TO | W::ATTRIB | W::DELETE_SELF | W::ONLYDIR
+}
+
+/// inotify watches on workspaces' six directories, by identity. A workspace is vouched
+/// for while none of its watches reported an event since it was last proven clean.
+/// Sound because inotify queues an event inside the system call that makes the change:
+/// once `drain` has read the queue, every change made before it was called is known.
+struct Watcher {
+    fd: Option<OwnedFd>,
+    by_wd: HashMap<i32, Ident>,
+    by_ident: HashMap<Ident, Watched>,
+    buf: Vec<MaybeUninit<u8>>,
+}
+
+struct Watched {
+    wds: Vec<i32>,
+    dirty: bool,
+}
+
+/// Bytes read from the event queue per `read`.
+const EVENT_BUF_BYTES: usize = 16 * 1024;
+
+impl Watcher {
+    fn new() -> Watcher {
+        let fd = inotify::init(inotify::CreateFlags::CLOEXEC | inotify::CreateFlags::NONBLOCK)
+            .map_err(|e| {
+                tracing::warn!("workspace pool: no inotify ({e}); every release is scanned")
+            })
+            .ok();
+        Watcher {
+            fd,
+            by_wd: HashMap::new(),
+            by_ident: HashMap::new(),
+            buf: vec![MaybeUninit::uninit(); EVENT_BUF_BYTES],
+        }
+    }
+
+    /// Watches the workspace open as `dir`: the top, then each subdirectory. False when
+    /// it cannot (no inotify, the user's watch limit reached, a subdirectory missing).
+    fn watch(&mut self, dir: &OwnedFd, ident: Ident) -> bool {
+        self.forget(ident);
+        let Some(fd) = &self.fd else { return false };
+        // The magic link names exactly the directory open here, wherever it is now.
+        let top = format!("/proc/self/fd/{}", dir.as_raw_fd());
+        let mut wds = Vec::with_capacity(1 + SUBDIRS.len());
+        let mut ok = true;
+        for p in std::iter::once(top.clone()).chain(SUBDIRS.iter().map(|s| format!("{top}/{s}"))) {
+            // DONT_FOLLOW only below the top (a link planted under a subdirectory's
+            // name is not watched through; ONLYDIR then fails on it).
+            let flags = if wds.is_empty() {
+                watch_flags()
+            } else {
+                watch_flags() | inotify::WatchFlags::DONT_FOLLOW
+            };
+            match inotify::add_watch(fd, p.as_str(), flags) {
+                Ok(wd) => wds.push(wd),
+                Err(_) => {
+                    ok = false;
+                    break;
+                }
+            }
+        }
+        if !ok {
+            for wd in wds {
+                let _ = inotify::remove_watch(fd, wd);
+            }
+            return false;
+        }
+        for wd in &wds {
+            self.by_wd.insert(*wd, ident);
+        }
+        self.by_ident.insert(ident, Watched { wds, dirty: false });
+        true
+    }
+
+    fn forget(&mut self, ident: Ident) {
+        if let Some(w) = self.by_ident.remove(&ident) {
+            self.unwatch(w.wds);
+        }
+    }
+
+    fn unwatch(&mut self, wds: Vec<i32>) {
+        for wd in wds {
+            self.by_wd.remove(&wd);
+            if let Some(fd) = &self.fd {
+                let _ = inotify::remove_watch(fd, wd);
+            }
+        }
+    }
+
+    fn vouches(&self, ident: Ident) -> bool {
+        self.by_ident.get(&ident).is_some_and(|w| !w.dirty)
+    }
+
+    /// Reads every queued event and marks the workspaces they concern dirty (all of
+    /// them if the queue overflowed); returns those newly dirtied. A dirty workspace's
+    /// watches are dropped at once, so a busy run cannot flood the queue.
+    fn drain(&mut self) -> Vec<Ident> {
+        let Some(fd) = &self.fd else {
+            return Vec::new();
+        };
+        let mut hit = Vec::new();
+        let mut overflow = false;
+        let mut reader = inotify::Reader::new(fd, &mut self.buf);
+        loop {
+            match reader.next() {
+                Ok(ev) if ev.events().contains(inotify::ReadFlags::QUEUE_OVERFLOW) => {
+                    overflow = true
+                }
+                Ok(ev) => {
+                    if let Some(ident) = self.by_wd.get(&ev.wd()) {
+                        hit.push(*ident);
+                    }
+                }
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => {
+                    tracing::warn!("workspace pool: reading inotify events: {e}");
+                    overflow = true;
+                    break;
+                }
+            }
+        }
+        if overflow {
+            hit.extend(self.by_ident.keys().copied());
+        }
+        let mut dirtied = Vec::new();
+        for ident in hit {
+            let wds = match self.by_ident.get_mut(&ident) {
+                Some(w) if !w.dirty => {
+                    w.dirty = true;
+                    std::mem::take(&mut w.wds)
+                }
+                _ => continue,
+            };
+            self.unwatch(wds);
+            dirtied.push(ident);
+        }
+        dirtied
+    }
+}
+
 /// A workspace is clean when it holds exactly the five subdirectories, all empty real
-/// directories (not links). Checked through descriptors: one `getdents` per directory.
+/// directories (not links) of mode 0700 (W1). Checked through descriptors.
 fn is_clean_fd(dir: &OwnedFd) -> bool {
     let mut seen = 0;
     let Ok(entries) = fs::Dir::read_from(dir) else {
@@ -544,6 +850,10 @@ fn is_clean_fd(dir: &OwnedFd) -> bool {
         let Ok(fd) = open_dir_nofollow(dir, *sub) else {
             return false;
         };
+        match fs::fstat(&fd) {
+            Ok(st) if st.st_mode & 0o7777 == 0o700 => {}
+            _ => return false,
+        }
         let Ok(inner) = fs::Dir::read_from(&fd) else {
             return false;
         };
@@ -555,35 +865,20 @@ fn is_clean_fd(dir: &OwnedFd) -> bool {
         }
         seen += 1;
     }
-    seen == SUBDIRS.len()
+    seen == SUBDIRS.len() && fs::fstat(dir).is_ok_and(|st| st.st_mode & 0o7777 == 0o700)
 }
 
-fn is_clean(path: &Path) -> bool {
-    match fs::open(
-        path,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    ) {
-        Ok(fd) => is_clean_fd(&fd),
-        Err(_) => false,
-    }
-}
-
-fn create_named(dir: &Path, name: &str) -> Result<(), WorkspaceError> {
-    let path = dir.join(name);
-    let parent = fs::open(
-        dir,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(io(dir, "open pool"))?;
-    fs::mkdirat(&parent, name, Mode::from_raw_mode(0o700)).map_err(io(&path, "mkdir"))?;
-    let d = open_dir_nofollow(&parent, name).map_err(io(&path, "open"))?;
+/// Makes a complete empty workspace `name` under `parent`; returns it open.
+fn create_named(parent: &OwnedFd, name: &str) -> Result<(OwnedFd, Ident), WorkspaceError> {
+    let path = Path::new(".pool").join(name);
+    fs::mkdirat(parent, name, Mode::from_raw_mode(0o700)).map_err(io(&path, "mkdir"))?;
+    let d = open_dir_nofollow(parent, name).map_err(io(&path, "open"))?;
+    let st = fs::fstat(&d).map_err(io(&path, "stat"))?;
     for sub in SUBDIRS {
         fs::mkdirat(&d, sub, Mode::from_raw_mode(0o700))
             .map_err(io(&path, "mkdir subdirectory"))?;
     }
-    Ok(())
+    Ok((d, (st.st_dev, st.st_ino)))
 }
 
 /// Makes `<state_dir>/runs` (0700) if needed.
@@ -606,12 +901,9 @@ mod tests {
         let state = tempfile::tempdir().unwrap();
         let runs = ensure_runs_dir(state.path()).unwrap();
         let pool = Pool::start(&runs, None).unwrap();
-        for _ in 0..200 {
-            if pool.ready.lock().unwrap().len() == POOL_TARGET {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(10));
-        }
+        until("pool filled", || {
+            pool.shared.ready.lock().unwrap().len() >= POOL_TARGET / 4
+        });
         let a = pool.create("a").unwrap();
         let pa = PathBuf::from(&a.path);
         assert!(pa.ends_with(dir_name("a")));
@@ -644,6 +936,166 @@ mod tests {
             Err(WorkspaceError::Swapped { .. })
         ));
         assert!(pc.exists());
+    }
+
+    /// Waits until `f` holds, at most 10 s.
+    fn until(what: &str, mut f: impl FnMut() -> bool) {
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !f() {
+            assert!(std::time::Instant::now() < end, "never: {what}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    fn full_pool(runs: &Path) -> Pool {
+        let pool = Pool::start(runs, None).unwrap();
+        until("pool filled", || {
+            pool.shared.ready.lock().unwrap().len() >= POOL_TARGET / 4
+        });
+        pool
+    }
+
+    fn scrubbed(pool: &Pool) -> u64 {
+        pool.diagnostics
+            .scrubbed
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Every workspace the pool hands out is complete, empty and private.
+    fn assert_pristine(w: &WorkspaceIdentity, what: &str) {
+        let p = PathBuf::from(&w.path);
+        let mut names: Vec<_> = std::fs::read_dir(&p)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["browser", "cache", "logs", "out", "tmp"], "{what}");
+        for sub in SUBDIRS {
+            let m = std::fs::symlink_metadata(p.join(sub)).unwrap();
+            assert!(m.is_dir(), "{what}: {sub}");
+            assert_eq!(m.permissions().mode() & 0o7777, 0o700, "{what}: {sub}");
+            assert_eq!(
+                std::fs::read_dir(p.join(sub)).unwrap().count(),
+                0,
+                "{what}: {sub}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_untouched_workspace_is_recycled_without_a_scan() {
+        let state = tempfile::tempdir().unwrap();
+        let runs = ensure_runs_dir(state.path()).unwrap();
+        let pool = full_pool(&runs);
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..(3 * POOL_TARGET) {
+            let w = pool.create(&format!("u{i}")).unwrap();
+            assert_pristine(&w, &format!("u{i}"));
+            seen.insert((w.dev, w.ino));
+            pool.remove(&w).unwrap();
+            // Give the thread a chance to judge, so the pool never runs dry here.
+            if i % 16 == 15 {
+                until("releases judged", || {
+                    pool.shared.released.lock().unwrap().is_empty()
+                });
+            }
+        }
+        until("releases judged", || {
+            pool.shared.released.lock().unwrap().is_empty()
+        });
+        // Nothing took the slow path, and no new inodes were needed: every run got one
+        // of the first pool's workspaces back.
+        assert_eq!(scrubbed(&pool), 0);
+        assert!(seen.len() <= POOL_TARGET, "{} distinct inodes", seen.len());
+    }
+
+    #[test]
+    fn every_kind_of_change_sends_a_workspace_down_the_slow_path() {
+        let state = tempfile::tempdir().unwrap();
+        let runs = ensure_runs_dir(state.path()).unwrap();
+        let outside = state.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        let pool = full_pool(&runs);
+        type Change = fn(&Path, &Path);
+        let changes: Vec<(&str, Change)> = vec![
+            ("file in out", |p, _| {
+                std::fs::write(p.join("out/x"), b"x").unwrap()
+            }),
+            ("file in tmp", |p, _| {
+                std::fs::write(p.join("tmp/x"), b"x").unwrap()
+            }),
+            ("file in logs", |p, _| {
+                std::fs::write(p.join("logs/x"), b"x").unwrap()
+            }),
+            ("file in browser", |p, _| {
+                std::fs::write(p.join("browser/x"), b"x").unwrap()
+            }),
+            ("nested dir in cache", |p, _| {
+                std::fs::create_dir_all(p.join("cache/a/b")).unwrap()
+            }),
+            ("file at the top", |p, _| {
+                std::fs::write(p.join("stray"), b"x").unwrap()
+            }),
+            ("created then deleted", |p, _| {
+                std::fs::write(p.join("tmp/x"), b"x").unwrap();
+                std::fs::remove_file(p.join("tmp/x")).unwrap();
+            }),
+            ("chmod out", |p, _| {
+                std::fs::set_permissions(p.join("out"), std::fs::Permissions::from_mode(0o755))
+                    .unwrap()
+            }),
+            ("out replaced by a new directory", |p, _| {
+                std::fs::remove_dir(p.join("out")).unwrap();
+                std::fs::create_dir(p.join("out")).unwrap();
+                std::fs::write(p.join("out/x"), b"x").unwrap();
+            }),
+            ("file moved in", |p, o| {
+                std::fs::write(o.join("m"), b"x").unwrap();
+                std::fs::rename(o.join("m"), p.join("cache/m")).unwrap();
+            }),
+            ("hard link in", |p, o| {
+                std::fs::write(o.join("h"), b"x").unwrap();
+                std::fs::hard_link(o.join("h"), p.join("tmp/h")).unwrap();
+            }),
+            ("symlink in", |p, o| {
+                std::os::unix::fs::symlink(o, p.join("browser/l")).unwrap()
+            }),
+            ("subdirectory replaced by a symlink", |p, o| {
+                std::fs::remove_dir(p.join("logs")).unwrap();
+                std::os::unix::fs::symlink(o, p.join("logs")).unwrap();
+            }),
+        ];
+        for (i, (what, change)) in changes.iter().enumerate() {
+            let before = scrubbed(&pool);
+            let w = pool.create(&format!("c{i}")).unwrap();
+            assert_pristine(&w, what);
+            change(Path::new(&w.path), &outside);
+            pool.remove(&w).unwrap();
+            until(what, || scrubbed(&pool) == before + 1);
+        }
+        // Hand out more than the pool can hold: every one is pristine.
+        let all: Vec<_> = (0..(POOL_MAX + 8))
+            .map(|i| pool.create(&format!("after{i}")).unwrap())
+            .collect();
+        for w in &all {
+            assert_pristine(w, &w.path);
+        }
+        // Links were removed, never followed: the linked file outside is intact.
+        assert_eq!(std::fs::read(outside.join("h")).unwrap(), b"x");
+    }
+
+    #[test]
+    fn a_workspace_written_to_while_pooled_is_not_handed_out() {
+        let state = tempfile::tempdir().unwrap();
+        let runs = ensure_runs_dir(state.path()).unwrap();
+        let pool = full_pool(&runs);
+        let name = pool.shared.ready.lock().unwrap()[5].name.clone();
+        std::fs::write(runs.join(".pool").join(&name).join("out/planted"), b"x").unwrap();
+        until("evicted", || scrubbed(&pool) == 1);
+        for i in 0..POOL_TARGET {
+            let w = pool.create(&format!("p{i}")).unwrap();
+            assert_pristine(&w, &format!("p{i}"));
+        }
     }
 
     #[test]
