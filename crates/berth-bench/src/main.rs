@@ -4,7 +4,7 @@
 //! grants whatever now fits) at queue depths of 10 to 100,000 waiters, the engine's
 //! memory per waiter, and the same pass done the naive way in the same run.
 
-use std::alloc::{GlobalAlloc, Layout, System};
+use std::alloc::{GlobalAlloc, Layout};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
@@ -12,7 +12,8 @@ use std::time::Instant;
 use berth_core::{Class, Command, Config, Engine, Event, Priority, Request, Resources, GIB};
 use clap::{Parser, Subcommand};
 
-/// Counts live heap bytes so `bytes_per_waiter` is measured, not estimated.
+/// Counts live heap bytes so `bytes_per_waiter` is measured, not estimated. Allocates
+/// with the daemon's own allocator, so the embedded daemon runs as `berth serve` does.
 struct Counting;
 
 static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
@@ -20,18 +21,18 @@ static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         LIVE_BYTES.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        unsafe { System.alloc(layout) }
+        unsafe { mimalloc::MiMalloc.alloc(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
         LIVE_BYTES.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        unsafe { System.dealloc(ptr, layout) }
+        unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         LIVE_BYTES.fetch_add(
             new_size as isize - layout.size() as isize,
             Ordering::Relaxed,
         );
-        unsafe { System.realloc(ptr, layout, new_size) }
+        unsafe { mimalloc::MiMalloc.realloc(ptr, layout, new_size) }
     }
 }
 

@@ -128,6 +128,9 @@ pub struct Writer {
 
 /// The most batches one transaction takes; bounds a commit's latency.
 pub const GROUP_MAX: usize = 4096;
+/// How long a commit under load waits for more batches, and how many end the wait.
+pub const GROUP_WINDOW_US: u64 = 300;
+pub const GROUP_ENOUGH: usize = 64;
 
 impl Writer {
     /// `group`: commit waiting batches together (true) or one per transaction (false,
@@ -141,13 +144,29 @@ impl Writer {
             .name("berth-ledger".into())
             .spawn(move || {
                 let mut failed: Option<StoreError> = None;
+                let mut contended = false;
                 while let Ok(first) = rx.recv() {
                     let mut jobs = vec![first];
                     if group {
+                        // Under load (the last commit carried several batches), wait a
+                        // little for more: one fsync then serves more writes, and the
+                        // fsyncs saved are worth more than the wait. Alone, never wait.
+                        let until = contended.then(|| {
+                            std::time::Instant::now()
+                                + std::time::Duration::from_micros(GROUP_WINDOW_US)
+                        });
                         while jobs.len() < GROUP_MAX {
-                            match rx.try_recv() {
-                                Ok(j) => jobs.push(j),
-                                Err(_) => break,
+                            let next = match until {
+                                Some(t) if jobs.len() < GROUP_ENOUGH => rx
+                                    .recv_timeout(
+                                        t.saturating_duration_since(std::time::Instant::now()),
+                                    )
+                                    .ok(),
+                                _ => rx.try_recv().ok(),
+                            };
+                            match next {
+                                Some(j) => jobs.push(j),
+                                None => break,
                             }
                         }
                     }
@@ -156,6 +175,7 @@ impl Writer {
                         .filter_map(|j| j.batch.as_ref())
                         .filter(|b| !b.is_empty())
                         .collect();
+                    contended = batches.len() > 1;
                     if failed.is_none() && !batches.is_empty() {
                         match store.write(&batches) {
                             Ok(()) => {

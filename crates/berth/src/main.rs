@@ -45,6 +45,10 @@ enum Cmd {
     Reap(client::ConnArgs),
 }
 
+/// See `[workspace.dependencies]` for why.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
