@@ -347,40 +347,107 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
     Ok((req, (b.worktree, labels, b.stop_grace_s.map(|g| g * 1000))))
 }
 
-pub fn run_json(i: &RunInfo) -> Value {
-    let v = &i.view;
-    let mut resources = json!({
-        "slots": v.resources.slots,
-        "memory": v.resources.memory,
-        "cpu_millis": v.resources.cpu_millis,
-        "disk": v.resources.disk,
-    });
-    for (k, n) in &v.resources.named {
-        resources[k] = json!(n);
+/// A run as the API shows it, serialized straight from the state's answer (building a
+/// `Value` first cost an allocation per field on every acquire and release). Fields are
+/// in alphabetical order, as a `Value` map prints them.
+#[derive(serde::Serialize)]
+pub struct RunOut<'a> {
+    claim: ClaimOut<'a>,
+    class: &'static str,
+    env: &'a BTreeMap<&'static str, String>,
+    expires_at: &'a Option<String>,
+    fence: Option<u64>,
+    labels: &'a BTreeMap<String, String>,
+    ports: BTreeMap<(), ()>,
+    position: Option<u64>,
+    priority: &'static str,
+    project: &'a str,
+    reason: Option<ReasonOut<'a>>,
+    run_id: &'a str,
+    state: &'static str,
+    survivors: &'a [i32],
+    workspace: &'a Option<String>,
+    worktree: &'a Option<String>,
+}
+
+#[derive(serde::Serialize)]
+struct ClaimOut<'a> {
+    keys: Vec<KeyOut<'a>>,
+    resources: ResourcesOut<'a>,
+}
+
+#[derive(serde::Serialize)]
+struct KeyOut<'a> {
+    key: &'a str,
+    mode: &'static str,
+}
+
+#[derive(serde::Serialize)]
+struct ReasonOut<'a> {
+    code: &'a str,
+    message: &'a str,
+}
+
+/// The four built-in resources and the named ones (A13) in one map, sorted by name.
+struct ResourcesOut<'a>(&'a berth_core::Resources);
+
+impl serde::Serialize for ResourcesOut<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let r = self.0;
+        let mut all: Vec<(&str, u64)> = vec![
+            ("cpu_millis", r.cpu_millis),
+            ("disk", r.disk),
+            ("memory", r.memory),
+            ("slots", r.slots),
+        ];
+        all.extend(r.named.iter().map(|(k, n)| (k.as_str(), *n)));
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        let mut m = s.serialize_map(Some(all.len()))?;
+        for (k, n) in all {
+            m.serialize_entry(k, &n)?;
+        }
+        m.end()
     }
-    let keys: Vec<Value> = v
-        .keys
-        .iter()
-        .map(|(k, m)| json!({"key": k, "mode": m.as_str()}))
-        .collect();
-    json!({
-        "run_id": v.run_id,
-        "project": v.project,
-        "class": v.class.as_str(),
-        "priority": v.priority.as_str(),
-        "state": v.state.as_str(),
-        "fence": v.fence,
-        "expires_at": i.expires_at,
-        "position": v.position,
-        "reason": v.reason.as_ref().map(|r| json!({"code": r.code, "message": r.message})),
-        "workspace": i.workspace,
-        "worktree": i.worktree,
-        "labels": i.labels,
-        "env": i.env,
-        "ports": {},
-        "survivors": i.survivors,
-        "claim": { "resources": resources, "keys": keys },
-    })
+}
+
+pub fn run_out(i: &RunInfo) -> RunOut<'_> {
+    let v = &i.view;
+    RunOut {
+        claim: ClaimOut {
+            keys: v
+                .keys
+                .iter()
+                .map(|(k, m)| KeyOut {
+                    key: k,
+                    mode: m.as_str(),
+                })
+                .collect(),
+            resources: ResourcesOut(&v.resources),
+        },
+        class: v.class.as_str(),
+        env: &i.env,
+        expires_at: &i.expires_at,
+        fence: v.fence,
+        labels: &i.labels,
+        ports: BTreeMap::new(),
+        position: v.position,
+        priority: v.priority.as_str(),
+        project: &v.project,
+        reason: v.reason.as_ref().map(|r| ReasonOut {
+            code: &r.code,
+            message: &r.message,
+        }),
+        run_id: &v.run_id,
+        state: v.state.as_str(),
+        survivors: &i.survivors,
+        workspace: &i.workspace,
+        worktree: &i.worktree,
+    }
+}
+
+pub fn run_json(i: &RunInfo) -> Value {
+    serde_json::to_value(run_out(i)).unwrap_or(Value::Null)
 }
 
 fn ended_error(i: &RunInfo) -> ApiError {
@@ -470,7 +537,7 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
     if !stream {
         let info = wait_for_grant(&api, first, None).await?;
         drop(guard);
-        return Ok((StatusCode::CREATED, Json(run_json(&info))).into_response());
+        return Ok((StatusCode::CREATED, Json(run_out(&info))).into_response());
     }
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     tokio::spawn(async move {
@@ -598,17 +665,17 @@ async fn list_runs(AxState(api): AxState<Api>, Params(q): Params) -> Result<Json
 async fn get_run(
     AxState(api): AxState<Api>,
     RunIdPath(id): RunIdPath,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     check_run_id(&id)?;
     let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
-    Ok(Json(run_json(&info)))
+    Ok(Json(run_out(&info)).into_response())
 }
 
 async fn renew(
     AxState(api): AxState<Api>,
     RunIdPath(id): RunIdPath,
     body: Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     check_run_id(&id)?;
     let b: RenewBody = json_body(body, true).await?;
     let fence = b.fence.map(check_fence).transpose()?;
@@ -623,20 +690,20 @@ async fn renew(
         ttl_ms: b.ttl_s.map(|t| t * 1000),
     };
     let info = ask(&api, |reply| Msg::Command { cmd, reply }).await?;
-    Ok(Json(run_json(&info)))
+    Ok(Json(run_out(&info)).into_response())
 }
 
 async fn release(
     AxState(api): AxState<Api>,
     RunIdPath(id): RunIdPath,
     body: Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     check_run_id(&id)?;
     let b: ReleaseBody = json_body(body, false).await?;
     let fence = check_fence(b.fence)?;
     let cmd = Command::Release { run_id: id, fence };
     let info = ask(&api, |reply| Msg::Command { cmd, reply }).await?;
-    Ok(Json(run_json(&info)))
+    Ok(Json(run_out(&info)).into_response())
 }
 
 async fn register_process(
@@ -693,7 +760,7 @@ async fn delete_run(
     AxState(api): AxState<Api>,
     RunIdPath(id): RunIdPath,
     Params(q): Params,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     check_run_id(&id)?;
     if let Some(k) = q.keys().find(|k| *k != "fence") {
         return Err(ApiError::invalid(k, "is not a known query parameter"));
@@ -711,7 +778,7 @@ async fn delete_run(
         None => Command::Cancel { run_id: id },
     };
     let info = ask(&api, |reply| Msg::Command { cmd, reply }).await?;
-    Ok(Json(run_json(&info)))
+    Ok(Json(run_out(&info)).into_response())
 }
 
 pub fn status_json(s: &Snapshot) -> Value {

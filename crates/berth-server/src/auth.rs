@@ -29,8 +29,14 @@ impl Scope {
 }
 
 pub fn hash_token(token: &str) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let digest = Sha256::digest(token.as_bytes());
-    digest.iter().map(|b| format!("{b:02x}")).collect()
+    let mut out = String::with_capacity(2 * digest.len());
+    for b in digest {
+        out.push(HEX[usize::from(b >> 4)] as char);
+        out.push(HEX[usize::from(b & 0xf)] as char);
+    }
+    out
 }
 
 fn ct_eq(a: &[u8], b: &[u8]) -> bool {
@@ -79,5 +85,14 @@ mod tests {
         assert_eq!(lookup(&tokens, "other"), Some(Scope::Admin));
         assert_eq!(lookup(&tokens, "nope"), None);
         assert!(Scope::Admin > Scope::Operator && Scope::Operator > Scope::Read);
+    }
+
+    /// Hashes already in ledgers must keep matching: lowercase hex SHA-256.
+    #[test]
+    fn token_hashes_are_lowercase_hex_sha256() {
+        assert_eq!(
+            hash_token("abc"),
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
     }
 }

@@ -27,7 +27,7 @@ pub struct RunInfo {
     pub labels: BTreeMap<String, String>,
     pub workspace: Option<String>,
     pub expires_at: Option<String>,
-    pub env: BTreeMap<String, String>,
+    pub env: BTreeMap<&'static str, String>,
     /// Pids that survived the last stop (a degraded run).
     pub survivors: Vec<i32>,
 }
@@ -405,32 +405,32 @@ impl State {
         let mut env = BTreeMap::new();
         if granted {
             let fence = view.fence.unwrap_or(0);
-            env.insert("BERTH_URL".into(), self.shared.url.clone());
-            env.insert("BERTH_RUN_ID".into(), view.run_id.clone());
-            env.insert("BERTH_FENCE".into(), fence.to_string());
-            env.insert("BERTH_PROJECT".into(), view.project.clone());
-            env.insert("BERTH_CLASS".into(), view.class.as_str().into());
-            env.insert("BERTH_PRIORITY".into(), view.priority.as_str().into());
+            env.insert("BERTH_URL", self.shared.url.clone());
+            env.insert("BERTH_RUN_ID", view.run_id.clone());
+            env.insert("BERTH_FENCE", fence.to_string());
+            env.insert("BERTH_PROJECT", view.project.clone());
+            env.insert("BERTH_CLASS", view.class.as_str().to_string());
+            env.insert("BERTH_PRIORITY", view.priority.as_str().to_string());
             if let Some(e) = &expires_at {
-                env.insert("BERTH_LEASE_EXPIRES_AT".into(), e.clone());
+                env.insert("BERTH_LEASE_EXPIRES_AT", e.clone());
             }
             let concurrency = match view.keys.first().map(|k| k.1) {
                 Some(berth_core::KeyMode::Shared) => "parallel",
                 _ => "serial",
             };
-            env.insert("BERTH_CONCURRENCY".into(), concurrency.into());
+            env.insert("BERTH_CONCURRENCY", concurrency.to_string());
             if let Some(ws) = &ws {
                 let p = |s: &str| format!("{ws}/{s}");
-                env.insert("BERTH_WORKSPACE".into(), ws.clone());
-                env.insert("BERTH_TMP_DIR".into(), p("tmp"));
-                env.insert("TMPDIR".into(), p("tmp"));
-                env.insert("BERTH_LOG_DIR".into(), p("logs"));
-                env.insert("BERTH_CACHE_DIR".into(), p("cache"));
-                env.insert("BERTH_BROWSER_DIR".into(), p("browser"));
-                env.insert("BERTH_OUTPUT_DIR".into(), p("out"));
+                env.insert("BERTH_WORKSPACE", ws.clone());
+                env.insert("BERTH_TMP_DIR", p("tmp"));
+                env.insert("TMPDIR", p("tmp"));
+                env.insert("BERTH_LOG_DIR", p("logs"));
+                env.insert("BERTH_CACHE_DIR", p("cache"));
+                env.insert("BERTH_BROWSER_DIR", p("browser"));
+                env.insert("BERTH_OUTPUT_DIR", p("out"));
             }
             if let Some(wt) = extra.and_then(|e| e.worktree.as_ref()) {
-                env.insert("BERTH_WORKTREE".into(), wt.clone());
+                env.insert("BERTH_WORKTREE", wt.clone());
             }
         }
         Some(RunInfo {

@@ -128,9 +128,8 @@ pub struct Writer {
 
 /// The most batches one transaction takes; bounds a commit's latency.
 pub const GROUP_MAX: usize = 4096;
-/// How long a commit under load waits for more batches, and how many end the wait.
+/// How long a commit under load waits for more batches.
 pub const GROUP_WINDOW_US: u64 = 300;
-pub const GROUP_ENOUGH: usize = 64;
 
 impl Writer {
     /// `group`: commit waiting batches together (true) or one per transaction (false,
@@ -148,25 +147,17 @@ impl Writer {
                 while let Ok(first) = rx.recv() {
                     let mut jobs = vec![first];
                     if group {
-                        // Under load (the last commit carried several batches), wait a
-                        // little for more: one fsync then serves more writes, and the
-                        // fsyncs saved are worth more than the wait. Alone, never wait.
-                        let until = contended.then(|| {
-                            std::time::Instant::now()
-                                + std::time::Duration::from_micros(GROUP_WINDOW_US)
-                        });
+                        // Under load (the last commit carried several batches), sleep a
+                        // little before taking what is queued: one fsync then serves more
+                        // writes. Sleeping, not waiting on the channel, so the arrivals
+                        // do not wake this thread one by one. Alone, never wait.
+                        if contended {
+                            std::thread::sleep(std::time::Duration::from_micros(GROUP_WINDOW_US));
+                        }
                         while jobs.len() < GROUP_MAX {
-                            let next = match until {
-                                Some(t) if jobs.len() < GROUP_ENOUGH => rx
-                                    .recv_timeout(
-                                        t.saturating_duration_since(std::time::Instant::now()),
-                                    )
-                                    .ok(),
-                                _ => rx.try_recv().ok(),
-                            };
-                            match next {
-                                Some(j) => jobs.push(j),
-                                None => break,
+                            match rx.try_recv() {
+                                Ok(j) => jobs.push(j),
+                                Err(_) => break,
                             }
                         }
                     }
