@@ -6,7 +6,7 @@
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicIsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicIsize, Ordering};
 use std::time::Instant;
 
 use berth_core::{Class, Command, Config, Engine, Event, Priority, Request, Resources, GIB};
@@ -17,21 +17,31 @@ use clap::{Parser, Subcommand};
 struct Counting;
 
 static LIVE_BYTES: AtomicIsize = AtomicIsize::new(0);
+/// On for `core` only: in the HTTP benchmark the shared counter, bounced between the
+/// cores by every allocation of every thread, would cost the daemon what `berth serve`
+/// never pays.
+static COUNTING: AtomicBool = AtomicBool::new(false);
 
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        LIVE_BYTES.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        if COUNTING.load(Ordering::Relaxed) {
+            LIVE_BYTES.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        }
         unsafe { mimalloc::MiMalloc.alloc(layout) }
     }
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE_BYTES.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        if COUNTING.load(Ordering::Relaxed) {
+            LIVE_BYTES.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        }
         unsafe { mimalloc::MiMalloc.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE_BYTES.fetch_add(
-            new_size as isize - layout.size() as isize,
-            Ordering::Relaxed,
-        );
+        if COUNTING.load(Ordering::Relaxed) {
+            LIVE_BYTES.fetch_add(
+                new_size as isize - layout.size() as isize,
+                Ordering::Relaxed,
+            );
+        }
         unsafe { mimalloc::MiMalloc.realloc(ptr, layout, new_size) }
     }
 }
@@ -241,6 +251,7 @@ fn main() {
             passes,
             naive_passes,
         } => {
+            COUNTING.store(true, Ordering::Relaxed);
             for depth in [10u64, 1_000, 10_000, 100_000] {
                 let (p50, p99, bytes) = engine_depth(depth, passes);
                 let naive_p99 = naive_depth(depth, naive_passes);
