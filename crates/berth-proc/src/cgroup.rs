@@ -1,7 +1,9 @@
 //! A cgroup v2 group per run, where the host allows it. The cgroup2 mount is found in
 //! /proc/self/mountinfo (it may be a hybrid `/sys/fs/cgroup/unified` without
 //! controllers: berth needs none, only `cgroup.procs`, `cgroup.kill` and
-//! `cgroup.events`). Groups live under `<mount><own cgroup>/berth/`.
+//! `cgroup.events`). Groups live under `<mount><own cgroup>/berth/<instance>/`, where
+//! the instance names one daemon's state (two daemons on a host, or two tests, must
+//! never share a run's group: stopping one would kill the other's processes).
 
 use std::path::{Path, PathBuf};
 
@@ -18,8 +20,8 @@ pub fn mount() -> Option<PathBuf> {
     })
 }
 
-/// Where berth's run groups go, if berth may create groups there.
-pub fn base() -> Option<PathBuf> {
+/// Where the run groups of daemon `instance` go, if berth may create groups there.
+pub fn base(instance: &str) -> Option<PathBuf> {
     let mount = mount()?;
     let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
     let rel = own
@@ -27,7 +29,7 @@ pub fn base() -> Option<PathBuf> {
         .find_map(|l| l.strip_prefix("0::"))?
         .trim_start_matches('/')
         .to_string();
-    let base = mount.join(rel).join("berth");
+    let base = mount.join(rel).join("berth").join(instance);
     std::fs::create_dir_all(&base).ok()?;
     // Can we make and remove a group here? (Read-only or undelegated trees say no.)
     let probe = base.join(format!("probe-{}", std::process::id()));

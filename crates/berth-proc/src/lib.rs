@@ -133,6 +133,9 @@ pub enum Signalled {
     Gone,
     /// The pid belongs to someone else now; nothing was sent.
     Reused,
+    /// The kernel refused (the process is another user's): it lives on, and the
+    /// stop's next round still counts it.
+    Denied,
 }
 
 /// Sends `sig` to exactly the process `id`: a pidfd is opened first, then the start
@@ -153,6 +156,7 @@ pub fn signal(id: &ProcId, sig: Signal) -> Signalled {
     }
     match rustix::process::pidfd_send_signal(&fd, sig) {
         Ok(()) => Signalled::Sent,
+        Err(rustix::io::Errno::PERM) => Signalled::Denied,
         Err(_) => Signalled::Gone,
     }
 }

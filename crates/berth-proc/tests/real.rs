@@ -125,7 +125,7 @@ fn the_fallback_misses_a_double_forked_daemon_and_a_cgroup_catches_it() {
     signal(&d, Signal::KILL);
     assert!(wait_gone(&[daemon_pid], Duration::from_secs(3)));
 
-    let Some(base) = cgroup::base() else {
+    let Some(base) = cgroup::base(&format!("test-{}", std::process::id())) else {
         eprintln!("no writable cgroup2 here: the cgroup half of this test does not apply");
         return;
     };

@@ -164,8 +164,14 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         cfg.reconnect_window_ms,
         fatal.clone(),
         state::Supervision {
+            // One namespace per state dir: a restarted daemon finds its runs' groups
+            // again (P5), another daemon never touches them.
             cgroup_base: if cfg.cgroups {
-                berth_proc::cgroup::base()
+                let state = cfg
+                    .state_dir
+                    .canonicalize()
+                    .unwrap_or_else(|_| cfg.state_dir.clone());
+                berth_proc::cgroup::base(&workspace::dir_name(&state.display().to_string()))
             } else {
                 None
             },

@@ -130,9 +130,19 @@ fn crash_at(failpoint: &str, variant: u64) {
         body.len()
     )
     .unwrap();
-    let st = d
-        .wait_exit(Duration::from_secs(20))
-        .unwrap_or_else(|| panic!("{failpoint}: the daemon did not crash"));
+    let st = d.wait_exit(Duration::from_secs(20)).unwrap_or_else(|| {
+        // Still up: say what it answered and what it thinks of the runs.
+        use std::io::Read;
+        let mut answer = vec![0u8; 4096];
+        s.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let n = s.read(&mut answer).unwrap_or(0);
+        panic!(
+            "{failpoint}: the daemon did not crash; it answered {:?}; runs: {}; status: {}",
+            String::from_utf8_lossy(&answer[..n]),
+            d.get("/v1/runs").body,
+            d.get("/v1/status").body
+        )
+    });
     assert!(
         !st.success(),
         "{failpoint}: the daemon exited cleanly instead of crashing"

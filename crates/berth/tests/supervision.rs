@@ -414,3 +414,105 @@ fn a_double_forked_daemon_is_stopped_by_the_cgroup_and_missed_by_the_fallback() 
         }
     }
 }
+
+/// P2: a tree berth cannot stop is never reported gone. Here the daemon runs as
+/// `nobody` and the registered process is root's, so every signal is refused, as it
+/// would be for a process stuck in the kernel: the run degrades, names the survivor and
+/// keeps its capacity counted; once the survivor is gone, the retry ends the run.
+#[test]
+fn a_tree_that_outlives_sigkill_degrades_the_run_and_names_the_survivors() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: starting the daemon as another user needs root");
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let d = Daemon::start_as(NOBODY, &["--slots-max", "2", "--no-cgroups"]);
+    let r = d.post(
+        "/v1/runs",
+        &json!({"run_id": "stubborn", "project": "stubborn", "resources": {"cpu_millis": 100},
+                "ttl_s": 60, "stop_grace_s": 1})
+        .to_string(),
+    );
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let fence = r.body["fence"].as_u64().unwrap();
+    let mut survivor = Command::new("sleep").arg("60").spawn().unwrap();
+    let pid = survivor.id() as i32;
+    let reg = d.post(
+        "/v1/runs/stubborn/processes",
+        &json!({"fence": fence, "pid": pid}).to_string(),
+    );
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let rel = d.post(
+        "/v1/runs/stubborn/release",
+        &json!({"fence": fence}).to_string(),
+    );
+    assert_eq!(rel.status, 200, "{:?}", rel.body);
+    // TERM, 1 s of grace, KILL, then the kill wait: all refused.
+    d.wait_until("the run degrades", |d| {
+        d.get("/v1/runs/stubborn").body["state"] == "degraded"
+    });
+    let run = d.get("/v1/runs/stubborn").body;
+    assert_eq!(run["survivors"], json!([pid]), "{run}");
+    assert!(alive(pid), "berth reported a survivor that is gone");
+    let status = d.get("/v1/status").body;
+    assert_eq!(status["degraded"], 1, "{status}");
+    let cpu = status["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "cpu_millis")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        cpu["committed"], 100,
+        "capacity of a degraded run stays counted: {status}"
+    );
+    // The survivor goes away; the next retry (after its backoff) finds the tree gone.
+    survivor.kill().unwrap();
+    survivor.wait().unwrap();
+    d.wait_until("the retry releases the run", |d| {
+        d.get("/v1/runs/stubborn").body["state"] == "released"
+    });
+    let run = d.get("/v1/runs/stubborn").body;
+    assert_eq!(run["survivors"], json!([]), "{run}");
+    assert_eq!(d.get("/v1/status").body["degraded"], 0);
+}
+
+/// Regression: every daemon on a host put run `r`'s processes in the same cgroup
+/// (`.../berth/<digest of r>`), so one daemon stopping its run `r` killed another
+/// daemon's run `r` (seen as a rare crash-loop failure while tests ran side by side).
+#[test]
+fn two_daemons_with_the_same_run_id_never_stop_each_others_processes() {
+    let a = Daemon::start(&["--slots-max", "2", "--stop-grace", "1s"]);
+    let b = Daemon::start(&["--slots-max", "2", "--stop-grace", "1s"]);
+    let mut children = Vec::new();
+    for d in [&a, &b] {
+        let fence = acquire(d, "same", 60);
+        let child = Command::new("sleep")
+            .arg("60")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let reg = d.post(
+            "/v1/runs/same/processes",
+            &json!({"fence": fence, "pid": child.id()}).to_string(),
+        );
+        assert_eq!(reg.status, 201, "{:?}", reg.body);
+        children.push((fence, child));
+    }
+    let rel = a.post(
+        "/v1/runs/same/release",
+        &json!({"fence": children[0].0}).to_string(),
+    );
+    assert_eq!(rel.status, 200, "{:?}", rel.body);
+    a.wait_until("a's run is released", |d| {
+        d.get("/v1/runs/same").body["state"] == "released"
+    });
+    let _ = children[0].1.wait();
+    // Past a's grace and kill: b's process is untouched and b's run still granted.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(alive(children[1].1.id() as i32), "a stopped b's process");
+    assert_eq!(b.get("/v1/runs/same").body["state"], "granted");
+    let _ = children[1].1.kill();
+    let _ = children[1].1.wait();
+}

@@ -29,6 +29,9 @@ pub struct Daemon {
     pub args: Vec<String>,
     /// Extra environment for the next spawn (e.g. `BERTH_FAILPOINT`).
     pub env: Vec<(String, String)>,
+    /// The binary started, and the user (uid = gid) it runs as if not ours.
+    pub bin: PathBuf,
+    pub uid: Option<u32>,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -62,7 +65,32 @@ impl Daemon {
         d
     }
 
+    /// The daemon as user `uid` (needs root): a copy of the binary any user may run,
+    /// and a state dir that user owns.
+    pub fn start_as(uid: u32, extra: &[&str]) -> Daemon {
+        use std::os::unix::fs::{chown, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let bin = dir.path().join("berth");
+        std::fs::copy(BERTH, &bin).unwrap();
+        let state = dir.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        chown(&state, Some(uid), Some(uid)).unwrap();
+        let mut d = Daemon::prepare(&state, free_port(), extra);
+        d.bin = bin;
+        d.uid = Some(uid);
+        d._dir = Some(dir);
+        d.spawn();
+        d
+    }
+
     pub fn start_in(state: &Path, port: u16, extra: &[&str]) -> Daemon {
+        let mut d = Daemon::prepare(state, port, extra);
+        d.spawn();
+        d
+    }
+
+    fn prepare(state: &Path, port: u16, extra: &[&str]) -> Daemon {
         let defaults = [
             ("--memory-total", "8GiB"),
             ("--memory-reserve", "1GiB"),
@@ -85,7 +113,7 @@ impl Daemon {
             }
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut d = Daemon {
+        Daemon {
             child: None,
             state: state.to_path_buf(),
             port,
@@ -93,14 +121,19 @@ impl Daemon {
             token: String::new(),
             args,
             env: Vec::new(),
+            bin: PathBuf::from(BERTH),
+            uid: None,
             _dir: None,
-        };
-        d.spawn();
-        d
+        }
     }
 
     pub fn spawn(&mut self) {
-        let mut child = Command::new(BERTH)
+        let mut cmd = Command::new(&self.bin);
+        if let Some(uid) = self.uid {
+            use std::os::unix::process::CommandExt;
+            cmd.uid(uid).gid(uid);
+        }
+        let mut child = cmd
             .args(&self.args)
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("BERTH_LOG", "warn")
