@@ -509,13 +509,14 @@ impl Worker {
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 Err(mpsc::RecvTimeoutError::Disconnected) => return,
             }
-            // Every round reads the events, so the kernel's queue never fills up with
-            // the events of one busy run.
+            // Releases first, events second: a run's changes were queued before its
+            // release was, so reading the queue after taking a release sees them all.
+            // (Every round reads it, so one busy run cannot fill the kernel's queue.)
+            let released = std::mem::take(&mut *self.shared.released.lock().unwrap());
             let dirtied = self.watcher.drain();
             if !dirtied.is_empty() {
                 self.evict_ready(&dirtied);
             }
-            let released = std::mem::take(&mut *self.shared.released.lock().unwrap());
             busy = !released.is_empty();
             for r in released {
                 self.judge(r);
