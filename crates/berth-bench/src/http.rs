@@ -42,6 +42,9 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
 }
 
 fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
+    // Whatever ran before (a build, the other half of this benchmark) leaves dirty pages
+    // whose writeback would compete with the daemon's fsyncs: flush them first.
+    rustix::fs::sync();
     let dir = tempfile::tempdir().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -60,54 +63,45 @@ fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
     // Steady state is what is measured: the clients first run for WARMUP (the
     // daemon's workspace pool fills, connections open), then the counting starts.
     let measuring = Arc::new(AtomicBool::new(false));
-    let threads: Vec<_> = (0..clients)
-        .map(|c| {
-            let measuring = measuring.clone();
-            let (url, token, stop, count, errors, lat) =
-                (url.clone(), format!("Bearer {token}"), stop.clone(), count.clone(), errors.clone(), lat.clone());
-            std::thread::spawn(move || {
-                // A minimal keep-alive HTTP/1.1 client: the load generator shares the
-                // machine's two cores with the daemon, so it should cost little.
-                let mut conn = Conn::open(&url);
-                let mut mine = Vec::new();
-                let mut i = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    i += 1;
-                    let id = format!("c{c}-{i}");
-                    let body = format!(
-                        r#"{{"run_id":"{id}","project":"bench-{c}","resources":{{"memory":1048576,"cpu_millis":1,"disk":0}}}}"#
-                    );
-                    let t = Instant::now();
-                    let Some((status, resp)) = conn.post("/v1/runs", &token, &body) else {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                        conn = Conn::open(&url);
-                        continue;
-                    };
-                    let counted = measuring.load(Ordering::Relaxed);
-                    if counted {
-                        mine.push(t.elapsed().as_secs_f64() * 1000.0);
-                    }
-                    if status != 201 {
-                        errors.fetch_add(1, Ordering::Relaxed);
-                        continue;
-                    }
-                    let fence = field_u64(&resp, "\"fence\":").unwrap_or(0);
-                    let release = format!(r#"{{"fence":{fence}}}"#);
-                    match conn.post(&format!("/v1/runs/{id}/release"), &token, &release) {
-                        Some((200, _)) => {
-                            if counted {
-                                count.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                        _ => {
-                            errors.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
+    // The load generator shares the machine's two cores with the daemon, so it must
+    // cost little: the clients are tasks on one thread (epoll, as wrk does), each with
+    // its own keep-alive connection, not one blocked OS thread per client.
+    let client_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let clients_thread = {
+        let (measuring, stop, count, errors, lat) = (
+            measuring.clone(),
+            stop.clone(),
+            count.clone(),
+            errors.clone(),
+            lat.clone(),
+        );
+        let (url, token) = (url.clone(), format!("Bearer {token}"));
+        std::thread::spawn(move || {
+            client_rt.block_on(async move {
+                let tasks: Vec<_> = (0..clients)
+                    .map(|c| {
+                        let (measuring, stop, count, errors, lat) = (
+                            measuring.clone(),
+                            stop.clone(),
+                            count.clone(),
+                            errors.clone(),
+                            lat.clone(),
+                        );
+                        let (url, token) = (url.clone(), token.clone());
+                        tokio::spawn(async move {
+                            client(c, &url, &token, &measuring, &stop, &count, &errors, &lat).await
+                        })
+                    })
+                    .collect();
+                for t in tasks {
+                    t.await.unwrap();
                 }
-                lat.lock().unwrap().extend(mine);
             })
         })
-        .collect();
+    };
     std::thread::sleep(WARMUP);
     let commits_before = running.commits();
     let started = Instant::now();
@@ -116,9 +110,7 @@ fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
     let secs = started.elapsed().as_secs_f64();
     let commits = running.commits() - commits_before;
     stop.store(true, Ordering::Relaxed);
-    for t in threads {
-        t.join().unwrap();
-    }
+    clients_thread.join().unwrap();
     rt.block_on(running.stop()).unwrap();
     let mut grant_ms = Arc::try_unwrap(lat).unwrap().into_inner().unwrap();
     grant_ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -155,39 +147,95 @@ pub fn main(clients: usize, seconds: u64) {
     );
 }
 
+/// One client: acquire -> release lifecycles until `stop`.
+#[allow(clippy::too_many_arguments)]
+async fn client(
+    c: usize,
+    url: &str,
+    token: &str,
+    measuring: &AtomicBool,
+    stop: &AtomicBool,
+    count: &AtomicU64,
+    errors: &AtomicU64,
+    lat: &Mutex<Vec<f64>>,
+) {
+    let mut conn = Conn::open(url).await;
+    let mut mine = Vec::new();
+    let mut i = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        i += 1;
+        let id = format!("c{c}-{i}");
+        let body = format!(
+            r#"{{"run_id":"{id}","project":"bench-{c}","resources":{{"memory":1048576,"cpu_millis":1,"disk":0}}}}"#
+        );
+        let t = Instant::now();
+        let Some((status, resp)) = conn.post("/v1/runs", token, &body).await else {
+            errors.fetch_add(1, Ordering::Relaxed);
+            conn = Conn::open(url).await;
+            continue;
+        };
+        let counted = measuring.load(Ordering::Relaxed);
+        if counted {
+            mine.push(t.elapsed().as_secs_f64() * 1000.0);
+        }
+        if status != 201 {
+            errors.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        let fence = field_u64(&resp, "\"fence\":").unwrap_or(0);
+        let release = format!(r#"{{"fence":{fence}}}"#);
+        match conn
+            .post(&format!("/v1/runs/{id}/release"), token, &release)
+            .await
+        {
+            Some((200, _)) => {
+                if counted {
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            _ => {
+                errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+    lat.lock().unwrap().extend(mine);
+}
+
 /// One keep-alive HTTP/1.1 connection to the daemon.
 struct Conn {
-    stream: std::io::BufReader<std::net::TcpStream>,
+    stream: tokio::io::BufReader<tokio::net::TcpStream>,
     host: String,
 }
 
 impl Conn {
-    fn open(url: &str) -> Conn {
+    async fn open(url: &str) -> Conn {
         let host = url.trim_start_matches("http://").to_string();
-        let stream = std::net::TcpStream::connect(&host).expect("connect");
+        let stream = tokio::net::TcpStream::connect(&host)
+            .await
+            .expect("connect");
         stream.set_nodelay(true).ok();
         Conn {
-            stream: std::io::BufReader::new(stream),
+            stream: tokio::io::BufReader::new(stream),
             host,
         }
     }
 
     /// POSTs `body` and returns (status, response body), or None if the connection broke.
-    fn post(&mut self, path: &str, auth: &str, body: &str) -> Option<(u16, String)> {
-        use std::io::{BufRead, Read, Write};
+    async fn post(&mut self, path: &str, auth: &str, body: &str) -> Option<(u16, String)> {
+        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
         let req = format!(
             "POST {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             self.host,
             body.len()
         );
-        self.stream.get_mut().write_all(req.as_bytes()).ok()?;
+        self.stream.get_mut().write_all(req.as_bytes()).await.ok()?;
         let mut line = String::new();
-        self.stream.read_line(&mut line).ok()?;
+        self.stream.read_line(&mut line).await.ok()?;
         let status: u16 = line.split_whitespace().nth(1)?.parse().ok()?;
         let mut len = 0usize;
         loop {
             line.clear();
-            self.stream.read_line(&mut line).ok()?;
+            self.stream.read_line(&mut line).await.ok()?;
             let l = line.trim_end();
             if l.is_empty() {
                 break;
@@ -199,7 +247,7 @@ impl Conn {
             }
         }
         let mut buf = vec![0u8; len];
-        self.stream.read_exact(&mut buf).ok()?;
+        self.stream.read_exact(&mut buf).await.ok()?;
         Some((status, String::from_utf8(buf).ok()?))
     }
 }
