@@ -249,3 +249,39 @@ async fn signal() {
         _ = int.recv() => {}
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A daemon's cgroup namespace is named by its state dir and goes away with a clean
+    /// stop when no run group is left in it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_cgroup_namespace_goes_with_a_clean_stop() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = dir.path().canonicalize().unwrap();
+        let name = workspace::dir_name(&state.display().to_string());
+        let Some(base) = berth_proc::cgroup::base(&name) else {
+            eprintln!("no writable cgroup2 here: nothing to check");
+            return;
+        };
+        let cfg = ServeConfig {
+            state_dir: state.clone(),
+            listen: "127.0.0.1:0".parse().unwrap(),
+            insecure_no_auth: false,
+            engine: berth_core::Config::for_host(4, 8 << 30, 100 << 30),
+            sample_memory: false,
+            reconnect_window_ms: 30_000,
+            group_commit: true,
+            tick_ms: 100,
+            stop_grace_ms: 1_000,
+            cgroups: true,
+            diagnostics_run_bytes_max: 1 << 20,
+            diagnostics_total_bytes_max: 1 << 30,
+        };
+        let running = start(cfg).await.unwrap();
+        assert!(base.is_dir(), "{} while serving", base.display());
+        running.stop().await.unwrap();
+        assert!(!base.exists(), "{} left behind", base.display());
+    }
+}

@@ -998,6 +998,11 @@ impl State {
 
     pub fn close(self) {
         self.writer.close();
+        // This daemon's cgroup namespace goes when no run group is left in it (groups
+        // of live runs stay for the next start to re-adopt; rmdir refuses then).
+        if let Some(base) = &self.supervision.cgroup_base {
+            let _ = std::fs::remove_dir(base);
+        }
     }
 }
 
