@@ -54,15 +54,17 @@ fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
     let running = rt
         .block_on(berth_server::start(config(dir.path(), group_commit)))
         .expect("daemon");
-    let url = format!("http://{}", running.addr);
-    let token = running.admin_token.clone().unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let count = Arc::new(AtomicU64::new(0));
-    let errors = Arc::new(AtomicU64::new(0));
-    let lat = Arc::new(Mutex::new(Vec::new()));
     // Steady state is what is measured: the clients first run for WARMUP (the
     // daemon's workspace pool fills, connections open), then the counting starts.
-    let measuring = Arc::new(AtomicBool::new(false));
+    let load = Arc::new(Load {
+        url: format!("http://{}", running.addr),
+        auth: format!("Bearer {}", running.admin_token.clone().unwrap()),
+        measuring: AtomicBool::new(false),
+        stop: AtomicBool::new(false),
+        count: AtomicU64::new(0),
+        errors: AtomicU64::new(0),
+        grant_ms: Mutex::new(Vec::new()),
+    });
     // The load generator shares the machine's two cores with the daemon, so it must
     // cost little: the clients are tasks on one thread (epoll, as wrk does), each with
     // its own keep-alive connection, not one blocked OS thread per client.
@@ -71,30 +73,11 @@ fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
         .build()
         .unwrap();
     let clients_thread = {
-        let (measuring, stop, count, errors, lat) = (
-            measuring.clone(),
-            stop.clone(),
-            count.clone(),
-            errors.clone(),
-            lat.clone(),
-        );
-        let (url, token) = (url.clone(), format!("Bearer {token}"));
+        let load = load.clone();
         std::thread::spawn(move || {
             client_rt.block_on(async move {
                 let tasks: Vec<_> = (0..clients)
-                    .map(|c| {
-                        let (measuring, stop, count, errors, lat) = (
-                            measuring.clone(),
-                            stop.clone(),
-                            count.clone(),
-                            errors.clone(),
-                            lat.clone(),
-                        );
-                        let (url, token) = (url.clone(), token.clone());
-                        tokio::spawn(async move {
-                            client(c, &url, &token, &measuring, &stop, &count, &errors, &lat).await
-                        })
-                    })
+                    .map(|c| tokio::spawn(client(c, load.clone())))
                     .collect();
                 for t in tasks {
                     t.await.unwrap();
@@ -105,21 +88,21 @@ fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
     std::thread::sleep(WARMUP);
     let commits_before = running.commits();
     let started = Instant::now();
-    measuring.store(true, Ordering::Relaxed);
+    load.measuring.store(true, Ordering::Relaxed);
     std::thread::sleep(Duration::from_secs(seconds));
     let secs = started.elapsed().as_secs_f64();
     let commits = running.commits() - commits_before;
-    stop.store(true, Ordering::Relaxed);
+    load.stop.store(true, Ordering::Relaxed);
     clients_thread.join().unwrap();
     rt.block_on(running.stop()).unwrap();
-    let mut grant_ms = Arc::try_unwrap(lat).unwrap().into_inner().unwrap();
+    let mut grant_ms = std::mem::take(&mut *load.grant_ms.lock().unwrap());
     grant_ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
     Outcome {
-        lifecycles: count.load(Ordering::Relaxed),
+        lifecycles: load.count.load(Ordering::Relaxed),
         seconds: secs,
         grant_ms,
         commits,
-        errors: errors.load(Ordering::Relaxed),
+        errors: load.errors.load(Ordering::Relaxed),
     }
 }
 
@@ -147,18 +130,21 @@ pub fn main(clients: usize, seconds: u64) {
     );
 }
 
+/// What the clients share: where to go, when to count and stop, and the tallies.
+struct Load {
+    url: String,
+    auth: String,
+    measuring: AtomicBool,
+    stop: AtomicBool,
+    count: AtomicU64,
+    errors: AtomicU64,
+    grant_ms: Mutex<Vec<f64>>,
+}
+
 /// One client: acquire -> release lifecycles until `stop`.
-#[allow(clippy::too_many_arguments)]
-async fn client(
-    c: usize,
-    url: &str,
-    token: &str,
-    measuring: &AtomicBool,
-    stop: &AtomicBool,
-    count: &AtomicU64,
-    errors: &AtomicU64,
-    lat: &Mutex<Vec<f64>>,
-) {
+async fn client(c: usize, load: Arc<Load>) {
+    let (url, token) = (load.url.as_str(), load.auth.as_str());
+    let (measuring, stop, count, errors) = (&load.measuring, &load.stop, &load.count, &load.errors);
     let mut conn = Conn::open(url).await;
     let mut mine = Vec::new();
     let mut i = 0u64;
@@ -198,7 +184,7 @@ async fn client(
             }
         }
     }
-    lat.lock().unwrap().extend(mine);
+    load.grant_ms.lock().unwrap().extend(mine);
 }
 
 /// One keep-alive HTTP/1.1 connection to the daemon.

@@ -94,17 +94,25 @@ pub fn create(runs_dir: &Path, run_id: &str) -> Result<WorkspaceIdentity, Worksp
     })
 }
 
+/// A recorded workspace path as (runs directory, entry name); a path without both is
+/// not one berth made, so it is treated as swapped.
+fn split<'a>(
+    ws: &WorkspaceIdentity,
+    path: &'a Path,
+) -> Result<(&'a Path, &'a str), WorkspaceError> {
+    match (path.parent(), path.file_name().and_then(|n| n.to_str())) {
+        (Some(parent), Some(name)) => Ok((parent, name)),
+        _ => Err(WorkspaceError::Swapped {
+            path: ws.path.clone(),
+        }),
+    }
+}
+
 /// Removes the workspace if and only if it is still the directory berth created.
 /// Already gone is fine; swapped (other inode, a symlink, a file) is an error.
 pub fn remove(ws: &WorkspaceIdentity) -> Result<(), WorkspaceError> {
     let path = PathBuf::from(&ws.path);
-    let (Some(parent_path), Some(name)) =
-        (path.parent(), path.file_name().and_then(|n| n.to_str()))
-    else {
-        return Err(WorkspaceError::Swapped {
-            path: ws.path.clone(),
-        });
-    };
+    let (parent_path, name) = split(ws, &path)?;
     let parent = fs::open(
         parent_path,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
@@ -436,13 +444,7 @@ impl Pool {
     /// background thread.
     pub fn remove(&self, ws: &WorkspaceIdentity) -> Result<(), WorkspaceError> {
         let path = PathBuf::from(&ws.path);
-        let (Some(parent_path), Some(name)) =
-            (path.parent(), path.file_name().and_then(|n| n.to_str()))
-        else {
-            return Err(WorkspaceError::Swapped {
-                path: ws.path.clone(),
-            });
-        };
+        let (parent_path, name) = split(ws, &path)?;
         if parent_path != self.runs_dir {
             return remove(ws);
         }
@@ -848,7 +850,7 @@ fn is_clean_fd(dir: &OwnedFd) -> bool {
         if !matches!(e.file_type(), FileType::Directory | FileType::Unknown) {
             return false;
         }
-        let Ok(fd) = open_dir_nofollow(dir, *sub) else {
+        let Ok(fd) = open_dir_nofollow(dir, sub) else {
             return false;
         };
         match fs::fstat(&fd) {
