@@ -63,17 +63,40 @@ impl Group {
         std::fs::write(self.path.join("cgroup.procs"), pid.to_string())
     }
 
-    pub fn pids(&self) -> Vec<i32> {
-        std::fs::read_to_string(self.path.join("cgroup.procs"))
-            .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
-            .unwrap_or_default()
+    /// The pids in the group. An error when `cgroup.procs` cannot be read, unless the
+    /// group's directory itself is gone (then the group is empty); an unreadable list
+    /// is never an empty one (S4).
+    pub fn pids(&self) -> std::io::Result<Vec<i32>> {
+        let Some(text) = self.read_unless_gone("cgroup.procs")? else {
+            return Ok(Vec::new());
+        };
+        parse_pids(&text)
     }
 
-    /// `cgroup.events` says `populated 0` once every process in it has exited.
-    pub fn populated(&self) -> bool {
-        std::fs::read_to_string(self.path.join("cgroup.events"))
-            .map(|t| t.lines().any(|l| l.trim() == "populated 1"))
-            .unwrap_or(false)
+    /// `cgroup.events` says `populated 0` once every process in it has exited. An
+    /// error when it cannot be read, unless the group's directory itself is gone
+    /// (then nothing is in it): "could not look" is not "empty" (S4).
+    pub fn populated(&self) -> std::io::Result<bool> {
+        let Some(text) = self.read_unless_gone("cgroup.events")? else {
+            return Ok(false);
+        };
+        parse_populated(&text)
+    }
+
+    /// Reads one of the group's files; `None` when the group's directory no longer
+    /// exists (removed by an earlier stop: nothing can be in it). A missing file in an
+    /// existing directory, or any other failure, is an error.
+    fn read_unless_gone(&self, file: &str) -> std::io::Result<Option<String>> {
+        match std::fs::read_to_string(self.path.join(file)) {
+            Ok(text) => Ok(Some(text)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                match std::fs::symlink_metadata(&self.path) {
+                    Err(d) if d.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                    _ => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// SIGKILL to every process in the group, atomically (kernel 5.14+).
@@ -87,5 +110,66 @@ impl Group {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             r => r,
         }
+    }
+}
+
+/// `cgroup.procs`: one pid per line. A line that is not a pid means the read is not
+/// what berth thinks it is: an error, not a shorter list.
+fn parse_pids(text: &str) -> std::io::Result<Vec<i32>> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            l.parse().map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("cgroup.procs: not a pid: {l:?}"),
+                )
+            })
+        })
+        .collect()
+}
+
+/// `cgroup.events`: the `populated` line says 1 or 0; without one the answer is
+/// unknown, which is an error, not "empty".
+fn parse_populated(text: &str) -> std::io::Result<bool> {
+    text.lines()
+        .find_map(|l| match l.trim() {
+            "populated 1" => Some(true),
+            "populated 0" => Some(false),
+            _ => None,
+        })
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("cgroup.events has no populated line: {text:?}"),
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreadable_group_is_an_error_not_empty() {
+        let dir = tempfile::tempdir().unwrap();
+        // The group's directory exists, its files do not: could not look (S4).
+        let g = Group::open(dir.path().to_path_buf());
+        assert!(g.pids().is_err());
+        assert!(g.populated().is_err());
+        // Malformed contents are errors too.
+        std::fs::write(dir.path().join("cgroup.procs"), "12\nnope\n").unwrap();
+        std::fs::write(dir.path().join("cgroup.events"), "frozen 0\n").unwrap();
+        assert!(g.pids().is_err());
+        assert!(g.populated().is_err());
+        std::fs::write(dir.path().join("cgroup.procs"), "12\n13\n").unwrap();
+        std::fs::write(dir.path().join("cgroup.events"), "populated 1\nfrozen 0\n").unwrap();
+        assert_eq!(g.pids().unwrap(), vec![12, 13]);
+        assert!(g.populated().unwrap());
+        // A group whose directory is gone is empty: nothing can be in it.
+        let gone = Group::open(dir.path().join("removed"));
+        assert_eq!(gone.pids().unwrap(), Vec::<i32>::new());
+        assert!(!gone.populated().unwrap());
     }
 }
