@@ -38,6 +38,7 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
         cgroups: true,
         diagnostics_run_bytes_max: 1 << 20,
         diagnostics_total_bytes_max: 1 << 30,
+        init_ledger: false,
     }
 }
 

@@ -11,6 +11,10 @@ pub const WINDOW_MAX: usize = 4096;
 pub const SLOTS_MAX_LIMIT: u64 = 4096;
 /// Upper bound on the stabilisation sample count (A10).
 pub const STABILIZE_SAMPLES_MAX: usize = 64;
+/// Largest total, reserve or named count (S7): JSON's safe integers (8 PiB of memory or
+/// disk), so every figure berth shows is exact in any client, and sums of a few of them
+/// can never wrap a u64.
+pub const TOTAL_MAX: u64 = (1 << 53) - 1;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -51,11 +55,11 @@ impl Config {
     pub fn for_host(cpus: u64, memory_total: u64, disk_total: u64) -> Config {
         Config {
             slots_max: (cpus / 2).clamp(1, 8),
-            memory_total,
-            memory_reserve: (memory_total / 8).clamp(GIB, 4 * GIB),
+            memory_total: memory_total.min(TOTAL_MAX),
+            memory_reserve: (memory_total.min(TOTAL_MAX) / 8).clamp(GIB, 4 * GIB),
             cpu_total_millis: cpus * 1000,
             cpu_reserve_millis: 1000,
-            disk_total,
+            disk_total: disk_total.min(TOTAL_MAX),
             disk_reserve: 10 * GIB,
             named: Vec::new(),
             window: 64,
@@ -120,6 +124,21 @@ impl Config {
         if self.queue_len_max == 0 {
             return Err("queue_len_max must be positive".into());
         }
+        for (name, v) in [
+            ("memory_total", self.memory_total),
+            ("memory_reserve", self.memory_reserve),
+            ("cpu_total_millis", self.cpu_total_millis),
+            ("cpu_reserve_millis", self.cpu_reserve_millis),
+            ("disk_total", self.disk_total),
+            ("disk_reserve", self.disk_reserve),
+        ]
+        .into_iter()
+        .chain(self.named.iter().map(|(n, v)| (n.as_str(), *v)))
+        {
+            if v > TOTAL_MAX {
+                return Err(format!("{name} must be at most {TOTAL_MAX} (S7)"));
+            }
+        }
         if self.default_request.slots == 0 {
             return Err("default_request.slots must be positive".into());
         }
@@ -140,6 +159,23 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 8, finding 11: `--disk-total 18446744073709551615` was accepted, and two
+    /// runs of 2^63 bytes each were both granted (the sum wrapped).
+    #[test]
+    fn finding_11_totals_are_bounded() {
+        let mut c = Config::for_host(4, 8 * GIB, 100 * GIB);
+        assert!(c.validate().is_ok());
+        c.disk_total = u64::MAX;
+        let e = c.validate().unwrap_err();
+        assert!(e.starts_with("disk_total must be at most"), "{e}");
+        c.disk_total = TOTAL_MAX;
+        assert!(c.validate().is_ok());
+        c.named = vec![("gpu".into(), TOTAL_MAX + 1)];
+        assert!(c.validate().unwrap_err().starts_with("gpu must be at most"));
+        // What the host reports is clamped, never refused.
+        assert_eq!(Config::for_host(4, u64::MAX, u64::MAX).disk_total, TOTAL_MAX);
+    }
 
     #[test]
     fn the_default_request_fits_a_small_host_and_is_unchanged_on_a_big_one() {

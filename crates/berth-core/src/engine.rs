@@ -290,7 +290,7 @@ impl Engine {
         };
         if r.state.holds_claim() {
             for (i, a) in amounts.iter().enumerate() {
-                self.committed[i] += a;
+                self.committed[i] = self.committed[i].saturating_add(*a);
                 if self.committed[i] > self.allocatable[i] {
                     return Err(format!("restored claims over-commit {}", self.res_names[i]));
                 }
@@ -1292,7 +1292,8 @@ impl Engine {
             .zip(run.amounts.iter())
             .enumerate()
         {
-            if c + need > a {
+            // S7: checked, so no request can wrap the sum under the limit.
+            if c.checked_add(need).is_none_or(|sum| sum > a) {
                 return Some(Blocker::Resource {
                     res,
                     need,
@@ -1335,12 +1336,17 @@ impl Engine {
         let c = self.run(cand);
         for i in 0..self.allocatable.len() {
             if c.amounts[i] > 0
-                && self.committed[i] + h.amounts[i] + c.amounts[i] > self.allocatable[i]
+                && self.committed[i]
+                    .saturating_add(h.amounts[i])
+                    .saturating_add(c.amounts[i])
+                    > self.allocatable[i]
             {
                 return false;
             }
         }
-        if c.amounts[MEMORY] > 0 && h.amounts[MEMORY] + c.amounts[MEMORY] > self.ambient_free() {
+        if c.amounts[MEMORY] > 0
+            && h.amounts[MEMORY].saturating_add(c.amounts[MEMORY]) > self.ambient_free()
+        {
             return false;
         }
         for &(hk, hm) in &h.keys {

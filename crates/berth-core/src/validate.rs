@@ -9,14 +9,16 @@ fn id_like(s: &str, max_len: usize, extra: &[u8]) -> Result<(), String> {
     if !b[0].is_ascii_alphanumeric() {
         return Err("must start with a letter or digit".into());
     }
-    if let Some(c) = b
-        .iter()
-        .find(|c| !(c.is_ascii_alphanumeric() || extra.contains(c)))
+    // By character, not by byte: a non-ASCII character is named as itself (a byte of
+    // its UTF-8 form shown as a char would be mojibake).
+    if let Some(c) = s
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || (c.is_ascii() && extra.contains(&(*c as u8)))))
     {
         return Err(format!(
             "may only contain letters, digits and {:?} (found {:?})",
             String::from_utf8_lossy(extra),
-            *c as char
+            c
         ));
     }
     Ok(())
@@ -115,6 +117,15 @@ mod tests {
         assert!(project("acme/web").is_ok());
         assert!(project("acme:web").is_err());
         assert!(project(&"p".repeat(201)).is_err());
+    }
+
+    /// Issue 8, finding 12: a non-ASCII character was shown as one of its UTF-8 bytes.
+    #[test]
+    fn finding_12_a_non_ascii_character_is_named_as_itself() {
+        let e = run_id("abé").unwrap_err();
+        assert!(e.ends_with("(found 'é')"), "{e}");
+        let e = project("a→b").unwrap_err();
+        assert!(e.ends_with("(found '→')"), "{e}");
     }
 
     #[test]

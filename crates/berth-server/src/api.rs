@@ -43,6 +43,15 @@ pub struct Api {
     pub shared: Arc<Shared>,
     pub auth: bool,
     pub cfg: Arc<berth_core::Config>,
+    /// The daemon's own uid: who the admin token (and no-auth mode) acts for.
+    pub uid: u32,
+}
+
+/// Who is calling: put into each request by `authenticate`.
+#[derive(Clone, Copy, Debug)]
+pub struct Caller {
+    /// The user whose processes this caller may register (S3).
+    pub uid: u32,
 }
 
 async fn ask<T>(
@@ -114,8 +123,8 @@ async fn json_body<T: DeserializeOwned>(body: Body, empty_ok: bool) -> Result<T,
     } else {
         text
     };
-    let de = &mut serde_json::Deserializer::from_str(text);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let mut de = serde_json::Deserializer::from_str(text);
+    let value = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let path = e.path().to_string();
         let field = if path.is_empty() || path == "." {
             "body".to_string()
@@ -131,7 +140,40 @@ async fn json_body<T: DeserializeOwned>(body: Body, empty_ok: bool) -> Result<T,
                 .next()
                 .unwrap_or_default(),
         )
-    })
+    })?;
+    // Strict to the last byte: `{...} GARBAGE` is not a body (only whitespace may follow).
+    de.end()
+        .map_err(|_| ApiError::invalid("body", "must be one JSON value with nothing after it"))?;
+    Ok(value)
+}
+
+/// A JSON object as a map that refuses a key given twice (`serde_json` keeps the last
+/// one silently: `{"memory": 1, "memory": 999999}` would mean whatever the last says).
+#[derive(Debug, Default)]
+pub struct UniqueMap<V>(pub BTreeMap<String, V>);
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<V>(std::marker::PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Visit<V> {
+            type Value = UniqueMap<V>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
+                let mut out = BTreeMap::new();
+                while let Some(k) = m.next_key::<String>()? {
+                    if out.contains_key(&k) {
+                        return Err(serde::de::Error::custom(format!("duplicate key {k:?}")));
+                    }
+                    let v = m.next_value()?;
+                    out.insert(k, v);
+                }
+                Ok(UniqueMap(out))
+            }
+        }
+        d.deserialize_map(Visit(std::marker::PhantomData))
+    }
 }
 
 #[derive(Deserialize)]
@@ -155,13 +197,13 @@ struct AcquireBody {
     project: String,
     class: Option<ClassWire>,
     priority: Option<PriorityWire>,
-    resources: Option<BTreeMap<String, u64>>,
+    resources: Option<UniqueMap<u64>>,
     singletons: Option<Vec<String>>,
     budget: Option<Value>,
     worktree: Option<String>,
     ttl_s: Option<u64>,
     wait_s: Option<u64>,
-    labels: Option<BTreeMap<String, String>>,
+    labels: Option<UniqueMap<String>>,
     /// Grace between SIGTERM and SIGKILL when this run is stopped (P2).
     stop_grace_s: Option<u64>,
 }
@@ -190,6 +232,8 @@ struct ProcessBody {
 #[serde(deny_unknown_fields)]
 struct TokenBody {
     scope: String,
+    /// The user this token acts for when it registers processes; default: berth's own.
+    uid: Option<u32>,
 }
 
 fn check_fence(f: u64) -> Result<u64, ApiError> {
@@ -218,7 +262,52 @@ pub const STOP_GRACE_S_MAX: u64 = 3_600;
 /// The server-side parts of an acquire: (worktree, labels, stop grace).
 type Extras = (Option<String>, BTreeMap<String, String>, Option<u64>);
 
-/// Turns an acquire body into the engine's request, reading the worktree's contract.
+/// Longest worktree path accepted.
+pub const WORKTREE_BYTES_MAX: usize = 4096;
+/// How long reading a worktree's contract may take. The worktree is the caller's: a
+/// hung network file system or a FUSE mount that never answers must cost the caller a
+/// `503`, never an async worker of the daemon (S1).
+const WORKTREE_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Reads the worktree's contract (C1) on a blocking thread, within
+/// `WORKTREE_READ_TIMEOUT`, and folds it into the request.
+async fn read_worktree(req: &mut CoreRequest, worktree: &str) -> Result<(), ApiError> {
+    let wt = std::path::PathBuf::from(worktree);
+    let read = tokio::task::spawn_blocking(move || {
+        // `metadata` follows links on purpose: a worktree may be reached through one;
+        // what must never be followed or blocked on is the contract file itself.
+        match std::fs::metadata(&wt) {
+            Ok(m) if m.is_dir() => {}
+            _ => return Err(ApiError::invalid("worktree", "must be an existing directory")),
+        }
+        crate::contract::read(&wt).map_err(|e| ApiError::invalid("worktree", e))
+    });
+    let contract = match tokio::time::timeout(WORKTREE_READ_TIMEOUT, read).await {
+        Ok(Ok(r)) => r?,
+        Ok(Err(_)) => return Err(ApiError::new(500, "internal", "reading the worktree failed")),
+        Err(_) => {
+            return Err(ApiError::new(
+                503,
+                "worktree_unavailable",
+                format!(
+                    "worktree: its contract could not be read within {} s",
+                    WORKTREE_READ_TIMEOUT.as_secs()
+                ),
+            )
+            .with(json!({"field": "worktree"})))
+        }
+    };
+    if let Some(c) = contract {
+        if req.class == Class::Managed {
+            req.singletons.extend(c.singletons);
+        }
+        req.contract = Some(c.info);
+    }
+    Ok(())
+}
+
+/// Turns an acquire body into the engine's request (without touching the file system:
+/// the worktree's contract is read by `read_worktree`).
 fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), ApiError> {
     if b.stop_grace_s.is_some_and(|g| g > STOP_GRACE_S_MAX) {
         return Err(ApiError::invalid(
@@ -256,7 +345,7 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
         disk: d.disk,
         named: BTreeMap::new(),
     };
-    for (k, v) in b.resources.unwrap_or_default() {
+    for (k, v) in b.resources.unwrap_or_default().0 {
         match k.as_str() {
             "slots" => res.slots = v,
             "memory" => res.memory = v,
@@ -276,7 +365,7 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
     if res.slots == 0 {
         return Err(ApiError::invalid("resources.slots", "must be at least 1"));
     }
-    let labels = b.labels.unwrap_or_default();
+    let labels = b.labels.unwrap_or_default().0;
     if labels.len() > LABELS_MAX {
         return Err(ApiError::invalid(
             "labels",
@@ -297,7 +386,7 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
             ));
         }
     }
-    let mut singletons = b.singletons.unwrap_or_default();
+    let singletons = b.singletons.unwrap_or_default();
     if singletons.len() > berth_core::SINGLETONS_MAX {
         return Err(ApiError::invalid(
             "singletons",
@@ -311,23 +400,12 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
         Some(ClassWire::Analysis) => Class::Analysis,
         _ => Class::Managed,
     };
-    let mut contract = None;
     if let Some(wt) = &b.worktree {
-        let p = std::path::Path::new(wt);
-        if !p.is_absolute() || wt.len() > 4096 {
-            return Err(ApiError::invalid("worktree", "must be an absolute path"));
-        }
-        if !p.is_dir() {
+        if !std::path::Path::new(wt).is_absolute() || wt.len() > WORKTREE_BYTES_MAX {
             return Err(ApiError::invalid(
                 "worktree",
-                "must be an existing directory",
+                format!("must be an absolute path of at most {WORKTREE_BYTES_MAX} bytes"),
             ));
-        }
-        if let Some(c) = crate::contract::read(p).map_err(|e| ApiError::invalid("worktree", e))? {
-            if class == Class::Managed {
-                singletons.extend(c.singletons.clone());
-            }
-            contract = Some(c.info);
         }
     }
     let req = CoreRequest {
@@ -340,7 +418,8 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
         },
         resources: res,
         singletons,
-        contract,
+        // Filled in by `read_worktree`, off the async workers.
+        contract: None,
         ttl_ms: ttl_s * 1000,
         wait_ms: wait_s * 1000,
     };
@@ -452,6 +531,10 @@ pub fn run_json(i: &RunInfo) -> Value {
 
 fn ended_error(i: &RunInfo) -> ApiError {
     let state = i.view.state;
+    if let Some(why) = &i.failure {
+        return ApiError::new(503, "workspace_unavailable", why.clone())
+            .with(json!({"run_id": i.view.run_id, "state": state.as_str()}));
+    }
     let code = match state {
         RunState::Expired => "expired",
         RunState::Cancelled => "cancelled",
@@ -506,7 +589,10 @@ async fn acquire(AxState(api): AxState<Api>, headers: HeaderMap, body: Body) -> 
 
 async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let b: AcquireBody = json_body(body, false).await?;
-    let (req, (worktree, labels, stop_grace_ms)) = build_request(&api, b)?;
+    let (mut req, (worktree, labels, stop_grace_ms)) = build_request(&api, b)?;
+    if let Some(wt) = &worktree {
+        read_worktree(&mut req, wt).await?;
+    }
     let stream = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
@@ -708,6 +794,7 @@ async fn release(
 
 async fn register_process(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     RunIdPath(id): RunIdPath,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -721,6 +808,7 @@ async fn register_process(
         run_id: id,
         fence,
         pid: b.pid,
+        uid: caller.uid,
         reply,
     })
     .await?;
@@ -858,10 +946,11 @@ async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response
     let b: TokenBody = json_body(body, false).await?;
     let scope = Scope::parse(&b.scope)
         .ok_or_else(|| ApiError::invalid("scope", "must be read, operator or admin"))?;
-    let token = ask(&api, |reply| Msg::CreateToken { scope, reply }).await?;
+    let grant = auth::Grant { scope, uid: b.uid };
+    let token = ask(&api, |reply| Msg::CreateToken { grant, reply }).await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"token": token, "scope": scope.as_str()})),
+        Json(json!({"token": token, "scope": scope.as_str(), "uid": b.uid.unwrap_or(api.uid)})),
     )
         .into_response())
 }
@@ -880,8 +969,17 @@ fn required_scope(method: &Method, path: &str) -> Scope {
     }
 }
 
-async fn authenticate(AxState(api): AxState<Api>, req: Request, next: Next) -> Response {
+async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) -> Response {
+    let mark = req.extensions().get::<Arc<crate::http::ConnMark>>().cloned();
+    let authed = || {
+        // This connection belongs to a token holder now: never closed for room.
+        if let Some(m) = &mark {
+            m.authed.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    };
     if !api.auth {
+        authed();
+        req.extensions_mut().insert(Caller { uid: api.uid });
         return next.run(req).await;
     }
     let token = req
@@ -898,13 +996,17 @@ async fn authenticate(AxState(api): AxState<Api>, req: Request, next: Next) -> R
         )
         .into_response();
     };
-    let scope = {
+    let grant = {
         let tokens = api.shared.tokens.read().unwrap();
         auth::lookup(&tokens, token)
     };
-    let Some(scope) = scope else {
+    let Some(auth::Grant { scope, uid }) = grant else {
         return ApiError::new(401, "unauthorized", "the token is not valid").into_response();
     };
+    req.extensions_mut().insert(Caller {
+        uid: uid.unwrap_or(api.uid),
+    });
+    authed();
     let need = required_scope(req.method(), req.uri().path());
     if scope < need {
         return ApiError::new(
@@ -950,5 +1052,7 @@ pub fn router(api: Api) -> Router {
             api.clone(),
             authenticate,
         ))
+        // Outermost: an oversized head is refused before anything else reads it.
+        .layer(axum::middleware::from_fn(crate::http::limits))
         .with_state(api)
 }

@@ -28,6 +28,37 @@ impl Scope {
     }
 }
 
+/// What a token may do: its scope, and the user it acts for when it registers
+/// processes (S3). `uid: None` acts for the daemon's own user (the admin token, and
+/// tokens made without a `uid`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    pub scope: Scope,
+    pub uid: Option<u32>,
+}
+
+impl Grant {
+    /// The ledger keeps a grant as text: `scope` or `scope;uid=N` (the store knows
+    /// nothing of its shape).
+    pub fn parse(s: &str) -> Option<Grant> {
+        let (scope, uid) = match s.split_once(";uid=") {
+            Some((scope, uid)) => (scope, Some(uid.parse().ok()?)),
+            None => (s, None),
+        };
+        Some(Grant {
+            scope: Scope::parse(scope)?,
+            uid,
+        })
+    }
+
+    pub fn stored(&self) -> String {
+        match self.uid {
+            Some(u) => format!("{};uid={u}", self.scope.as_str()),
+            None => self.scope.as_str().to_string(),
+        }
+    }
+}
+
 pub fn hash_token(token: &str) -> String {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let digest = Sha256::digest(token.as_bytes());
@@ -48,7 +79,7 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
 
 /// The scope of `token`, if it is known. Walks every entry so the time taken does not
 /// depend on which (if any) matched.
-pub fn lookup(tokens: &[(String, Scope)], token: &str) -> Option<Scope> {
+pub fn lookup(tokens: &[(String, Grant)], token: &str) -> Option<Grant> {
     let h = hash_token(token);
     let mut found = None;
     for (hash, scope) in tokens {
@@ -77,14 +108,25 @@ mod tests {
     #[test]
     fn tokens_match_only_their_hash() {
         let t = new_token().unwrap();
+        let g = |scope, uid| Grant { scope, uid };
         let tokens = vec![
-            (hash_token(&t), Scope::Operator),
-            (hash_token("other"), Scope::Admin),
+            (hash_token(&t), g(Scope::Operator, Some(1000))),
+            (hash_token("other"), g(Scope::Admin, None)),
         ];
-        assert_eq!(lookup(&tokens, &t), Some(Scope::Operator));
-        assert_eq!(lookup(&tokens, "other"), Some(Scope::Admin));
+        assert_eq!(lookup(&tokens, &t), Some(g(Scope::Operator, Some(1000))));
+        assert_eq!(lookup(&tokens, "other"), Some(g(Scope::Admin, None)));
         assert_eq!(lookup(&tokens, "nope"), None);
         assert!(Scope::Admin > Scope::Operator && Scope::Operator > Scope::Read);
+    }
+
+    #[test]
+    fn grants_round_trip_through_their_stored_text() {
+        for s in ["read", "operator;uid=1000", "admin;uid=0"] {
+            assert_eq!(Grant::parse(s).unwrap().stored(), s);
+        }
+        for bad in ["root", "operator;uid=", "operator;uid=-1", "operator;uid=1;uid=2"] {
+            assert_eq!(Grant::parse(bad), None, "{bad}");
+        }
     }
 
     /// Hashes already in ledgers must keep matching: lowercase hex SHA-256.

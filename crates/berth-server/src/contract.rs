@@ -25,21 +25,49 @@ fn bad(msg: impl Into<String>) -> String {
     format!("worktree .berth.toml: {}", msg.into())
 }
 
-/// Reads the contract of `worktree`, if it has one. Errors name the key and the rule.
-pub fn read(worktree: &Path) -> Result<Option<Contract>, String> {
-    let path = worktree.join(".berth.toml");
-    let meta = match std::fs::symlink_metadata(&path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(bad(format!("cannot be read: {e}"))),
+/// Reads a small regular file without ever blocking or following a link at its last
+/// component (S1, S2): opened `O_NOFOLLOW | O_NONBLOCK` (a FIFO swapped in for the file
+/// opens at once instead of waiting for a writer, and is then refused), the type and
+/// size checked on the descriptor (what was checked is what is read: no path race),
+/// and at most `max_bytes + 1` bytes read. `Ok(None)` when there is no such file.
+pub fn read_small(path: &Path, max_bytes: u64) -> Result<Option<String>, String> {
+    use rustix::fs::{Mode, OFlags};
+    use std::io::Read;
+    let fd = match rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) | Err(rustix::io::Errno::NOTDIR) => return Ok(None),
+        Err(rustix::io::Errno::LOOP) => return Err("must be a regular file, not a link".into()),
+        Err(e) => return Err(format!("cannot be read: {e}")),
     };
-    if !meta.is_file() {
-        return Err(bad("must be a regular file"));
+    let st = rustix::fs::fstat(&fd).map_err(|e| format!("cannot be read: {e}"))?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return Err("must be a regular file".into());
     }
-    if meta.len() > CONTRACT_BYTES_MAX {
-        return Err(bad(format!("must be at most {CONTRACT_BYTES_MAX} bytes")));
+    if st.st_size < 0 || st.st_size as u64 > max_bytes {
+        return Err(format!("must be at most {max_bytes} bytes"));
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| bad(format!("cannot be read: {e}")))?;
+    let mut text = String::new();
+    std::fs::File::from(fd)
+        .take(max_bytes + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| format!("cannot be read: {e}"))?;
+    if text.len() as u64 > max_bytes {
+        return Err(format!("must be at most {max_bytes} bytes"));
+    }
+    Ok(Some(text))
+}
+
+/// Reads the contract of `worktree`, if it has one. Errors name the key and the rule.
+/// Blocking (file system): callers on an async runtime run it on a blocking thread.
+pub fn read(worktree: &Path) -> Result<Option<Contract>, String> {
+    let Some(text) = read_small(&worktree.join(".berth.toml"), CONTRACT_BYTES_MAX).map_err(bad)?
+    else {
+        return Ok(None);
+    };
     let table: toml::Table = text
         .parse()
         .map_err(|e: toml::de::Error| bad(e.message().to_string()))?;
@@ -125,11 +153,19 @@ pub fn read(worktree: &Path) -> Result<Option<Contract>, String> {
     }))
 }
 
-/// The commit checked out in `worktree`, read from `.git` without running git.
+/// `.git`, `HEAD`, `commondir` and loose refs are one line each.
+const GIT_FILE_BYTES_MAX: u64 = 4096;
+/// A big monorepo's packed-refs; beyond it the commit is simply not known.
+const PACKED_REFS_BYTES_MAX: u64 = 16 << 20;
+
+/// The commit checked out in `worktree`, read from `.git` without running git. Every
+/// file is read with [`read_small`]: a FIFO or a huge file planted in `.git` cannot
+/// block or exhaust the daemon.
 pub fn git_commit(worktree: &Path) -> Option<String> {
     let dot_git = worktree.join(".git");
+    let small = |p: &Path| read_small(p, GIT_FILE_BYTES_MAX).ok().flatten();
     let git_dir = if dot_git.is_file() {
-        let text = std::fs::read_to_string(&dot_git).ok()?;
+        let text = small(&dot_git)?;
         let p = text.trim().strip_prefix("gitdir:")?.trim().to_string();
         let p = Path::new(&p);
         if p.is_absolute() {
@@ -140,27 +176,41 @@ pub fn git_commit(worktree: &Path) -> Option<String> {
     } else {
         dot_git
     };
-    let head = std::fs::read_to_string(git_dir.join("HEAD")).ok()?;
+    let head = small(&git_dir.join("HEAD"))?;
     let head = head.trim();
     let Some(reference) = head.strip_prefix("ref:").map(str::trim) else {
-        return Some(head.to_string());
+        return object_id(head);
     };
+    // A ref names a file under the git dir; one that climbs out of it (`..`, an
+    // absolute path) would make berth read, and then show, any file on the host.
+    if !reference.starts_with("refs/")
+        || reference.split('/').any(|c| c.is_empty() || c == "." || c == "..")
+    {
+        return None;
+    }
     // A linked worktree keeps refs in the common dir.
-    let common = std::fs::read_to_string(git_dir.join("commondir"))
-        .ok()
+    let common = small(&git_dir.join("commondir"))
         .map(|c| git_dir.join(c.trim()))
         .unwrap_or_else(|| git_dir.clone());
     for dir in [&git_dir, &common] {
-        if let Ok(s) = std::fs::read_to_string(dir.join(reference)) {
-            return Some(s.trim().to_string());
+        if let Some(s) = small(&dir.join(reference)) {
+            return object_id(s.trim());
         }
     }
-    let packed = std::fs::read_to_string(common.join("packed-refs")).ok()?;
+    let packed = read_small(&common.join("packed-refs"), PACKED_REFS_BYTES_MAX)
+        .ok()
+        .flatten()?;
     packed
         .lines()
         .filter_map(|l| l.split_once(' '))
         .find(|(_, r)| *r == reference)
-        .map(|(h, _)| h.to_string())
+        .and_then(|(h, _)| object_id(h))
+}
+
+/// A commit id as git writes it (40 or 64 hex digits); anything else is not one.
+fn object_id(s: &str) -> Option<String> {
+    (matches!(s.len(), 40 | 64) && s.bytes().all(|b| b.is_ascii_hexdigit()))
+        .then(|| s.to_ascii_lowercase())
 }
 
 #[cfg(test)]
@@ -213,14 +263,14 @@ mod tests {
         let wt = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(wt.path().join(".git/refs/heads")).unwrap();
         std::fs::write(wt.path().join(".git/HEAD"), "ref: refs/heads/main\n").unwrap();
-        std::fs::write(wt.path().join(".git/refs/heads/main"), "abc123\n").unwrap();
-        assert_eq!(git_commit(wt.path()).as_deref(), Some("abc123"));
+        std::fs::write(wt.path().join(".git/refs/heads/main"), "abc1230000000000000000000000000000000000\n").unwrap();
+        assert_eq!(git_commit(wt.path()).as_deref(), Some("abc1230000000000000000000000000000000000"));
         std::fs::remove_file(wt.path().join(".git/refs/heads/main")).unwrap();
         std::fs::write(
             wt.path().join(".git/packed-refs"),
-            "# pack\ndef456 refs/heads/main\n",
+            "# pack\ndef4560000000000000000000000000000000000 refs/heads/main\n",
         )
         .unwrap();
-        assert_eq!(git_commit(wt.path()).as_deref(), Some("def456"));
+        assert_eq!(git_commit(wt.path()).as_deref(), Some("def4560000000000000000000000000000000000"));
     }
 }

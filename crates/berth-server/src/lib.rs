@@ -9,7 +9,11 @@ pub mod contract;
 pub mod error;
 pub mod failpoint;
 pub mod host;
+pub mod http;
+pub mod private;
+pub mod register;
 pub mod state;
+pub mod walk;
 pub mod workspace;
 
 use std::net::SocketAddr;
@@ -40,6 +44,28 @@ pub struct ServeConfig {
     /// Diagnostics kept per run and in all (P4).
     pub diagnostics_run_bytes_max: u64,
     pub diagnostics_total_bytes_max: u64,
+    /// Start on a missing or empty ledger although the state dir has been used (S6).
+    pub init_ledger: bool,
+}
+
+/// Why the daemon must stop (D4): set once, by whoever finds it first.
+#[derive(Default)]
+pub struct Fatal {
+    notify: tokio::sync::Notify,
+    reason: std::sync::Mutex<Option<String>>,
+}
+
+impl Fatal {
+    pub fn raise(&self, why: String) {
+        tracing::error!("fatal: {why}");
+        let mut r = self.reason.lock().unwrap_or_else(|e| e.into_inner());
+        r.get_or_insert(why);
+        self.notify.notify_one();
+    }
+
+    pub fn reason(&self) -> Option<String> {
+        self.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
 }
 
 /// Messages in flight to the state task at most; handlers wait beyond it.
@@ -78,28 +104,13 @@ fn is_loopback(addr: &SocketAddr) -> bool {
     addr.ip().is_loopback()
 }
 
-/// Reads or creates the admin token file (0600) and returns the token.
-fn admin_token(state_dir: &std::path::Path) -> anyhow::Result<(String, bool)> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let path = state_dir.join("admin.token");
-    match std::fs::read_to_string(&path) {
-        Ok(t) if !t.trim().is_empty() => return Ok((t.trim().to_string(), false)),
-        Ok(_) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-    }
-    let token = auth::new_token()?;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&path)
-        .with_context(|| format!("writing {}", path.display()))?;
-    use std::io::Write;
-    writeln!(f, "{token}")?;
-    f.sync_all()?;
-    Ok((token, true))
+/// Has this state dir been used by a berth before (S6)?
+fn used(state_dir: &std::path::Path, runs_dir: &std::path::Path, marker: &private::FenceMarker) -> bool {
+    marker.exists()
+        || state_dir.join("admin.token").exists()
+        || std::fs::read_dir(runs_dir).is_ok_and(|mut rd| {
+            rd.any(|e| e.is_ok_and(|e| !e.file_name().to_string_lossy().starts_with('.')))
+        })
 }
 
 /// Starts the daemon on the current tokio runtime and returns once it is serving.
@@ -113,33 +124,73 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     cfg.engine
         .validate()
         .map_err(|e| anyhow::anyhow!("configuration: {e}"))?;
-    std::fs::create_dir_all(&cfg.state_dir)
-        .with_context(|| format!("creating state directory {}", cfg.state_dir.display()))?;
+    // S5: everything berth creates from here on is private to its user (ledger,
+    // tokens, diagnostics, workspaces).
+    rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
+    private::state_dir(&cfg.state_dir)?;
+    let lock = private::lock(&cfg.state_dir)?;
     let runs_dir = workspace::ensure_runs_dir(&cfg.state_dir)?;
     let ledger_path = cfg.state_dir.join("ledger.db");
+    let mut marker = private::FenceMarker::open(&cfg.state_dir)?;
+    // S6: a ledger that vanished from a used state dir would restart fences and forget
+    // every run; refused unless the operator says to start afresh.
+    let ledger_empty = std::fs::symlink_metadata(&ledger_path).map_or(true, |m| m.len() == 0);
+    if ledger_empty && !cfg.init_ledger && used(&cfg.state_dir, &runs_dir, &marker) {
+        bail!(
+            "{} is missing or empty, but this state directory has been used (admin token, fence marker or workspaces present): refusing to start from nothing (S6). Restore the ledger, or start with --init-ledger to begin a new one (fences still continue above the marker)",
+            ledger_path.display()
+        );
+    }
     // D4: an unreadable ledger stops the daemon with a clear error.
     let mut store = SqliteStore::open(&ledger_path)?;
-    let ledger = store.load(cfg.engine.ended_retained_max)?;
+    for suffix in ["", "-wal", "-shm"] {
+        // Ledgers made by older berths were 0644; it holds token hashes.
+        let p = cfg.state_dir.join(format!("ledger.db{suffix}"));
+        use std::os::unix::fs::PermissionsExt;
+        if let Ok(m) = std::fs::symlink_metadata(&p) {
+            if m.is_file() && m.permissions().mode() & 0o077 != 0 {
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600))?;
+            }
+        }
+    }
+    let mut ledger = store.load(cfg.engine.ended_retained_max)?;
+    // L1/S6: fences continue above the marker even if the ledger is older than it.
+    if marker.reserved > ledger.last_fence {
+        if ledger.last_fence > 0 || !ledger.runs.is_empty() {
+            tracing::warn!(
+                "the ledger's fence counter ({}) is below the fence marker ({}): the ledger is older than the last run of berth (restored from a backup?); fences continue above {}",
+                ledger.last_fence,
+                marker.reserved,
+                marker.reserved
+            );
+        }
+        ledger.last_fence = marker.reserved;
+    }
+    marker.write(ledger.last_fence.saturating_add(private::FENCE_RESERVE_BLOCK))?;
     let boot = clock::boot_id();
     let same_boot = ledger.boot_id.as_deref().is_none_or(|b| b == boot);
     store.set_boot_id(&boot)?;
 
-    let mut tokens: Vec<(String, auth::Scope)> = ledger
+    let mut tokens: Vec<(String, auth::Grant)> = ledger
         .tokens
         .iter()
-        .filter_map(|(h, s)| Some((h.clone(), auth::Scope::parse(s)?)))
+        .filter_map(|(h, s)| Some((h.clone(), auth::Grant::parse(s)?)))
         .collect();
     let mut admin = None;
     if !cfg.insecure_no_auth {
-        let (token, _) = admin_token(&cfg.state_dir)?;
+        let token = private::admin_token(&cfg.state_dir)?;
         let hash = auth::hash_token(&token);
         if !tokens.iter().any(|(h, _)| *h == hash) {
+            let grant = auth::Grant {
+                scope: auth::Scope::Admin,
+                uid: None,
+            };
             store.write(&[&berth_store::Batch {
                 last_fence: ledger.last_fence,
                 runs: vec![],
-                tokens: vec![(hash.clone(), "admin".into())],
+                tokens: vec![(hash.clone(), grant.stored())],
             }])?;
-            tokens.push((hash, auth::Scope::Admin));
+            tokens.push((hash, grant));
         }
         admin = Some(token);
     }
@@ -153,7 +204,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         url: format!("http://{addr}"),
     });
     let writer = Writer::spawn(Box::new(store), cfg.group_commit);
-    let fatal = Arc::new(tokio::sync::Notify::new());
+    let fatal = Arc::new(Fatal::default());
     let st = state::State::restore(
         cfg.engine.clone(),
         ledger,
@@ -163,6 +214,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         runs_dir,
         cfg.reconnect_window_ms,
         fatal.clone(),
+        marker,
         state::Supervision {
             // One namespace per state dir: a restarted daemon finds its runs' groups
             // again (P5), another daemon never touches them.
@@ -182,6 +234,8 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
             dir: cfg.state_dir.join("diagnostics"),
             run_bytes_max: cfg.diagnostics_run_bytes_max,
             total_bytes_max: cfg.diagnostics_total_bytes_max,
+            run_entries_max: workspace::DIAGNOSTICS_RUN_ENTRIES_MAX,
+            total_entries_max: workspace::DIAGNOSTICS_TOTAL_ENTRIES_MAX,
         },
     )
     .map_err(|e| anyhow::anyhow!("ledger {}: {e}", ledger_path.display()))?;
@@ -194,6 +248,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         shared,
         auth: !cfg.insecure_no_auth,
         cfg: Arc::new(cfg.engine.clone()),
+        uid: rustix::process::geteuid().as_raw(),
     };
     let app = api::router(api);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -205,23 +260,27 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
             state::run(st, rx, tick_ms, sample, Some(probe)).await;
         })
     };
+    let conns_max = http::connection_budget();
     let task = tokio::spawn(async move {
+        let _lock = lock;
         let fatal_wait = fatal.clone();
         let shutdown = async move {
             tokio::select! {
                 _ = stop_rx => {}
-                _ = fatal_wait.notified() => {}
+                _ = fatal_wait.notify.notified() => {}
                 _ = signal() => {}
             }
         };
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown)
-            .await
-            .context("serving HTTP")?;
+        http::serve(listener, app, conns_max, shutdown).await;
         // The router (and every sender) is gone: the state task drains and closes
         // the writer, which makes everything acknowledged durable.
         state_task.await?;
-        Ok(())
+        // D4: a fatal error is an error exit, with its reason (so a supervisor's
+        // restart-on-failure restarts it and the log says why).
+        match fatal.reason() {
+            Some(why) => bail!("stopped: {why}"),
+            None => Ok(()),
+        }
     });
     let counter = commits_cell.clone();
     Ok(Running {
@@ -278,6 +337,7 @@ mod tests {
             cgroups: true,
             diagnostics_run_bytes_max: 1 << 20,
             diagnostics_total_bytes_max: 1 << 30,
+            init_ledger: false,
         };
         let running = start(cfg).await.unwrap();
         assert!(base.is_dir(), "{} while serving", base.display());

@@ -14,7 +14,7 @@ use berth_core::{
 use berth_store::{Batch, Ledger, ProcessRecord, RunRecord, StoreError, WorkspaceIdentity, Writer};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use crate::auth::Scope;
+use crate::auth::Grant;
 use crate::clock;
 use crate::error::ApiError;
 use crate::workspace;
@@ -30,6 +30,8 @@ pub struct RunInfo {
     pub env: BTreeMap<&'static str, String>,
     /// Pids that survived the last stop (a degraded run).
     pub survivors: Vec<i32>,
+    /// Why a granted run was ended by berth itself at once (no workspace: W1).
+    pub failure: Option<String>,
 }
 
 pub type Reply<T> = oneshot::Sender<Result<T, ApiError>>;
@@ -73,7 +75,7 @@ pub enum Msg {
         reply: oneshot::Sender<Option<watch::Receiver<RunInfo>>>,
     },
     CreateToken {
-        scope: Scope,
+        grant: Grant,
         reply: Reply<String>,
     },
     /// P1: a process (tree) the run's client started; recorded before it is relied on.
@@ -81,6 +83,8 @@ pub enum Msg {
         run_id: String,
         fence: u64,
         pid: i32,
+        /// The user the caller acts for (S3).
+        uid: u32,
         reply: Reply<RunInfo>,
     },
     /// A stop started for a run has finished (sent by the stopping thread).
@@ -118,6 +122,8 @@ struct Extra {
     survivors: Vec<i32>,
     /// The run's own grace between SIGTERM and SIGKILL (P2), if it asked for one.
     stop_grace_ms: Option<u64>,
+    /// Why berth ended the run at its grant (not kept in the ledger).
+    failure: Option<String>,
 }
 
 /// How processes are stopped (P2).
@@ -132,7 +138,7 @@ pub struct Supervision {
 }
 
 pub struct Shared {
-    pub tokens: RwLock<Vec<(String, Scope)>>,
+    pub tokens: RwLock<Vec<(String, Grant)>>,
     pub url: String,
 }
 
@@ -151,7 +157,9 @@ pub struct State {
     /// Runs whose cleanup must be retried (degraded, or releasing after a restart).
     /// Runs whose stop or cleanup must be retried: (failed attempts, next try at).
     cleanup_retry: BTreeMap<String, (u32, u64)>,
-    fatal: Arc<tokio::sync::Notify>,
+    fatal: Arc<crate::Fatal>,
+    /// Fences are covered by the marker before they are acknowledged (L1, S6).
+    marker: crate::private::FenceMarker,
     supervision: Supervision,
     /// Runs whose processes are being stopped right now.
     stopping: BTreeSet<String>,
@@ -162,6 +170,8 @@ pub struct State {
     stopper: Option<std::sync::mpsc::Sender<berth_proc::StopJob>>,
     /// Stops decided in this step, handed to the stopper after the commit.
     pending_stops: Vec<berth_proc::StopJob>,
+    /// The daemon as the registration rule sees it (S3).
+    me: crate::register::Me,
 }
 
 /// The stopper thread: takes stop jobs, runs rounds while any are active (one `/proc`
@@ -202,6 +212,14 @@ fn spawn_stopper(
     tx
 }
 
+fn proc_id(p: &ProcessRecord) -> berth_proc::ProcId {
+    berth_proc::ProcId {
+        pid: p.pid,
+        start_ticks: p.start_ticks,
+        boot_id: p.boot_id.clone(),
+    }
+}
+
 /// The first retry of a failed stop or cleanup; each next one waits twice as long.
 const CLEANUP_RETRY_MS: u64 = 5_000;
 /// The longest wait between retries.
@@ -228,7 +246,8 @@ impl State {
         shared: Arc<Shared>,
         runs_dir: PathBuf,
         reconnect_window_ms: u64,
-        fatal: Arc<tokio::sync::Notify>,
+        fatal: Arc<crate::Fatal>,
+        marker: crate::private::FenceMarker,
         supervision: Supervision,
         diagnostics: workspace::Diagnostics,
     ) -> Result<State, String> {
@@ -278,6 +297,7 @@ impl State {
                     processes: r.processes.clone(),
                     survivors: Vec::new(),
                     stop_grace_ms: r.stop_grace_ms,
+                    failure: None,
                 },
             );
         }
@@ -296,12 +316,14 @@ impl State {
             watchers: HashMap::new(),
             cleanup_retry,
             fatal,
+            marker,
             supervision,
             stopping: BTreeSet::new(),
             inbox: None,
             counters: ReapCounters::default(),
             stopper: None,
             pending_stops: Vec::new(),
+            me: crate::register::Me::now(),
         })
     }
 
@@ -335,11 +357,7 @@ impl State {
             .map(|e| {
                 e.processes
                     .iter()
-                    .map(|p| berth_proc::ProcId {
-                        pid: p.pid,
-                        start_ticks: p.start_ticks,
-                        boot_id: p.boot_id.clone(),
-                    })
+                    .map(proc_id)
                     .collect()
             })
             .unwrap_or_default();
@@ -440,6 +458,7 @@ impl State {
             expires_at,
             env,
             survivors: extra.map(|e| e.survivors.clone()).unwrap_or_default(),
+            failure: extra.and_then(|e| e.failure.clone()),
             view,
         })
     }
@@ -478,7 +497,7 @@ impl State {
         let mut queue: VecDeque<Event> = out.events.into();
         while let Some(ev) = queue.pop_front() {
             match &ev {
-                Event::Granted { run_id, .. } => {
+                Event::Granted { run_id, fence, .. } => {
                     touched.insert(run_id.clone());
                     match self.workspaces.create(run_id) {
                         Ok(ws) => {
@@ -486,7 +505,25 @@ impl State {
                                 e.workspace = Some(ws);
                             }
                         }
-                        Err(e) => tracing::error!(run_id, "workspace: {e}"),
+                        Err(e) => {
+                            // W1: no grant without its workspace. The run is released
+                            // in this same step (before anything is acknowledged), and
+                            // its caller told why.
+                            tracing::error!(run_id, "workspace: {e}; the run is released");
+                            if let Some(x) = self.extras.get_mut(run_id) {
+                                x.failure = Some(format!(
+                                    "the run was granted but its workspace could not be made ({e}); berth released it"
+                                ));
+                            }
+                            let more = self.engine.apply(
+                                now,
+                                Command::Release {
+                                    run_id: run_id.clone(),
+                                    fence: *fence,
+                                },
+                            );
+                            queue.extend(more.events);
+                        }
                     }
                 }
                 Event::StopRequested { run_id, .. } => {
@@ -578,6 +615,13 @@ impl State {
                 }
             }
         }
+        // L1/S6: a fence is never acknowledged above the durable marker; raising it is
+        // one fsync per `FENCE_RESERVE_BLOCK` grants.
+        if let Err(e) = self.marker.cover(self.engine.last_fence()) {
+            let e = StoreError::Write(format!("fence marker: {e:#}"));
+            self.fatal.raise(e.to_string());
+            return then(Err(&e));
+        }
         let batch = Batch {
             last_fence: self.engine.last_fence(),
             runs,
@@ -601,9 +645,9 @@ impl State {
             if granted {
                 crate::failpoint::hit("grant-committed");
             }
-            if res.is_err() {
+            if let Err(e) = &res {
                 // D4: never go on after the ledger refused a write.
-                fatal.notify_one();
+                fatal.raise(format!("the ledger refused a write: {e}"));
             } else {
                 for (tx, info) in notes {
                     let _ = tx.send(info);
@@ -625,7 +669,13 @@ impl State {
 
     /// P1: records a process of a granted run by identity, and moves it into the
     /// run's cgroup where the host allows one.
-    fn register(&mut self, run_id: &str, fence: u64, pid: i32) -> Result<RunInfo, ApiError> {
+    fn register(
+        &mut self,
+        run_id: &str,
+        fence: u64,
+        pid: i32,
+        uid: u32,
+    ) -> Result<RunInfo, ApiError> {
         let view = self
             .engine
             .view_of(run_id)
@@ -647,14 +697,40 @@ impl State {
             }
             .into());
         }
-        if pid <= 1 || pid == std::process::id() as i32 {
-            return Err(ApiError::invalid(
-                "pid",
-                "must be a process of the run, not init or berth itself",
-            ));
-        }
-        let id = berth_proc::identify(pid)
-            .map_err(|_| ApiError::invalid("pid", format!("no process {pid} is running")))?;
+        // S3: the registration rule (crate::register).
+        let others: Vec<crate::register::OtherRun<'_>> = self
+            .extras
+            .iter()
+            .filter(|(id, e)| {
+                id.as_str() != run_id
+                    && !e.processes.is_empty()
+                    && self
+                        .engine
+                        .view_of(id)
+                        .is_some_and(|v| !v.state.is_terminal())
+            })
+            .map(|(id, e)| crate::register::OtherRun {
+                run_id: id,
+                roots: e.processes.iter().map(proc_id).collect(),
+            })
+            .collect();
+        use crate::register::Refusal;
+        let id = crate::register::check(&self.me, uid, pid, &others).map_err(|r| match r {
+            Refusal::Forbidden(why) => ApiError::new(403, "pid_forbidden", why),
+            Refusal::NotOwned(why) => ApiError::new(403, "pid_not_owned", why),
+            Refusal::OwnedByRun { run_id } => ApiError::new(
+                403,
+                "pid_owned_by_run",
+                format!("pid {pid} belongs to live run {run_id}; stopping it would stop that run's processes"),
+            )
+            .with(serde_json::json!({"run_id": run_id, "pid": pid})),
+            Refusal::NoSuchProcess => ApiError::invalid("pid", format!("no process {pid} is running")),
+            Refusal::CouldNotLook(why) => ApiError::new(
+                503,
+                "could_not_look",
+                format!("pid {pid} could not be checked ({why}); try again"),
+            ),
+        })?;
         if let Some(base) = &self.supervision.cgroup_base {
             let group = berth_proc::cgroup::Group::create(base, &workspace::dir_name(run_id));
             if let Err(e) = group.and_then(|g| g.add(pid)) {
@@ -713,6 +789,7 @@ impl State {
                             processes: Vec::new(),
                             survivors: Vec::new(),
                             stop_grace_ms,
+                            failure: None,
                         },
                     );
                 }
@@ -840,9 +917,10 @@ impl State {
                 run_id,
                 fence,
                 pid,
+                uid,
                 reply,
             } => {
-                let value = self.register(&run_id, fence, pid);
+                let value = self.register(&run_id, fence, pid, uid);
                 let mut touched = BTreeSet::new();
                 if value.is_ok() {
                     touched.insert(run_id);
@@ -896,7 +974,10 @@ impl State {
                 self.stopping.remove(&run_id);
                 self.counters.processes_terminated += report.terminated as u64;
                 self.counters.reused_pids_protected += report.reused_pids_protected as u64;
-                if !report.ok() {
+                if report.unverified {
+                    // S4: could not look is never gone: degraded, retried by backoff.
+                    tracing::warn!(run_id, survivors = ?report.survivors, "the stop could not prove the run's processes gone (a /proc, pidfd or cgroup read failed); the run is degraded and the stop retried");
+                } else if !report.ok() {
                     tracing::warn!(run_id, survivors = ?report.survivors, "processes survived SIGKILL; the run is degraded");
                 }
                 if let Some(e) = self.extras.get_mut(&run_id) {
@@ -919,18 +1000,18 @@ impl State {
                 }
                 self.commit(touched, |_| {});
             }
-            Msg::CreateToken { scope, reply } => match crate::auth::new_token() {
+            Msg::CreateToken { grant, reply } => match crate::auth::new_token() {
                 Ok(token) => {
                     let hash = crate::auth::hash_token(&token);
                     self.shared
                         .tokens
                         .write()
                         .unwrap()
-                        .push((hash.clone(), scope));
+                        .push((hash.clone(), grant));
                     let batch = Batch {
                         last_fence: self.engine.last_fence(),
                         runs: vec![],
-                        tokens: vec![(hash, scope.as_str().into())],
+                        tokens: vec![(hash, grant.stored())],
                     };
                     self.writer.submit(Some(batch), move |r| {
                         let _ = reply.send(r.map_err(store_error).map(|()| token));
@@ -996,8 +1077,15 @@ impl State {
         }
     }
 
-    pub fn close(self) {
+    pub fn close(mut self) {
         self.writer.close();
+        // A clean stop leaves the exact last fence as the marker: the next start
+        // continues at +1 instead of skipping the rest of the reserved block.
+        if self.fatal.reason().is_none() {
+            if let Err(e) = self.marker.write(self.engine.last_fence()) {
+                tracing::warn!("fence marker: {e:#}");
+            }
+        }
         // This daemon's cgroup namespace goes when no run group is left in it (groups
         // of live runs stay for the next start to re-adopt; rmdir refuses then).
         if let Some(base) = &self.supervision.cgroup_base {

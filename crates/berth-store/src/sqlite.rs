@@ -84,6 +84,11 @@ impl SqliteStore {
         // D2: WAL with a full fsync at every commit; a busy timeout instead of errors.
         conn.busy_timeout(std::time::Duration::from_secs(5))
             .map_err(open_err)?;
+        // S5: one daemon per ledger. Besides the daemon's lock on the state dir,
+        // SQLite holds its own lock for the connection's life (set before WAL, so the
+        // WAL index lives in this process's memory and no `-shm` file is shared).
+        conn.execute_batch("PRAGMA locking_mode=EXCLUSIVE;")
+            .map_err(open_err)?;
         let mode: String = conn
             .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
             .map_err(open_err)?;

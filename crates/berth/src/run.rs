@@ -353,23 +353,18 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         let pgid = child.id().unwrap_or(0) as i32;
         berth_server::failpoint::hit("spawn-before-register");
         // P1: the broker records the child by identity (and moves it into the run's
-        // cgroup), so it can stop the tree if this client dies (P6).
-        {
-            let c = client.clone();
-            let id = run_id.clone();
-            let r = tokio::task::spawn_blocking(move || {
-                let body = json!({ "fence": fence, "pid": pgid });
-                c.call("POST", &format!("/v1/runs/{id}/processes"), Some(&body))
-            })
-            .await;
-            match r {
-                Ok(Ok(reply)) if reply.status < 300 => {}
-                Ok(Ok(reply)) => eprintln!(
-                    "berth: could not register CMD with the broker: {}",
-                    error_text(&reply.body)
-                ),
-                _ => eprintln!("berth: could not register CMD with the broker"),
-            }
+        // cgroup), so it can stop the tree if this client dies (P6). CMD never runs
+        // unregistered: if registering fails, the gate stays shut (closing the pipe
+        // makes the gate's `read` fail, so the shell exits 125 without running CMD),
+        // the lease is released and berth run says why.
+        if let Err((code, why)) = register(&client, &run_id, fence, pgid, ttl_ms).await {
+            drop(gate_write);
+            let _ = child.wait().await;
+            eprintln!(
+                "berth: run {run_id}: CMD was not started, because the broker could not record it: {why}"
+            );
+            release(&client, &run_id, fence).await;
+            return Ok(code);
         }
         // Open the gate: CMD starts now.
         rustix::io::write(&gate_write, b"go\n")?;
@@ -449,6 +444,50 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
             _ => 1,
         })
     })
+}
+
+/// How long `berth run` retries a registration the broker could not take yet (a
+/// restart, a full disk): at most this, and at most half the lease's ttl.
+const REGISTER_RETRY_FOR: Duration = Duration::from_secs(30);
+
+/// Registers `pid` with the run; on failure, the exit code and the reason: 69 when the
+/// broker refused (the rule said no), 75 when it could not be reached or the lease
+/// was lost (try again later).
+async fn register(
+    client: &Arc<Client>,
+    run_id: &str,
+    fence: u64,
+    pid: i32,
+    ttl_ms: u64,
+) -> Result<(), (u8, String)> {
+    let give_up = Instant::now() + REGISTER_RETRY_FOR.min(Duration::from_millis(ttl_ms / 2));
+    let mut pause = Duration::from_millis(100);
+    loop {
+        let c = client.clone();
+        let id = run_id.to_string();
+        let r = tokio::task::spawn_blocking(move || {
+            let body = json!({ "fence": fence, "pid": pid });
+            c.call("POST", &format!("/v1/runs/{id}/processes"), Some(&body))
+        })
+        .await;
+        let last = match r {
+            Ok(Ok(reply)) if reply.status < 300 => return Ok(()),
+            Ok(Ok(reply)) if reply.status == 409 || reply.status == 410 => {
+                return Err((EXIT_TIMEOUT, format!("the lease was lost ({})", error_text(&reply.body))))
+            }
+            Ok(Ok(reply)) if reply.status < 500 => {
+                return Err((EXIT_REFUSED, error_text(&reply.body)));
+            }
+            Ok(Ok(reply)) => error_text(&reply.body),
+            Ok(Err(e)) => format!("cannot reach berth at {}: {e}", client.url),
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() + pause > give_up {
+            return Err((EXIT_TIMEOUT, last));
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(2));
+    }
 }
 
 async fn release(client: &Arc<Client>, run_id: &str, fence: u64) {

@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{anyhow, bail};
 use berth_core::validate::{parse_duration_ms, parse_size};
 use clap::Args;
 use serde::Deserialize;
@@ -68,6 +68,10 @@ pub struct ServeArgs {
     /// Diagnostics kept in all; the oldest archives are dropped first.
     #[arg(long, env = "BERTH_DIAGNOSTICS_TOTAL_BYTES", value_parser = parse_size_arg)]
     pub diagnostics_total_bytes: Option<u64>,
+    /// Start a new ledger although this state dir was used before and its ledger is
+    /// missing or empty (fences still continue above the fence marker).
+    #[arg(long, env = "BERTH_INIT_LEDGER")]
+    pub init_ledger: bool,
 }
 
 /// `berth.toml`: the same keys as the flags, in snake case.
@@ -113,16 +117,16 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         .config
         .clone()
         .unwrap_or_else(|| state_dir.join("berth.toml"));
-    let file: FileConfig = match std::fs::read_to_string(&file_path) {
-        Ok(text) => toml::from_str(&text)
+    // S5: the config can turn auth off, so it is read only if no other user could
+    // have planted or changed it (not a link, owned by berth's user or root, not
+    // group- or world-writable).
+    let file: FileConfig = match berth_server::private::read_trusted(&file_path)? {
+        Some(text) => toml::from_str(&text)
             .map_err(|e| anyhow!("{}: {}", file_path.display(), e.message()))?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && a.config.is_none() => {
-            FileConfig::default()
-        }
-        Err(e) => return Err(e).with_context(|| format!("reading {}", file_path.display())),
+        None if a.config.is_none() => FileConfig::default(),
+        None => bail!("reading {}: no such file", file_path.display()),
     };
-    std::fs::create_dir_all(&state_dir)
-        .with_context(|| format!("creating {}", state_dir.display()))?;
+    berth_server::private::state_dir(&state_dir)?;
     let cpus = berth_server::host::cpus();
     let mem = a
         .memory_total
@@ -207,6 +211,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
                 file.diagnostics_total_bytes,
             )?)
             .unwrap_or(256 << 20),
+        init_ledger: a.init_ledger,
     })
 }
 

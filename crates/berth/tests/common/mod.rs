@@ -32,6 +32,8 @@ pub struct Daemon {
     /// The binary started, and the user (uid = gid) it runs as if not ours.
     pub bin: PathBuf,
     pub uid: Option<u32>,
+    /// The daemon's descriptor limit (soft and hard), if not the test's own.
+    pub nofile: Option<u64>,
     _dir: Option<tempfile::TempDir>,
 }
 
@@ -58,11 +60,36 @@ impl Daemon {
     /// Small fixed totals: slots, 8 GiB memory (1 GiB reserve), 4 cpus (1 reserved),
     /// 100 GiB disk, no memory sampling.
     pub fn start(extra: &[&str]) -> Daemon {
+        let mut d = Daemon::unstarted(extra);
+        d.spawn();
+        d
+    }
+
+    /// Prepared on a temporary state dir, not started yet (set `env`, `nofile`, …).
+    pub fn unstarted(extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         let state = dir.path().to_path_buf();
-        let mut d = Daemon::start_in(&state, free_port(), extra);
+        let mut d = Daemon::prepare(&state, free_port(), extra);
         d._dir = Some(dir);
         d
+    }
+
+    /// Starts `berth serve` with this daemon's arguments plus `more`, expecting it to
+    /// refuse to start: returns its exit status and what it printed.
+    pub fn start_fails(&self, more: &[&str]) -> (std::process::ExitStatus, String) {
+        let out = Command::new(&self.bin)
+            .args(&self.args)
+            .args(more)
+            .env("BERTH_LOG", "warn")
+            .stdin(Stdio::null())
+            .output()
+            .expect("run berth serve");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (out.status, text)
     }
 
     /// The daemon as user `uid` (needs root): a copy of the binary any user may run,
@@ -123,6 +150,7 @@ impl Daemon {
             env: Vec::new(),
             bin: PathBuf::from(BERTH),
             uid: None,
+            nofile: None,
             _dir: None,
         }
     }
@@ -132,6 +160,20 @@ impl Daemon {
         if let Some(uid) = self.uid {
             use std::os::unix::process::CommandExt;
             cmd.uid(uid).gid(uid);
+        }
+        if let Some(n) = self.nofile {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: setrlimit is async-signal-safe; nothing else runs in the child.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let lim = rustix::process::Rlimit {
+                        current: Some(n),
+                        maximum: Some(n),
+                    };
+                    rustix::process::setrlimit(rustix::process::Resource::Nofile, lim)
+                        .map_err(std::io::Error::from)
+                });
+            }
         }
         let mut child = cmd
             .args(&self.args)

@@ -1,0 +1,252 @@
+//! The HTTP listener (S8): at most `connections_max` connections at once, a deadline
+//! for every request head (which is also the idle limit of a kept-alive connection),
+//! bounded request heads, and descriptor headroom kept for supervision.
+//!
+//! Why not `axum::serve`: it accepts without limit and sets no timer, so ~1,000 idle
+//! connections (no token needed) took every descriptor the daemon had, and then
+//! `/proc`, pidfd and cgroup reads failed while runs were being stopped.
+//!
+//! A cap alone would let the same idle connections lock token holders out. So at the
+//! cap the oldest connection that has not yet presented a valid token is closed to
+//! make room (it has nothing in flight that berth owes an answer to); connections of
+//! token holders (long polls, streams) are never closed for room.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+
+/// Connections served at once at most; beyond it new ones wait in the kernel's accept
+/// queue (they cost the daemon no descriptor there).
+pub const CONNECTIONS_MAX: usize = 1_024;
+/// Descriptors never given to connections: the ledger, the pool's and the stopper's
+/// directory and pidfd and `/proc` reads, cgroup files, logs. A stop needs a handful at
+/// a time; 256 leaves room for many at once.
+pub const FD_HEADROOM: u64 = 256;
+/// The fewest connections served even on a tiny descriptor limit.
+const CONNECTIONS_MIN: usize = 8;
+/// How long a client may take to send a request head, and how long a kept-alive
+/// connection may sit idle between requests. A long poll is not idle: its request was
+/// read, and the wait is for the answer.
+pub const HEAD_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// Largest request head hyper buffers; above `HEAD_BYTES_MAX` (checked with a JSON
+/// answer by `limits`) and up to here the client gets the error envelope, beyond it a
+/// bare `431` from hyper and the connection closes.
+pub const HEAD_BUF_BYTES_MAX: usize = 64 * 1024;
+/// Longest request target and largest request head answered at all (414 and 431).
+pub const URI_BYTES_MAX: usize = 8 * 1024;
+pub const HEAD_BYTES_MAX: usize = 16 * 1024;
+/// After a stop is asked for, how long open requests may finish before they are cut.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// The pause after a failed `accept` (EMFILE, ENFILE, ENOBUFS): never a busy loop.
+const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+
+/// One connection as the listener sees it. `authed` is set by the auth middleware
+/// when a request on it presents a valid token.
+pub struct ConnMark {
+    pub authed: AtomicBool,
+    kick: tokio::sync::Notify,
+}
+
+/// Open connections, oldest first (at most `CONNECTIONS_MAX`: a linear scan is fine).
+type Registry = Arc<Mutex<Vec<(u64, Arc<ConnMark>)>>>;
+
+/// Closes the oldest connection without a valid token; false if there is none.
+fn evict_one(reg: &Registry) -> bool {
+    let list = reg.lock().unwrap_or_else(|e| e.into_inner());
+    match list.iter().find(|(_, m)| !m.authed.load(Ordering::Relaxed)) {
+        Some((_, m)) => {
+            m.kick.notify_one();
+            true
+        }
+        None => false,
+    }
+}
+
+/// The app with the connection's mark put into every request.
+#[derive(Clone)]
+struct Marked {
+    app: Router,
+    mark: Arc<ConnMark>,
+}
+
+impl tower_service::Service<axum::http::Request<hyper::body::Incoming>> for Marked {
+    type Response = axum::response::Response;
+    type Error = std::convert::Infallible;
+    type Future = <Router as tower_service::Service<
+        axum::http::Request<hyper::body::Incoming>,
+    >>::Future;
+
+    fn poll_ready(
+        &mut self,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut req: axum::http::Request<hyper::body::Incoming>) -> Self::Future {
+        req.extensions_mut().insert(self.mark.clone());
+        self.app.call(req)
+    }
+}
+
+/// Raises the soft descriptor limit to the hard one, and returns how many connections
+/// fit below it with `FD_HEADROOM` kept back.
+pub fn connection_budget() -> usize {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current < lim.maximum {
+        lim.current = lim.maximum;
+        let _ = setrlimit(Resource::Nofile, lim.clone());
+        lim = getrlimit(Resource::Nofile);
+    }
+    let soft = lim.current.unwrap_or(u64::MAX);
+    let room = soft.saturating_sub(FD_HEADROOM);
+    // A descriptor per connection (the socket); the handler's own files are counted in
+    // the headroom.
+    (room.min(CONNECTIONS_MAX as u64) as usize).max(CONNECTIONS_MIN)
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves, with at most `max_conns`
+/// connections at once.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    max_conns: usize,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    let permits = Arc::new(Semaphore::new(max_conns));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut conns = tokio::task::JoinSet::new();
+    let registry: Registry = Arc::default();
+    let mut next_id = 0u64;
+    tokio::pin!(shutdown);
+    loop {
+        // A permit first, then accept: over the limit, connections wait in the
+        // kernel's queue instead of taking a descriptor here.
+        let permit = match permits.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                // At the cap: the oldest connection without a valid token makes room.
+                evict_one(&registry);
+                tokio::select! {
+                    p = permits.clone().acquire_owned() => match p {
+                        Ok(p) => p,
+                        Err(_) => break,
+                    },
+                    _ = &mut shutdown => break,
+                }
+            }
+        };
+        let (sock, _peer): (_, SocketAddr) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!("accept: {e}");
+                    tokio::time::sleep(ACCEPT_RETRY).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = sock.set_nodelay(true);
+        let mark = Arc::new(ConnMark {
+            authed: AtomicBool::new(false),
+            kick: tokio::sync::Notify::new(),
+        });
+        next_id += 1;
+        let id = next_id;
+        registry
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((id, mark.clone()));
+        let svc = hyper_util::service::TowerToHyperService::new(Marked {
+            app: app.clone(),
+            mark: mark.clone(),
+        });
+        let mut stop = stop_rx.clone();
+        // Finished connections are collected as we go, so the set stays small.
+        while conns.try_join_next().is_some() {}
+        let reg = registry.clone();
+        conns.spawn(async move {
+            let _permit = permit;
+            // Leaves the registry however the connection ends.
+            let _gone = Unregister(reg, id);
+            let mut b = hyper::server::conn::http1::Builder::new();
+            b.timer(TokioTimer::new())
+                .header_read_timeout(HEAD_READ_TIMEOUT)
+                .max_buf_size(HEAD_BUF_BYTES_MAX)
+                .keep_alive(true);
+            let conn = b.serve_connection(TokioIo::new(sock), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => return,
+                _ = stop.wait_for(|s| *s) => {}
+                _ = mark.kick.notified() => {}
+            }
+            conn.as_mut().graceful_shutdown();
+            let _ = conn.await;
+        });
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    // Open requests get a short grace; long polls that are still waiting are cut
+    // (their clients re-post the same run id to a restarted daemon: P5).
+    let _ = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        while conns.join_next().await.is_some() {}
+    })
+    .await;
+    conns.abort_all();
+    while conns.join_next().await.is_some() {}
+}
+
+struct Unregister(Registry, u64);
+
+impl Drop for Unregister {
+    fn drop(&mut self) {
+        let mut list = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = list.iter().position(|(id, _)| *id == self.1) {
+            list.remove(i);
+        }
+    }
+}
+
+/// `414` and `431` with the error envelope, for heads hyper accepted (it buffers up to
+/// `HEAD_BUF_BYTES_MAX`) but berth will not serve.
+pub async fn limits(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let uri_len = req
+        .uri()
+        .path_and_query()
+        .map_or(0, |p| p.as_str().len());
+    if uri_len > URI_BYTES_MAX {
+        return crate::error::ApiError::new(
+            414,
+            "uri_too_long",
+            format!("the request target must be at most {URI_BYTES_MAX} bytes"),
+        )
+        .into_response();
+    }
+    let head: usize = req
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum();
+    if head > HEAD_BYTES_MAX {
+        return crate::error::ApiError::new(
+            431,
+            "headers_too_large",
+            format!("the request headers must be at most {HEAD_BYTES_MAX} bytes"),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
