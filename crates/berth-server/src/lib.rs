@@ -156,14 +156,13 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     let mut ledger = store.load(cfg.engine.ended_retained_max)?;
     // L1/S6: fences continue above the marker even if the ledger is older than it.
     if marker.reserved > ledger.last_fence {
-        if ledger.last_fence > 0 || !ledger.runs.is_empty() {
-            tracing::warn!(
-                "the ledger's fence counter ({}) is below the fence marker ({}): the ledger is older than the last run of berth (restored from a backup?); fences continue above {}",
-                ledger.last_fence,
-                marker.reserved,
-                marker.reserved
-            );
-        }
+        // After a crash this is expected (the marker reserves ahead); after an older
+        // ledger was restored it is what keeps fences from repeating.
+        tracing::info!(
+            "fences continue above the fence marker {} (the ledger's counter is {}: berth crashed, or the ledger is older than the marker)",
+            marker.reserved,
+            ledger.last_fence
+        );
         ledger.last_fence = marker.reserved;
     }
     marker.write(ledger.last_fence.saturating_add(private::FENCE_RESERVE_BLOCK))?;

@@ -128,6 +128,10 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     };
     berth_server::private::state_dir(&state_dir)?;
     let cpus = berth_server::host::cpus();
+    let (mem_given, disk_given) = (
+        a.memory_total.is_some() || file.memory_total.is_some(),
+        a.disk_total.is_some() || file.disk_total.is_some(),
+    );
     let mem = a
         .memory_total
         .or(size("memory_total", file.memory_total)?)
@@ -137,6 +141,15 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         .or(size("disk_total", file.disk_total)?)
         .unwrap_or_else(|| berth_server::host::disk_total(&state_dir));
     let mut c = berth_core::Config::for_host(cpus, mem, disk);
+    // What the host reports is clamped to the bounded totals (S7); what an operator
+    // asks for is kept as given, so `validate` refuses it with the rule instead of
+    // silently using another number.
+    if mem_given {
+        c.memory_total = mem;
+    }
+    if disk_given {
+        c.disk_total = disk;
+    }
     if let Some(v) = a.cpu_total.or(file.cpu_total) {
         c.cpu_total_millis = v;
         c.slots_max = (v / 2000).clamp(1, 8);

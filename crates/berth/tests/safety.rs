@@ -164,7 +164,14 @@ fn finding_3_idle_connections_never_exhaust_the_descriptors_supervision_needs() 
     let _ = child.wait();
     let state = d.get("/v1/runs/fd").body["state"].clone();
     assert!(stopped, "the expired run's process was left running (run is {state})");
-    d.wait_until("the run is released", |d| d.get("/v1/runs/fd").body["state"] == "released");
+    let end = Instant::now() + Duration::from_secs(20);
+    let mut last = d.get("/v1/runs/fd");
+    // An expired lease ends `expired` once its processes are proven gone (L6).
+    while last.body["state"] != "expired" && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+        last = d.get("/v1/runs/fd");
+    }
+    assert_eq!(last.body["state"], "expired", "{} {:?}", last.status, last.body);
     drop(idle);
     assert_eq!(d.get("/v1/status").status, 200);
 }
@@ -267,4 +274,182 @@ fn finding_5_cmd_never_runs_unregistered() {
     std::thread::sleep(Duration::from_millis(300));
     assert!(!marker.exists(), "CMD ran although it was never registered");
     assert_eq!(d.get("/v1/runs/gate").body["state"], "released");
+}
+
+fn mkfifo(p: &std::path::Path) {
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        p,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+}
+
+/// Finding 2, deterministically: a FIFO at `.git/HEAD` (read to learn the commit)
+/// blocked the worker that opened it, every time.
+#[test]
+fn finding_2_a_fifo_in_dot_git_never_blocks_the_acquire() {
+    let d = Daemon::start(&["--slots-max", "8"]);
+    let wt = tempfile::tempdir().unwrap();
+    std::fs::write(wt.path().join(".berth.toml"), "concurrency = \"serial\"\n").unwrap();
+    std::fs::create_dir(wt.path().join(".git")).unwrap();
+    mkfifo(&wt.path().join(".git/HEAD"));
+    for i in 0..4 {
+        let body = json!({"run_id": format!("git-{i}"), "project": format!("g{i}"), "worktree": wt.path(),
+            "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}, "wait_s": 0});
+        let t = Instant::now();
+        let r = d.post("/v1/runs", &body.to_string());
+        assert_eq!(r.status, 201, "{:?}", r.body);
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
+    assert_eq!(d.get("/v1/status").status, 200);
+}
+
+/// Finding 8: planted files were trusted, and the state was readable by everyone.
+#[test]
+fn finding_8_planted_token_and_config_are_refused_and_the_state_is_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+    // A planted admin.token link: the daemon would have written the admin token to
+    // wherever it points.
+    let d = Daemon::unstarted(&[]);
+    let elsewhere = tempfile::tempdir().unwrap();
+    let target = elsewhere.path().join("stolen");
+    std::os::unix::fs::symlink(&target, d.state.join("admin.token")).unwrap();
+    let (st, out) = d.start_fails(&[]);
+    assert!(!st.success() && out.contains("symbolic link"), "{st} {out}");
+    assert!(!target.exists(), "the admin token was written through the link");
+    std::fs::remove_file(d.state.join("admin.token")).unwrap();
+    // A berth.toml that another user could have written, turning auth off.
+    let toml = d.state.join("berth.toml");
+    std::fs::write(&toml, "insecure_no_auth = true\n").unwrap();
+    std::fs::set_permissions(&toml, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let (st, out) = d.start_fails(&[]);
+    assert!(!st.success() && out.contains("writable by group or others"), "{st} {out}");
+    std::fs::remove_file(&toml).unwrap();
+    // A group-writable state dir.
+    std::fs::set_permissions(&d.state, std::fs::Permissions::from_mode(0o775)).unwrap();
+    let (st, out) = d.start_fails(&[]);
+    assert!(!st.success() && out.contains("group- or world-writable"), "{st} {out}");
+    std::fs::set_permissions(&d.state, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // Started properly: everything private.
+    let mut d = d;
+    d.spawn();
+    let f = grant(&d, "private", 60);
+    let r = d.post("/v1/runs/private/release", &json!({"fence": f}).to_string());
+    assert_eq!(r.status, 200);
+    assert_eq!(mode(&d.state), 0o700, "state dir");
+    for f in ["ledger.db", "admin.token", "fence.floor", "lock"] {
+        assert_eq!(mode(&d.state.join(f)) & 0o077, 0, "{f} is not private");
+    }
+    if d.state.join("diagnostics").exists() {
+        assert_eq!(mode(&d.state.join("diagnostics")), 0o700);
+    }
+}
+
+/// Finding 9: restoring an older ledger re-issued fences already given out; an empty
+/// ledger in a used state dir started silently from fence 1.
+#[test]
+fn finding_9_fences_never_go_back_after_a_restored_or_empty_ledger() {
+    let mut d = Daemon::start(&["--slots-max", "8"]);
+    grant(&d, "a", 60);
+    d.kill9();
+    let backup = tempfile::tempdir().unwrap();
+    let files = ["ledger.db", "ledger.db-wal"];
+    for f in files {
+        let _ = std::fs::copy(d.state.join(f), backup.path().join(f));
+    }
+    d.spawn();
+    let high = (0..3).map(|i| grant(&d, &format!("b{i}"), 60)).max().unwrap();
+    d.kill9();
+    for f in files {
+        let _ = std::fs::remove_file(d.state.join(f));
+        if backup.path().join(f).exists() {
+            std::fs::copy(backup.path().join(f), d.state.join(f)).unwrap();
+        }
+    }
+    d.spawn();
+    let f = grant(&d, "after-restore", 60);
+    assert!(f > high, "fence {f} re-issued (the newest before the restore was {high})");
+    let high = f;
+    d.kill9();
+    // An emptied ledger in a used state dir: refused unless told to start afresh.
+    std::fs::write(d.state.join("ledger.db"), b"").unwrap();
+    let _ = std::fs::remove_file(d.state.join("ledger.db-wal"));
+    let (st, out) = d.start_fails(&[]);
+    assert!(!st.success() && out.contains("--init-ledger"), "{st} {out}");
+    d.args.push("--init-ledger".into());
+    d.spawn();
+    let f = grant(&d, "after-init", 60);
+    assert!(f > high, "fence {f} after --init-ledger (the newest before was {high})");
+}
+
+/// Finding 10: a second daemon on the same state dir started, and both handed out
+/// the same fence.
+#[test]
+fn finding_10_one_daemon_per_state_dir() {
+    let d = Daemon::start(&[]);
+    let mut args = d.args.clone();
+    let i = args.iter().position(|a| a == "--listen").unwrap();
+    args[i + 1] = format!("127.0.0.1:{}", free_port());
+    let out = std::process::Command::new(&d.bin).args(&args).env("BERTH_LOG", "warn").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    let pid = daemon_pid(&d);
+    assert!(text.contains(&format!("in use by another berth serve (pid {pid})")), "{text}");
+    assert_eq!(d.get("/v1/status").status, 200);
+}
+
+/// Finding 11: a total of 2^64-1 was accepted and two 2^63-byte runs were both
+/// granted (the sum wrapped).
+#[test]
+fn finding_11_totals_are_bounded_and_huge_requests_are_impossible() {
+    let d = Daemon::unstarted(&["--disk-total", "18446744073709551615"]);
+    let (st, out) = d.start_fails(&[]);
+    assert!(!st.success() && out.contains("disk_total must be at most"), "{st} {out}");
+    let d = Daemon::start(&[]);
+    for id in ["huge-1", "huge-2"] {
+        let body = json!({"run_id": id, "project": id, "wait_s": 0, "resources": {"disk": 1u64 << 63}});
+        let r = d.post("/v1/runs", &body.to_string());
+        assert_eq!((r.status, r.code()), (422, "capacity_impossible"), "{:?}", r.body);
+    }
+    let s = d.get("/v1/status").body;
+    let disk = s["resources"].as_array().unwrap().iter().find(|r| r["name"] == "disk").unwrap().clone();
+    assert_eq!(disk["committed"], 0);
+}
+
+/// Finding 12: JSON was not strict, and transport errors had no envelope.
+#[test]
+fn finding_12_strict_json_and_an_envelope_on_every_error() {
+    let d = Daemon::start(&[]);
+    let ok = json!({"run_id": "j", "project": "j", "wait_s": 0, "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}}).to_string();
+    for (body, field) in [
+        (format!("{ok} GARBAGE"), "body"),
+        (format!("{ok}{ok}"), "body"),
+        (r#"{"project": "j", "resources": {"memory": 1, "memory": 999999}}"#.to_string(), "resources"),
+        (r#"{"project": "j", "labels": {"a": "1", "a": "2"}}"#.to_string(), "labels"),
+        (r#"{"project": "j", "project": "k"}"#.to_string(), "project"),
+    ] {
+        let r = d.post("/v1/runs", &body);
+        assert_eq!((r.status, r.code()), (400, "invalid"), "{body}: {:?}", r.body);
+        let f = r.body["error"]["details"]["field"].as_str().unwrap_or("");
+        let m = r.body["error"]["message"].as_str().unwrap_or("");
+        // A field given twice at the top is named in the message (serde's own check).
+        assert!(f.starts_with(field) || m.contains(&format!("`{field}`")), "{body}: {:?}", r.body);
+    }
+    assert_eq!(d.get("/v1/runs/j").status, 404, "a refused body changed nothing");
+    let r = d.get("/v1/runs/ab%C3%A9");
+    assert!(r.body["error"]["message"].as_str().unwrap().contains("(found 'é')"), "{:?}", r.body);
+    // A request target and a head over the limits: 414 and 431 with the envelope.
+    let long = format!("/v1/runs/{}", "a".repeat(10_000));
+    let r = d.get(&long);
+    assert_eq!((r.status, r.code()), (414, "uri_too_long"), "{:?}", r.body);
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    write!(s, "GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n", "b".repeat(20_000)).unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    assert!(resp.starts_with("HTTP/1.1 431") && resp.contains("\"headers_too_large\""), "{resp}");
 }
