@@ -65,14 +65,12 @@ fn release_stops_exactly_the_registered_tree() {
         .status,
         400
     );
-    assert_eq!(
-        d.post(
-            "/v1/runs/t/processes",
-            &json!({"fence": fence, "pid": 1}).to_string()
-        )
-        .status,
-        400
+    // S3: init is never a run's process (issue 8's registration rule).
+    let init = d.post(
+        "/v1/runs/t/processes",
+        &json!({"fence": fence, "pid": 1}).to_string(),
     );
+    assert_eq!((init.status, init.code()), (403, "pid_forbidden"));
     assert_eq!(
         d.post("/v1/runs/t/processes", &json!({"fence": fence}).to_string())
             .status,
@@ -437,10 +435,14 @@ fn a_tree_that_outlives_sigkill_degrades_the_run_and_names_the_survivors() {
     let fence = r.body["fence"].as_u64().unwrap();
     let mut survivor = Command::new("sleep").arg("60").spawn().unwrap();
     let pid = survivor.id() as i32;
-    let reg = d.post(
-        "/v1/runs/stubborn/processes",
-        &json!({"fence": fence, "pid": pid}).to_string(),
-    );
+    // The registration rule lets a token register only what its uid could signal;
+    // an admin may make a token that acts for root, whose processes this daemon (as
+    // `nobody`) cannot signal: exactly the stuck tree this test needs.
+    let t = d.post("/v1/tokens", &json!({"scope": "operator", "uid": 0}).to_string());
+    assert_eq!(t.status, 201, "{:?}", t.body);
+    let root_token = t.body["token"].as_str().unwrap().to_string();
+    let body = json!({"fence": fence, "pid": pid}).to_string();
+    let reg = d.call_as(Some(&root_token), "POST", "/v1/runs/stubborn/processes", Some(&body));
     assert_eq!(reg.status, 201, "{:?}", reg.body);
     let rel = d.post(
         "/v1/runs/stubborn/release",
