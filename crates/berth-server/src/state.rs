@@ -124,6 +124,56 @@ struct Extra {
     stop_grace_ms: Option<u64>,
     /// Why berth ended the run at its grant (not kept in the ledger).
     failure: Option<String>,
+    /// Set once the run has ended and its record is durable: the digest of
+    /// (worktree, labels, stop grace), kept for the idempotent re-acquire check (L7)
+    /// instead of the values themselves (see `shrink`).
+    ended_digest: Option<[u8; 32]>,
+}
+
+/// What an acquire carries besides the engine's request, as one digest.
+fn extras_digest(
+    worktree: &Option<String>,
+    labels: &BTreeMap<String, String>,
+    stop_grace_ms: Option<u64>,
+) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let text = serde_json::to_vec(&(worktree, labels, stop_grace_ms)).unwrap_or_default();
+    Sha256::digest(&text).into()
+}
+
+impl Extra {
+    /// An ended run keeps only what answering about it needs: up to 65,536 of them are
+    /// remembered, and a run's labels (up to 32 × 320 bytes), worktree path and process
+    /// list would make that a gigabyte (68,000 ended runs with large labels once took
+    /// 1 GB). The ledger keeps them all; `GET` of an ended run shows none of them.
+    fn shrink(&mut self) {
+        if self.ended_digest.is_some() {
+            return;
+        }
+        self.ended_digest = Some(extras_digest(&self.worktree, &self.labels, self.stop_grace_ms));
+        self.labels = BTreeMap::new();
+        self.worktree = None;
+        self.workspace = None;
+        self.processes = Vec::new();
+        self.survivors = Vec::new();
+    }
+
+    /// Would an acquire with these extras be a different request (L7)?
+    fn differs(
+        &self,
+        worktree: &Option<String>,
+        labels: &BTreeMap<String, String>,
+        stop_grace_ms: Option<u64>,
+    ) -> bool {
+        match self.ended_digest {
+            Some(d) => d != extras_digest(worktree, labels, stop_grace_ms),
+            None => {
+                self.worktree != *worktree
+                    || self.labels != *labels
+                    || self.stop_grace_ms != stop_grace_ms
+            }
+        }
+    }
 }
 
 /// How processes are stopped (P2).
@@ -287,19 +337,21 @@ impl State {
                 cause: r.end_cause,
                 primary_mode: r.primary_mode,
             });
-            extras.insert(
-                id,
-                Extra {
-                    worktree: r.worktree.clone(),
-                    labels: r.labels.clone(),
-                    queue_seq: r.queue_seq,
-                    workspace: r.workspace.clone(),
-                    processes: r.processes.clone(),
-                    survivors: Vec::new(),
-                    stop_grace_ms: r.stop_grace_ms,
-                    failure: None,
-                },
-            );
+            let mut extra = Extra {
+                worktree: r.worktree.clone(),
+                labels: r.labels.clone(),
+                queue_seq: r.queue_seq,
+                workspace: r.workspace.clone(),
+                processes: r.processes.clone(),
+                survivors: Vec::new(),
+                stop_grace_ms: r.stop_grace_ms,
+                failure: None,
+                ended_digest: None,
+            };
+            if r.state.is_terminal() {
+                extra.shrink();
+            }
+            extras.insert(id, extra);
         }
         let engine = Engine::restore(cfg, ledger.last_fence, now, restored)?;
         Ok(State {
@@ -603,6 +655,14 @@ impl State {
         then: impl FnOnce(Result<(), &StoreError>) + Send + 'static,
     ) {
         let runs: Vec<RunRecord> = touched.iter().filter_map(|id| self.record(id)).collect();
+        // Their records are taken: ended runs shrink to what answering about them needs.
+        for r in &runs {
+            if r.state.is_terminal() {
+                if let Some(e) = self.extras.get_mut(&r.request.run_id) {
+                    e.shrink();
+                }
+            }
+        }
         let mut notes = Vec::new();
         for id in &touched {
             if let Some(tx) = self.watchers.get(id) {
@@ -767,10 +827,7 @@ impl State {
             } => {
                 let id = req.run_id.clone();
                 if let Some(ex) = self.extras.get(&id) {
-                    if ex.worktree != worktree
-                        || ex.labels != labels
-                        || ex.stop_grace_ms != stop_grace_ms
-                    {
+                    if ex.differs(&worktree, &labels, stop_grace_ms) {
                         let e = CoreError::Conflict { run_id: id };
                         return self.answer(reply, Err(e.into()));
                     }
@@ -790,6 +847,7 @@ impl State {
                             survivors: Vec::new(),
                             stop_grace_ms,
                             failure: None,
+                            ended_digest: None,
                         },
                     );
                 }

@@ -453,3 +453,52 @@ fn finding_12_strict_json_and_an_envelope_on_every_error() {
     s.read_to_string(&mut resp).unwrap();
     assert!(resp.starts_with("HTTP/1.1 431") && resp.contains("\"headers_too_large\""), "{resp}");
 }
+
+fn rss_kib(pid: i32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// Finding 12 (last item): 68,000 ended runs with large labels took 1 GB of RSS. An
+/// ended run now keeps a digest of its labels, not the labels (the ledger keeps them):
+/// real memory sampling of the daemon, per ended run, with 32 labels of 256 bytes each
+/// (over 8 KiB of label text per run).
+#[test]
+fn finding_12_an_ended_run_keeps_bounded_memory() {
+    let d = Daemon::start(&["--slots-max", "8"]);
+    let labels: serde_json::Map<String, serde_json::Value> =
+        (0..32).map(|i| (format!("k{i:02}"), json!("v".repeat(256)))).collect();
+    let body = |id: &str| {
+        json!({"run_id": id, "project": "mem", "wait_s": 0, "labels": labels,
+            "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}})
+        .to_string()
+    };
+    let cycle = |i: usize| {
+        let id = format!("m{i}");
+        let r = d.post("/v1/runs", &body(&id));
+        assert_eq!(r.status, 201, "{:?}", r.body);
+        let f = r.body["fence"].as_u64().unwrap();
+        assert_eq!(d.post(&format!("/v1/runs/{id}/release"), &json!({"fence": f}).to_string()).status, 200);
+    };
+    // Warm up the pool, the allocator and the connection handling first.
+    for i in 0..300 {
+        cycle(i);
+    }
+    let pid = daemon_pid(&d);
+    let before = rss_kib(pid);
+    const RUNS: u64 = 1_500;
+    for i in 300..300 + RUNS as usize {
+        cycle(i);
+    }
+    let after = rss_kib(pid);
+    let per_run = after.saturating_sub(before) * 1024 / RUNS;
+    eprintln!("RSS {before} KiB -> {after} KiB: {per_run} bytes per ended run");
+    assert!(per_run < 4096, "{per_run} bytes of memory per ended run");
+    // The run is still known: the same request again is 410, another one 409 (L7).
+    let r = d.post("/v1/runs", &body("m0"));
+    assert_eq!(r.status, 410, "{:?}", r.body);
+    let other = json!({"run_id": "m0", "project": "mem", "wait_s": 0, "labels": {"k": "other"},
+        "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
+    assert_eq!(d.post("/v1/runs", &other.to_string()).status, 409);
+}
