@@ -232,17 +232,19 @@ mod tests {
                 "pid {pid}"
             );
         }
-        // A thread id of this process.
-        let t = std::thread::spawn(|| rustix::thread::gettid().as_raw_nonzero().get());
-        let _ = t.join();
-        let tids: Vec<i32> = std::fs::read_dir("/proc/self/task")
-            .unwrap()
-            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-            .filter(|&t| t != me.pid)
-            .collect();
-        for tid in tids {
-            assert!(matches!(check(&me, mine, tid, &[]), Err(Refusal::Forbidden(_))));
-        }
+        // A thread id of this process, kept alive while it is checked.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || {
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get()).unwrap();
+            let _ = done_rx.recv();
+        });
+        let tid = rx.recv().unwrap();
+        assert_ne!(tid, me.pid);
+        let r = check(&me, mine, tid, &[]);
+        done_tx.send(()).unwrap();
+        t.join().unwrap();
+        assert!(matches!(r, Err(Refusal::Forbidden(_))), "{r:?}");
     }
 
     #[test]

@@ -147,15 +147,17 @@ impl Extra {
     /// list would make that a gigabyte (68,000 ended runs with large labels once took
     /// 1 GB). The ledger keeps them all; `GET` of an ended run shows none of them.
     fn shrink(&mut self) {
-        if self.ended_digest.is_some() {
+        self.workspace = None;
+        self.processes = Vec::new();
+        self.survivors = Vec::new();
+        // Nothing to free without labels or a worktree: no digest (hashing every
+        // ended run cost the state task time on the request path).
+        if self.ended_digest.is_some() || (self.labels.is_empty() && self.worktree.is_none()) {
             return;
         }
         self.ended_digest = Some(extras_digest(&self.worktree, &self.labels, self.stop_grace_ms));
         self.labels = BTreeMap::new();
         self.worktree = None;
-        self.workspace = None;
-        self.processes = Vec::new();
-        self.survivors = Vec::new();
     }
 
     /// Would an acquire with these extras be a different request (L7)?

@@ -502,3 +502,121 @@ fn finding_12_an_ended_run_keeps_bounded_memory() {
         "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
     assert_eq!(d.post("/v1/runs", &other.to_string()).status, 409);
 }
+
+/// Root-only tests say why they skip; under `BERTH_REQUIRE_ROOT=1` (CI) a missing
+/// capability fails instead of passing silently.
+fn root_or_skip(why: &str) -> bool {
+    if rustix::process::geteuid().is_root() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("BERTH_REQUIRE_ROOT").is_none(),
+        "BERTH_REQUIRE_ROOT is set but this test is not root ({why})"
+    );
+    eprintln!("skipped: {why} needs root");
+    false
+}
+
+/// A tmpfs mounted at `at` for the guard's life.
+struct Tmpfs(std::path::PathBuf);
+
+impl Tmpfs {
+    fn mount(at: &std::path::Path, opts: &str) -> Tmpfs {
+        let st = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", opts, "tmpfs"])
+            .arg(at)
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount tmpfs at {}", at.display());
+        Tmpfs(at.to_path_buf())
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+/// Finding 12: a grant whose workspace could not be made was acknowledged with
+/// `workspace: null`. Now it is released in the same step and the caller told why.
+#[test]
+fn finding_12_no_grant_without_its_workspace() {
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    let mut d = Daemon::unstarted(&[]);
+    let runs = d.state.join("runs");
+    std::fs::create_dir(&runs).unwrap();
+    // Room for the runs directory, `.pool` and `.trash`, and not one inode more.
+    let _fs = Tmpfs::mount(&runs, "nr_inodes=3,mode=0700");
+    d.spawn();
+    let body = json!({"run_id": "nows", "project": "nows", "wait_s": 0,
+        "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
+    let r = d.post("/v1/runs", &body.to_string());
+    assert_eq!((r.status, r.code()), (503, "workspace_unavailable"), "{:?}", r.body);
+    let run = d.get("/v1/runs/nows").body;
+    assert_eq!(run["state"], "released", "{run:?}");
+    let s = d.get("/v1/status").body;
+    assert_eq!(s["granted"], 0, "{s:?}");
+    let mem = s["resources"].as_array().unwrap().iter().find(|r| r["name"] == "memory").unwrap().clone();
+    assert_eq!(mem["committed"], 0, "{s:?}");
+    d.kill9();
+}
+
+/// Finding 12: a fatal ledger error exited with status 0 and logged nothing, so a
+/// supervisor's restart-on-failure never restarted it. Here the ledger's disk fills up.
+#[test]
+fn finding_12_a_fatal_ledger_error_exits_non_zero_with_its_reason() {
+    if !root_or_skip("mounting a tmpfs") {
+        return;
+    }
+    use std::io::{BufRead, Read};
+    let d = Daemon::unstarted(&["--slots-max", "8"]);
+    let _fs = Tmpfs::mount(&d.state, "size=256k,mode=0700");
+    let mut child = std::process::Command::new(BERTH)
+        .args(&d.args)
+        .env("BERTH_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.starts_with("listening on"), "{line:?}");
+    let mut d = d;
+    d.token = std::fs::read_to_string(d.state.join("admin.token")).unwrap().trim().to_string();
+    let labels: serde_json::Map<String, serde_json::Value> =
+        (0..32).map(|i| (format!("k{i:02}"), json!("v".repeat(256)))).collect();
+    let mut status = None;
+    for i in 0..2_000 {
+        if let Ok(Some(st)) = child.try_wait() {
+            status = Some(st);
+            break;
+        }
+        let body = json!({"run_id": format!("fill-{i}"), "project": "fill", "wait_s": 0, "labels": labels,
+            "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
+        // The daemon may be gone mid-request: that is what this test waits for.
+        let _ = std::panic::catch_unwind(|| d.post("/v1/runs", &body.to_string()));
+    }
+    let status = status.or_else(|| {
+        let end = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < end {
+            if let Ok(Some(st)) = child.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    });
+    let mut err = String::new();
+    if status.is_none() {
+        let _ = child.kill();
+    }
+    let _ = child.stderr.take().unwrap().read_to_string(&mut err);
+    let _ = child.wait();
+    let status = status.expect("the daemon never stopped although its disk was full");
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("ledger") && err.contains("stopped"), "{err}");
+    d.child = None;
+}
