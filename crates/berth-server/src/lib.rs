@@ -142,7 +142,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         );
     }
     // D4: an unreadable ledger stops the daemon with a clear error.
-    let mut store = SqliteStore::open(&ledger_path)?;
+    let mut store = SqliteStore::open_exclusive(&ledger_path)?;
     for suffix in ["", "-wal", "-shm"] {
         // Ledgers made by older berths were 0644; it holds token hashes.
         let p = cfg.state_dir.join(format!("ledger.db{suffix}"));

@@ -74,8 +74,19 @@ fn write_err(e: rusqlite::Error) -> StoreError {
 }
 
 impl SqliteStore {
-    /// Opens (creating if needed) the ledger at `path` and migrates it.
+    /// Opens (creating if needed) the ledger at `path` and migrates it. Other
+    /// connections may open it too (tools, tests); the daemon uses [`Self::open_exclusive`].
     pub fn open(path: &Path) -> Result<SqliteStore, StoreError> {
+        Self::open_with(path, false)
+    }
+
+    /// Like [`Self::open`], and SQLite holds an exclusive lock on the ledger for the
+    /// connection's life (S5): a second daemon's open fails with "database is locked".
+    pub fn open_exclusive(path: &Path) -> Result<SqliteStore, StoreError> {
+        Self::open_with(path, true)
+    }
+
+    fn open_with(path: &Path, exclusive: bool) -> Result<SqliteStore, StoreError> {
         let open_err = |e: rusqlite::Error| StoreError::Open {
             path: path.display().to_string(),
             message: e.to_string(),
@@ -87,8 +98,10 @@ impl SqliteStore {
         // S5: one daemon per ledger. Besides the daemon's lock on the state dir,
         // SQLite holds its own lock for the connection's life (set before WAL, so the
         // WAL index lives in this process's memory and no `-shm` file is shared).
-        conn.execute_batch("PRAGMA locking_mode=EXCLUSIVE;")
-            .map_err(open_err)?;
+        if exclusive {
+            conn.execute_batch("PRAGMA locking_mode=EXCLUSIVE;")
+                .map_err(open_err)?;
+        }
         let mode: String = conn
             .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
             .map_err(open_err)?;

@@ -23,6 +23,20 @@ fn conformance_suite_on_sqlite() {
     }
 }
 
+/// Issue 8, finding 10 (the ledger's half): the daemon's connection holds the ledger
+/// exclusively, so a second daemon cannot write it even past the state dir's lock.
+#[test]
+fn finding_10_an_exclusive_ledger_refuses_a_second_connection() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l.db");
+    let mut first = SqliteStore::open_exclusive(&path).unwrap();
+    first.load(1).unwrap();
+    let second = SqliteStore::open_exclusive(&path);
+    assert!(matches!(second, Err(StoreError::Open { .. })), "a second open succeeded");
+    drop(first);
+    SqliteStore::open_exclusive(&path).unwrap();
+}
+
 #[test]
 fn durability_pragmas_are_wal_and_full() {
     let dir = tempfile::tempdir().unwrap();
