@@ -390,13 +390,13 @@ fn finding_9_fences_never_go_back_after_a_restored_or_empty_ledger() {
 /// the same fence.
 #[test]
 fn finding_10_one_daemon_per_state_dir() {
-    let d = Daemon::start(&[]);
-    let mut args = d.args.clone();
-    let i = args.iter().position(|a| a == "--listen").unwrap();
-    args[i + 1] = format!("127.0.0.1:{}", free_port());
-    let out = std::process::Command::new(&d.bin).args(&args).env("BERTH_LOG", "warn").output().unwrap();
-    let text = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
+    let mut d = Daemon::start(&[]);
+    let first = d.args.clone();
+    let i = d.args.iter().position(|a| a == "--listen").unwrap();
+    d.args[i + 1] = format!("127.0.0.1:{}", free_port());
+    let (status, text) = d.start_fails(&[]);
+    d.args = first;
+    assert!(!status.success());
     let pid = daemon_pid(&d);
     assert!(text.contains(&format!("in use by another berth serve (pid {pid})")), "{text}");
     assert_eq!(d.get("/v1/status").status, 200);

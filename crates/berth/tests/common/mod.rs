@@ -77,38 +77,34 @@ impl Daemon {
     /// Starts `berth serve` with this daemon's arguments plus `more`, expecting it to
     /// refuse to start: returns its exit status and what it printed.
     pub fn start_fails(&self, more: &[&str]) -> (std::process::ExitStatus, String) {
-        let out = Command::new(&self.bin)
+        // Output to a file, and a deadline: a daemon that starts after all (the bug)
+        // fails the test instead of hanging it.
+        let log = tempfile::NamedTempFile::new().unwrap();
+        let mut child = Command::new(&self.bin)
             .args(&self.args)
             .args(more)
             .env("BERTH_LOG", "warn")
             .stdin(Stdio::null())
-            .output()
+            .stdout(log.reopen().unwrap())
+            .stderr(log.reopen().unwrap())
+            .spawn()
             .expect("run berth serve");
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        (out.status, text)
-    }
-
-    /// The daemon as user `uid` (needs root): a copy of the binary any user may run,
-    /// and a state dir that user owns.
-    pub fn start_as(uid: u32, extra: &[&str]) -> Daemon {
-        use std::os::unix::fs::{chown, PermissionsExt};
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let bin = dir.path().join("berth");
-        std::fs::copy(BERTH, &bin).unwrap();
-        let state = dir.path().join("state");
-        std::fs::create_dir(&state).unwrap();
-        chown(&state, Some(uid), Some(uid)).unwrap();
-        let mut d = Daemon::prepare(&state, free_port(), extra);
-        d.bin = bin;
-        d.uid = Some(uid);
-        d._dir = Some(dir);
-        d.spawn();
-        d
+        let end = Instant::now() + Duration::from_secs(15);
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break st;
+            }
+            if Instant::now() > end {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "berth serve {more:?} was expected to refuse to start but is serving: {}",
+                    std::fs::read_to_string(log.path()).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        (status, std::fs::read_to_string(log.path()).unwrap_or_default())
     }
 
     pub fn start_in(state: &Path, port: u16, extra: &[&str]) -> Daemon {
