@@ -102,7 +102,7 @@ pub fn connection_budget() -> usize {
     let mut lim = getrlimit(Resource::Nofile);
     if lim.current < lim.maximum {
         lim.current = lim.maximum;
-        let _ = setrlimit(Resource::Nofile, lim.clone());
+        let _ = setrlimit(Resource::Nofile, lim);
         lim = getrlimit(Resource::Nofile);
     }
     let soft = lim.current.unwrap_or(u64::MAX);

@@ -173,17 +173,24 @@ pub fn admin_token(dir: &Path) -> anyhow::Result<String> {
         std::fs::remove_file(&path)?;
     }
     let token = crate::auth::new_token()?;
+    create_line(&path, &token)?;
+    sync_dir(dir)?;
+    Ok(token)
+}
+
+/// Creates `path` holding one line, 0600, `O_EXCL` (never over anything, never
+/// through a link), and fsyncs it.
+fn create_line(path: &Path, line: &str) -> anyhow::Result<()> {
     let fd = rustix::fs::open(
-        &path,
+        path,
         OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::from_raw_mode(0o600),
     )
     .with_context(|| format!("creating {}", path.display()))?;
     let mut f = std::fs::File::from(fd);
-    writeln!(f, "{token}")?;
+    writeln!(f, "{line}")?;
     f.sync_all()?;
-    sync_dir(dir)?;
-    Ok(token)
+    Ok(())
 }
 
 /// fsync of a directory, so a file just created or renamed in it survives power loss.
@@ -245,15 +252,7 @@ impl FenceMarker {
     pub fn write(&mut self, value: u64) -> anyhow::Result<()> {
         let tmp = self.dir.join("fence.floor.tmp");
         let _ = std::fs::remove_file(&tmp);
-        let fd = rustix::fs::open(
-            &tmp,
-            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::from_raw_mode(0o600),
-        )
-        .with_context(|| format!("creating {}", tmp.display()))?;
-        let mut f = std::fs::File::from(fd);
-        writeln!(f, "{value}")?;
-        f.sync_all()?;
+        create_line(&tmp, &value.to_string())?;
         std::fs::rename(&tmp, &self.path)?;
         sync_dir(&self.dir)?;
         self.reserved = value;

@@ -26,7 +26,7 @@ fn finding_2_a_fifo_swapped_in_for_the_contract_never_freezes_the_api() {
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 // A fresh file or FIFO renamed over the contract: each rename swaps it
                 // atomically, so a check-then-open path race sees both.
-                if n % 2 == 0 {
+                if n & 1 == 0 {
                     std::fs::write(&file, "concurrency = \"serial\"\n").unwrap();
                     std::fs::rename(&file, &contract).unwrap();
                 } else {

@@ -107,6 +107,25 @@ impl Daemon {
         (status, std::fs::read_to_string(log.path()).unwrap_or_default())
     }
 
+    /// The daemon as user `uid` (needs root): a copy of the binary any user may run,
+    /// and a state dir that user owns.
+    pub fn start_as(uid: u32, extra: &[&str]) -> Daemon {
+        use std::os::unix::fs::{chown, PermissionsExt};
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let bin = dir.path().join("berth");
+        std::fs::copy(BERTH, &bin).unwrap();
+        let state = dir.path().join("state");
+        std::fs::create_dir(&state).unwrap();
+        chown(&state, Some(uid), Some(uid)).unwrap();
+        let mut d = Daemon::prepare(&state, free_port(), extra);
+        d.bin = bin;
+        d.uid = Some(uid);
+        d._dir = Some(dir);
+        d.spawn();
+        d
+    }
+
     pub fn start_in(state: &Path, port: u16, extra: &[&str]) -> Daemon {
         let mut d = Daemon::prepare(state, port, extra);
         d.spawn();
