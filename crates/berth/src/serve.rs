@@ -113,6 +113,9 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         .state_dir
         .clone()
         .unwrap_or_else(crate::client::default_state_dir);
+    // The state dir first: a config inside a dir another user can write is not
+    // trusted whatever its own mode says (S5).
+    berth_server::private::state_dir(&state_dir)?;
     let file_path = a
         .config
         .clone()
@@ -126,7 +129,6 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         None if a.config.is_none() => FileConfig::default(),
         None => bail!("reading {}: no such file", file_path.display()),
     };
-    berth_server::private::state_dir(&state_dir)?;
     let cpus = berth_server::host::cpus();
     let (mem_given, disk_given) = (
         a.memory_total.is_some() || file.memory_total.is_some(),
