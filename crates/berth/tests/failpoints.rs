@@ -14,7 +14,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command};
 use std::time::Duration;
 
-use common::{alive, long_poll, Daemon};
+use common::{alive, killed_within, long_poll, Daemon};
 use serde_json::json;
 
 struct Held {
@@ -31,13 +31,16 @@ fn hold(d: &Daemon, id: &str, ignore_term: bool) -> Held {
     assert_eq!(r.status, 201, "{:?}", r.body);
     let fence = r.body["fence"].as_u64().unwrap();
     let script = if ignore_term {
-        "trap '' TERM; sleep 120; sleep 120"
+        "trap '' TERM; sleep 3600; sleep 3600"
     } else {
-        "sleep 120"
+        "sleep 3600"
     };
+    // Output not inherited: a tree that outlives the test must not hold its pipes.
     let child = Command::new("sh")
         .args(["-c", script])
         .process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
     let reg = d.post(
@@ -89,8 +92,10 @@ fn crash_at(failpoint: &str, variant: u64) {
     );
     let exp_fence = exp.body["fence"].as_u64().unwrap();
     let mut exp_child = Command::new("sleep")
-        .arg("120")
+        .arg("3600")
         .process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
     let reg = d.post(
@@ -165,7 +170,10 @@ fn crash_at(failpoint: &str, variant: u64) {
         d.wait_until("stop is released", |d| {
             d.get("/v1/runs/stop").body["state"] == "released"
         });
-        let _ = stop.child.wait();
+        assert!(
+            killed_within(&mut stop.child, Duration::from_secs(10)),
+            "{failpoint}: the run stopped mid-stop was released but its tree lives on"
+        );
     } else {
         let r = d.post(
             "/v1/runs/stop/renew",
@@ -188,7 +196,10 @@ fn crash_at(failpoint: &str, variant: u64) {
     d.wait_until("exp is expired", |d| {
         d.get("/v1/runs/exp").body["state"] == "expired"
     });
-    let _ = exp_child.wait();
+    assert!(
+        killed_within(&mut exp_child, Duration::from_secs(10)),
+        "{failpoint}: the expired run's process lives on"
+    );
     // No fence repeats: everything issued from here on is above every fence seen.
     let runs = d.get("/v1/runs").body["runs"].as_array().unwrap().clone();
     let max_seen = runs
@@ -222,10 +233,13 @@ fn crash_at(failpoint: &str, variant: u64) {
         Some(holding),
         "{failpoint}: capacity leak: {s}"
     );
-    let _ = keep.child.kill();
-    let _ = keep.child.wait();
-    let _ = stop.child.kill();
-    let _ = stop.child.wait();
+    // Whole groups: `sh -c` keeps its `sleep` as a child, which would outlive it.
+    for c in [&mut keep.child, &mut stop.child] {
+        if let Some(pg) = rustix::process::Pid::from_raw(c.id() as i32) {
+            let _ = rustix::process::kill_process_group(pg, rustix::process::Signal::KILL);
+        }
+        let _ = c.wait();
+    }
 }
 
 #[test]

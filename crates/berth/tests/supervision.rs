@@ -8,7 +8,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{alive, wait_pids, Daemon};
+use common::{alive, killed_within, wait_pids, Daemon};
 use serde_json::json;
 
 fn acquire(d: &Daemon, id: &str, ttl: u64) -> u64 {
@@ -30,19 +30,22 @@ fn release_stops_exactly_the_registered_tree() {
     let p = pids.display();
     // Three generations, TERM ignored, and a grandchild that calls setsid.
     let script = format!(
-        "trap '' TERM; echo $$ >> {p}; (trap '' TERM; sleep 60 & echo $! >> {p}; (sleep 60 & echo $! >> {p}; wait) & wait) & \
-         setsid sh -c 'echo $$ >> {p}; exec sleep 60' & wait"
+        "trap '' TERM; echo $$ >> {p}; (trap '' TERM; sleep 3600 & echo $! >> {p}; (sleep 3600 & echo $! >> {p}; wait) & wait) & \
+         setsid sh -c 'echo $$ >> {p}; exec sleep 3600' & wait"
     );
+    // Output not inherited: a survivor must not hold the test runner's pipes.
     let mut root = Command::new("sh")
         .arg("-c")
         .arg(&script)
         .process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
     let tree = wait_pids(&pids, 4);
     assert_eq!(tree.len(), 4);
     // A stranger that must survive.
-    let mut stranger = Command::new("sleep").arg("60").spawn().unwrap();
+    let mut stranger = Command::new("sleep").arg("3600").spawn().unwrap();
     let reg = d.post(
         "/v1/runs/t/processes",
         &json!({"fence": fence, "pid": root.id()}).to_string(),
@@ -82,10 +85,11 @@ fn release_stops_exactly_the_registered_tree() {
     d.wait_until("the run is released", |d| {
         d.get("/v1/runs/t").body["state"] == "released"
     });
-    let _ = root.wait();
+    // The tree would live an hour: gone now means berth killed it.
     for pid in &tree {
         assert!(!alive(*pid), "{pid} of the tree survived");
     }
+    assert!(killed_within(&mut root, Duration::from_secs(5)), "the root survived");
     // TERM was ignored, so it took the grace period and then KILL.
     assert!(
         t.elapsed() >= Duration::from_millis(900),
@@ -150,7 +154,7 @@ fn recorded_processes_survive_a_daemon_kill_9_and_are_stopped_afterwards() {
     let mut d = Daemon::start(&["--slots-max", "2", "--stop-grace", "1s"]);
     let fence = acquire(&d, "keep", 60);
     let mut worker = Command::new("sleep")
-        .arg("60")
+        .arg("3600")
         .process_group(0)
         .spawn()
         .unwrap();
@@ -182,8 +186,10 @@ fn recorded_processes_survive_a_daemon_kill_9_and_are_stopped_afterwards() {
     d.wait_until("keep is released", |d| {
         d.get("/v1/runs/keep").body["state"] == "released"
     });
-    let _ = worker.wait();
-    assert!(!alive(pid), "the re-adopted process was not stopped");
+    assert!(
+        killed_within(&mut worker, Duration::from_secs(5)),
+        "the re-adopted process was not stopped"
+    );
 }
 
 #[test]

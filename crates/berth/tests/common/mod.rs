@@ -337,6 +337,27 @@ pub fn alive(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
+/// Did berth end `child` within `within`? Polled, never `wait()`ed: a tree that
+/// outlives the test by far (`sleep 3600`) must be proven killed, not waited out.
+/// The child is reaped either way (killed first if it still runs).
+pub fn killed_within(child: &mut Child, within: Duration) -> bool {
+    let end = Instant::now() + within;
+    let gone = loop {
+        if let Ok(Some(_)) = child.try_wait() {
+            break true;
+        }
+        if Instant::now() > end {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    if !gone {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    gone
+}
+
 /// Waits (up to 10 s) until `path` lists at least `n` pids, one per line.
 pub fn wait_pids(path: &Path, n: usize) -> Vec<i32> {
     let end = Instant::now() + Duration::from_secs(10);
