@@ -10,8 +10,9 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(about = "Seeded deterministic simulator for berth's admission engine")]
 struct Args {
-    /// How many seeds to run (each twice).
-    #[arg(long, default_value_t = 200)]
+    /// How many seeds to run (each twice); at least 1, so a run that checked
+    /// nothing can never pass (`BERTH_SIM_SEEDS=0` once did).
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..))]
     seeds: u64,
     /// The first seed.
     #[arg(long, default_value_t = 1)]
