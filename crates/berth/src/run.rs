@@ -378,8 +378,10 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
             tokio::spawn(async move {
                 let every = Duration::from_millis(ttl_ms / 3);
                 let mut deadline = Instant::now() + Duration::from_millis(ttl_ms);
+                let mut pause = every;
                 loop {
-                    tokio::time::sleep(every).await;
+                    tokio::time::sleep(pause).await;
+                    pause = every;
                     let c = client.clone();
                     let id = run_id.clone();
                     let r = tokio::task::spawn_blocking(move || {
@@ -399,9 +401,10 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
                             let _ = lost_tx.send(error_text(&reply.body)).await;
                             return;
                         }
-                        // Unreachable or busy (a restart): keep trying until the lease
-                        // would have run out.
+                        // Unreachable or busy (a restart): keep trying, sooner than the
+                        // renew period, until the lease would have run out.
                         _ => {
+                            pause = every.min(RENEW_RETRY);
                             if Instant::now() > deadline {
                                 lost.store(true, Ordering::SeqCst);
                                 let _ = lost_tx
@@ -445,6 +448,10 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         })
     })
 }
+
+/// After a failed renew (a daemon restarting), the next try comes this soon: waiting a
+/// whole third of the ttl again could let the lease run out while the daemon is back.
+const RENEW_RETRY: Duration = Duration::from_millis(250);
 
 /// How long `berth run` retries a registration the broker could not take yet (a
 /// restart, a full disk): at most this, and at most half the lease's ttl.

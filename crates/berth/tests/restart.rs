@@ -128,12 +128,14 @@ fn berth_run_keeps_renewing_across_a_daemon_restart() {
             "survivor",
             "--cpus",
             "0.1",
+            // A 6 s ttl against a 1.5 s outage: the renewer retries every 250 ms
+            // while the daemon is down, so this has seconds of slack, not tenths.
             "--ttl",
-            "3s",
+            "6s",
             "--",
             "sh",
             "-c",
-            "sleep 6; exit 5",
+            "sleep 9; exit 5",
         ])
         .stderr(Stdio::null())
         .spawn()
