@@ -174,7 +174,10 @@ mod tests {
         c.named = vec![("gpu".into(), TOTAL_MAX + 1)];
         assert!(c.validate().unwrap_err().starts_with("gpu must be at most"));
         // What the host reports is clamped, never refused.
-        assert_eq!(Config::for_host(4, u64::MAX, u64::MAX).disk_total, TOTAL_MAX);
+        assert_eq!(
+            Config::for_host(4, u64::MAX, u64::MAX).disk_total,
+            TOTAL_MAX
+        );
     }
 
     #[test]

@@ -160,7 +160,10 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("an object")
             }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<Self::Value, A::Error> {
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<Self::Value, A::Error> {
                 let mut out = BTreeMap::new();
                 while let Some(k) = m.next_key::<String>()? {
                     if out.contains_key(&k) {
@@ -278,13 +281,24 @@ async fn read_worktree(req: &mut CoreRequest, worktree: &str) -> Result<(), ApiE
         // what must never be followed or blocked on is the contract file itself.
         match std::fs::metadata(&wt) {
             Ok(m) if m.is_dir() => {}
-            _ => return Err(ApiError::invalid("worktree", "must be an existing directory")),
+            _ => {
+                return Err(ApiError::invalid(
+                    "worktree",
+                    "must be an existing directory",
+                ))
+            }
         }
         crate::contract::read(&wt).map_err(|e| ApiError::invalid("worktree", e))
     });
     let contract = match tokio::time::timeout(WORKTREE_READ_TIMEOUT, read).await {
         Ok(Ok(r)) => r?,
-        Ok(Err(_)) => return Err(ApiError::new(500, "internal", "reading the worktree failed")),
+        Ok(Err(_)) => {
+            return Err(ApiError::new(
+                500,
+                "internal",
+                "reading the worktree failed",
+            ))
+        }
         Err(_) => {
             return Err(ApiError::new(
                 503,
@@ -970,7 +984,10 @@ fn required_scope(method: &Method, path: &str) -> Scope {
 }
 
 async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) -> Response {
-    let mark = req.extensions().get::<Arc<crate::http::ConnMark>>().cloned();
+    let mark = req
+        .extensions()
+        .get::<Arc<crate::http::ConnMark>>()
+        .cloned();
     let authed = || {
         // This connection belongs to a token holder now: never closed for room.
         if let Some(m) = &mark {

@@ -124,7 +124,12 @@ mod tests {
         for s in ["read", "operator;uid=1000", "admin;uid=0"] {
             assert_eq!(Grant::parse(s).unwrap().stored(), s);
         }
-        for bad in ["root", "operator;uid=", "operator;uid=-1", "operator;uid=1;uid=2"] {
+        for bad in [
+            "root",
+            "operator;uid=",
+            "operator;uid=-1",
+            "operator;uid=1;uid=2",
+        ] {
             assert_eq!(Grant::parse(bad), None, "{bad}");
         }
     }

@@ -184,7 +184,9 @@ pub fn git_commit(worktree: &Path) -> Option<String> {
     // A ref names a file under the git dir; one that climbs out of it (`..`, an
     // absolute path) would make berth read, and then show, any file on the host.
     if !reference.starts_with("refs/")
-        || reference.split('/').any(|c| c.is_empty() || c == "." || c == "..")
+        || reference
+            .split('/')
+            .any(|c| c.is_empty() || c == "." || c == "..")
     {
         return None;
     }
@@ -263,14 +265,24 @@ mod tests {
         let wt = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(wt.path().join(".git/refs/heads")).unwrap();
         std::fs::write(wt.path().join(".git/HEAD"), "ref: refs/heads/main\n").unwrap();
-        std::fs::write(wt.path().join(".git/refs/heads/main"), "abc1230000000000000000000000000000000000\n").unwrap();
-        assert_eq!(git_commit(wt.path()).as_deref(), Some("abc1230000000000000000000000000000000000"));
+        std::fs::write(
+            wt.path().join(".git/refs/heads/main"),
+            "abc1230000000000000000000000000000000000\n",
+        )
+        .unwrap();
+        assert_eq!(
+            git_commit(wt.path()).as_deref(),
+            Some("abc1230000000000000000000000000000000000")
+        );
         std::fs::remove_file(wt.path().join(".git/refs/heads/main")).unwrap();
         std::fs::write(
             wt.path().join(".git/packed-refs"),
             "# pack\ndef4560000000000000000000000000000000000 refs/heads/main\n",
         )
         .unwrap();
-        assert_eq!(git_commit(wt.path()).as_deref(), Some("def4560000000000000000000000000000000000"));
+        assert_eq!(
+            git_commit(wt.path()).as_deref(),
+            Some("def4560000000000000000000000000000000000")
+        );
     }
 }

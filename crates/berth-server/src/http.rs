@@ -78,9 +78,8 @@ struct Marked {
 impl tower_service::Service<axum::http::Request<hyper::body::Incoming>> for Marked {
     type Response = axum::response::Response;
     type Error = std::convert::Infallible;
-    type Future = <Router as tower_service::Service<
-        axum::http::Request<hyper::body::Incoming>,
-    >>::Future;
+    type Future =
+        <Router as tower_service::Service<axum::http::Request<hyper::body::Incoming>>>::Future;
 
     fn poll_ready(
         &mut self,
@@ -223,10 +222,7 @@ pub async fn limits(
     next: axum::middleware::Next,
 ) -> axum::response::Response {
     use axum::response::IntoResponse;
-    let uri_len = req
-        .uri()
-        .path_and_query()
-        .map_or(0, |p| p.as_str().len());
+    let uri_len = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
     if uri_len > URI_BYTES_MAX {
         return crate::error::ApiError::new(
             414,

@@ -64,7 +64,10 @@ impl Fatal {
     }
 
     pub fn reason(&self) -> Option<String> {
-        self.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -105,7 +108,11 @@ fn is_loopback(addr: &SocketAddr) -> bool {
 }
 
 /// Has this state dir been used by a berth before (S6)?
-fn used(state_dir: &std::path::Path, runs_dir: &std::path::Path, marker: &private::FenceMarker) -> bool {
+fn used(
+    state_dir: &std::path::Path,
+    runs_dir: &std::path::Path,
+    marker: &private::FenceMarker,
+) -> bool {
     marker.exists()
         || state_dir.join("admin.token").exists()
         || std::fs::read_dir(runs_dir).is_ok_and(|mut rd| {
@@ -165,7 +172,11 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         );
         ledger.last_fence = marker.reserved;
     }
-    marker.write(ledger.last_fence.saturating_add(private::FENCE_RESERVE_BLOCK))?;
+    marker.write(
+        ledger
+            .last_fence
+            .saturating_add(private::FENCE_RESERVE_BLOCK),
+    )?;
     let boot = clock::boot_id();
     let same_boot = ledger.boot_id.as_deref().is_none_or(|b| b == boot);
     store.set_boot_id(&boot)?;

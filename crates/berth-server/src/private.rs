@@ -125,7 +125,10 @@ fn read_checked(path: &Path, secret: bool) -> anyhow::Result<Option<String>> {
         .read_to_string(&mut text)
         .with_context(|| format!("reading {}", path.display()))?;
     if text.len() as u64 > TRUSTED_FILE_BYTES_MAX {
-        bail!("{} is larger than {TRUSTED_FILE_BYTES_MAX} bytes", path.display());
+        bail!(
+            "{} is larger than {TRUSTED_FILE_BYTES_MAX} bytes",
+            path.display()
+        );
     }
     Ok(Some(text))
 }
@@ -304,7 +307,10 @@ mod tests {
         let t = admin_token(d.path()).unwrap();
         assert_eq!(admin_token(d.path()).unwrap(), t);
         let tp = d.path().join("admin.token");
-        assert_eq!(std::fs::metadata(&tp).unwrap().permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(&tp).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
         std::fs::set_permissions(&tp, std::fs::Permissions::from_mode(0o644)).unwrap();
         assert!(admin_token(d.path()).is_err());
     }
@@ -327,9 +333,16 @@ mod tests {
         m.cover(0).unwrap();
         assert!(!m.exists(), "nothing issued, nothing written");
         m.cover(1).unwrap();
-        assert_eq!(FenceMarker::open(d.path()).unwrap().reserved, 1 + FENCE_RESERVE_BLOCK);
+        assert_eq!(
+            FenceMarker::open(d.path()).unwrap().reserved,
+            1 + FENCE_RESERVE_BLOCK
+        );
         m.cover(FENCE_RESERVE_BLOCK).unwrap();
-        assert_eq!(m.reserved, 1 + FENCE_RESERVE_BLOCK, "still covered: no write");
+        assert_eq!(
+            m.reserved,
+            1 + FENCE_RESERVE_BLOCK,
+            "still covered: no write"
+        );
         std::fs::write(d.path().join("fence.floor"), "twelve").unwrap();
         assert!(FenceMarker::open(d.path()).is_err());
     }

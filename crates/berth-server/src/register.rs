@@ -31,7 +31,9 @@ const ANCESTRY_DEPTH_MAX: usize = 4_096;
 pub enum Refusal {
     Forbidden(String),
     NotOwned(String),
-    OwnedByRun { run_id: String },
+    OwnedByRun {
+        run_id: String,
+    },
     /// `/proc` could not be read for it: refused, never assumed.
     CouldNotLook(String),
     NoSuchProcess,
@@ -94,7 +96,10 @@ pub fn parse_status(text: &str) -> Option<Status> {
         if let Some(v) = line.strip_prefix("Tgid:") {
             tgid = v.trim().parse().ok();
         } else if let Some(v) = line.strip_prefix("Uid:") {
-            let u: Vec<u32> = v.split_whitespace().filter_map(|x| x.parse().ok()).collect();
+            let u: Vec<u32> = v
+                .split_whitespace()
+                .filter_map(|x| x.parse().ok())
+                .collect();
             if u.len() == 4 {
                 uids = Some([u[0], u[1], u[2], u[3]]);
             }
@@ -108,9 +113,8 @@ pub fn parse_status(text: &str) -> Option<Status> {
 
 fn status(pid: i32) -> Result<Status, Refusal> {
     match std::fs::read_to_string(format!("/proc/{pid}/status")) {
-        Ok(t) => parse_status(&t).ok_or_else(|| {
-            Refusal::CouldNotLook(format!("/proc/{pid}/status is malformed"))
-        }),
+        Ok(t) => parse_status(&t)
+            .ok_or_else(|| Refusal::CouldNotLook(format!("/proc/{pid}/status is malformed"))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(Refusal::NoSuchProcess),
         Err(e) => Err(Refusal::CouldNotLook(format!("/proc/{pid}/status: {e}"))),
     }
@@ -183,7 +187,9 @@ pub fn check(me: &Me, uid: u32, pid: i32, others: &[OtherRun<'_>]) -> Result<Pro
     // the outer run stops both, as it should.
     for o in others {
         for r in &o.roots {
-            let Ok(rs) = berth_proc::stat(r.pid) else { continue };
+            let Ok(rs) = berth_proc::stat(r.pid) else {
+                continue;
+            };
             if rs.start_ticks != r.start_ticks {
                 continue; // that root is gone; its pid is someone else's now (P3)
             }
@@ -211,7 +217,8 @@ mod tests {
 
     #[test]
     fn status_lines_parse() {
-        let t = "Name:\tsleep\nTgid:\t42\nPid:\t43\nUid:\t1000\t1001\t1002\t1003\nGid:\t1\t1\t1\t1\n";
+        let t =
+            "Name:\tsleep\nTgid:\t42\nPid:\t43\nUid:\t1000\t1001\t1002\t1003\nGid:\t1\t1\t1\t1\n";
         assert_eq!(
             parse_status(t),
             Some(Status {
@@ -236,7 +243,8 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
         let t = std::thread::spawn(move || {
-            tx.send(rustix::thread::gettid().as_raw_nonzero().get()).unwrap();
+            tx.send(rustix::thread::gettid().as_raw_nonzero().get())
+                .unwrap();
             let _ = done_rx.recv();
         });
         let tid = rx.recv().unwrap();
@@ -250,7 +258,10 @@ mod tests {
     #[test]
     fn a_child_is_allowed_for_its_owner_and_refused_for_another_uid_or_run() {
         let me = Me::now();
-        let mut child = std::process::Command::new("sleep").arg("600").spawn().unwrap();
+        let mut child = std::process::Command::new("sleep")
+            .arg("600")
+            .spawn()
+            .unwrap();
         let pid = child.id() as i32;
         let id = check(&me, me.uid, pid, &[]).expect("own child");
         assert_eq!(id.pid, pid);

@@ -155,7 +155,11 @@ impl Extra {
         if self.ended_digest.is_some() || (self.labels.is_empty() && self.worktree.is_none()) {
             return;
         }
-        self.ended_digest = Some(extras_digest(&self.worktree, &self.labels, self.stop_grace_ms));
+        self.ended_digest = Some(extras_digest(
+            &self.worktree,
+            &self.labels,
+            self.stop_grace_ms,
+        ));
         self.labels = BTreeMap::new();
         self.worktree = None;
     }
@@ -408,12 +412,7 @@ impl State {
         let roots: Vec<berth_proc::ProcId> = self
             .extras
             .get(run_id)
-            .map(|e| {
-                e.processes
-                    .iter()
-                    .map(proc_id)
-                    .collect()
-            })
+            .map(|e| e.processes.iter().map(proc_id).collect())
             .unwrap_or_default();
         let job = berth_proc::StopJob {
             key: run_id.to_string(),

@@ -5,7 +5,10 @@
 #[test]
 fn zero_seeds_is_refused_and_one_seed_runs() {
     let bin = env!("CARGO_BIN_EXE_berth-sim");
-    let out = std::process::Command::new(bin).args(["--seeds", "0"]).output().unwrap();
+    let out = std::process::Command::new(bin)
+        .args(["--seeds", "0"])
+        .output()
+        .unwrap();
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--seeds"), "{err}");

@@ -32,7 +32,10 @@ fn finding_10_an_exclusive_ledger_refuses_a_second_connection() {
     let mut first = SqliteStore::open_exclusive(&path).unwrap();
     first.load(1).unwrap();
     let second = SqliteStore::open_exclusive(&path);
-    assert!(matches!(second, Err(StoreError::Open { .. })), "a second open succeeded");
+    assert!(
+        matches!(second, Err(StoreError::Open { .. })),
+        "a second open succeeded"
+    );
     drop(first);
     SqliteStore::open_exclusive(&path).unwrap();
 }

@@ -480,7 +480,10 @@ async fn register(
         let last = match r {
             Ok(Ok(reply)) if reply.status < 300 => return Ok(()),
             Ok(Ok(reply)) if reply.status == 409 || reply.status == 410 => {
-                return Err((EXIT_TIMEOUT, format!("the lease was lost ({})", error_text(&reply.body))))
+                return Err((
+                    EXIT_TIMEOUT,
+                    format!("the lease was lost ({})", error_text(&reply.body)),
+                ))
             }
             Ok(Ok(reply)) if reply.status < 500 => {
                 return Err((EXIT_REFUSED, error_text(&reply.body)));

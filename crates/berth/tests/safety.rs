@@ -20,7 +20,8 @@ fn finding_2_a_fifo_swapped_in_for_the_contract_never_freezes_the_api() {
     let contract = wt.path().join(".berth.toml");
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let swapper = {
-        let (file, fifo, contract, stop) = (file.clone(), fifo.clone(), contract.clone(), stop.clone());
+        let (file, fifo, contract, stop) =
+            (file.clone(), fifo.clone(), contract.clone(), stop.clone());
         std::thread::spawn(move || {
             let mut n = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -57,7 +58,10 @@ fn finding_2_a_fifo_swapped_in_for_the_contract_never_freezes_the_api() {
             201 => {
                 granted += 1;
                 let fence = r.body["fence"].as_u64().unwrap();
-                let rel = d.post(&format!("/v1/runs/fifo-{i}/release"), &json!({"fence": fence}).to_string());
+                let rel = d.post(
+                    &format!("/v1/runs/fifo-{i}/release"),
+                    &json!({"fence": fence}).to_string(),
+                );
                 assert_eq!(rel.status, 200, "{:?}", rel.body);
             }
             400 => {
@@ -82,10 +86,15 @@ fn finding_2_a_fifo_swapped_in_for_the_contract_never_freezes_the_api() {
     assert!(swaps > 10, "the swapper must have raced the acquires");
     assert!(granted + refused == 60);
     // Not a benchmark: the old daemon never answered at all once a worker was stuck.
-    assert!(median < Duration::from_millis(100), "status median {median:?}");
-    assert!(slowest < Duration::from_secs(2), "status slowest {slowest:?}");
+    assert!(
+        median < Duration::from_millis(100),
+        "status median {median:?}"
+    );
+    assert!(
+        slowest < Duration::from_secs(2),
+        "status slowest {slowest:?}"
+    );
 }
-
 
 /// Acquires `id` (tiny claim, its own project) and returns its fence.
 fn grant(d: &Daemon, id: &str, ttl_s: u64) -> u64 {
@@ -123,7 +132,14 @@ fn daemon_pid(d: &Daemon) -> i32 {
 
 fn stat_field(pid: i32, n: usize) -> i32 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    s.rsplit(')').next().unwrap().split_whitespace().nth(n - 3).unwrap().parse().unwrap()
+    s.rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(n - 3)
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 /// Finding 3: ~1,000 idle connections (no token needed) took every descriptor; then
@@ -135,10 +151,16 @@ fn finding_3_idle_connections_never_exhaust_the_descriptors_supervision_needs() 
     // The test holds 1,000 sockets itself.
     let lim = rustix::process::getrlimit(rustix::process::Resource::Nofile);
     let want = 4096u64.min(lim.maximum.unwrap_or(4096));
-    assert!(want >= 1200, "the test needs 1,200 descriptors; the hard limit is {want}");
+    assert!(
+        want >= 1200,
+        "the test needs 1,200 descriptors; the hard limit is {want}"
+    );
     rustix::process::setrlimit(
         rustix::process::Resource::Nofile,
-        rustix::process::Rlimit { current: Some(want), maximum: lim.maximum },
+        rustix::process::Rlimit {
+            current: Some(want),
+            maximum: lim.maximum,
+        },
     )
     .unwrap();
     let mut d = Daemon::unstarted(&["--stop-grace", "1s"]);
@@ -147,7 +169,10 @@ fn finding_3_idle_connections_never_exhaust_the_descriptors_supervision_needs() 
     let fence = grant(&d, "fd", 2);
     let mut child = sleeper();
     let pid = child.id() as i32;
-    let r = d.post("/v1/runs/fd/processes", &json!({"fence": fence, "pid": pid}).to_string());
+    let r = d.post(
+        "/v1/runs/fd/processes",
+        &json!({"fence": fence, "pid": pid}).to_string(),
+    );
     assert_eq!(r.status, 201, "{:?}", r.body);
     let mut idle = Vec::new();
     for _ in 0..1000 {
@@ -163,7 +188,10 @@ fn finding_3_idle_connections_never_exhaust_the_descriptors_supervision_needs() 
     }
     let _ = child.wait();
     let state = d.get("/v1/runs/fd").body["state"].clone();
-    assert!(stopped, "the expired run's process was left running (run is {state})");
+    assert!(
+        stopped,
+        "the expired run's process was left running (run is {state})"
+    );
     let end = Instant::now() + Duration::from_secs(20);
     let mut last = d.get("/v1/runs/fd");
     // An expired lease ends `expired` once its processes are proven gone (L6).
@@ -171,7 +199,11 @@ fn finding_3_idle_connections_never_exhaust_the_descriptors_supervision_needs() 
         std::thread::sleep(Duration::from_millis(100));
         last = d.get("/v1/runs/fd");
     }
-    assert_eq!(last.body["state"], "expired", "{} {:?}", last.status, last.body);
+    assert_eq!(
+        last.body["state"], "expired",
+        "{} {:?}",
+        last.status, last.body
+    );
     drop(idle);
     assert_eq!(d.get("/v1/status").status, 200);
 }
@@ -186,12 +218,20 @@ fn finding_4_forbidden_registrations_are_refused_and_nothing_is_signalled() {
     let owner_fence = grant(&d, "owner", 60);
     let mut owned = sleeper();
     let owned_pid = owned.id() as i32;
-    let r = d.post("/v1/runs/owner/processes", &json!({"fence": owner_fence, "pid": owned_pid}).to_string());
+    let r = d.post(
+        "/v1/runs/owner/processes",
+        &json!({"fence": owner_fence, "pid": owned_pid}).to_string(),
+    );
     assert_eq!(r.status, 201, "{:?}", r.body);
     let fence = grant(&d, "probe", 60);
     let register = |pid: i32, token: Option<&str>| {
         let body = json!({"fence": fence, "pid": pid}).to_string();
-        d.call_as(Some(token.unwrap_or(&d.token)), "POST", "/v1/runs/probe/processes", Some(&body))
+        d.call_as(
+            Some(token.unwrap_or(&d.token)),
+            "POST",
+            "/v1/runs/probe/processes",
+            Some(&body),
+        )
     };
     let thread = std::fs::read_dir(format!("/proc/{dpid}/task"))
         .unwrap()
@@ -208,44 +248,82 @@ fn finding_4_forbidden_registrations_are_refused_and_nothing_is_signalled() {
         ("another run's process", owned_pid, "pid_owned_by_run"),
     ];
     let (pgrp, session) = (stat_field(dpid, 5), stat_field(dpid, 6));
-    for (what, p) in [("the daemon's group leader", pgrp), ("the daemon's session leader", session)] {
+    for (what, p) in [
+        ("the daemon's group leader", pgrp),
+        ("the daemon's session leader", session),
+    ] {
         if p > 1 && p != dpid && alive(p) {
             cases.push((what, p, "pid_forbidden"));
         }
     }
     // A kernel thread other than kthreadd.
-    if let Some(k) = std::fs::read_dir("/proc").unwrap().filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok()).find(|&p| p > 2 && std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| s.rsplit(')').next().unwrap().split_whitespace().nth(1) == Some("2"))) {
+    if let Some(k) = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .find(|&p| {
+            p > 2
+                && std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|s| {
+                    s.rsplit(')').next().unwrap().split_whitespace().nth(1) == Some("2")
+                })
+        })
+    {
         cases.push(("a kernel thread", k, "pid_forbidden"));
     }
     for (what, pid, code) in &cases {
         let r = register(*pid, None);
-        assert_eq!((r.status, r.code()), (403, *code), "{what} (pid {pid}): {:?}", r.body);
+        assert_eq!(
+            (r.status, r.code()),
+            (403, *code),
+            "{what} (pid {pid}): {:?}",
+            r.body
+        );
     }
     // Another user's process: a token that acts for another uid.
-    let other_uid = if rustix::process::geteuid().is_root() { 4242 } else { rustix::process::geteuid().as_raw() + 1 };
-    let t = d.post("/v1/tokens", &json!({"scope": "operator", "uid": other_uid}).to_string());
+    let other_uid = if rustix::process::geteuid().is_root() {
+        4242
+    } else {
+        rustix::process::geteuid().as_raw() + 1
+    };
+    let t = d.post(
+        "/v1/tokens",
+        &json!({"scope": "operator", "uid": other_uid}).to_string(),
+    );
     assert_eq!(t.status, 201, "{:?}", t.body);
     let other = t.body["token"].as_str().unwrap().to_string();
     let mut mine = sleeper();
     let r = register(mine.id() as i32, Some(&other));
     assert_eq!((r.status, r.code()), (403, "pid_not_owned"), "{:?}", r.body);
     // Nothing was recorded, so releasing the probe signals nothing.
-    let rel = d.post("/v1/runs/probe/release", &json!({"fence": fence}).to_string());
+    let rel = d.post(
+        "/v1/runs/probe/release",
+        &json!({"fence": fence}).to_string(),
+    );
     assert_eq!(rel.status, 200, "{:?}", rel.body);
-    d.wait_until("the probe is released", |d| d.get("/v1/runs/probe").body["state"] == "released");
+    d.wait_until("the probe is released", |d| {
+        d.get("/v1/runs/probe").body["state"] == "released"
+    });
     std::thread::sleep(Duration::from_millis(1500)); // longer than the stop grace
     assert!(alive(owned_pid), "another run's process was signalled");
-    assert!(alive(mine.id() as i32), "another user's process was signalled");
+    assert!(
+        alive(mine.id() as i32),
+        "another user's process was signalled"
+    );
     assert!(alive(dpid) && alive(thread), "the daemon was signalled");
     assert_eq!(d.get("/v1/runs/owner").body["state"], "granted");
     assert_eq!(d.get("/v1/status").status, 200);
     // The rule is not a blanket refusal: the process's owner may register it.
     let f2 = grant(&d, "ok", 60);
-    let r = d.post("/v1/runs/ok/processes", &json!({"fence": f2, "pid": mine.id()}).to_string());
+    let r = d.post(
+        "/v1/runs/ok/processes",
+        &json!({"fence": f2, "pid": mine.id()}).to_string(),
+    );
     assert_eq!(r.status, 201, "{:?}", r.body);
     let rel = d.post("/v1/runs/ok/release", &json!({"fence": f2}).to_string());
     assert_eq!(rel.status, 200);
-    assert!(wait_gone(mine.id() as i32, Duration::from_secs(10)), "a registered process is stopped");
+    assert!(
+        wait_gone(mine.id() as i32, Duration::from_secs(10)),
+        "a registered process is stopped"
+    );
     let _ = mine.wait();
     let _ = owned.kill();
     let _ = owned.wait();
@@ -256,21 +334,44 @@ fn finding_4_forbidden_registrations_are_refused_and_nothing_is_signalled() {
 #[test]
 fn finding_5_cmd_never_runs_unregistered() {
     let d = Daemon::start(&[]);
-    let other_uid = if rustix::process::geteuid().is_root() { 4242 } else { rustix::process::geteuid().as_raw() + 1 };
-    let t = d.post("/v1/tokens", &json!({"scope": "operator", "uid": other_uid}).to_string());
+    let other_uid = if rustix::process::geteuid().is_root() {
+        4242
+    } else {
+        rustix::process::geteuid().as_raw() + 1
+    };
+    let t = d.post(
+        "/v1/tokens",
+        &json!({"scope": "operator", "uid": other_uid}).to_string(),
+    );
     let token = t.body["token"].as_str().unwrap().to_string();
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("ran");
     let out = d
         .cli()
         .env("BERTH_TOKEN", &token)
-        .args(["run", "--run-id", "gate", "--project", "gate", "--memory", "1MiB", "--cpus", "0.01", "--disk", "0", "--"])
+        .args([
+            "run",
+            "--run-id",
+            "gate",
+            "--project",
+            "gate",
+            "--memory",
+            "1MiB",
+            "--cpus",
+            "0.01",
+            "--disk",
+            "0",
+            "--",
+        ])
         .args(["touch", marker.to_str().unwrap()])
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(69), "{err}");
-    assert!(err.contains("CMD was not started") && err.contains("pid_not_owned"), "{err}");
+    assert!(
+        err.contains("CMD was not started") && err.contains("pid_not_owned"),
+        "{err}"
+    );
     std::thread::sleep(Duration::from_millis(300));
     assert!(!marker.exists(), "CMD ran although it was never registered");
     assert_eq!(d.get("/v1/runs/gate").body["state"], "released");
@@ -320,19 +421,28 @@ fn finding_8_planted_token_and_config_are_refused_and_the_state_is_private() {
     std::os::unix::fs::symlink(&target, d.state.join("admin.token")).unwrap();
     let (st, out) = d.start_fails(&[]);
     assert!(!st.success() && out.contains("symbolic link"), "{st} {out}");
-    assert!(!target.exists(), "the admin token was written through the link");
+    assert!(
+        !target.exists(),
+        "the admin token was written through the link"
+    );
     std::fs::remove_file(d.state.join("admin.token")).unwrap();
     // A berth.toml that another user could have written, turning auth off.
     let toml = d.state.join("berth.toml");
     std::fs::write(&toml, "insecure_no_auth = true\n").unwrap();
     std::fs::set_permissions(&toml, std::fs::Permissions::from_mode(0o666)).unwrap();
     let (st, out) = d.start_fails(&[]);
-    assert!(!st.success() && out.contains("writable by group or others"), "{st} {out}");
+    assert!(
+        !st.success() && out.contains("writable by group or others"),
+        "{st} {out}"
+    );
     std::fs::remove_file(&toml).unwrap();
     // A group-writable state dir.
     std::fs::set_permissions(&d.state, std::fs::Permissions::from_mode(0o775)).unwrap();
     let (st, out) = d.start_fails(&[]);
-    assert!(!st.success() && out.contains("group- or world-writable"), "{st} {out}");
+    assert!(
+        !st.success() && out.contains("group- or world-writable"),
+        "{st} {out}"
+    );
     std::fs::set_permissions(&d.state, std::fs::Permissions::from_mode(0o755)).unwrap();
     // Started properly: everything private.
     let mut d = d;
@@ -362,7 +472,10 @@ fn finding_9_fences_never_go_back_after_a_restored_or_empty_ledger() {
         let _ = std::fs::copy(d.state.join(f), backup.path().join(f));
     }
     d.spawn();
-    let high = (0..3).map(|i| grant(&d, &format!("b{i}"), 60)).max().unwrap();
+    let high = (0..3)
+        .map(|i| grant(&d, &format!("b{i}"), 60))
+        .max()
+        .unwrap();
     d.kill9();
     for f in files {
         let _ = std::fs::remove_file(d.state.join(f));
@@ -372,7 +485,10 @@ fn finding_9_fences_never_go_back_after_a_restored_or_empty_ledger() {
     }
     d.spawn();
     let f = grant(&d, "after-restore", 60);
-    assert!(f > high, "fence {f} re-issued (the newest before the restore was {high})");
+    assert!(
+        f > high,
+        "fence {f} re-issued (the newest before the restore was {high})"
+    );
     let high = f;
     d.kill9();
     // An emptied ledger in a used state dir: refused unless told to start afresh.
@@ -383,7 +499,10 @@ fn finding_9_fences_never_go_back_after_a_restored_or_empty_ledger() {
     d.args.push("--init-ledger".into());
     d.spawn();
     let f = grant(&d, "after-init", 60);
-    assert!(f > high, "fence {f} after --init-ledger (the newest before was {high})");
+    assert!(
+        f > high,
+        "fence {f} after --init-ledger (the newest before was {high})"
+    );
 }
 
 /// Finding 10: a second daemon on the same state dir started, and both handed out
@@ -398,7 +517,10 @@ fn finding_10_one_daemon_per_state_dir() {
     d.args = first;
     assert!(!status.success());
     let pid = daemon_pid(&d);
-    assert!(text.contains(&format!("in use by another berth serve (pid {pid})")), "{text}");
+    assert!(
+        text.contains(&format!("in use by another berth serve (pid {pid})")),
+        "{text}"
+    );
     assert_eq!(d.get("/v1/status").status, 200);
 }
 
@@ -408,15 +530,30 @@ fn finding_10_one_daemon_per_state_dir() {
 fn finding_11_totals_are_bounded_and_huge_requests_are_impossible() {
     let d = Daemon::unstarted(&["--disk-total", "18446744073709551615"]);
     let (st, out) = d.start_fails(&[]);
-    assert!(!st.success() && out.contains("disk_total must be at most"), "{st} {out}");
+    assert!(
+        !st.success() && out.contains("disk_total must be at most"),
+        "{st} {out}"
+    );
     let d = Daemon::start(&[]);
     for id in ["huge-1", "huge-2"] {
-        let body = json!({"run_id": id, "project": id, "wait_s": 0, "resources": {"disk": 1u64 << 63}});
+        let body =
+            json!({"run_id": id, "project": id, "wait_s": 0, "resources": {"disk": 1u64 << 63}});
         let r = d.post("/v1/runs", &body.to_string());
-        assert_eq!((r.status, r.code()), (422, "capacity_impossible"), "{:?}", r.body);
+        assert_eq!(
+            (r.status, r.code()),
+            (422, "capacity_impossible"),
+            "{:?}",
+            r.body
+        );
     }
     let s = d.get("/v1/status").body;
-    let disk = s["resources"].as_array().unwrap().iter().find(|r| r["name"] == "disk").unwrap().clone();
+    let disk = s["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "disk")
+        .unwrap()
+        .clone();
     assert_eq!(disk["committed"], 0);
 }
 
@@ -428,30 +565,64 @@ fn finding_12_strict_json_and_an_envelope_on_every_error() {
     for (body, field) in [
         (format!("{ok} GARBAGE"), "body"),
         (format!("{ok}{ok}"), "body"),
-        (r#"{"project": "j", "resources": {"memory": 1, "memory": 999999}}"#.to_string(), "resources"),
-        (r#"{"project": "j", "labels": {"a": "1", "a": "2"}}"#.to_string(), "labels"),
+        (
+            r#"{"project": "j", "resources": {"memory": 1, "memory": 999999}}"#.to_string(),
+            "resources",
+        ),
+        (
+            r#"{"project": "j", "labels": {"a": "1", "a": "2"}}"#.to_string(),
+            "labels",
+        ),
         (r#"{"project": "j", "project": "k"}"#.to_string(), "project"),
     ] {
         let r = d.post("/v1/runs", &body);
-        assert_eq!((r.status, r.code()), (400, "invalid"), "{body}: {:?}", r.body);
+        assert_eq!(
+            (r.status, r.code()),
+            (400, "invalid"),
+            "{body}: {:?}",
+            r.body
+        );
         let f = r.body["error"]["details"]["field"].as_str().unwrap_or("");
         let m = r.body["error"]["message"].as_str().unwrap_or("");
         // A field given twice at the top is named in the message (serde's own check).
-        assert!(f.starts_with(field) || m.contains(&format!("`{field}`")), "{body}: {:?}", r.body);
+        assert!(
+            f.starts_with(field) || m.contains(&format!("`{field}`")),
+            "{body}: {:?}",
+            r.body
+        );
     }
-    assert_eq!(d.get("/v1/runs/j").status, 404, "a refused body changed nothing");
+    assert_eq!(
+        d.get("/v1/runs/j").status,
+        404,
+        "a refused body changed nothing"
+    );
     let r = d.get("/v1/runs/ab%C3%A9");
-    assert!(r.body["error"]["message"].as_str().unwrap().contains("(found 'é')"), "{:?}", r.body);
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("(found 'é')"),
+        "{:?}",
+        r.body
+    );
     // A request target and a head over the limits: 414 and 431 with the envelope.
     let long = format!("/v1/runs/{}", "a".repeat(10_000));
     let r = d.get(&long);
     assert_eq!((r.status, r.code()), (414, "uri_too_long"), "{:?}", r.body);
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
-    write!(s, "GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n", "b".repeat(20_000)).unwrap();
+    write!(
+        s,
+        "GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n",
+        "b".repeat(20_000)
+    )
+    .unwrap();
     let mut resp = String::new();
     s.read_to_string(&mut resp).unwrap();
-    assert!(resp.starts_with("HTTP/1.1 431") && resp.contains("\"headers_too_large\""), "{resp}");
+    assert!(
+        resp.starts_with("HTTP/1.1 431") && resp.contains("\"headers_too_large\""),
+        "{resp}"
+    );
 }
 
 fn rss_kib(pid: i32) -> u64 {
@@ -467,8 +638,9 @@ fn rss_kib(pid: i32) -> u64 {
 #[test]
 fn finding_12_an_ended_run_keeps_bounded_memory() {
     let d = Daemon::start(&["--slots-max", "8"]);
-    let labels: serde_json::Map<String, serde_json::Value> =
-        (0..32).map(|i| (format!("k{i:02}"), json!("v".repeat(256)))).collect();
+    let labels: serde_json::Map<String, serde_json::Value> = (0..32)
+        .map(|i| (format!("k{i:02}"), json!("v".repeat(256))))
+        .collect();
     let body = |id: &str| {
         json!({"run_id": id, "project": "mem", "wait_s": 0, "labels": labels,
             "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}})
@@ -479,7 +651,14 @@ fn finding_12_an_ended_run_keeps_bounded_memory() {
         let r = d.post("/v1/runs", &body(&id));
         assert_eq!(r.status, 201, "{:?}", r.body);
         let f = r.body["fence"].as_u64().unwrap();
-        assert_eq!(d.post(&format!("/v1/runs/{id}/release"), &json!({"fence": f}).to_string()).status, 200);
+        assert_eq!(
+            d.post(
+                &format!("/v1/runs/{id}/release"),
+                &json!({"fence": f}).to_string()
+            )
+            .status,
+            200
+        );
     };
     // Warm up the pool, the allocator and the connection handling first.
     for i in 0..300 {
@@ -534,7 +713,10 @@ impl Tmpfs {
 
 impl Drop for Tmpfs {
     fn drop(&mut self) {
-        let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
     }
 }
 
@@ -554,12 +736,23 @@ fn finding_12_no_grant_without_its_workspace() {
     let body = json!({"run_id": "nows", "project": "nows", "wait_s": 0,
         "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
     let r = d.post("/v1/runs", &body.to_string());
-    assert_eq!((r.status, r.code()), (503, "workspace_unavailable"), "{:?}", r.body);
+    assert_eq!(
+        (r.status, r.code()),
+        (503, "workspace_unavailable"),
+        "{:?}",
+        r.body
+    );
     let run = d.get("/v1/runs/nows").body;
     assert_eq!(run["state"], "released", "{run:?}");
     let s = d.get("/v1/status").body;
     assert_eq!(s["granted"], 0, "{s:?}");
-    let mem = s["resources"].as_array().unwrap().iter().find(|r| r["name"] == "memory").unwrap().clone();
+    let mem = s["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "memory")
+        .unwrap()
+        .clone();
     assert_eq!(mem["committed"], 0, "{s:?}");
     d.kill9();
 }
@@ -582,12 +775,18 @@ fn finding_12_a_fatal_ledger_error_exits_non_zero_with_its_reason() {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    std::io::BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
     assert!(line.starts_with("listening on"), "{line:?}");
     let mut d = d;
-    d.token = std::fs::read_to_string(d.state.join("admin.token")).unwrap().trim().to_string();
-    let labels: serde_json::Map<String, serde_json::Value> =
-        (0..32).map(|i| (format!("k{i:02}"), json!("v".repeat(256)))).collect();
+    d.token = std::fs::read_to_string(d.state.join("admin.token"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let labels: serde_json::Map<String, serde_json::Value> = (0..32)
+        .map(|i| (format!("k{i:02}"), json!("v".repeat(256))))
+        .collect();
     let mut status = None;
     for i in 0..2_000 {
         if let Ok(Some(st)) = child.try_wait() {

@@ -89,7 +89,10 @@ fn release_stops_exactly_the_registered_tree() {
     for pid in &tree {
         assert!(!alive(*pid), "{pid} of the tree survived");
     }
-    assert!(killed_within(&mut root, Duration::from_secs(5)), "the root survived");
+    assert!(
+        killed_within(&mut root, Duration::from_secs(5)),
+        "the root survived"
+    );
     // TERM was ignored, so it took the grace period and then KILL.
     assert!(
         t.elapsed() >= Duration::from_millis(900),
@@ -444,11 +447,19 @@ fn a_tree_that_outlives_sigkill_degrades_the_run_and_names_the_survivors() {
     // The registration rule lets a token register only what its uid could signal;
     // an admin may make a token that acts for root, whose processes this daemon (as
     // `nobody`) cannot signal: exactly the stuck tree this test needs.
-    let t = d.post("/v1/tokens", &json!({"scope": "operator", "uid": 0}).to_string());
+    let t = d.post(
+        "/v1/tokens",
+        &json!({"scope": "operator", "uid": 0}).to_string(),
+    );
     assert_eq!(t.status, 201, "{:?}", t.body);
     let root_token = t.body["token"].as_str().unwrap().to_string();
     let body = json!({"fence": fence, "pid": pid}).to_string();
-    let reg = d.call_as(Some(&root_token), "POST", "/v1/runs/stubborn/processes", Some(&body));
+    let reg = d.call_as(
+        Some(&root_token),
+        "POST",
+        "/v1/runs/stubborn/processes",
+        Some(&body),
+    );
     assert_eq!(reg.status, 201, "{:?}", reg.body);
     let rel = d.post(
         "/v1/runs/stubborn/release",

@@ -104,7 +104,10 @@ impl Daemon {
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        (status, std::fs::read_to_string(log.path()).unwrap_or_default())
+        (
+            status,
+            std::fs::read_to_string(log.path()).unwrap_or_default(),
+        )
     }
 
     /// The daemon as user `uid` (needs root): a copy of the binary any user may run,
