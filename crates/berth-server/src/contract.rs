@@ -31,13 +31,7 @@ fn bad(msg: impl Into<String>) -> String {
 /// size checked on the descriptor (what was checked is what is read: no path race),
 /// and at most `max_bytes + 1` bytes read. `Ok(None)` when there is no such file.
 pub fn read_small(path: &Path, max_bytes: u64) -> Result<Option<String>, String> {
-    use rustix::fs::{Mode, OFlags};
-    use std::io::Read;
-    let fd = match rustix::fs::open(
-        path,
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
-        Mode::empty(),
-    ) {
+    let fd = match open_no_follow(path) {
         Ok(fd) => fd,
         Err(rustix::io::Errno::NOENT) | Err(rustix::io::Errno::NOTDIR) => return Ok(None),
         Err(rustix::io::Errno::LOOP) => return Err("must be a regular file, not a link".into()),
@@ -50,15 +44,37 @@ pub fn read_small(path: &Path, max_bytes: u64) -> Result<Option<String>, String>
     if st.st_size < 0 || st.st_size as u64 > max_bytes {
         return Err(format!("must be at most {max_bytes} bytes"));
     }
+    match read_at_most(fd, max_bytes) {
+        Ok(Some(text)) => Ok(Some(text)),
+        Ok(None) => Err(format!("must be at most {max_bytes} bytes")),
+        Err(e) => Err(format!("cannot be read: {e}")),
+    }
+}
+
+/// Opens `path` for reading without following a link at its last component
+/// (`ELOOP`) and without waiting for a FIFO's writer. The caller checks the type on
+/// the descriptor.
+pub(crate) fn open_no_follow(path: &Path) -> rustix::io::Result<std::os::fd::OwnedFd> {
+    use rustix::fs::{Mode, OFlags};
+    rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+}
+
+/// Reads the file open as `fd`, at most `max_bytes` of it: `None` if it holds more
+/// (it may have grown since it was measured).
+pub(crate) fn read_at_most(
+    fd: std::os::fd::OwnedFd,
+    max_bytes: u64,
+) -> std::io::Result<Option<String>> {
+    use std::io::Read;
     let mut text = String::new();
     std::fs::File::from(fd)
         .take(max_bytes + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| format!("cannot be read: {e}"))?;
-    if text.len() as u64 > max_bytes {
-        return Err(format!("must be at most {max_bytes} bytes"));
-    }
-    Ok(Some(text))
+        .read_to_string(&mut text)?;
+    Ok((text.len() as u64 <= max_bytes).then_some(text))
 }
 
 /// Reads the contract of `worktree`, if it has one. Errors name the key and the rule.

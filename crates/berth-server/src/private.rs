@@ -105,11 +105,7 @@ pub fn read_secret(path: &Path) -> anyhow::Result<Option<String>> {
 }
 
 fn read_checked(path: &Path, secret: bool) -> anyhow::Result<Option<String>> {
-    let fd = match rustix::fs::open(
-        path,
-        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
-        Mode::empty(),
-    ) {
+    let fd = match crate::contract::open_no_follow(path) {
         Ok(fd) => fd,
         Err(rustix::io::Errno::NOENT) => return Ok(None),
         Err(rustix::io::Errno::LOOP) => bail!(
@@ -119,18 +115,15 @@ fn read_checked(path: &Path, secret: bool) -> anyhow::Result<Option<String>> {
         Err(e) => return Err(anyhow!("reading {}: {e}", path.display())),
     };
     check_trusted(&fd, path, secret)?;
-    let mut text = String::new();
-    std::fs::File::from(fd)
-        .take(TRUSTED_FILE_BYTES_MAX + 1)
-        .read_to_string(&mut text)
-        .with_context(|| format!("reading {}", path.display()))?;
-    if text.len() as u64 > TRUSTED_FILE_BYTES_MAX {
-        bail!(
+    match crate::contract::read_at_most(fd, TRUSTED_FILE_BYTES_MAX)
+        .with_context(|| format!("reading {}", path.display()))?
+    {
+        Some(text) => Ok(Some(text)),
+        None => bail!(
             "{} is larger than {TRUSTED_FILE_BYTES_MAX} bytes",
             path.display()
-        );
+        ),
     }
-    Ok(Some(text))
 }
 
 fn check_trusted(fd: &impl AsFd, path: &Path, secret: bool) -> anyhow::Result<()> {

@@ -21,7 +21,7 @@
 //! Every read here is of `/proc`; none can block. A read that fails refuses the
 //! registration (the caller may retry): could not look is never allowed.
 
-use berth_proc::{ProcId, Stat};
+use berth_proc::ProcId;
 
 /// Longest parent chain followed; real chains are a few dozen long.
 const ANCESTRY_DEPTH_MAX: usize = 4_096;
@@ -120,12 +120,6 @@ fn status(pid: i32) -> Result<Status, Refusal> {
     }
 }
 
-/// Kernel threads have no user space to stop; signalling kthreadd's children is how a
-/// run once degraded forever (pid 2: 59 kernel threads signalled).
-fn is_kernel_thread(s: &Stat) -> bool {
-    berth_proc::is_kernel_thread(s)
-}
-
 /// A live run's registered roots, for rule 3.
 pub struct OtherRun<'a> {
     pub run_id: &'a str,
@@ -150,7 +144,9 @@ pub fn check(me: &Me, uid: u32, pid: i32, others: &[OtherRun<'_>]) -> Result<Pro
     if st.state == 'Z' || st.state == 'X' {
         return Err(Refusal::NoSuchProcess);
     }
-    if is_kernel_thread(&st) {
+    // Kernel threads have no user space to stop; signalling kthreadd's children is how
+    // a run once degraded forever (pid 2: 59 kernel threads signalled).
+    if berth_proc::is_kernel_thread(&st) {
         return forbidden("a kernel thread");
     }
     let status = status(pid)?;
