@@ -5,8 +5,9 @@
 //! that file exists.
 //!
 //! Points: `grant-committed` (a grant is durable but not yet answered), `mid-stop`
-//! (between SIGTERM and SIGKILL of a run's tree), `mid-archive` (diagnostics half
-//! copied), `mid-workspace-removal` (a workspace half deleted).
+//! (between SIGTERM and SIGKILL of a run's tree), `mid-archive` (an archive of
+//! diagnostics with its first file copied and the rest not), `mid-workspace-removal`
+//! (a workspace's first file deleted, after its logs were archived).
 
 #[cfg(feature = "failpoints")]
 pub fn hit(name: &str) {

@@ -525,13 +525,15 @@ fn archive_logs(ws: &OwnedFd, on: &walk::Mount, d: &Diagnostics, name: &str) -> 
     };
     budget.room()?;
     // A fresh directory: never one that exists (a second archive in the same
-    // millisecond gets a suffix).
+    // millisecond gets a suffix). Written under a `.partial-` name and renamed to its
+    // own once complete: a crash halfway leaves only a `.partial-` entry, which the next
+    // `enforce_total` drops, never an archive that looks whole and is not.
     let mut made = None;
     for k in 0..16 {
         let Ok(n) = CString::new(if k == 0 {
-            name.to_string()
+            format!("{PARTIAL_PREFIX}{name}")
         } else {
-            format!("{name}-{k}")
+            format!("{PARTIAL_PREFIX}{name}-{k}")
         }) else {
             return None;
         };
@@ -547,7 +549,7 @@ fn archive_logs(ws: &OwnedFd, on: &walk::Mount, d: &Diagnostics, name: &str) -> 
             }
         }
     }
-    let (archive, top) = made?;
+    let (partial, top) = made?;
     budget.charge(block);
     let mut stack = vec![CopyFrame {
         src: logs,
@@ -621,9 +623,22 @@ fn archive_logs(ws: &OwnedFd, on: &walk::Mount, d: &Diagnostics, name: &str) -> 
     }
     drop(stack);
     if files == 0 {
-        if let Err(e) = drop_entry(&diag, &archive, &diag_on) {
+        if let Err(e) = drop_entry(&diag, &partial, &diag_on) {
             tracing::warn!("diagnostics {}: {e}", d.dir.display());
         }
+        return None;
+    }
+    // Complete: under its own name (RENAME_NOREPLACE: never over another archive).
+    let archive = CString::new(&partial.as_bytes()[PARTIAL_PREFIX.len()..]).ok()?;
+    if let Err(e) = fs::renameat_with(
+        &diag,
+        partial.as_c_str(),
+        &diag,
+        archive.as_c_str(),
+        fs::RenameFlags::NOREPLACE,
+    ) {
+        tracing::warn!("diagnostics {}: naming an archive: {e}", d.dir.display());
+        let _ = drop_entry(&diag, &partial, &diag_on);
         return None;
     }
     // Reported as measured, which is also what `enforce_total` counts.
@@ -657,6 +672,13 @@ fn drop_entry(diag: &OwnedFd, name: &CStr, on: &walk::Mount) -> Result<(), Strin
         Err(OpenError::Io(e)) => Err(format!("open: {e}")),
     }
 }
+
+/// The name prefix of an archive being written (see `archive_logs`).
+const PARTIAL_PREFIX: &str = ".partial-";
+/// The name prefix of a trash entry whose logs were archived already: a removal that a
+/// crash cut short is finished after the restart without archiving what is left of the
+/// logs a second time.
+const ARCHIVED_PREFIX: &str = "archived-";
 
 /// Archives measured so far, by name, with the inode they were measured at: an archive
 /// never changes once written, so each is walked once, not again at every new archive.
@@ -696,6 +718,17 @@ fn enforce_total(d: &Diagnostics, measured: &mut Measured) -> u64 {
         // A mount inside the diagnostics directory is the operator's doing: neither
         // counted nor dropped.
         if !m.on(&on) {
+            continue;
+        }
+        // Archives are written by this thread alone and are complete by now: a
+        // `.partial-` entry is what a crash left halfway. Dropped, not counted.
+        if name.to_bytes().starts_with(PARTIAL_PREFIX.as_bytes()) {
+            if let Err(e) = drop_entry(&diag, &name, &on) {
+                tracing::warn!(
+                    "diagnostics {}: dropping a partial archive: {e}",
+                    d.dir.display()
+                );
+            }
             continue;
         }
         let usage = if m.kind != FileType::Directory {
@@ -947,6 +980,13 @@ struct Worker {
 
 impl Worker {
     fn run(mut self, wake: mpsc::Receiver<()>) {
+        // What an earlier daemon left: partial archives dropped, budgets enforced.
+        if let Some(d) = &self.diag {
+            let dropped = enforce_total(d, &mut self.measured);
+            self.counters
+                .dropped
+                .fetch_add(dropped, std::sync::atomic::Ordering::Relaxed);
+        }
         let mut busy = false;
         let mut rescan_at = std::time::Instant::now();
         loop {
@@ -1146,9 +1186,17 @@ impl Worker {
         self.watcher.forget(ident);
         self.mount_proven.remove(&ident);
         // L5/P4: archived after the claim was freed; never holds capacity. Once per
-        // workspace: a retried removal does not archive again.
-        if !clean && !retry {
+        // workspace: a retried removal does not archive again, nor does the removal
+        // after a crash (the entry is renamed `archived-` once its archive is done).
+        let marked;
+        let mut entry = entry;
+        if !clean && !retry && !entry.starts_with(ARCHIVED_PREFIX) {
             self.archive(entry, &dir);
+            marked = format!("{ARCHIVED_PREFIX}{entry}");
+            if fs::renameat(&self.trash_fd, entry, &self.trash_fd, marked.as_str()).is_ok() {
+                self.stuck.remove(entry);
+                entry = &marked;
+            }
         }
         let removed = walk::remove_contents(&dir, &self.trash_mount);
         drop(dir);

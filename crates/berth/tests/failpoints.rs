@@ -82,7 +82,14 @@ fn crash_at(failpoint: &str, variant: u64) {
     );
     let dirty_fence = dirty.body["fence"].as_u64().unwrap();
     let ws = std::path::PathBuf::from(dirty.body["workspace"].as_str().unwrap());
-    std::fs::write(ws.join("logs/run.log"), vec![b'l'; 4096 + variant as usize]).unwrap();
+    // Two logs: `mid-archive` fires after the first is copied, halfway.
+    let logs = [
+        ("a.log", vec![b'a'; 4096 + variant as usize]),
+        ("b.log", vec![b'b'; 3000]),
+    ];
+    for (name, bytes) in &logs {
+        std::fs::write(ws.join("logs").join(name), bytes).unwrap();
+    }
     std::fs::write(ws.join("out/result"), b"r").unwrap();
     // A run whose lease runs out around the crash: it must be reaped afterwards.
     let exp = d.post(
@@ -116,6 +123,7 @@ fn crash_at(failpoint: &str, variant: u64) {
         .iter()
         .filter_map(|r| r["fence"].as_u64())
         .collect();
+    let max_before = *fences_before.iter().max().unwrap();
 
     // Arm the crash, then trigger it.
     std::fs::write(&arm, b"").unwrap();
@@ -191,6 +199,96 @@ fn crash_at(failpoint: &str, variant: u64) {
         d.wait_until("dirty is released", |d| {
             d.get("/v1/runs/dirty").body["state"] == "released"
         });
+        // Releasing `dirty` granted the waiter. Its grant was committed (at
+        // `grant-committed`, never answered) or is made after the restart: either way
+        // it holds one fence, above all issued before, that neither an idempotent
+        // retry (L7) nor another restart changes.
+        d.wait_until("the waiter is granted", |d| {
+            d.get("/v1/runs/waiter").body["state"] == "granted"
+        });
+        let fence = d.get("/v1/runs/waiter").body["fence"].as_u64().unwrap();
+        assert!(
+            fence > max_before,
+            "{failpoint}: waiter fence {fence} repeats one issued before ({max_before})"
+        );
+        let again = d.post(
+            "/v1/runs",
+            &json!({"run_id": "waiter", "project": "waiter", "resources": {"cpu_millis": 100}})
+                .to_string(),
+        );
+        assert_eq!(
+            again.status, 201,
+            "{failpoint}: waiter retry: {:?}",
+            again.body
+        );
+        assert_eq!(
+            again.body["fence"].as_u64(),
+            Some(fence),
+            "{failpoint}: the retry moved the fence"
+        );
+        d.kill9_and_restart();
+        let r = d.get("/v1/runs/waiter").body;
+        assert_eq!(
+            (r["state"].as_str(), r["fence"].as_u64()),
+            (Some("granted"), Some(fence)),
+            "{failpoint}: after a second restart: {r}"
+        );
+        // The dirty workspace is gone, and its logs are in exactly one archive,
+        // complete, within the run's budget: a crash halfway through archiving leaves
+        // no partial archive, and one halfway through the removal no second archive of
+        // what was left.
+        let diag = d.state.join("diagnostics");
+        let digest = ws.file_name().unwrap().to_string_lossy().into_owned();
+        let entries = |p: &std::path::Path| -> Vec<String> {
+            std::fs::read_dir(p)
+                .map(|rd| {
+                    rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        d.wait_until("the dirty workspace is removed and archived", |_| {
+            !ws.exists()
+                && entries(&d.state.join("runs/.trash")).is_empty()
+                && entries(&diag).iter().any(|n| n.ends_with(&digest))
+        });
+        // (The pool thread may still be renaming; give it a moment to settle.)
+        std::thread::sleep(Duration::from_millis(300));
+        let archives = entries(&diag);
+        assert_eq!(
+            archives.len(),
+            1,
+            "{failpoint}: diagnostics holds {archives:?}"
+        );
+        assert!(
+            archives[0].ends_with(&format!("-{digest}")),
+            "{failpoint}: {archives:?}"
+        );
+        let a = diag.join(&archives[0]);
+        let mut names = entries(&a);
+        names.sort();
+        assert_eq!(
+            names,
+            ["a.log", "b.log"],
+            "{failpoint}: archive {a:?} holds {names:?}"
+        );
+        for (name, bytes) in &logs {
+            assert_eq!(
+                &std::fs::read(a.join(name)).unwrap(),
+                bytes,
+                "{failpoint}: {name}"
+            );
+        }
+        let allocated: u64 = names
+            .iter()
+            .map(|n| {
+                std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(a.join(n)).unwrap()) * 512
+            })
+            .sum();
+        assert!(
+            allocated <= 1 << 20,
+            "{failpoint}: archive of {allocated} bytes over the 1 MiB run budget"
+        );
     }
     // The expired run is reaped: its process stopped, its claim freed.
     d.wait_until("exp is expired", |d| {
@@ -209,15 +307,28 @@ fn crash_at(failpoint: &str, variant: u64) {
         .max()
         .unwrap();
     let n = d.post("/v1/runs", &json!({"run_id": "after", "project": "after", "resources": {"cpu_millis": 100}, "wait_s": 0}).to_string());
-    if n.status == 201 {
-        assert!(
-            n.body["fence"].as_u64().unwrap() > max_seen,
-            "{failpoint}: a fence repeated"
-        );
+    assert_eq!(n.status, 201, "{failpoint}: after: {:?}", n.body);
+    assert!(
+        n.body["fence"].as_u64().unwrap() > max_seen,
+        "{failpoint}: a fence repeated"
+    );
+    // No capacity leaks, and no run lost: what holds a claim is exactly what this test
+    // knows it holds, and the engine's totals are those runs' claims (100 cpu millis
+    // and one slot each). `stop` was released (mid-stop) or renewed; `dirty` released
+    // (or not, mid-stop); the waiter was granted the room `exp` or `dirty` left.
+    let mut expected = vec!["after", "keep", "waiter"];
+    expected.push(if failpoint == "mid-stop" {
+        "dirty"
+    } else {
+        "stop"
+    });
+    expected.sort();
+    if failpoint == "mid-stop" {
+        d.wait_until("the waiter is granted", |d| {
+            d.get("/v1/runs/waiter").body["state"] == "granted"
+        });
     }
-    // No capacity leaks: committed slots equal the live runs that hold claims.
-    let s = d.get("/v1/status").body;
-    let holding = d.get("/v1/runs").body["runs"]
+    let mut holding: Vec<String> = d.get("/v1/runs").body["runs"]
         .as_array()
         .unwrap()
         .iter()
@@ -227,10 +338,27 @@ fn crash_at(failpoint: &str, variant: u64) {
                 Some("granted" | "releasing" | "degraded")
             )
         })
-        .count() as u64;
+        .map(|r| r["run_id"].as_str().unwrap().to_string())
+        .collect();
+    holding.sort();
+    assert_eq!(holding, expected, "{failpoint}: runs holding claims");
+    let s = d.get("/v1/status").body;
+    let committed = |name: &str| {
+        s["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .and_then(|r| r["committed"].as_u64())
+    };
     assert_eq!(
-        s["resources"][0]["committed"].as_u64(),
-        Some(holding),
+        committed("slots"),
+        Some(expected.len() as u64),
+        "{failpoint}: capacity leak: {s}"
+    );
+    assert_eq!(
+        committed("cpu_millis"),
+        Some(100 * expected.len() as u64),
         "{failpoint}: capacity leak: {s}"
     );
     // Whole groups: `sh -c` keeps its `sleep` as a child, which would outlive it.
