@@ -1524,9 +1524,18 @@ impl Engine {
         });
         match blocker {
             Some(b) => self.render_blocker(b),
+            // Nothing blocks it, yet no pass has granted it. A later waiter waits for the
+            // rotating window (A6), which may take several passes: no promise of which.
+            None if is_head => Reason {
+                code: "queue.scan".into(),
+                message: "fits now; the next admission pass offers it the first pick".into(),
+            },
             None => Reason {
                 code: "queue.scan".into(),
-                message: "fits now; the next admission pass reaches it".into(),
+                message: format!(
+                    "fits now; waits for the rotating scan window ({} waiters per pass) to reach it",
+                    self.cfg.window
+                ),
             },
         }
     }

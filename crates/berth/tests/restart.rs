@@ -75,7 +75,10 @@ fn kill_9_keeps_leases_fences_and_queue_order() {
     // Waiters keep their order and positions.
     assert_eq!(order(&d), before);
     // w1's client reconnects by posting the same run again (L7).
-    let _w1 = long_poll(&d, &waiter("w1"));
+    let mut w1 = long_poll(&d, &waiter("w1"));
+    d.wait_until("w1 is claimed again", |d| {
+        d.get("/v1/runs/w1").body["state"] == "queued"
+    });
     std::thread::sleep(Duration::from_millis(300));
     // Capacity frees: w1 gets the next fence, above every fence issued before.
     let r = d.post(
@@ -88,6 +91,11 @@ fn kill_9_keeps_leases_fences_and_queue_order() {
     });
     let f = d.get("/v1/runs/w1").body["fence"].as_u64().unwrap();
     assert!(f > max_before, "fence {f} not above {max_before}");
+    // The reconnected client is answered with that grant, on its own connection.
+    let (status, body) = read_answer(&mut w1);
+    assert_eq!(status, 201, "w1's reconnect was answered {status} {body}");
+    assert_eq!(body["run_id"], "w1", "{body}");
+    assert_eq!(body["fence"].as_u64(), Some(f), "{body}");
     // Nobody reclaimed w2 and w3 within the reconnect window: they are cancelled.
     d.wait_until("w2 and w3 are cancelled", |d| {
         d.get("/v1/runs/w2").body["state"] == "cancelled"
@@ -102,6 +110,13 @@ fn kill_9_keeps_leases_fences_and_queue_order() {
         &json!({"run_id": "n", "project": "n", "resources": {"cpu_millis": 100}, "wait_s": 0})
             .to_string(),
     );
+    // h2 and w1 still hold both slots after the second restart: no room for `n`.
+    assert_eq!((n.status, n.code()), (410, "expired"), "n: {:?}", n.body);
+    assert_eq!(
+        n.body["error"]["details"]["reason"]["code"], "capacity.slots",
+        "n: {:?}",
+        n.body
+    );
     let nf = d.post(
         "/v1/runs/h2/release",
         &json!({"fence": fences[1]}).to_string(),
@@ -113,6 +128,34 @@ fn kill_9_keeps_leases_fences_and_queue_order() {
     );
     assert_eq!(n2.status, 201, "{:?} {:?}", n.body, n2.body);
     assert!(n2.body["fence"].as_u64().unwrap() > f);
+}
+
+/// Reads one HTTP response (status and JSON body) from a raw connection, within 10 s.
+fn read_answer(s: &mut std::net::TcpStream) -> (u16, Value) {
+    use std::io::Read;
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse::<usize>().ok())?
+                })
+                .expect("a content-length");
+            if body.len() >= len {
+                let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+                return (status, serde_json::from_str(&body[..len]).unwrap());
+            }
+        }
+        let n = s.read(&mut chunk).expect("an answer within 10 s");
+        assert!(n > 0, "connection closed after {:?}", text);
+        buf.extend_from_slice(&chunk[..n]);
+    }
 }
 
 #[test]
