@@ -17,6 +17,8 @@
 
 pub mod cgroup;
 mod stop;
+#[doc(hidden)]
+pub mod testing;
 
 pub use stop::{StopAction, StopPlan};
 

@@ -2073,13 +2073,11 @@ mod tests {
     /// the identity and pristine checks below fail.)
     #[test]
     fn bind_mount_over_out_is_neither_recycled_nor_scrubbed() {
-        let required = std::env::var("BERTH_REQUIRE_ROOT").is_ok_and(|v| v == "1");
-        let skip = |why: &str| {
-            assert!(!required, "BERTH_REQUIRE_ROOT=1 but {why}");
-            eprintln!("bind_mount_over_out_is_neither_recycled_nor_scrubbed: skipped: {why}");
-        };
-        if !rustix::process::geteuid().is_root() {
-            return skip("not root (mount --bind needs root)");
+        use berth_proc::testing::{root, unavailable, REQUIRE_ROOT};
+        const TEST: &str = "bind_mount_over_out_is_neither_recycled_nor_scrubbed";
+        let skip = |why: &str| unavailable(REQUIRE_ROOT, TEST, why);
+        if !root(TEST) {
+            return;
         }
         let state = tempfile::tempdir().unwrap();
         let state_path = state.path().canonicalize().unwrap();

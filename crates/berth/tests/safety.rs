@@ -685,15 +685,7 @@ fn finding_12_an_ended_run_keeps_bounded_memory() {
 /// Root-only tests say why they skip; under `BERTH_REQUIRE_ROOT=1` (CI) a missing
 /// capability fails instead of passing silently.
 fn root_or_skip(why: &str) -> bool {
-    if rustix::process::geteuid().is_root() {
-        return true;
-    }
-    assert!(
-        std::env::var_os("BERTH_REQUIRE_ROOT").is_none(),
-        "BERTH_REQUIRE_ROOT is set but this test is not root ({why})"
-    );
-    eprintln!("skipped: {why} needs root");
-    false
+    berth_proc::testing::root(why)
 }
 
 /// A tmpfs mounted at `at` for the guard's life.

@@ -360,9 +360,11 @@ fn a_run_may_ask_for_its_own_stop_grace() {
 
 #[test]
 fn a_double_forked_daemon_is_stopped_by_the_cgroup_and_missed_by_the_fallback() {
-    let cgroups = std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .contains(" - cgroup2 ");
+    // Without a writable cgroup2 tree only the fallback half runs (said, or a failure
+    // under BERTH_REQUIRE_CGROUPS=1).
+    let cgroups = berth_proc::testing::cgroups(
+        "a_double_forked_daemon_is_stopped_by_the_cgroup_and_missed_by_the_fallback",
+    );
     for use_cgroups in [true, false] {
         let mut args = vec!["--slots-max", "2", "--stop-grace", "1s"];
         if !use_cgroups {
@@ -399,8 +401,8 @@ fn a_double_forked_daemon_is_stopped_by_the_cgroup_and_missed_by_the_fallback() 
             d.get("/v1/runs/df").body["state"] == "released"
         });
         std::thread::sleep(Duration::from_millis(300));
-        // As root on a cgroup2 host berth can make its groups; otherwise it may not.
-        let expect_cgroup = use_cgroups && cgroups && rustix::process::geteuid().is_root();
+        // Where this test can make groups, so can the daemon (same user, same tree).
+        let expect_cgroup = use_cgroups && cgroups;
         if expect_cgroup {
             assert!(
                 !alive(pid),
@@ -428,8 +430,10 @@ fn a_double_forked_daemon_is_stopped_by_the_cgroup_and_missed_by_the_fallback() 
 /// keeps its capacity counted; once the survivor is gone, the retry ends the run.
 #[test]
 fn a_tree_that_outlives_sigkill_degrades_the_run_and_names_the_survivors() {
-    if !rustix::process::geteuid().is_root() {
-        eprintln!("skipped: starting the daemon as another user needs root");
+    // Starting the daemon as another user needs root.
+    if !berth_proc::testing::root(
+        "a_tree_that_outlives_sigkill_degrades_the_run_and_names_the_survivors",
+    ) {
         return;
     }
     const NOBODY: u32 = 65534;
