@@ -3,9 +3,11 @@
 //! A simulated host and its clients drive `berth_core::Engine` through random arrivals of
 //! mixed sizes, priorities, classes and projects; releases, renewals, expiries (clients
 //! that die), cancellations, failed cleanups (degraded runs), ambient memory dips,
-//! promotions and demotions. Every step is checked with `check_invariants`, every
-//! decision is folded into a trace hash, and the longest time any foreground head waited
-//! beyond the starvation guard is compared with the bound from ARCHITECTURE.md.
+//! promotions and demotions, and stale owners whose release or renew carries a fence
+//! that is not the run's (they must be refused and change nothing, L2). Every step is
+//! checked with `check_invariants`, every decision is folded into a trace hash, and the
+//! longest time any foreground head waited beyond the starvation guard is compared with
+//! the bound from ARCHITECTURE.md.
 //! There is no clock and no randomness but the seeded generator: the same seed gives the
 //! same trace, which the binary checks by running each seed twice.
 
@@ -13,8 +15,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use berth_core::{
-    Class, Command, Concurrency, Config, ContractInfo, Engine, Event, KeyMode, Priority, Request,
-    Resources, RunState, GIB,
+    Class, Command, Concurrency, Config, ContractInfo, EndCause, Engine, Error, Event, KeyMode,
+    Output, Priority, Request, Resources, RunState, GIB,
 };
 
 /// SplitMix64: tiny, fast, and good enough to drive a workload.
@@ -140,12 +142,20 @@ pub struct Report {
     pub steps: usize,
     pub commands: u64,
     pub grants: u64,
+    /// Runs that ended `expired`: waiters at their deadline (A8) and expired leases.
     pub expired: u64,
+    /// Waiters that left the queue at their deadline (A8).
+    pub deadline_expiries: u64,
+    /// Leases not renewed in time, stopped by the engine (L6).
+    pub lease_expiries: u64,
     pub cancelled: u64,
     pub degraded: u64,
     pub promotions: u64,
     pub demotions: u64,
     pub refusals: u64,
+    /// Releases and renews with a stale fence, each refused with `stale_fence` and
+    /// checked to have changed nothing.
+    pub stale_fences_refused: u64,
     pub max_queue: usize,
     /// The longest a foreground head waited beyond the starvation guard, and which run.
     pub max_head_beyond_guard_ms: u64,
@@ -185,6 +195,11 @@ fn fnv(hash: u64, bytes: &[u8]) -> u64 {
 
 impl Sim {
     fn apply(&mut self, cmd: Command) -> Result<(), String> {
+        self.apply_out(cmd).map(|_| ())
+    }
+
+    /// Applies a command, folds it into the trace and checks the invariants.
+    fn apply_out(&mut self, cmd: Command) -> Result<Output, String> {
         self.report.commands += 1;
         let line = format!("{} {:?}", self.now, cmd);
         let out = self.engine.apply(self.now, cmd);
@@ -205,7 +220,7 @@ impl Sim {
             .check_invariants()
             .map_err(|e| format!("invariant broken at t={} after {trace}: {e}", self.now))?;
         self.observe_head()?;
-        Ok(())
+        Ok(out)
     }
 
     fn on_event(&mut self, ev: &Event) {
@@ -239,7 +254,10 @@ impl Sim {
                 };
                 self.clients.insert(run_id.clone(), client);
             }
-            Event::StopRequested { run_id, .. } => {
+            Event::StopRequested { run_id, cause } => {
+                if *cause == EndCause::Expired {
+                    self.report.lease_expiries += 1;
+                }
                 let fail_more = if self.rng.chance(0.1) {
                     self.rng.range(1, self.p.cleanup_failures_max)
                 } else {
@@ -257,9 +275,14 @@ impl Sim {
             }
             Event::Degraded { .. } => self.report.degraded += 1,
             Event::Ended { run_id, state } => {
-                self.clients.remove(run_id);
+                let was_waiting = matches!(self.clients.remove(run_id), Some(Client::Waiting));
                 match state {
-                    RunState::Expired => self.report.expired += 1,
+                    RunState::Expired => {
+                        self.report.expired += 1;
+                        if was_waiting {
+                            self.report.deadline_expiries += 1;
+                        }
+                    }
                     RunState::Cancelled => self.report.cancelled += 1,
                     _ => {}
                 }
@@ -522,21 +545,89 @@ impl Sim {
             }
             55..=62 => self.promote()?,
             63..=64 => self.commit_moves()?,
-            65..=66 => {
-                // A stale owner: an old fence must be refused and change nothing.
-                if let Some(id) = self.random_client(|c| matches!(c, Client::Holding { .. })) {
-                    if let Some(Client::Holding { fence, .. }) = self.clients.get(&id) {
-                        let stale = if *fence > 1 { fence - 1 } else { fence + 1 };
-                        self.apply(Command::Release {
-                            run_id: id,
-                            fence: stale,
-                        })?;
-                    }
-                }
-            }
+            65..=67 => self.stale_fence_call()?,
             _ => {}
         }
         self.report.max_queue = self.report.max_queue.max(self.engine.queue_len());
+        Ok(())
+    }
+
+    /// A stale owner (L2): a release or renew of a run that holds (or is giving back) a
+    /// lease, carrying a fence that is not its current one: `fence - 1`, an earlier
+    /// grant's fence, or one never issued to it. The engine must refuse it with
+    /// `stale_fence`, emit nothing and leave the host, the run and its lease unchanged.
+    fn stale_fence_call(&mut self) -> Result<(), String> {
+        let Some(id) = self.random_client(|c| !matches!(c, Client::Waiting)) else {
+            return Ok(());
+        };
+        // Let time do its own work first (deadlines, expiries, settling memory), so that
+        // the refused call below is the only thing that could change the state.
+        if self.engine.now() < self.now {
+            self.apply(Command::Tick)?;
+        }
+        let Some(current) = self.engine.view_of(&id).and_then(|v| v.fence) else {
+            return Ok(());
+        };
+        if let Some(Client::Holding { fence, .. }) = self.clients.get(&id) {
+            if *fence != current {
+                return Err(format!(
+                    "t={}: run {id} holds fence {fence} but the engine says {current}",
+                    self.now
+                ));
+            }
+        }
+        let stale = if current > 1 && self.rng.chance(0.8) {
+            if self.rng.chance(0.5) {
+                current - 1
+            } else {
+                self.rng.range(1, current - 1)
+            }
+        } else {
+            current + self.rng.range(1, 8)
+        };
+        let cmd = if self.rng.chance(0.5) {
+            Command::Renew {
+                run_id: id.clone(),
+                fence: Some(stale),
+                ttl_ms: self.rng.chance(0.5).then_some(60_000),
+            }
+        } else {
+            Command::Release {
+                run_id: id.clone(),
+                fence: stale,
+            }
+        };
+        let what = format!("{cmd:?}");
+        let before = (
+            self.engine.snapshot(),
+            self.engine.view_of(&id),
+            self.engine.record(&id),
+        );
+        let out = self.apply_out(cmd)?;
+        let refused = matches!(
+            &out.result,
+            Err(Error::StaleFence { given, current: cur, .. })
+                if *given == Some(stale) && *cur == Some(current)
+        );
+        if !refused || !out.events.is_empty() {
+            return Err(format!(
+                "t={}: {what} (current fence {current}) was not refused as stale: {:?} {:?}",
+                self.now, out.result, out.events
+            ));
+        }
+        let after = (
+            self.engine.snapshot(),
+            self.engine.view_of(&id),
+            self.engine.record(&id),
+        );
+        if before != after {
+            return Err(format!(
+                "t={}: the refused {what} changed state:\n{before:?}\n{after:?}",
+                self.now
+            ));
+        }
+        self.report.stale_fences_refused += 1;
+        self.hash = fnv(self.hash, b"|stale fence refused");
         Ok(())
     }
 
@@ -609,8 +700,13 @@ impl Sim {
 
 /// Runs one seed to completion. Errors name the step and the broken rule.
 pub fn run(seed: u64, p: &Params) -> Result<Report, String> {
+    run_with_bound(seed, p, p.head_wait_beyond_guard_bound_ms(&sim_config()))
+}
+
+/// [`run`] against a given starvation bound instead of the one ARCHITECTURE.md states
+/// (tests use a tighter one to see the check fire).
+pub fn run_with_bound(seed: u64, p: &Params, bound: u64) -> Result<Report, String> {
     let cfg = sim_config();
-    let bound = p.head_wait_beyond_guard_bound_ms(&cfg);
     let mut sim = Sim {
         rng: Rng::new(seed),
         p: p.clone(),

@@ -32,6 +32,7 @@ fn main() -> ExitCode {
     let (mut failures, mut grants, mut commands) = (0u64, 0u64, 0u64);
     let (mut worst, mut worst_seed, mut bound) = (0u64, 0u64, 0u64);
     let (mut promotions, mut demotions, mut degraded, mut expired) = (0u64, 0u64, 0u64, 0u64);
+    let (mut stale_fences, mut lease_expiries) = (0u64, 0u64);
     let mut max_queue = 0usize;
     for seed in args.first..args.first + args.seeds {
         match berth_sim::run_twice(seed, &params) {
@@ -42,6 +43,8 @@ fn main() -> ExitCode {
                 demotions += r.demotions;
                 degraded += r.degraded;
                 expired += r.expired;
+                stale_fences += r.stale_fences_refused;
+                lease_expiries += r.lease_expiries;
                 max_queue = max_queue.max(r.max_queue);
                 bound = r.bound_ms;
                 if r.max_head_beyond_guard_ms >= worst {
@@ -56,7 +59,7 @@ fn main() -> ExitCode {
         }
     }
     println!(
-        "{{\"seeds\":{},\"failures\":{failures},\"commands\":{commands},\"grants\":{grants},\"promotions\":{promotions},\"demotions\":{demotions},\"degraded\":{degraded},\"expired\":{expired},\"max_queue\":{max_queue},\"max_head_beyond_guard_ms\":{worst},\"worst_seed\":{worst_seed},\"bound_ms\":{bound},\"seconds\":{:.1}}}",
+        "{{\"seeds\":{},\"failures\":{failures},\"commands\":{commands},\"grants\":{grants},\"promotions\":{promotions},\"demotions\":{demotions},\"degraded\":{degraded},\"expired\":{expired},\"lease_expiries\":{lease_expiries},\"stale_fences_refused\":{stale_fences},\"max_queue\":{max_queue},\"max_head_beyond_guard_ms\":{worst},\"worst_seed\":{worst_seed},\"bound_ms\":{bound},\"seconds\":{:.1}}}",
         args.seeds,
         started.elapsed().as_secs_f64()
     );

@@ -349,7 +349,10 @@ fn a_run_may_ask_for_its_own_stop_grace() {
         took >= Duration::from_millis(900) && took < Duration::from_secs(10),
         "{took:?}"
     );
-    let _ = child.wait();
+    assert!(
+        killed_within(&mut child, Duration::from_secs(5)),
+        "quick is released but its tree lives on"
+    );
     let bad = d.post(
         "/v1/runs",
         &json!({"project": "q", "stop_grace_s": 3601}).to_string(),
@@ -512,8 +515,10 @@ fn two_daemons_with_the_same_run_id_never_stop_each_others_processes() {
     for d in [&a, &b] {
         let fence = acquire(d, "same", 60);
         let child = Command::new("sleep")
-            .arg("60")
+            .arg("3600")
             .process_group(0)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
             .spawn()
             .unwrap();
         let reg = d.post(
@@ -531,7 +536,10 @@ fn two_daemons_with_the_same_run_id_never_stop_each_others_processes() {
     a.wait_until("a's run is released", |d| {
         d.get("/v1/runs/same").body["state"] == "released"
     });
-    let _ = children[0].1.wait();
+    assert!(
+        killed_within(&mut children[0].1, Duration::from_secs(5)),
+        "a released its run but did not stop its process"
+    );
     // Past a's grace and kill: b's process is untouched and b's run still granted.
     std::thread::sleep(Duration::from_millis(1500));
     assert!(alive(children[1].1.id() as i32), "a stopped b's process");

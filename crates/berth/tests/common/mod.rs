@@ -34,7 +34,72 @@ pub struct Daemon {
     pub uid: Option<u32>,
     /// The daemon's descriptor limit (soft and hard), if not the test's own.
     pub nofile: Option<u64>,
+    /// What the daemon wrote on stderr, every start appended: shown when a test times
+    /// out or a wait fails.
+    pub log: PathBuf,
+    /// The test's watchdog (see `Watchdog`).
+    watchdog: Watchdog,
+    _log_dir: tempfile::TempDir,
     _dir: Option<tempfile::TempDir>,
+}
+
+/// Every end-to-end test has a deadline: a daemon that hangs (or a test waiting on one)
+/// fails the test binary with the test's name and the daemon's log instead of hanging
+/// the suite. `BERTH_TEST_TIMEOUT_S` sets it (default `TEST_TIMEOUT_S_DEFAULT`).
+pub const TEST_TIMEOUT_S_DEFAULT: u64 = 240;
+
+struct Watchdog {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Watchdog {
+    /// Started when the daemon is prepared, in the test's own thread (named after it).
+    fn start(log: PathBuf) -> Watchdog {
+        use std::sync::atomic::Ordering;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let test = std::thread::current()
+            .name()
+            .unwrap_or("a test")
+            .to_string();
+        let timeout_s = std::env::var("BERTH_TEST_TIMEOUT_S")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(TEST_TIMEOUT_S_DEFAULT);
+        let flag = done.clone();
+        std::thread::spawn(move || {
+            let end = Instant::now() + Duration::from_secs(timeout_s);
+            while Instant::now() < end {
+                if flag.load(Ordering::Relaxed) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            // Straight to the descriptor (the harness captures `eprintln!`), then out:
+            // the whole binary fails, and every daemon it started dies with it
+            // (`PR_SET_PDEATHSIG`).
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "\n{test}: timed out after {timeout_s} s (BERTH_TEST_TIMEOUT_S); the daemon logged:\n{}",
+                log_tail(&log)
+            );
+            std::process::exit(101);
+        });
+        Watchdog { done }
+    }
+}
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// The last 8 KiB of a daemon log.
+pub fn log_tail(log: &Path) -> String {
+    let bytes = std::fs::read(log).unwrap_or_default();
+    let from = bytes.len().saturating_sub(8 << 10);
+    String::from_utf8_lossy(&bytes[from..]).into_owned()
 }
 
 pub struct Resp {
@@ -158,7 +223,12 @@ impl Daemon {
             }
         }
         args.extend(extra.iter().map(|s| s.to_string()));
+        let log_dir = tempfile::tempdir().unwrap();
+        let log = log_dir.path().join("daemon.log");
         Daemon {
+            watchdog: Watchdog::start(log.clone()),
+            log,
+            _log_dir: log_dir,
             child: None,
             state: state.to_path_buf(),
             port,
@@ -175,6 +245,25 @@ impl Daemon {
 
     pub fn spawn(&mut self) {
         let mut cmd = Command::new(&self.bin);
+        {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe; nothing else runs in the child. The
+            // daemon dies with the test's thread: a test binary that exits (a timeout)
+            // or is killed leaves no daemon serving.
+            unsafe {
+                cmd.pre_exec(|| {
+                    rustix::process::set_parent_process_death_signal(Some(
+                        rustix::process::Signal::KILL,
+                    ))
+                    .map_err(std::io::Error::from)
+                });
+            }
+        }
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("open the daemon log");
         if let Some(uid) = self.uid {
             use std::os::unix::process::CommandExt;
             cmd.uid(uid).gid(uid);
@@ -198,7 +287,7 @@ impl Daemon {
             .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .env("BERTH_LOG", "warn")
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("start berth serve");
         let mut line = String::new();
@@ -207,7 +296,8 @@ impl Daemon {
             .unwrap();
         assert!(
             line.starts_with("listening on"),
-            "berth serve said {line:?}"
+            "berth serve said {line:?}; it logged:\n{}",
+            log_tail(&self.log)
         );
         self.token = std::fs::read_to_string(self.state.join("admin.token"))
             .map(|t| t.trim().to_string())
@@ -281,7 +371,12 @@ impl Daemon {
                 r.send(body.unwrap_or("").as_bytes())
             }
         }
-        .expect("daemon answers");
+        .unwrap_or_else(|e| {
+            panic!(
+                "{method} {path}: the daemon did not answer ({e}); it logged:\n{}",
+                log_tail(&self.log)
+            )
+        });
         let status = resp.status().as_u16();
         let text = resp.into_body().read_to_string().unwrap_or_default();
         Resp {
@@ -318,7 +413,10 @@ impl Daemon {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        panic!("timed out waiting until {what}");
+        panic!(
+            "timed out waiting until {what}; the daemon logged:\n{}",
+            log_tail(&self.log)
+        );
     }
 }
 
