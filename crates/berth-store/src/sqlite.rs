@@ -156,6 +156,14 @@ impl SqliteStore {
             .query_row("PRAGMA synchronous", [], |r| r.get(0))
             .unwrap_or(-1)
     }
+
+    /// The `journal_mode` pragma in force, lower case (tests assert it is `wal`).
+    pub fn journal_mode(&self) -> String {
+        self.conn
+            .query_row("PRAGMA journal_mode", [], |r| r.get::<_, String>(0))
+            .map(|m| m.to_ascii_lowercase())
+            .unwrap_or_default()
+    }
 }
 
 fn class_str(c: Class) -> &'static str {

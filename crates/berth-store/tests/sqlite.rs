@@ -42,10 +42,27 @@ fn finding_10_an_exclusive_ledger_refuses_a_second_connection() {
 
 #[test]
 fn durability_pragmas_are_wal_and_full() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(&dir.path().join("l.db")).unwrap();
-    assert_eq!(store.synchronous(), 2, "synchronous must be FULL");
-    assert!(dir.path().join("l.db-wal").exists() || dir.path().join("l.db").exists());
+    // Both ways the ledger is opened: by tools, and by the daemon (exclusive).
+    for exclusive in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let store = if exclusive {
+            SqliteStore::open_exclusive(&path)
+        } else {
+            SqliteStore::open(&path)
+        }
+        .unwrap();
+        assert_eq!(store.synchronous(), 2, "synchronous must be FULL");
+        assert_eq!(store.journal_mode(), "wal", "the journal must be the WAL");
+        // WAL mode is also what the file says, for the next opener.
+        drop(store);
+        let header = std::fs::read(&path).unwrap();
+        assert_eq!(
+            (header[18], header[19]),
+            (2, 2),
+            "file format bytes of a WAL ledger"
+        );
+    }
 }
 
 #[test]
