@@ -4,6 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
+# The durability test runs the daemon under strace (crates/berth/tests/durability.rs).
+if ! command -v strace >/dev/null && [ "$(id -u)" = 0 ]; then
+  apt-get update -qq && apt-get install -y -qq strace >/dev/null
+fi
 cargo test --workspace --locked
 # The crash tests need the daemon built with its failpoints (a cargo feature).
 cargo test --locked -p berth --features failpoints --test failpoints
