@@ -2,7 +2,8 @@
 //! `BERTH_FAILPOINT=name[,name...]` makes the process abort the first time it passes
 //! one of those points, as a crash there would. Without the feature every call is
 //! empty and compiles away. `BERTH_FAILPOINT_ARM=<path>` arms the points only once
-//! that file exists.
+//! that file exists. `BERTH_FAILPOINT_ACTION=pause` makes the thread that reaches the
+//! point stop there for good instead of aborting the process.
 //!
 //! Points: `grant-committed` (a grant is durable but not yet answered), `mid-stop`
 //! (between SIGTERM and SIGKILL of a run's tree), `mid-archive` (an archive of
@@ -17,6 +18,14 @@ pub fn hit(name: &str) {
         let armed = std::env::var_os("BERTH_FAILPOINT_ARM")
             .is_none_or(|p| std::path::Path::new(&p).exists());
         if armed && v.split(',').any(|n| n.trim() == name) {
+            // BERTH_FAILPOINT_ACTION=pause: the thread that got here stops for good
+            // instead (a step that never finishes), and everything else goes on.
+            if std::env::var("BERTH_FAILPOINT_ACTION").as_deref() == Ok("pause") {
+                eprintln!("berth: failpoint {name}: pausing this thread for good");
+                loop {
+                    std::thread::park();
+                }
+            }
             eprintln!("berth: failpoint {name}: aborting");
             std::process::abort();
         }

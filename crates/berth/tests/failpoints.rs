@@ -457,3 +457,60 @@ fn crash_loop() {
     }
     eprintln!("crash loop: {n} iterations, per failpoint {count:?}, all invariants held");
 }
+
+/// L5/P4: archiving never holds capacity. The archive of a released run's logs stops
+/// halfway for good (`mid-archive`, paused): the slot it held is granted to the next
+/// run all the same, and the half-made archive is never shown as an archive.
+#[test]
+fn archiving_never_holds_capacity() {
+    let mut d = Daemon::unstarted(&["--slots-max", "1"]);
+    d.env = vec![
+        ("BERTH_FAILPOINT".into(), "mid-archive".into()),
+        ("BERTH_FAILPOINT_ACTION".into(), "pause".into()),
+    ];
+    d.spawn();
+    let a = d.post(
+        "/v1/runs",
+        &json!({"run_id": "a", "project": "a", "resources": {"cpu_millis": 100}}).to_string(),
+    );
+    assert_eq!(a.status, 201, "{:?}", a.body);
+    let ws = std::path::PathBuf::from(a.body["workspace"].as_str().unwrap());
+    for name in ["a.log", "b.log"] {
+        std::fs::write(ws.join("logs").join(name), vec![b'x'; 5000]).unwrap();
+    }
+    let _waiter = long_poll(
+        &d,
+        &json!({"run_id": "b", "project": "b", "resources": {"cpu_millis": 100}}),
+    );
+    d.wait_until("b queues", |d| {
+        d.get("/v1/runs/b").body["state"] == "queued"
+    });
+    let r = d.post(
+        "/v1/runs/a/release",
+        &json!({"fence": a.body["fence"]}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let diag = d.state.join("diagnostics");
+    let entries = || -> Vec<String> {
+        std::fs::read_dir(&diag)
+            .map(|rd| {
+                rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    // The archive has begun and is stuck halfway ...
+    d.wait_until("a's archive is half made", |_| {
+        entries().iter().any(|n| n.starts_with(".partial-"))
+    });
+    // ... and the slot went on to b regardless.
+    d.wait_until("b is granted while a's archive is stuck", |d| {
+        d.get("/v1/runs/b").body["state"] == "granted"
+    });
+    assert_eq!(d.get("/v1/runs/a").body["state"], "released");
+    let names = entries();
+    assert!(
+        names.iter().all(|n| n.starts_with(".partial-")),
+        "a half-made archive is shown as whole: {names:?}"
+    );
+}
