@@ -547,3 +547,83 @@ fn two_daemons_with_the_same_run_id_never_stop_each_others_processes() {
     let _ = children[1].1.kill();
     let _ = children[1].1.wait();
 }
+
+/// P2 with cgroups: a tree that keeps moving to new pids (each process ignores TERM,
+/// starts its successor and exits at once) outruns signals sent pid by pid after a
+/// scan; `cgroup.kill` takes the whole group at once, so the run ends cleanly.
+#[test]
+fn a_pid_hopping_tree_is_stopped_by_the_cgroup_kill() {
+    const TEST: &str = "a_pid_hopping_tree_is_stopped_by_the_cgroup_kill";
+    if !berth_proc::testing::cgroups(TEST) {
+        return;
+    }
+    let d = Daemon::start(&["--slots-max", "2", "--stop-grace", "1s"]);
+    let dir = tempfile::tempdir().unwrap();
+    let hop = dir.path().join("hop.sh");
+    // At most 30,000 hops (tens of seconds): an escaped hopper ends by itself.
+    std::fs::write(
+        &hop,
+        "trap '' TERM\n[ \"$1\" -gt 0 ] || exit 0\nsh \"$0\" $(($1 - 1)) \"$2\" &\nexit 0\n",
+    )
+    .unwrap();
+    let token = format!("hop-{}", std::process::id());
+    let hoppers = || -> Vec<i32> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&token))
+                    && alive(*pid)
+            })
+            .collect()
+    };
+    let st = d
+        .cli()
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--run-id",
+            "hop",
+            "--cpus",
+            "0.1",
+            "--",
+            "sh",
+        ])
+        .arg(&hop)
+        .args(["30000", &token])
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(st.success());
+    d.wait_until("hop has ended", |d| {
+        matches!(
+            d.get("/v1/runs/hop").body["state"].as_str(),
+            Some("released" | "degraded")
+        )
+    });
+    let run = d.get("/v1/runs/hop").body;
+    // Whatever happened, no hopper outlives the test.
+    let end = Instant::now() + Duration::from_secs(3);
+    let mut left = hoppers();
+    while !left.is_empty() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(50));
+        left = hoppers();
+    }
+    let escaped = left.clone();
+    let until = Instant::now() + Duration::from_secs(60);
+    while !left.is_empty() && Instant::now() < until {
+        for pid in &left {
+            if let Some(p) = rustix::process::Pid::from_raw(*pid) {
+                let _ = rustix::process::kill_process(p, rustix::process::Signal::KILL);
+            }
+        }
+        left = hoppers();
+    }
+    assert_eq!(run["state"], "released", "{run}");
+    assert!(
+        escaped.is_empty(),
+        "hoppers alive after the release: {escaped:?}"
+    );
+}
