@@ -1081,4 +1081,72 @@ mod tests {
             assert_eq!(members(&[forged], &all), Vec::new());
         }
     }
+
+    /// P2: `cgroup.kill` is what ends a group whose processes per-pid signals cannot
+    /// reach (a tree that hops to a new pid at every fork outruns them). Real group,
+    /// real processes; only the per-pid signaller is replaced by one that never lands.
+    #[test]
+    fn the_cgroup_kill_ends_a_group_that_per_pid_signals_miss() {
+        const TEST: &str = "the_cgroup_kill_ends_a_group_that_per_pid_signals_miss";
+        let name = format!("unit-{}", std::process::id());
+        let Some(base) = crate::testing::cgroup_base(TEST, &name) else {
+            return;
+        };
+        let group = cgroup::Group::create(&base, "g").unwrap();
+        let mut children: Vec<std::process::Child> = (0..3)
+            .map(|_| {
+                std::process::Command::new("sleep")
+                    .arg("3600")
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for c in &children {
+            group.add(c.id() as i32).unwrap();
+        }
+        let (mut stopper, sent) = recording_stopper(0, 2_000);
+        stopper.add(StopJob {
+            key: "g".into(),
+            roots: Vec::new(),
+            group: Some(cgroup::Group::open(group.path.clone())),
+            grace_ms: Some(0),
+        });
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let report = loop {
+            let mut done = stopper.round();
+            if let Some((_, r)) = done.pop() {
+                break r;
+            }
+            assert!(std::time::Instant::now() < end, "the stop never finished");
+            std::thread::sleep(std::time::Duration::from_millis(STOP_ROUND_MS));
+        };
+        // Every child was signalled pid by pid (and nothing landed) ...
+        let signalled: std::collections::BTreeSet<i32> =
+            sent.lock().unwrap().iter().map(|(p, _)| *p).collect();
+        for c in &children {
+            assert!(signalled.contains(&(c.id() as i32)));
+        }
+        // ... yet the group is empty and the stop clean: the group kill did it.
+        let gone = children.iter_mut().all(|c| {
+            let end = std::time::Instant::now() + std::time::Duration::from_secs(3);
+            loop {
+                if c.try_wait().unwrap().is_some() {
+                    break true;
+                }
+                if std::time::Instant::now() > end {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break false;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        });
+        assert!(report.ok(), "{report:?}");
+        assert!(gone, "a process of the group outlived its stop");
+        assert!(!group.populated().unwrap());
+        group.remove().unwrap();
+        let _ = std::fs::remove_dir(&base);
+    }
 }
