@@ -409,6 +409,12 @@ impl Daemon {
         let end = Instant::now() + Duration::from_secs(20);
         while Instant::now() < end {
             if f(self) {
+                // Met only after the deadline (one call blocked past it) is late too.
+                assert!(
+                    Instant::now() <= end,
+                    "{what}: only after the 20 s deadline; the daemon logged:\n{}",
+                    log_tail(&self.log)
+                );
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));
