@@ -182,6 +182,8 @@ struct Sim {
     hash: u64,
     report: Report,
     head: Option<(String, u64)>,
+    /// The largest fence granted so far: every grant must be above it (L1).
+    max_fence: u64,
 }
 
 fn fnv(hash: u64, bytes: &[u8]) -> u64 {
@@ -206,6 +208,15 @@ impl Sim {
         let mut trace = line;
         for ev in &out.events {
             let _ = write!(trace, "|{ev}");
+            if let Event::Granted { run_id, fence, .. } = ev {
+                if *fence <= self.max_fence {
+                    return Err(format!(
+                        "t={}: {run_id} was granted fence {fence}, not above {} granted before (L1)",
+                        self.now, self.max_fence
+                    ));
+                }
+                self.max_fence = *fence;
+            }
             self.on_event(ev);
         }
         match &out.result {
@@ -727,6 +738,7 @@ pub fn run_with_bound(seed: u64, p: &Params, bound: u64) -> Result<Report, Strin
             ..Report::default()
         },
         head: None,
+        max_fence: 0,
     };
     for _ in 0..p.steps {
         sim.step()?;
