@@ -687,3 +687,54 @@ fn a_corrupt_ledger_stops_the_daemon_with_a_clear_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("ledger"), "{err}");
 }
+
+/// A2 with real sampling: the daemon reads the host's MemAvailable, and a grant the
+/// configured totals allow but the host's memory does not is held back for it.
+#[test]
+fn real_memory_sampling_holds_back_what_the_host_does_not_have() {
+    let meminfo = |key: &str| -> u64 {
+        std::fs::read_to_string("/proc/meminfo")
+            .unwrap()
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .unwrap()
+            * 1024
+    };
+    let host_total = meminfo("MemTotal:");
+    // Configured far above the machine: only the sampled figure can stop a grant.
+    let d = Daemon::start_sampling_memory(&["--slots-max", "4", "--memory-total", "4TiB"]);
+    d.wait_until("the daemon has sampled MemAvailable", |d| {
+        d.get("/v1/status").body["memory_available"].is_u64()
+    });
+    let sampled = d.get("/v1/status").body["memory_available"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        sampled > 0 && sampled <= host_total,
+        "sampled {sampled} of a {host_total}-byte host"
+    );
+    // All of the host's memory: more than it can have available, less than configured.
+    let big = acquire(
+        &d,
+        json!({"run_id": "big", "project": "big", "wait_s": 0,
+               "resources": {"memory": host_total, "cpu_millis": 10}}),
+    );
+    assert_eq!((big.status, big.code()), (410, "expired"), "{:?}", big.body);
+    let reason = &big.body["error"]["details"]["reason"];
+    assert_eq!(reason["code"], "capacity.memory", "{reason}");
+    assert!(
+        reason["message"]
+            .as_str()
+            .unwrap()
+            .contains("free under the"),
+        "not the sampled figure that held it back: {reason}"
+    );
+    // A small claim fits the host: granted.
+    let small = acquire(
+        &d,
+        json!({"run_id": "small", "project": "small", "wait_s": 0,
+               "resources": {"memory": 16u64 << 20, "cpu_millis": 10}}),
+    );
+    assert_eq!(small.status, 201, "{:?}", small.body);
+}

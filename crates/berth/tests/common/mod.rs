@@ -123,9 +123,17 @@ fn agent() -> ureq::Agent {
 
 impl Daemon {
     /// Small fixed totals: slots, 8 GiB memory (1 GiB reserve), 4 cpus (1 reserved),
-    /// 100 GiB disk, no memory sampling.
+    /// 100 GiB disk, no memory sampling (see `start_sampling_memory`).
     pub fn start(extra: &[&str]) -> Daemon {
         let mut d = Daemon::unstarted(extra);
+        d.spawn();
+        d
+    }
+
+    /// Like `start`, but sampling the host's real MemAvailable (A2).
+    pub fn start_sampling_memory(extra: &[&str]) -> Daemon {
+        let mut d = Daemon::unstarted(extra);
+        d.args.retain(|a| a != "--no-memory-sampling");
         d.spawn();
         d
     }
