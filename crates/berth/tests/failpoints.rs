@@ -51,6 +51,16 @@ fn hold(d: &Daemon, id: &str, ignore_term: bool) -> Held {
     Held { fence, child }
 }
 
+/// The names in directory `p` (none if it does not exist).
+fn names_in(p: &std::path::Path) -> Vec<String> {
+    std::fs::read_dir(p)
+        .map(|rd| {
+            rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// Runs one crash at `failpoint` and checks everything that must hold after a restart.
 fn crash_at(failpoint: &str, variant: u64) {
     let dir = tempfile::tempdir().unwrap();
@@ -239,22 +249,14 @@ fn crash_at(failpoint: &str, variant: u64) {
         // what was left.
         let diag = d.state.join("diagnostics");
         let digest = ws.file_name().unwrap().to_string_lossy().into_owned();
-        let entries = |p: &std::path::Path| -> Vec<String> {
-            std::fs::read_dir(p)
-                .map(|rd| {
-                    rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                        .collect()
-                })
-                .unwrap_or_default()
-        };
         d.wait_until("the dirty workspace is removed and archived", |_| {
             !ws.exists()
-                && entries(&d.state.join("runs/.trash")).is_empty()
-                && entries(&diag).iter().any(|n| n.ends_with(&digest))
+                && names_in(&d.state.join("runs/.trash")).is_empty()
+                && names_in(&diag).iter().any(|n| n.ends_with(&digest))
         });
         // (The pool thread may still be renaming; give it a moment to settle.)
         std::thread::sleep(Duration::from_millis(300));
-        let archives = entries(&diag);
+        let archives = names_in(&diag);
         assert_eq!(
             archives.len(),
             1,
@@ -265,7 +267,7 @@ fn crash_at(failpoint: &str, variant: u64) {
             "{failpoint}: {archives:?}"
         );
         let a = diag.join(&archives[0]);
-        let mut names = entries(&a);
+        let mut names = names_in(&a);
         names.sort();
         assert_eq!(
             names,
@@ -491,24 +493,16 @@ fn archiving_never_holds_capacity() {
     );
     assert_eq!(r.status, 200, "{:?}", r.body);
     let diag = d.state.join("diagnostics");
-    let entries = || -> Vec<String> {
-        std::fs::read_dir(&diag)
-            .map(|rd| {
-                rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
     // The archive has begun and is stuck halfway ...
     d.wait_until("a's archive is half made", |_| {
-        entries().iter().any(|n| n.starts_with(".partial-"))
+        names_in(&diag).iter().any(|n| n.starts_with(".partial-"))
     });
     // ... and the slot went on to b regardless.
     d.wait_until("b is granted while a's archive is stuck", |d| {
         d.get("/v1/runs/b").body["state"] == "granted"
     });
     assert_eq!(d.get("/v1/runs/a").body["state"], "released");
-    let names = entries();
+    let names = names_in(&diag);
     assert!(
         names.iter().all(|n| n.starts_with(".partial-")),
         "a half-made archive is shown as whole: {names:?}"
