@@ -8,7 +8,6 @@
 use std::collections::BTreeMap;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -316,6 +315,11 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         serde_json::from_value(lease["env"].clone()).unwrap_or_default();
     let ttl_ms = a.claim.ttl.unwrap_or(300_000).max(1000);
 
+    // A terminal on stdin, with berth run in its foreground: CMD gets the terminal (see
+    // `Tty`). Terminal stops are blocked first, in every thread to come: berth run
+    // talks to a terminal it no longer owns (its waiting line, `tcsetpgrp`).
+    let tty = Tty::detect();
+    block_terminal_stops();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -324,6 +328,8 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         // Handlers first: a signal that arrives once CMD exists must reach CMD.
         let mut sigint = signal(SignalKind::interrupt())?;
         let mut sigterm = signal(SignalKind::terminate())?;
+        let mut sighup = signal(SignalKind::hangup())?;
+        let mut sigtstp = signal(SignalKind::from_raw(libc::SIGTSTP))?;
         // CMD must never run unregistered (P1): it starts behind a gate, a shell that
         // waits for one byte on a pipe and then execs CMD under the same pid. If this
         // process dies before it registers CMD, the pipe closes, the read fails and CMD
@@ -332,25 +338,28 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         rustix::io::fcntl_setfd(&gate_write, rustix::io::FdFlags::CLOEXEC)?;
         let fd = std::os::fd::AsRawFd::as_raw_fd(&gate_read);
         let gate = format!("read -r _ <&{fd} || exit 125; exec \"$@\" {fd}<&-");
-        let mut cmd = tokio::process::Command::new("/bin/sh");
+        // std, not tokio: the child is waited for by `watch_child` (which also sees it
+        // stop), never by a runtime that would reap it behind our back.
+        use std::os::unix::process::CommandExt;
+        let mut cmd = std::process::Command::new("/bin/sh");
         cmd.arg("-c")
             .arg(gate)
             .arg("berth-run")
             .args(&a.cmd)
             .envs(&env)
-            .process_group(0)
-            .kill_on_drop(false);
+            .process_group(0);
         let spawned = cmd.spawn();
         drop(gate_read);
-        let mut child = match spawned {
+        let child = match spawned {
             Ok(c) => c,
             Err(e) => {
                 eprintln!("berth: cannot start {}: {e}", a.cmd[0]);
-                release(&client, &run_id, fence).await;
+                let _ = release(&client, &run_id, fence).await;
                 return Ok(127);
             }
         };
-        let pgid = child.id().unwrap_or(0) as i32;
+        let pgid = child.id() as i32;
+        let mut events = watch_child(pgid);
         berth_server::failpoint::hit("spawn-before-register");
         // P1: the broker records the child by identity (and moves it into the run's
         // cgroup), so it can stop the tree if this client dies (P6). CMD never runs
@@ -359,28 +368,39 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         // the lease is released and berth run says why.
         if let Err((code, why)) = register(&client, &run_id, fence, pgid, ttl_ms).await {
             drop(gate_write);
-            let _ = child.wait().await;
+            while let Some(ev) = events.recv().await {
+                if matches!(ev, ChildEvent::Exited(_)) {
+                    break;
+                }
+            }
             eprintln!(
                 "berth: run {run_id}: CMD was not started, because the broker could not record it: {why}"
             );
-            release(&client, &run_id, fence).await;
+            let _ = release(&client, &run_id, fence).await;
             return Ok(code);
+        }
+        // The terminal goes to CMD before it starts: its first read must not stop it.
+        if let Some(t) = &tty {
+            t.give(pgid);
         }
         // Open the gate: CMD starts now.
         rustix::io::write(&gate_write, b"go\n")?;
         drop(gate_write);
-        let lost = Arc::new(AtomicBool::new(false));
         let (lost_tx, mut lost_rx) = tokio::sync::mpsc::channel::<String>(1);
+        let renew_now = Arc::new(tokio::sync::Notify::new());
         let renewer = {
             let client = client.clone();
             let run_id = run_id.clone();
-            let lost = lost.clone();
+            let renew_now = renew_now.clone();
             tokio::spawn(async move {
                 let every = Duration::from_millis(ttl_ms / 3);
                 let mut deadline = Instant::now() + Duration::from_millis(ttl_ms);
                 let mut pause = every;
                 loop {
-                    tokio::time::sleep(pause).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(pause) => {}
+                        _ = renew_now.notified() => {}
+                    }
                     pause = every;
                     let c = client.clone();
                     let id = run_id.clone();
@@ -397,7 +417,6 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
                             deadline = Instant::now() + Duration::from_millis(ttl_ms);
                         }
                         Ok(Ok(reply)) if reply.status == 410 || reply.status == 409 => {
-                            lost.store(true, Ordering::SeqCst);
                             let _ = lost_tx.send(error_text(&reply.body)).await;
                             return;
                         }
@@ -406,7 +425,6 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
                         _ => {
                             pause = every.min(RENEW_RETRY);
                             if Instant::now() > deadline {
-                                lost.store(true, Ordering::SeqCst);
                                 let _ = lost_tx
                                     .send("berth was unreachable until the lease ran out".into())
                                     .await;
@@ -420,12 +438,26 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
         let mut lost_reason = None;
         let status = loop {
             tokio::select! {
-                s = child.wait() => break s?,
+                ev = events.recv() => match ev {
+                    Some(ChildEvent::Exited(st)) | Some(ChildEvent::Lost(st)) => break st,
+                    None => break ExitKind::Unknown,
+                    Some(ChildEvent::Stopped(sig)) => {
+                        if suspend_with(&tty, pgid, sig) {
+                            // Back from a suspension that may have outlasted the lease.
+                            renew_now.notify_one();
+                        }
+                    }
+                },
                 _ = sigint.recv() => signal_group(pgid, rustix::process::Signal::INT),
                 _ = sigterm.recv() => signal_group(pgid, rustix::process::Signal::TERM),
+                _ = sighup.recv() => signal_group(pgid, rustix::process::Signal::HUP),
+                // Asked to suspend (not from the terminal, which signals CMD itself):
+                // CMD is suspended, and its stop suspends berth run in turn.
+                _ = sigtstp.recv() => signal_group(pgid, rustix::process::Signal::TSTP),
                 Some(why) = lost_rx.recv(), if lost_reason.is_none() => {
                     lost_reason = Some(why);
                     signal_group(pgid, rustix::process::Signal::TERM);
+                    signal_group(pgid, rustix::process::Signal::CONT);
                     let pg = pgid;
                     tokio::spawn(async move {
                         tokio::time::sleep(STOP_GRACE).await;
@@ -435,18 +467,201 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
             }
         };
         renewer.abort();
-        if let Some(why) = lost_reason {
-            eprintln!("berth: the lease for run {run_id} was lost ({why}); CMD was stopped");
+        if let Some(t) = &tty {
+            t.take_back();
+        }
+        // Any lost lease ends in 75 and one line that says why (never a bare signal
+        // status): lost while CMD ran, or found lost when releasing (it expired while
+        // berth run was suspended, and the broker stopped CMD).
+        let lost = match lost_reason {
+            Some(why) => Some(why),
+            None => release(&client, &run_id, fence).await.err(),
+        };
+        if let Some(why) = lost {
+            eprintln!(
+                "berth: the lease for run {run_id} was lost ({why}); CMD was stopped ({})",
+                status.describe()
+            );
             return Ok(EXIT_TIMEOUT);
         }
-        release(&client, &run_id, fence).await;
-        use std::os::unix::process::ExitStatusExt;
-        Ok(match (status.code(), status.signal()) {
-            (Some(c), _) => c as u8,
-            (None, Some(sig)) => 128 + sig as u8,
-            _ => 1,
-        })
+        Ok(status.code())
     })
+}
+
+/// How CMD ended.
+#[derive(Clone, Copy, Debug)]
+enum ExitKind {
+    Code(i32),
+    Signal(i32),
+    Unknown,
+}
+
+impl ExitKind {
+    /// The shell's convention: the code, or 128 + the signal.
+    fn code(self) -> u8 {
+        match self {
+            ExitKind::Code(c) => c as u8,
+            ExitKind::Signal(s) => 128u8.wrapping_add(s as u8),
+            ExitKind::Unknown => 1,
+        }
+    }
+
+    fn describe(self) -> String {
+        match self {
+            ExitKind::Code(c) => format!("it exited with {c}"),
+            ExitKind::Signal(s) => format!("it was ended by signal {s}"),
+            ExitKind::Unknown => "its status is unknown".into(),
+        }
+    }
+}
+
+enum ChildEvent {
+    /// CMD stopped with this signal (Ctrl-Z, a read from a terminal it does not own).
+    Stopped(i32),
+    Exited(ExitKind),
+    /// Waiting failed: treated as an exit of unknown status.
+    Lost(ExitKind),
+}
+
+/// Waits for CMD on a thread of its own, reporting stops as well as the exit
+/// (`WUNTRACED`: what a shell needs for job control).
+fn watch_child(pid: i32) -> tokio::sync::mpsc::UnboundedReceiver<ChildEvent> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    std::thread::spawn(move || {
+        let Some(p) = rustix::process::Pid::from_raw(pid) else {
+            let _ = tx.send(ChildEvent::Lost(ExitKind::Unknown));
+            return;
+        };
+        loop {
+            match rustix::process::waitpid(Some(p), rustix::process::WaitOptions::UNTRACED) {
+                Ok(Some((_, st))) if st.stopped() => {
+                    let _ = tx.send(ChildEvent::Stopped(st.stopping_signal().unwrap_or(0)));
+                }
+                Ok(Some((_, st))) => {
+                    let kind = match (st.exit_status(), st.terminating_signal()) {
+                        (Some(c), _) => ExitKind::Code(c),
+                        (None, Some(s)) => ExitKind::Signal(s),
+                        _ => continue,
+                    };
+                    let _ = tx.send(ChildEvent::Exited(kind));
+                    return;
+                }
+                Ok(None) | Err(rustix::io::Errno::INTR) => {}
+                Err(_) => {
+                    let _ = tx.send(ChildEvent::Lost(ExitKind::Unknown));
+                    return;
+                }
+            }
+        }
+    });
+    rx
+}
+
+/// Blocks SIGTTOU and SIGTTIN in this thread and every thread it starts: berth run
+/// hands the terminal to CMD and must still write its lines and take the terminal
+/// back (`tcsetpgrp` from the background) without being stopped. (CMD starts with an
+/// empty mask: std resets it in the child.)
+fn block_terminal_stops() {
+    // SAFETY: plain libc calls on a local, initialised sigset.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTTOU);
+        libc::sigaddset(&mut set, libc::SIGTTIN);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+/// The terminal on stdin, when berth run is in its foreground process group: CMD is
+/// made the terminal's foreground group (it reads and writes the terminal, gets Ctrl-C,
+/// Ctrl-\ and window-size changes from the driver itself), and the terminal and its
+/// modes come back to berth run's group when CMD stops or ends, however it ends.
+struct Tty {
+    own_pgrp: rustix::process::Pid,
+    modes: rustix::termios::Termios,
+}
+
+fn stdin_fd() -> std::os::fd::BorrowedFd<'static> {
+    // SAFETY: descriptor 0 stays open for the life of the process.
+    unsafe { std::os::fd::BorrowedFd::borrow_raw(0) }
+}
+
+impl Tty {
+    fn detect() -> Option<Tty> {
+        let fd = stdin_fd();
+        if !rustix::termios::isatty(fd) {
+            return None;
+        }
+        let own_pgrp = rustix::process::getpgrp();
+        // In the background (`berth run … &`) the terminal is left alone.
+        if rustix::termios::tcgetpgrp(fd).ok()? != own_pgrp {
+            return None;
+        }
+        let modes = rustix::termios::tcgetattr(fd).ok()?;
+        Some(Tty { own_pgrp, modes })
+    }
+
+    fn give(&self, pgid: i32) {
+        if let Some(p) = rustix::process::Pid::from_raw(pgid) {
+            let _ = rustix::termios::tcsetpgrp(stdin_fd(), p);
+        }
+    }
+
+    fn take_back(&self) {
+        let _ = rustix::termios::tcsetpgrp(stdin_fd(), self.own_pgrp);
+        let _ = rustix::termios::tcsetattr(
+            stdin_fd(),
+            rustix::termios::OptionalActions::Drain,
+            &self.modes,
+        );
+    }
+
+    fn in_foreground(&self) -> bool {
+        rustix::termios::tcgetpgrp(stdin_fd()).ok() == Some(self.own_pgrp)
+    }
+}
+
+/// CMD stopped with `sig`. A job-control stop (Ctrl-Z, or reading a terminal it does
+/// not own) suspends berth run with it, as a shell job: the terminal and its modes go
+/// back to the shell, berth run stops, and when the shell continues it (`fg` or `bg`)
+/// CMD is continued too, with the terminal again if in the foreground. Returns whether
+/// berth run was suspended (its renewals paused meanwhile).
+fn suspend_with(tty: &Option<Tty>, pgid: i32, sig: i32) -> bool {
+    if ![libc::SIGTSTP, libc::SIGTTIN, libc::SIGTTOU].contains(&sig) {
+        return false;
+    }
+    let me = rustix::process::getpid();
+    // A session leader has no shell above it to continue it: CMD goes on instead.
+    if rustix::process::getsid(None).ok() == Some(me) {
+        eprintln!("berth: no job control here (berth run leads its session); CMD continues");
+        signal_group(pgid, rustix::process::Signal::CONT);
+        return false;
+    }
+    let cmd_modes = tty
+        .as_ref()
+        .and_then(|_| rustix::termios::tcgetattr(stdin_fd()).ok());
+    if let Some(t) = tty {
+        t.take_back();
+    }
+    // Stops here until continued (SIGSTOP: a shell job is its whole process group).
+    let _ = rustix::process::kill_process_group(
+        rustix::process::getpgrp(),
+        rustix::process::Signal::STOP,
+    );
+    if let Some(t) = tty {
+        if t.in_foreground() {
+            if let Some(m) = &cmd_modes {
+                let _ = rustix::termios::tcsetattr(
+                    stdin_fd(),
+                    rustix::termios::OptionalActions::Drain,
+                    m,
+                );
+            }
+            t.give(pgid);
+        }
+    }
+    signal_group(pgid, rustix::process::Signal::CONT);
+    true
 }
 
 /// After a failed renew (a daemon restarting), the next try comes this soon: waiting a
@@ -500,7 +715,9 @@ async fn register(
     }
 }
 
-async fn release(client: &Arc<Client>, run_id: &str, fence: u64) {
+/// Releases the lease. `Err(why)` when it was no longer ours (it expired, or another
+/// fence holds it): the caller reports a lost lease.
+async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), String> {
     for attempt in 0..20 {
         let c = client.clone();
         let id = run_id.to_string();
@@ -513,9 +730,19 @@ async fn release(client: &Arc<Client>, run_id: &str, fence: u64) {
         })
         .await;
         match r {
-            Ok(Ok(reply)) if reply.status < 500 => return,
+            Ok(Ok(reply)) if reply.status < 300 => {
+                return match reply.body["state"].as_str() {
+                    Some("expired") => Err("it expired before CMD ended".into()),
+                    _ => Ok(()),
+                };
+            }
+            Ok(Ok(reply)) if reply.status == 409 || reply.status == 410 => {
+                return Err(error_text(&reply.body));
+            }
+            Ok(Ok(reply)) if reply.status < 500 => return Ok(()),
             _ => tokio::time::sleep(Duration::from_millis(250 * (attempt + 1).min(4))).await,
         }
     }
     eprintln!("berth: could not release run {run_id}; it will expire");
+    Ok(())
 }
