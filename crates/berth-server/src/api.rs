@@ -743,9 +743,14 @@ async fn wait_for_grant(
 }
 
 async fn list_runs(AxState(api): AxState<Api>, Params(q): Params) -> Result<Json<Value>, ApiError> {
-    if let Some(k) = q.keys().find(|k| *k != "limit") {
+    if let Some(k) = q.keys().find(|k| *k != "limit" && *k != "all") {
         return Err(ApiError::invalid(k, "is not a known query parameter"));
     }
+    let ended = match q.get("all").map(String::as_str) {
+        None | Some("false") => false,
+        Some("true") => true,
+        Some(_) => return Err(ApiError::invalid("all", "must be true or false")),
+    };
     let limit = match q.get("limit") {
         Some(l) => l
             .parse::<usize>()
@@ -756,7 +761,12 @@ async fn list_runs(AxState(api): AxState<Api>, Params(q): Params) -> Result<Json
             })?,
         None => LIST_MAX,
     };
-    let runs = ask(&api, |reply| Msg::List { limit, reply }).await?;
+    let runs = ask(&api, |reply| Msg::List {
+        limit,
+        ended,
+        reply,
+    })
+    .await?;
     Ok(Json(
         json!({ "runs": runs.iter().map(run_json).collect::<Vec<_>>() }),
     ))

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, RwLock};
 
 use berth_core::{
-    Command, Engine, Error as CoreError, Event, RestoredRun, RunState, RunView, Snapshot,
+    Command, EndCause, Engine, Error as CoreError, Event, RestoredRun, RunState, RunView, Snapshot,
 };
 use berth_store::{Batch, Ledger, ProcessRecord, RunRecord, StoreError, WorkspaceIdentity, Writer};
 use tokio::sync::{mpsc, oneshot, watch};
@@ -56,6 +56,8 @@ pub enum Msg {
     },
     List {
         limit: usize,
+        /// Ended runs too (those still retained), not only live ones.
+        ended: bool,
         reply: Reply<Vec<RunInfo>>,
     },
     Status {
@@ -276,6 +278,38 @@ fn proc_id(p: &ProcessRecord) -> berth_proc::ProcId {
     }
 }
 
+/// One line at startup: what the ledger gave back (P5). The runs still to be stopped
+/// (releasing, degraded) are named one per line at debug level.
+fn restore_summary(ledger: &Ledger, same_boot: bool, last_fence: u64) {
+    let count = |s: RunState| ledger.runs.iter().filter(|r| r.state == s).count();
+    let ended = ledger.runs.iter().filter(|r| r.state.is_terminal()).count();
+    tracing::info!(
+        granted = count(RunState::Granted),
+        queued = count(RunState::Queued),
+        releasing = count(RunState::Releasing),
+        degraded = count(RunState::Degraded),
+        ended,
+        last_fence,
+        same_boot,
+        "restored from the ledger{}",
+        if same_boot {
+            ""
+        } else {
+            " (after a reboot: every lease is over, every waiter has one reconnect window)"
+        }
+    );
+    for r in &ledger.runs {
+        if matches!(r.state, RunState::Releasing | RunState::Degraded) {
+            tracing::debug!(
+                run_id = r.request.run_id.as_str(),
+                state = r.state.as_str(),
+                fence = r.fence,
+                "restored a run still to be stopped"
+            );
+        }
+    }
+}
+
 /// The first retry of a failed stop or cleanup; each next one waits twice as long.
 const CLEANUP_RETRY_MS: u64 = 5_000;
 /// The longest wait between retries.
@@ -360,6 +394,7 @@ impl State {
             extras.insert(id, extra);
         }
         let engine = Engine::restore(cfg, ledger.last_fence, now, restored)?;
+        restore_summary(&ledger, same_boot, engine.last_fence());
         Ok(State {
             engine,
             writer,
@@ -550,7 +585,18 @@ impl State {
         let mut queue: VecDeque<Event> = out.events.into();
         while let Some(ev) = queue.pop_front() {
             match &ev {
-                Event::Granted { run_id, fence, .. } => {
+                Event::Granted {
+                    run_id,
+                    fence,
+                    expires_at_ms,
+                    ..
+                } => {
+                    tracing::debug!(
+                        run_id,
+                        fence,
+                        ttl_ms = expires_at_ms.saturating_sub(now),
+                        "granted"
+                    );
                     touched.insert(run_id.clone());
                     match self.workspaces.create(run_id) {
                         Ok(ws) => {
@@ -579,7 +625,19 @@ impl State {
                         }
                     }
                 }
-                Event::StopRequested { run_id, .. } => {
+                Event::StopRequested { run_id, cause } => {
+                    match cause {
+                        // L6: one line per lease that ran out.
+                        EndCause::Expired => {
+                            let fence = self.engine.view_of(run_id).and_then(|v| v.fence);
+                            tracing::info!(
+                                run_id,
+                                fence,
+                                "lease expired: not renewed in time; the run is stopped and its claim freed once its processes are gone"
+                            );
+                        }
+                        EndCause::Released => tracing::debug!(run_id, "released"),
+                    }
                     touched.insert(run_id.clone());
                     if self.has_processes(run_id) {
                         // Capacity stays counted until the processes are proven gone (L5).
@@ -599,8 +657,18 @@ impl State {
                 Event::Degraded { run_id } => {
                     touched.insert(run_id.clone());
                     self.schedule_retry(run_id);
+                    let retry_in_ms = self
+                        .cleanup_retry
+                        .get(run_id)
+                        .map_or(0, |(_, at)| at.saturating_sub(now));
+                    tracing::warn!(
+                        run_id,
+                        retry_in_ms,
+                        "run degraded: its stop or cleanup failed; its capacity stays counted until a retry succeeds"
+                    );
                 }
-                Event::Ended { run_id, .. } => {
+                Event::Ended { run_id, state } => {
+                    tracing::debug!(run_id, state = state.as_str(), "ended");
                     touched.insert(run_id.clone());
                     self.cleanup_retry.remove(run_id);
                     if let Some(e) = self.extras.get_mut(run_id) {
@@ -640,7 +708,7 @@ impl State {
         let Some(ws) = self.extras.get(run_id).and_then(|e| e.workspace.clone()) else {
             return true;
         };
-        match self.workspaces.remove(&ws) {
+        match self.workspaces.remove(&ws, run_id) {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(run_id, "cleanup failed: {e}");
@@ -862,6 +930,21 @@ impl State {
                         self.extras.remove(&id);
                     }
                 }
+                if let Err(CoreError::CapacityImpossible {
+                    resource,
+                    request,
+                    max,
+                }) = &res
+                {
+                    // A3: never fits this host, whatever it waits for.
+                    tracing::info!(
+                        run_id = id.as_str(),
+                        resource = resource.as_str(),
+                        request,
+                        max,
+                        "acquire refused (capacity_impossible): the request exceeds what this host can ever allocate"
+                    );
+                }
                 let mut info = self.info(&id);
                 // A run that expired on arrival (`wait_s = 0`) keeps the reason why.
                 if let (Ok(Some(v)), Some(i)) = (&res, info.as_mut()) {
@@ -914,12 +997,16 @@ impl State {
                     .ok_or_else(|| CoreError::NotFound { run_id }.into());
                 self.answer(reply, v);
             }
-            Msg::List { limit, reply } => {
+            Msg::List {
+                limit,
+                ended,
+                reply,
+            } => {
                 let mut all: Vec<(u64, RunInfo)> = self
                     .extras
                     .iter()
                     .filter_map(|(id, e)| Some((e.queue_seq, self.info(id)?)))
-                    .filter(|(_, i)| !i.view.state.is_terminal())
+                    .filter(|(_, i)| ended || !i.view.state.is_terminal())
                     .collect();
                 all.sort_by_key(|(seq, _)| *seq);
                 let v = all.into_iter().take(limit).map(|(_, i)| i).collect();
@@ -1001,8 +1088,17 @@ impl State {
                     .cloned()
                     .collect();
                 let mut touched = BTreeSet::new();
-                for id in &runs {
-                    if self.has_processes(id) {
+                let with_processes: Vec<bool> =
+                    runs.iter().map(|id| self.has_processes(id)).collect();
+                let stopping = with_processes.iter().filter(|p| **p).count();
+                tracing::info!(
+                    runs = runs.len(),
+                    stopping,
+                    without_processes = runs.len() - stopping,
+                    "reap pass: releasing and degraded runs stopped again"
+                );
+                for (id, has_processes) in runs.iter().zip(with_processes) {
+                    if has_processes {
                         self.start_stop(id);
                     } else {
                         let ok = self.cleanup(id);
@@ -1033,11 +1129,19 @@ impl State {
                 self.stopping.remove(&run_id);
                 self.counters.processes_terminated += report.terminated as u64;
                 self.counters.reused_pids_protected += report.reused_pids_protected as u64;
+                let (terminated, protected) = (report.terminated, report.reused_pids_protected);
                 if report.unverified {
                     // S4: could not look is never gone: degraded, retried by backoff.
-                    tracing::warn!(run_id, survivors = ?report.survivors, "the stop could not prove the run's processes gone (a /proc, pidfd or cgroup read failed); the run is degraded and the stop retried");
+                    tracing::warn!(run_id, terminated, reused_pids_protected = protected, survivors = ?report.survivors, "stop finished unproven: the run's processes could not be proven gone (a /proc, pidfd or cgroup read failed); the run is degraded and the stop retried");
                 } else if !report.ok() {
-                    tracing::warn!(run_id, survivors = ?report.survivors, "processes survived SIGKILL; the run is degraded");
+                    tracing::warn!(run_id, terminated, reused_pids_protected = protected, survivors = ?report.survivors, "stop finished with survivors: processes survived SIGKILL; the run is degraded");
+                } else {
+                    tracing::info!(
+                        run_id,
+                        terminated,
+                        reused_pids_protected = protected,
+                        "stop finished: every process of the run is gone"
+                    );
                 }
                 if let Some(e) = self.extras.get_mut(&run_id) {
                     e.survivors = report.survivors.clone();
@@ -1118,6 +1222,11 @@ impl State {
             }
             // Not again until this attempt has had its chance.
             self.schedule_retry(&id);
+            tracing::debug!(
+                run_id = id.as_str(),
+                attempt = self.cleanup_retry.get(&id).map_or(0, |r| r.0),
+                "retrying the stop and cleanup of a run"
+            );
             if self.has_processes(&id) {
                 self.start_stop(&id);
                 continue;
@@ -1188,4 +1297,209 @@ pub async fn run(
         }
     }
     st.close();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// One event as `Capture` saw it: its level, message and other fields (`Debug`
+    /// form, strings as they are).
+    #[derive(Clone, Debug)]
+    struct Line {
+        level: tracing::Level,
+        message: String,
+        fields: BTreeMap<String, String>,
+    }
+
+    /// A subscriber that keeps every event (no spans are used here).
+    #[derive(Clone, Default)]
+    struct Capture(Arc<Mutex<Vec<Line>>>);
+
+    impl Capture {
+        fn lines(&self) -> Vec<Line> {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    impl tracing::Subscriber for Capture {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            struct Fields(BTreeMap<String, String>);
+            impl tracing::field::Visit for Fields {
+                fn record_str(&mut self, f: &tracing::field::Field, v: &str) {
+                    self.0.insert(f.name().to_string(), v.to_string());
+                }
+                fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                    self.0.insert(f.name().to_string(), format!("{v:?}"));
+                }
+            }
+            let mut fields = Fields(BTreeMap::new());
+            event.record(&mut fields);
+            let mut fields = fields.0;
+            let message = fields.remove("message").unwrap_or_default();
+            self.0.lock().unwrap().push(Line {
+                level: *event.metadata().level(),
+                message,
+                fields,
+            });
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    /// The state task's state over the state directory `dir`, as a start restores it.
+    fn restore(dir: &std::path::Path) -> State {
+        let mut store = berth_store::SqliteStore::open_exclusive(&dir.join("ledger.db")).unwrap();
+        use berth_store::Store;
+        let ledger = store.load(1_000).unwrap();
+        let runs_dir = workspace::ensure_runs_dir(dir).unwrap();
+        State::restore(
+            berth_core::Config::for_host(4, 8 << 30, 100 << 30),
+            ledger,
+            true,
+            Writer::spawn(Box::new(store), true),
+            Arc::new(Shared {
+                tokens: RwLock::new(Vec::new()),
+                url: "http://127.0.0.1:1".into(),
+            }),
+            runs_dir,
+            30_000,
+            Arc::new(crate::Fatal::default()),
+            crate::private::FenceMarker::open(dir).unwrap(),
+            Supervision {
+                cgroup_base: None,
+                grace_ms: 1_000,
+                kill_wait_ms: 1_000,
+            },
+            workspace::Diagnostics {
+                dir: dir.join("diagnostics"),
+                run_bytes_max: 1 << 20,
+                total_bytes_max: 1 << 30,
+                run_entries_max: workspace::DIAGNOSTICS_RUN_ENTRIES_MAX,
+                total_entries_max: workspace::DIAGNOSTICS_TOTAL_ENTRIES_MAX,
+            },
+        )
+        .unwrap()
+    }
+
+    fn acquire(
+        st: &mut State,
+        run_id: &str,
+        ttl_ms: u64,
+        cpu_millis: u64,
+    ) -> Result<RunInfo, ApiError> {
+        let (reply, rx) = oneshot::channel();
+        st.handle(Msg::Acquire {
+            req: berth_core::Request {
+                run_id: run_id.into(),
+                project: run_id.replace(':', "-"),
+                class: berth_core::Class::Managed,
+                priority: berth_core::Priority::Foreground,
+                resources: berth_core::Resources {
+                    slots: 1,
+                    cpu_millis,
+                    ..Default::default()
+                },
+                singletons: Vec::new(),
+                contract: None,
+                ttl_ms,
+                wait_ms: 0,
+            },
+            worktree: None,
+            labels: BTreeMap::new(),
+            stop_grace_ms: None,
+            attach: false,
+            reply,
+        });
+        rx.blocking_recv().unwrap()
+    }
+
+    /// The one INFO line whose message starts with `prefix`.
+    fn info_line(lines: &[Line], prefix: &str) -> Line {
+        let found: Vec<&Line> = lines
+            .iter()
+            .filter(|l| l.level == tracing::Level::INFO && l.message.starts_with(prefix))
+            .collect();
+        assert_eq!(found.len(), 1, "{prefix}: {lines:#?}");
+        found[0].clone()
+    }
+
+    /// What an operator reads: a lease that ran out and an impossible request are INFO
+    /// lines naming the run; a grant is DEBUG; a restart says what it restored.
+    #[test]
+    fn expiry_refusal_and_restart_summary_are_logged_with_the_run_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let cap = Capture::default();
+        tracing::subscriber::with_default(cap.clone(), || {
+            let mut st = restore(dir.path());
+            let exp = acquire(&mut st, "exp-1", 1, 100).unwrap();
+            assert_eq!(exp.view.state, RunState::Granted);
+            let keep = acquire(&mut st, "keep:2", 600_000, 100).unwrap();
+            let never = acquire(&mut st, "huge.3", 600_000, 1_000_000).unwrap_err();
+            assert_eq!(never.code, "capacity_impossible");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            st.tick(None);
+            assert_eq!(
+                st.engine.view_of("exp-1").map(|v| v.state),
+                Some(RunState::Expired)
+            );
+            st.close();
+            let lines = cap.lines();
+
+            let l = info_line(&lines, "lease expired");
+            assert_eq!(l.fields["run_id"], "exp-1", "{l:?}");
+            assert_eq!(l.fields["fence"], exp.view.fence.unwrap().to_string());
+            let l = info_line(&lines, "acquire refused (capacity_impossible)");
+            assert_eq!(l.fields["run_id"], "huge.3", "{l:?}");
+            assert_eq!(l.fields["resource"], "cpu_millis", "{l:?}");
+            assert_eq!(l.fields["request"], "1000000", "{l:?}");
+            // Grants are DEBUG, with the run id; nothing else about them at INFO.
+            for id in ["exp-1", "keep:2"] {
+                assert!(
+                    lines.iter().any(|l| l.level == tracing::Level::DEBUG
+                        && l.message == "granted"
+                        && l.fields.get("run_id").map(String::as_str) == Some(id)),
+                    "{id}: {lines:#?}"
+                );
+            }
+            assert!(!lines.iter().any(|l| l.level == tracing::Level::INFO
+                && l.fields.get("run_id").map(String::as_str) == Some("keep:2")));
+            // Every line about a run names it.
+            for l in &lines {
+                if l.level <= tracing::Level::INFO && l.message.contains("run") {
+                    assert!(
+                        l.fields.contains_key("run_id") || l.message.starts_with("restored"),
+                        "{l:?}"
+                    );
+                }
+            }
+
+            // The restart says what it found.
+            cap.0.lock().unwrap().clear();
+            let st = restore(dir.path());
+            let l = info_line(&cap.lines(), "restored from the ledger");
+            for (k, v) in [
+                ("granted", "1"),
+                ("queued", "0"),
+                ("releasing", "0"),
+                ("degraded", "0"),
+                ("ended", "1"),
+                ("same_boot", "true"),
+            ] {
+                assert_eq!(l.fields[k], v, "{k}: {l:?}");
+            }
+            let last: u64 = l.fields["last_fence"].parse().unwrap();
+            assert!(last >= keep.view.fence.unwrap(), "{l:?}");
+            st.close();
+        });
+    }
 }

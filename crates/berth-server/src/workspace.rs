@@ -49,6 +49,72 @@ pub fn dir_name(run_id: &str) -> String {
     d.iter().take(16).map(|b| format!("{b:02x}")).collect()
 }
 
+/// Joins a released workspace's name in `runs/.pool` and `runs/.trash` to the id of the
+/// run it was released by: `<digest>-r<n>@<run id>`. `@` is in neither a digest nor the
+/// run-id alphabet, so the run id is everything after the first one. Kept in the name,
+/// not in memory, so the archive of a workspace scrubbed after a crash is still named
+/// after its run.
+const RUN_SEP: char = '@';
+
+/// Bytes of a run id as a name part at most (the longest valid run id).
+const RUN_ID_NAME_MAX: usize = 128;
+
+/// The run id as a part of a file name. A valid run id already is one (SPEC 2:
+/// `[A-Za-z0-9][A-Za-z0-9._:-]{0,127}`: no `/`, no NUL, never `.` or `..`, a letter or
+/// digit first, at most 128 bytes) and is kept exactly. Anything else (never expected:
+/// the engine refuses invalid run ids) has every other character replaced by `_`, is cut
+/// to 128 bytes and starts with a letter or digit; `None` when nothing is left.
+fn run_id_name(run_id: &str) -> Option<String> {
+    if berth_core::validate::run_id(run_id).is_ok() {
+        return Some(run_id.to_string());
+    }
+    let safe: String = run_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .skip_while(|c| !c.is_ascii_alphanumeric())
+        .take(RUN_ID_NAME_MAX)
+        .collect();
+    (!safe.is_empty()).then_some(safe)
+}
+
+/// The run id a trash entry's name carries (see `RUN_SEP`), if it carries a valid one.
+fn run_of(entry: &str) -> Option<&str> {
+    let (_, id) = entry.split_once(RUN_SEP)?;
+    berth_core::validate::run_id(id).ok().map(|()| id)
+}
+
+/// The workspace's own name in a trash entry's name: the entry without the prefixes the
+/// pool adds (`archived-`, `old-`), up to its first `-` or `@`: the run's digest for a
+/// released workspace.
+fn digest_of(entry: &str) -> &str {
+    let mut rest = entry;
+    while let Some(r) = rest
+        .strip_prefix(ARCHIVED_PREFIX)
+        .or_else(|| rest.strip_prefix(OLD_PREFIX))
+    {
+        rest = r;
+    }
+    let end = rest.find(['-', RUN_SEP]).unwrap_or(rest.len());
+    if end == 0 {
+        entry
+    } else {
+        &rest[..end]
+    }
+}
+
+/// What an archive of the trash entry's logs is named after: its run id when the entry
+/// carries one (every release by this berth), else its digest (an entry left by an
+/// older berth).
+fn archive_label(entry: &str) -> &str {
+    run_of(entry).unwrap_or_else(|| digest_of(entry))
+}
+
 fn io<'a>(
     path: &'a Path,
     op: &'static str,
@@ -679,6 +745,8 @@ const PARTIAL_PREFIX: &str = ".partial-";
 /// crash cut short is finished after the restart without archiving what is left of the
 /// logs a second time.
 const ARCHIVED_PREFIX: &str = "archived-";
+/// The name prefix of a trash entry that an earlier daemon left in `runs/.pool`.
+const OLD_PREFIX: &str = "old-";
 
 /// Archives measured so far, by name, with the inode they were measured at: an archive
 /// never changes once written, so each is walked once, not again at every new archive.
@@ -812,7 +880,7 @@ impl Pool {
             let e = e?;
             let _ = std::fs::rename(
                 e.path(),
-                trash_dir.join(format!("old-{}", e.file_name().to_string_lossy())),
+                trash_dir.join(format!("{OLD_PREFIX}{}", e.file_name().to_string_lossy())),
             );
         }
         let dir_fd = |p: &Path| {
@@ -900,8 +968,9 @@ impl Pool {
     }
 
     /// Checks the workspace's identity, then moves it into the pool to be judged by the
-    /// background thread.
-    pub fn remove(&self, ws: &WorkspaceIdentity) -> Result<(), WorkspaceError> {
+    /// background thread. Its name there carries `run_id`, so that if its logs are
+    /// archived, the archive is named after the run (see `RUN_SEP`), even after a crash.
+    pub fn remove(&self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), WorkspaceError> {
         let path = PathBuf::from(&ws.path);
         let (parent_path, name) = split(ws, &path)?;
         if parent_path != self.runs_dir {
@@ -919,7 +988,10 @@ impl Pool {
             Ok(_) => {}
         }
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let aside = format!("{name}-r{n}");
+        let aside = match run_id_name(run_id) {
+            Some(id) => format!("{name}-r{n}{RUN_SEP}{id}"),
+            None => format!("{name}-r{n}"),
+        };
         fs::renameat(&self.runs_fd, name, &self.pool_fd, aside.as_str())
             .map_err(io(&path, "move aside"))?;
         // The entry moved must be the one just checked; if something swapped it in
@@ -1221,11 +1293,13 @@ impl Worker {
         let path = self.trash_dir.join(entry);
         if self.stuck.insert(entry.to_string(), ident) == Some(ident) {
             tracing::debug!(
+                run_id = run_of(entry),
                 "workspace pool: still cannot remove {}: {why}",
                 path.display()
             );
         } else {
             tracing::warn!(
+                run_id = run_of(entry),
                 "workspace pool: cannot remove {}: {why}; kept and retried",
                 path.display()
             );
@@ -1234,24 +1308,53 @@ impl Worker {
 
     /// Archives the logs of the trash entry open as `dir` (P4), then keeps the
     /// diagnostics directory within its total budgets.
+    ///
+    /// The archive is named `<time>-<run id>`: the time in milliseconds since the Unix
+    /// epoch, 15 digits (first, so that name order is age order for `enforce_total`),
+    /// then the run id the entry's name carries, or the workspace's digest for an entry
+    /// that carries none; `-1`, `-2`, ... is added when that name is taken.
     fn archive(&mut self, entry: &str, dir: &OwnedFd) {
         let Some(d) = &self.diag else { return };
         let stamp = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|t| t.as_millis())
             .unwrap_or(0);
-        let digest = entry.split('-').next().unwrap_or(entry);
-        let Some(a) = archive_logs(dir, &self.trash_mount, d, &format!("{stamp:015}-{digest}"))
+        let run_id = run_of(entry);
+        let label = archive_label(entry);
+        let Some(a) = archive_logs(dir, &self.trash_mount, d, &format!("{stamp:015}-{label}"))
         else {
             return;
         };
+        let archive = a.name.to_string_lossy().into_owned();
+        match run_id {
+            Some(run_id) => tracing::info!(
+                run_id,
+                archive,
+                bytes = a.usage.bytes,
+                entries = a.usage.entries,
+                "run logs archived"
+            ),
+            None => tracing::info!(
+                workspace = label,
+                archive,
+                bytes = a.usage.bytes,
+                entries = a.usage.entries,
+                "workspace logs archived (run unknown)"
+            ),
+        }
         use std::sync::atomic::Ordering::Relaxed;
         self.counters.archived.fetch_add(1, Relaxed);
         self.counters.bytes.fetch_add(a.usage.bytes, Relaxed);
         self.measured.insert(a.name, (a.ino, a.usage));
-        self.counters
-            .dropped
-            .fetch_add(enforce_total(d, &mut self.measured), Relaxed);
+        let dropped = enforce_total(d, &mut self.measured);
+        if dropped > 0 {
+            tracing::info!(
+                dropped,
+                dir = %d.dir.display(),
+                "diagnostics over budget: the oldest archives were dropped"
+            );
+        }
+        self.counters.dropped.fetch_add(dropped, Relaxed);
     }
 
     /// Makes new workspaces only when the pool runs low: released ones come back by
@@ -1518,7 +1621,7 @@ mod tests {
             assert_eq!(std::fs::read_dir(pa.join(sub)).unwrap().count(), 0);
         }
         std::fs::write(pa.join("out/secret"), b"x").unwrap();
-        pool.remove(&a).unwrap();
+        pool.remove(&a, "a").unwrap();
         assert!(!pa.exists());
         // A dirty workspace is never handed out again: every later one is empty.
         for i in 0..(2 * POOL_TARGET) {
@@ -1531,7 +1634,7 @@ mod tests {
                     "{sub} of b{i}"
                 );
             }
-            pool.remove(&w).unwrap();
+            pool.remove(&w, &format!("b{i}")).unwrap();
         }
         // A swapped workspace is refused and left alone.
         let c = pool.create("c").unwrap();
@@ -1539,7 +1642,7 @@ mod tests {
         std::fs::rename(&pc, runs.join("aside")).unwrap();
         std::fs::create_dir(&pc).unwrap();
         assert!(matches!(
-            pool.remove(&c),
+            pool.remove(&c, "c"),
             Err(WorkspaceError::Swapped { .. })
         ));
         assert!(pc.exists());
@@ -1599,7 +1702,7 @@ mod tests {
             let w = pool.create(&format!("u{i}")).unwrap();
             assert_pristine(&w, &format!("u{i}"));
             seen.insert((w.dev, w.ino));
-            pool.remove(&w).unwrap();
+            pool.remove(&w, &format!("u{i}")).unwrap();
             // Give the thread a chance to judge, so the pool never runs dry here.
             if i % 16 == 15 {
                 until("releases judged", || {
@@ -1677,7 +1780,7 @@ mod tests {
             let w = pool.create(&format!("c{i}")).unwrap();
             assert_pristine(&w, what);
             change(Path::new(&w.path), &outside);
-            pool.remove(&w).unwrap();
+            pool.remove(&w, &format!("c{i}")).unwrap();
             until(what, || scrubbed(&pool) == before + 1);
         }
         // Hand out more than the pool can hold: every one is pristine.
@@ -1859,7 +1962,7 @@ mod tests {
         nest(&p.join("logs"), DEPTH);
         std::fs::write(p.join("logs/top.log"), b"top").unwrap();
         let before = scrubbed(&pool);
-        pool.remove(&w).unwrap();
+        pool.remove(&w, "hostile").unwrap();
         until_within("the hostile workspace is scrubbed", 120, || {
             scrubbed(&pool) > before && trash_is_empty(&runs)
         });
@@ -1884,7 +1987,7 @@ mod tests {
             if i % 2 == 0 {
                 std::fs::write(Path::new(&x.path).join("out/x"), b"x").unwrap();
             }
-            pool.remove(&x).unwrap();
+            pool.remove(&x, &format!("after{i}")).unwrap();
         }
         until("after-runs scrubbed", || {
             pool.shared.released.lock().unwrap().is_empty() && trash_is_empty(&runs)
@@ -1918,7 +2021,7 @@ mod tests {
         std::fs::remove_dir(p.join("logs")).unwrap();
         std::os::unix::fs::symlink(secret.path(), p.join("logs")).unwrap();
         let before = scrubbed(&pool);
-        pool.remove(&w).unwrap();
+        pool.remove(&w, "s1").unwrap();
         until("s1 scrubbed", || {
             scrubbed(&pool) > before && trash_is_empty(&runs)
         });
@@ -1939,7 +2042,7 @@ mod tests {
         .unwrap();
         std::os::unix::fs::symlink(&shadow, p.join("logs/link")).unwrap();
         std::os::unix::fs::symlink(secret.path(), p.join("logs/dirlink")).unwrap();
-        pool.remove(&w).unwrap();
+        pool.remove(&w, "s2").unwrap();
         until("s2 archived", || {
             archived(&pool) == 1 && trash_is_empty(&runs)
         });
@@ -1998,7 +2101,7 @@ mod tests {
             rustix::io::write(&f, b"x").unwrap();
         }
         drop(logs);
-        pool.remove(&w).unwrap();
+        pool.remove(&w, "tiny").unwrap();
         until_within("archived and scrubbed", 300, || {
             archived(&pool) == 1 && trash_is_empty(&runs)
         });
@@ -2098,7 +2201,7 @@ mod tests {
             return skip("mount --bind failed here");
         }
         let before = scrubbed(&pool);
-        pool.remove(&w).unwrap();
+        pool.remove(&w, "mounted").unwrap();
         until("the release is judged", || {
             pool.shared.released.lock().unwrap().is_empty()
         });
@@ -2162,7 +2265,7 @@ mod tests {
             std::fs::write(p.join("logs/b.log"), vec![b'x'; 20_000]).unwrap();
             std::os::unix::fs::symlink(secret.path().join("shadow"), p.join("logs/link")).unwrap();
             std::os::unix::fs::symlink(secret.path(), p.join("logs/linkdir")).unwrap();
-            pool.remove(&w).unwrap();
+            pool.remove(&w, &format!("d{i}")).unwrap();
             // One archive at a time, so the order (and so what is dropped) is known.
             until(&format!("archive {i}"), || {
                 archived(&pool) == i + 1 && trash_is_empty(&runs)
@@ -2178,14 +2281,12 @@ mod tests {
             .collect();
         left.sort();
         assert_eq!(left.len(), 2, "{left:?}");
-        assert!(
-            left[0].ends_with(&format!("-{}", dir_name("d2"))),
-            "{left:?}"
-        );
-        assert!(
-            left[1].ends_with(&format!("-{}", dir_name("d3"))),
-            "{left:?}"
-        );
+        // Each named `<15-digit time>-<run id>`.
+        for (name, run) in left.iter().zip(["d2", "d3"]) {
+            let (stamp, id) = name.split_at(15);
+            assert!(stamp.bytes().all(|b| b.is_ascii_digit()), "{left:?}");
+            assert_eq!(id, format!("-{run}"), "{left:?}");
+        }
         // Each archive: cut by blocks, no link followed or copied, private.
         for name in &left {
             let a = diag.dir.join(name);
@@ -2221,6 +2322,90 @@ mod tests {
             b"root-only"
         );
         assert_eq!(std::fs::read_dir(secret.path()).unwrap().count(), 1);
+    }
+
+    /// An archive is named `<15-digit time>-<run id>`, whatever the run id's digest,
+    /// and a second archive of the same run in the same millisecond gets `-1`.
+    #[test]
+    fn an_archive_is_named_after_its_run_id() {
+        let state = tempfile::tempdir().unwrap();
+        let runs = ensure_runs_dir(state.path()).unwrap();
+        let diag = diagnostics(state.path(), 1 << 20, 1 << 30);
+        let pool = Pool::start(&runs, Some(diag.clone())).unwrap();
+        // The whole run-id alphabet, and the longest run id.
+        let long = format!("L{}", "x".repeat(127));
+        for (i, id) in ["ci:job-17.attempt_2", long.as_str()].iter().enumerate() {
+            let w = pool.create(id).unwrap();
+            std::fs::write(Path::new(&w.path).join("logs/run.log"), b"log").unwrap();
+            pool.remove(&w, id).unwrap();
+            until(&format!("{id} archived"), || {
+                archived(&pool) == i as u64 + 1 && trash_is_empty(&runs)
+            });
+            let names: Vec<String> = std::fs::read_dir(&diag.dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .filter(|n| n.ends_with(&format!("-{id}")))
+                .collect();
+            assert_eq!(names.len(), 1, "{id}: {names:?}");
+            let (stamp, rest) = names[0].split_at(15);
+            assert!(stamp.bytes().all(|b| b.is_ascii_digit()), "{names:?}");
+            assert_eq!(rest, format!("-{id}"));
+            assert_eq!(
+                std::fs::read(diag.dir.join(&names[0]).join("run.log")).unwrap(),
+                b"log"
+            );
+        }
+    }
+
+    /// A trash entry carries its run id in its name, so an archive made after a crash
+    /// (the entry found again at the next start, `old-` from the pool or already in the
+    /// trash) is named after the run too; an entry without one (an older berth's) falls
+    /// back to the workspace's digest.
+    #[test]
+    fn trash_entries_carry_the_run_id_across_a_restart() {
+        let digest = dir_name("r-1");
+        for (entry, label) in [
+            (format!("{digest}-r3@r-1"), "r-1"),
+            (format!("old-{digest}-r3@ci:a.b_c-d"), "ci:a.b_c-d"),
+            (format!("archived-old-{digest}-r0@x"), "x"),
+            (format!("{digest}-r3"), digest.as_str()),
+            (format!("old-{digest}-r12"), digest.as_str()),
+            (format!("archived-{digest}-r12"), digest.as_str()),
+            // Not a valid run id after the `@`: the digest.
+            (format!("{digest}-r3@-bad/"), digest.as_str()),
+            ("w4-1234".to_string(), "w4"),
+        ] {
+            assert_eq!(archive_label(&entry), label, "{entry}");
+        }
+        assert_eq!(run_id_name("a.b:c_d-e").as_deref(), Some("a.b:c_d-e"));
+        assert_eq!(run_id_name("../x/y é").as_deref(), Some("x_y__"));
+        assert_eq!(run_id_name("/"), None);
+        assert_eq!(run_id_name(&"z".repeat(500)).unwrap().len(), 128);
+
+        // End to end: a dirty workspace released by `r-1` and left in the pool by a
+        // crash (the thread never judged it) is archived at the next start as `r-1`'s.
+        let state = tempfile::tempdir().unwrap();
+        let runs = ensure_runs_dir(state.path()).unwrap();
+        let diag = diagnostics(state.path(), 1 << 20, 1 << 30);
+        let ws = create(&runs, "r-1").unwrap();
+        std::fs::write(Path::new(&ws.path).join("logs/run.log"), b"log").unwrap();
+        std::fs::create_dir_all(runs.join(".pool")).unwrap();
+        std::fs::rename(
+            &ws.path,
+            runs.join(".pool").join(format!("{digest}-r0@r-1")),
+        )
+        .unwrap();
+        let pool = Pool::start(&runs, Some(diag.clone())).unwrap();
+        until("the leftover is archived", || {
+            archived(&pool) == 1 && trash_is_empty(&runs)
+        });
+        let names: Vec<String> = std::fs::read_dir(&diag.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+        assert!(names[0].ends_with("-r-1"), "{names:?}");
+        assert_eq!(names[0].len(), 15 + "-r-1".len(), "{names:?}");
     }
 
     #[test]

@@ -4,6 +4,7 @@
 mod client;
 mod run;
 mod serve;
+mod show;
 
 use std::process::ExitCode;
 
@@ -33,13 +34,13 @@ enum Cmd {
     Run(run::RunArgs),
     /// Show the host's capacity, queue and projects.
     Status(client::StatusArgs),
-    /// List live runs.
-    Runs(client::ConnArgs),
-    /// Acquire a lease and print it as JSON (for scripts).
+    /// List live runs (with --all, ended ones too).
+    Runs(client::RunsArgs),
+    /// Acquire a lease without running anything (for scripts; see --json).
     Acquire(run::AcquireArgs),
-    /// Renew a lease (or a queued run's deadline) and print it as JSON.
+    /// Renew a lease (or a queued run's deadline).
     Renew(client::RenewArgs),
-    /// Release a lease and print the run as JSON.
+    /// Release a lease.
     Release(client::ReleaseArgs),
     /// Run one reaper pass now and print its report.
     Reap(client::ConnArgs),

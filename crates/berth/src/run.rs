@@ -189,46 +189,98 @@ fn refusal(err: &Value) -> (u8, String) {
 /// How long `berth run` keeps trying to reach a daemon that is restarting.
 const RECONNECT_FOR: Duration = Duration::from_secs(30);
 
+/// The waiting line. On a terminal it is one line redrawn every second (so its elapsed
+/// time ticks between the daemon's events); otherwise a plain timestamped line per
+/// event, for logs.
+struct WaitLine {
+    tty: bool,
+    started: Instant,
+    /// The daemon's last word (position and reason); `None` once admitted or refused.
+    text: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl WaitLine {
+    fn new() -> WaitLine {
+        let w = WaitLine {
+            tty: std::io::stderr().is_terminal(),
+            started: Instant::now(),
+            text: Arc::new(std::sync::Mutex::new(None)),
+        };
+        if w.tty {
+            let (text, started) = (w.text.clone(), w.started);
+            std::thread::spawn(move || loop {
+                std::thread::sleep(Duration::from_secs(1));
+                match &*text.lock().unwrap() {
+                    Some(t) => draw(t, started),
+                    None => return,
+                }
+            });
+        }
+        w
+    }
+
+    fn queued(&self, text: String) {
+        if self.tty {
+            draw(&text, self.started);
+        } else {
+            eprintln!(
+                "{} berth: waiting: {text}, {}",
+                crate::show::clock(),
+                crate::show::duration(self.started.elapsed().as_secs())
+            );
+        }
+        *self.text.lock().unwrap() = Some(text);
+    }
+
+    /// Admitted or refused: the line is cleared (the ticker stops with it).
+    fn done(&self) {
+        if self.text.lock().unwrap().take().is_some() && self.tty {
+            eprint!("\r\x1b[K");
+            let _ = std::io::stderr().flush();
+        }
+    }
+}
+
+fn draw(text: &str, started: Instant) {
+    eprint!(
+        "\r\x1b[Kberth: waiting: {text}, {}",
+        crate::show::duration(started.elapsed().as_secs())
+    );
+    let _ = std::io::stderr().flush();
+}
+
 fn wait_for_lease(client: &Client, body: &Value, wait_ms: u64) -> Admission {
-    let tty = std::io::stderr().is_terminal();
+    let line = WaitLine::new();
+    let admission = wait_for_lease_with(client, body, wait_ms, &line);
+    line.done();
+    admission
+}
+
+fn wait_for_lease_with(client: &Client, body: &Value, wait_ms: u64, line: &WaitLine) -> Admission {
     let started = Instant::now();
     let give_up = started + Duration::from_millis(wait_ms) + RECONNECT_FOR;
     let mut last_ok = Instant::now();
+    // Fail fast: a daemon never reached is not running (or not there); retrying is only
+    // for one that was reached and went away (a restart, P5).
+    let mut ever_reached = false;
     loop {
         match client.acquire_stream(body) {
             Ok((status, reader)) if status == 200 => {
+                ever_reached = true;
                 last_ok = Instant::now();
-                for line in reader.lines() {
-                    let Ok(line) = line else { break };
-                    let Ok(v) = serde_json::from_str::<Value>(&line) else {
+                for l in reader.lines() {
+                    let Ok(l) = l else { break };
+                    let Ok(v) = serde_json::from_str::<Value>(&l) else {
                         continue;
                     };
                     match v["event"].as_str() {
-                        Some("queued") => {
-                            let text = format!(
-                                "waiting: position {}, {} ({}), {}s",
-                                v["position"],
-                                v["reason"]["code"].as_str().unwrap_or("?"),
-                                v["reason"]["message"].as_str().unwrap_or(""),
-                                started.elapsed().as_secs()
-                            );
-                            if tty {
-                                eprint!("\r\x1b[Kberth: {text}");
-                                let _ = std::io::stderr().flush();
-                            } else {
-                                eprintln!("berth: {text}");
-                            }
-                        }
-                        Some("granted") => {
-                            if tty {
-                                eprint!("\r\x1b[K");
-                            }
-                            return Admission::Granted(v["lease"].clone());
-                        }
+                        Some("queued") => line.queued(format!(
+                            "position {}, {}",
+                            v["position"],
+                            v["reason"]["message"].as_str().unwrap_or("")
+                        )),
+                        Some("granted") => return Admission::Granted(v["lease"].clone()),
                         Some(_) => {
-                            if tty {
-                                eprintln!();
-                            }
                             let (code, msg) = refusal(&v["error"]);
                             return Admission::Refused(code, msg);
                         }
@@ -239,10 +291,12 @@ fn wait_for_lease(client: &Client, body: &Value, wait_ms: u64) -> Admission {
                 // same run id; it keeps its place (P5).
             }
             Ok((status, mut reader)) => {
+                ever_reached = true;
                 let mut text = String::new();
                 let _ = std::io::Read::read_to_string(&mut reader, &mut text);
-                let v: Value = serde_json::from_str(&text)
+                let mut v: Value = serde_json::from_str(&text)
                     .unwrap_or(json!({"error": {"code": "error", "message": text}}));
+                client.explain_401(status, &mut v);
                 if status == 503 && v["error"]["code"] == "shutting_down" {
                     // fall through to retry
                 } else {
@@ -254,10 +308,15 @@ fn wait_for_lease(client: &Client, body: &Value, wait_ms: u64) -> Admission {
                 }
             }
             Err(e) => {
-                if last_ok.elapsed() > RECONNECT_FOR && started.elapsed() > RECONNECT_FOR {
+                if !ever_reached
+                    || (last_ok.elapsed() > RECONNECT_FOR && started.elapsed() > RECONNECT_FOR)
+                {
                     return Admission::Refused(
                         EXIT_REFUSED,
-                        format!("cannot reach berth at {}: {e}", client.url),
+                        format!(
+                            "cannot reach berth at {}: {e}; is `berth serve` running? (set --url or BERTH_URL)",
+                            client.url
+                        ),
                     );
                 }
             }
@@ -275,10 +334,15 @@ fn wait_for_lease(client: &Client, body: &Value, wait_ms: u64) -> Admission {
 pub fn acquire_main(a: AcquireArgs) -> anyhow::Result<u8> {
     let client = Client::new(&a.claim.conn)?;
     let body = acquire_body(&a.claim)?;
-    let r = client
-        .call("POST", "/v1/runs", Some(&body))
-        .map_err(|e| anyhow!("cannot reach berth at {}: {e}", client.url))?;
-    println!("{}", serde_json::to_string_pretty(&r.body)?);
+    let r = match client.call("POST", "/v1/runs", Some(&body)) {
+        Ok(r) => r,
+        Err(e) => return Ok(client.unreachable(&e)),
+    };
+    if a.claim.conn.json {
+        println!("{}", serde_json::to_string_pretty(&r.body)?);
+    } else if r.status < 300 {
+        println!("{}", crate::show::run_line(&r.body));
+    }
     Ok(match r.status {
         200..=299 => 0,
         410 if r.body["error"]["code"] == "expired" => EXIT_TIMEOUT,

@@ -256,59 +256,113 @@ fn signals_are_forwarded_to_cmd_and_the_lease_released() {
     });
 }
 
+/// Every client command prints JSON with `--json` (for scripts) and a line or table
+/// for people otherwise.
 #[test]
-fn scripts_get_json_from_acquire_renew_release_status_and_runs() {
+fn every_client_command_has_json_for_scripts_and_lines_for_people() {
     let d = Daemon::start(&["--slots-max", "2"]);
-    let out = d
-        .cli()
-        .args([
-            "acquire",
-            "--project",
-            "s",
-            "--run-id",
-            "s-1",
-            "--cpus",
-            "0.1",
-            "--ttl",
-            "1m",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let lease: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let json_of = |args: &[&str]| -> serde_json::Value {
+        let out = d.cli().args(args).arg("--json").output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+            panic!(
+                "{args:?} --json: {e}: {}",
+                String::from_utf8_lossy(&out.stdout)
+            )
+        })
+    };
+    let human = |args: &[&str]| -> String {
+        let out = d.cli().args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            serde_json::from_str::<serde_json::Value>(&text).is_err(),
+            "{args:?} printed JSON for people: {text}"
+        );
+        text
+    };
+    let lease = json_of(&[
+        "acquire",
+        "--project",
+        "s",
+        "--run-id",
+        "s-1",
+        "--cpus",
+        "0.1",
+        "--ttl",
+        "1m",
+    ]);
     let fence = lease["fence"].as_u64().unwrap().to_string();
-    let out = d
-        .cli()
-        .args(["renew", "s-1", "--fence", &fence, "--ttl", "2m"])
-        .output()
-        .unwrap();
-    assert!(out.status.success());
-    let out = d.cli().args(["runs"]).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stdout).contains("s-1"));
-    let out = d.cli().args(["status"]).output().unwrap();
+    let line = human(&[
+        "acquire",
+        "--project",
+        "t",
+        "--run-id",
+        "t-1",
+        "--cpus",
+        "0.25",
+        "--memory",
+        "1GiB",
+    ]);
     assert!(
-        String::from_utf8_lossy(&out.stdout).contains("project s"),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
+        line.starts_with("run t-1 (t): granted, fence ") && line.contains("1 GiB, 0.25 cpu"),
+        "{line}"
     );
-    let out = d
-        .cli()
-        .args(["release", "s-1", "--fence", &fence])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["state"], "released");
+    // A 5 minute ttl, shown relative to now.
+    assert!(
+        line.contains("expires in 4m5") || line.contains("expires in 5m00s"),
+        "{line}"
+    );
+    assert_eq!(
+        json_of(&["renew", "s-1", "--fence", &fence, "--ttl", "2m"])["state"],
+        "granted"
+    );
+    let line = human(&["renew", "s-1", "--fence", &fence]);
+    assert!(
+        line.contains("expires in 1m5") || line.contains("expires in 2m00s"),
+        "{line}"
+    );
+    let runs = json_of(&["runs"]);
+    assert_eq!(runs["runs"].as_array().unwrap().len(), 2, "{runs}");
+    let table = human(&["runs"]);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("s-1") && (l.contains(" in 2m00s ") || l.contains(" in 1m5"))),
+        "{table}"
+    );
+    let status = json_of(&["status"]);
+    assert!(status["resources"].is_array(), "{status}");
+    let text = human(&["status"]);
+    assert!(text.contains("project s") && text.contains("GiB"), "{text}");
+    assert_eq!(
+        json_of(&["release", "s-1", "--fence", &fence])["state"],
+        "released"
+    );
+    let reap = json_of(&["reap"]);
+    assert!(reap["examined"].is_u64(), "{reap}");
+    assert!(human(&["reap"]).starts_with("reaped "));
+    // Ended runs, with how they ended.
+    let all = human(&["runs", "--all"]);
+    assert!(
+        all.lines()
+            .any(|l| l.starts_with("s-1") && l.contains("released")),
+        "{all}"
+    );
     let out = d
         .cli()
         .args(["release", "s-1", "--fence", "999"])
         .output()
         .unwrap();
     assert!(!out.status.success());
-    let _ = Command::new("true");
 }
 
 #[test]
@@ -333,10 +387,17 @@ fn berth_run_shows_position_and_reason_while_it_waits() {
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    // Not a terminal: plain lines.
+    // Not a terminal: plain lines, each with its time.
+    let line = err
+        .lines()
+        .find(|l| {
+            l.contains("berth: waiting: position 1, project acme is serial; run h holds it, ")
+        })
+        .unwrap_or_else(|| panic!("{err}"));
+    let clock = line.split(' ').next().unwrap();
     assert!(
-        err.contains("waiting: position 1, key.exclusive (project acme is serial; run h holds it)"),
-        "{err}"
+        clock.len() == 9 && clock.ends_with('Z') && clock.as_bytes()[2] == b':',
+        "{line}"
     );
     assert!(!err.contains('\r'));
 }

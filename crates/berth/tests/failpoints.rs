@@ -248,11 +248,15 @@ fn crash_at(failpoint: &str, variant: u64) {
         // no partial archive, and one halfway through the removal no second archive of
         // what was left.
         let diag = d.state.join("diagnostics");
-        let digest = ws.file_name().unwrap().to_string_lossy().into_owned();
+        // Archives are named `<time>-<run id>`.
+        let named = |n: &str| {
+            n.strip_suffix("-dirty")
+                .is_some_and(|t| t.len() == 15 && t.bytes().all(|b| b.is_ascii_digit()))
+        };
         d.wait_until("the dirty workspace is removed and archived", |_| {
             !ws.exists()
                 && names_in(&d.state.join("runs/.trash")).is_empty()
-                && names_in(&diag).iter().any(|n| n.ends_with(&digest))
+                && names_in(&diag).iter().any(|n| named(n))
         });
         // (The pool thread may still be renaming; give it a moment to settle.)
         std::thread::sleep(Duration::from_millis(300));
@@ -262,10 +266,7 @@ fn crash_at(failpoint: &str, variant: u64) {
             1,
             "{failpoint}: diagnostics holds {archives:?}"
         );
-        assert!(
-            archives[0].ends_with(&format!("-{digest}")),
-            "{failpoint}: {archives:?}"
-        );
+        assert!(named(&archives[0]), "{failpoint}: {archives:?}");
         let a = diag.join(&archives[0]);
         let mut names = names_in(&a);
         names.sort();

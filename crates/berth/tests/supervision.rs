@@ -224,7 +224,7 @@ fn a_swapped_workspace_is_never_removed_and_the_run_degrades() {
         "a degraded run keeps its capacity counted"
     );
     // A reaper pass retries and reports it, still degraded, still untouched.
-    let out = d.cli().args(["reap"]).output().unwrap();
+    let out = d.cli().args(["reap", "--json"]).output().unwrap();
     assert!(out.status.success());
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(

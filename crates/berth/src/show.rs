@@ -1,0 +1,148 @@
+//! How the CLI shows things to people: sizes in binary units, durations as `4m12s`,
+//! times relative to now (`in 4m12s`, `3s ago`), a run in one line. Scripts use
+//! `--json` instead.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde_json::Value;
+
+/// `4m12s`, `1h02m`, `12s`, `3d04h`.
+pub fn duration(secs: u64) -> String {
+    match secs {
+        s if s < 60 => format!("{s}s"),
+        s if s < 3_600 => format!("{}m{:02}s", s / 60, s % 60),
+        s if s < 86_400 => format!("{}h{:02}m", s / 3_600, (s % 3_600) / 60),
+        s => format!("{}d{:02}h", s / 86_400, (s % 86_400) / 3_600),
+    }
+}
+
+/// Seconds since the Unix epoch of an RFC 3339 UTC time as the daemon writes it
+/// (`2026-12-01T00:20:03.123Z`); `None` for anything else.
+pub fn parse_utc(s: &str) -> Option<i64> {
+    let (date, time) = s.strip_suffix('Z')?.split_once('T')?;
+    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let time = time.split('.').next()?;
+    let mut t = time.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (hh, mm, ss) = (t.next()??, t.next()??, t.next()??);
+    if !(1..=12).contains(&m) || !(1..=31).contains(&day) || hh > 23 || mm > 59 || ss > 60 {
+        return None;
+    }
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days * 86_400 + hh * 3_600 + mm * 60 + ss)
+}
+
+pub fn now_s() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64)
+}
+
+/// `in 4m12s` or `4m12s ago`, relative to now.
+pub fn relative(utc: &str) -> Option<String> {
+    let delta = parse_utc(utc)? - now_s();
+    Some(if delta >= 0 {
+        format!("in {}", duration(delta as u64))
+    } else {
+        format!("{} ago", duration(delta.unsigned_abs()))
+    })
+}
+
+/// The time of day, UTC, for plain lines: `00:20:03Z`.
+pub fn clock() -> String {
+    let s = now_s().rem_euclid(86_400);
+    format!("{:02}:{:02}:{:02}Z", s / 3_600, (s % 3_600) / 60, s % 60)
+}
+
+/// A claim as people read it: `1 slot, 2.1 GiB, 0.5 cpu, 10 GiB disk, gpu 1`.
+pub fn claim(resources: &Value) -> String {
+    let Some(m) = resources.as_object() else {
+        return String::new();
+    };
+    const FIXED: [&str; 4] = ["slots", "memory", "cpu_millis", "disk"];
+    let n = |k: &str| m.get(k).and_then(Value::as_u64);
+    let mut parts = Vec::new();
+    if let Some(v) = n("slots") {
+        parts.push(format!("{v} slot{}", if v == 1 { "" } else { "s" }));
+    }
+    if let Some(v) = n("memory") {
+        parts.push(berth_core::fmt_bytes(v));
+    }
+    if let Some(v) = n("cpu_millis") {
+        parts.push(format!("{} cpu", cpus(v)));
+    }
+    if let Some(v) = n("disk") {
+        parts.push(format!("{} disk", berth_core::fmt_bytes(v)));
+    }
+    for (k, v) in m.iter().filter(|(k, _)| !FIXED.contains(&k.as_str())) {
+        parts.push(format!("{k} {}", v.as_u64().unwrap_or(0)));
+    }
+    parts.join(", ")
+}
+
+/// Millis as CPUs: `0.5`, `2`.
+pub fn cpus(millis: u64) -> String {
+    let t = format!("{:.3}", millis as f64 / 1000.0);
+    t.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
+/// One line about a run, as the lease commands print it.
+pub fn run_line(run: &Value) -> String {
+    let mut out = format!(
+        "run {} ({}): {}",
+        run["run_id"].as_str().unwrap_or("?"),
+        run["project"].as_str().unwrap_or("?"),
+        run["state"].as_str().unwrap_or("?")
+    );
+    if let Some(f) = run["fence"].as_u64() {
+        out.push_str(&format!(", fence {f}"));
+    }
+    if let Some(p) = run["position"].as_u64() {
+        out.push_str(&format!(", position {p}"));
+    }
+    if let Some(e) = run["expires_at"].as_str().and_then(relative) {
+        out.push_str(&format!(", expires {e}"));
+    }
+    let c = claim(&run["claim"]["resources"]);
+    if !c.is_empty() {
+        out.push_str(&format!("; claims {c}"));
+    }
+    if let Some(w) = run["workspace"].as_str() {
+        out.push_str(&format!("; workspace {w}"));
+    }
+    if let Some(r) = run["reason"]["message"].as_str() {
+        out.push_str(&format!("; {r}"));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_times_read_as_people_write_them() {
+        assert_eq!(duration(12), "12s");
+        assert_eq!(duration(252), "4m12s");
+        assert_eq!(duration(3_720), "1h02m");
+        assert_eq!(duration(273_600), "3d04h");
+        assert_eq!(parse_utc("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(parse_utc("2026-12-01T00:20:03.123Z"), Some(1_796_084_403));
+        assert_eq!(parse_utc("2024-02-29T12:00:00Z"), Some(1_709_208_000));
+        assert_eq!(parse_utc("2026-13-01T00:00:00Z"), None);
+        assert_eq!(parse_utc("yesterday"), None);
+        assert_eq!(cpus(500), "0.5");
+        assert_eq!(cpus(2000), "2");
+        assert_eq!(
+            claim(&serde_json::json!({"slots": 1, "memory": 1u64 << 30, "cpu_millis": 250})),
+            "1 slot, 1 GiB, 0.25 cpu"
+        );
+    }
+}
