@@ -17,37 +17,52 @@ pub struct ServeArgs {
     /// State directory: ledger, workspaces, admin token.
     #[arg(long, env = "BERTH_STATE_DIR")]
     pub state_dir: Option<PathBuf>,
-    /// Listen address.
+    /// Listen address [default: 127.0.0.1:7420].
     #[arg(long, env = "BERTH_LISTEN")]
     pub listen: Option<SocketAddr>,
-    /// Configuration file (default: <state_dir>/berth.toml, if it exists).
+    /// Configuration file [default: <state dir>/berth.toml, if it exists].
     #[arg(long, env = "BERTH_CONFIG")]
     pub config: Option<PathBuf>,
+    /// Runs granted at once at most [default: CPUs / 2, from 1 to 8].
     #[arg(long, env = "BERTH_SLOTS_MAX")]
     pub slots_max: Option<u64>,
+    /// Memory total, e.g. 64GiB [default: the host's MemTotal].
     #[arg(long, env = "BERTH_MEMORY_TOTAL", value_parser = parse_size_arg)]
     pub memory_total: Option<u64>,
-    /// CPU total in millis (4000 = four CPUs).
+    /// CPU total in millis, 4000 = four CPUs [default: the host's CPUs].
     #[arg(long, env = "BERTH_CPU_TOTAL")]
     pub cpu_total: Option<u64>,
+    /// Disk total of the state dir's file system, e.g. 500GiB [default: its size].
     #[arg(long, env = "BERTH_DISK_TOTAL", value_parser = parse_size_arg)]
     pub disk_total: Option<u64>,
+    /// Memory never granted [default: 12.5% of the total, from 1GiB to 4GiB].
     #[arg(long, env = "BERTH_MEMORY_RESERVE", value_parser = parse_size_arg)]
     pub memory_reserve: Option<u64>,
-    /// CPU reserve in millis.
+    /// CPU never granted, in millis [default: 1000].
     #[arg(long, env = "BERTH_CPU_RESERVE")]
     pub cpu_reserve: Option<u64>,
+    /// Disk never granted [default: 10GiB].
     #[arg(long, env = "BERTH_DISK_RESERVE", value_parser = parse_size_arg)]
     pub disk_reserve: Option<u64>,
+    /// CPUs a run asks for when it names none, decimal [default: 0.5: coding agents
+    /// mostly wait on a model, so half a CPU lets several share a small host].
+    #[arg(long, env = "BERTH_DEFAULT_CPUS", value_parser = parse_cpus_arg)]
+    pub default_cpus: Option<u64>,
+    /// Memory a run asks for when it names none [default: 2GiB + 128MiB].
+    #[arg(long, env = "BERTH_DEFAULT_MEMORY", value_parser = parse_size_arg)]
+    pub default_memory: Option<u64>,
     /// A named counted resource, NAME=COUNT (repeatable), e.g. gpu=2.
     #[arg(long = "resource", value_name = "NAME=COUNT")]
     pub resources: Vec<String>,
-    /// Waiters scanned per admission pass after the head (A6).
+    /// Waiters scanned per admission pass after the head (A6) [default: 64].
     #[arg(long, env = "BERTH_WINDOW")]
     pub window: Option<usize>,
+    /// How long the queue's head may wait before capacity is held back for it (A7)
+    /// [default: 30s].
     #[arg(long, env = "BERTH_STARVATION_GUARD", value_parser = parse_duration)]
     pub starvation_guard: Option<u64>,
-    /// How long a waiter restored after a restart keeps its place for its client.
+    /// How long a waiter restored after a restart keeps its place for its client
+    /// [default: 30s].
     #[arg(long, env = "BERTH_RECONNECT_WINDOW", value_parser = parse_duration)]
     pub reconnect_window: Option<u64>,
     /// Accept requests without a token (loopback listen addresses only).
@@ -56,16 +71,17 @@ pub struct ServeArgs {
     /// Do not sample MemAvailable (use only the configured totals).
     #[arg(long, env = "BERTH_NO_MEMORY_SAMPLING")]
     pub no_memory_sampling: bool,
-    /// Grace between SIGTERM and SIGKILL when a run is stopped.
+    /// Grace between SIGTERM and SIGKILL when a run is stopped [default: 30s].
     #[arg(long, env = "BERTH_STOP_GRACE", value_parser = parse_duration)]
     pub stop_grace: Option<u64>,
     /// Never use cgroups (process groups only).
     #[arg(long, env = "BERTH_NO_CGROUPS")]
     pub no_cgroups: bool,
-    /// Diagnostics (a run's logs/) kept per run.
+    /// Diagnostics (a run's logs/) kept per run [default: 1MiB].
     #[arg(long, env = "BERTH_DIAGNOSTICS_RUN_BYTES", value_parser = parse_size_arg)]
     pub diagnostics_run_bytes: Option<u64>,
-    /// Diagnostics kept in all; the oldest archives are dropped first.
+    /// Diagnostics kept in all; the oldest archives are dropped first [default:
+    /// 256MiB].
     #[arg(long, env = "BERTH_DIAGNOSTICS_TOTAL_BYTES", value_parser = parse_size_arg)]
     pub diagnostics_total_bytes: Option<u64>,
     /// Start a new ledger although this state dir was used before and its ledger is
@@ -96,6 +112,27 @@ struct FileConfig {
     no_cgroups: Option<bool>,
     diagnostics_run_bytes: Option<String>,
     diagnostics_total_bytes: Option<String>,
+    default_cpus: Option<f64>,
+    default_memory: Option<String>,
+}
+
+/// What a run asks for when it names no CPUs: half a CPU. A coding agent mostly waits
+/// on a model; the engine's own default (2 CPUs) let a 2- or 4-core host run one agent
+/// at a time.
+pub const DEFAULT_RUN_CPU_MILLIS: u64 = 500;
+
+fn parse_cpus_arg(s: &str) -> Result<u64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of CPUs like 0.5"))?;
+    cpus_to_millis(v)
+}
+
+fn cpus_to_millis(v: f64) -> Result<u64, String> {
+    if !(v > 0.0 && v <= 4096.0) {
+        return Err("must be more than 0 and at most 4096 CPUs".into());
+    }
+    Ok((v * 1000.0).round() as u64)
 }
 
 fn size(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
@@ -191,6 +228,19 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         named.insert(name.to_string(), count);
     }
     c.named = named.into_iter().collect();
+    c.default_request.cpu_millis = match (a.default_cpus, file.default_cpus) {
+        (Some(m), _) => m,
+        (None, Some(v)) => {
+            cpus_to_millis(v).map_err(|e| anyhow!("berth.toml default_cpus: {e}"))?
+        }
+        (None, None) => DEFAULT_RUN_CPU_MILLIS,
+    };
+    if let Some(v) = a
+        .default_memory
+        .or(size("default_memory", file.default_memory)?)
+    {
+        c.default_request.memory = v;
+    }
     c.fit_default_request();
     if let Err(e) = c.validate() {
         bail!("configuration: {e}");

@@ -401,3 +401,137 @@ fn berth_run_shows_position_and_reason_while_it_waits() {
     );
     assert!(!err.contains('\r'));
 }
+
+/// Fail fast: with no daemon, `berth run` and every client command exit 69 at once and
+/// say what to do.
+#[test]
+fn a_refused_connection_exits_69_at_once_with_the_hint() {
+    let port = common::free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    for args in [
+        &["run", "--project", "p", "--", "true"][..],
+        &["status"][..],
+        &["runs"][..],
+        &["acquire", "--project", "p"][..],
+        &["renew", "r", "--fence", "1"][..],
+        &["release", "r", "--fence", "1"][..],
+        &["reap"][..],
+    ] {
+        let t = std::time::Instant::now();
+        let out = Command::new(common::BERTH)
+            .args(args)
+            .env("BERTH_URL", &url)
+            .env("BERTH_TOKEN", "t")
+            .output()
+            .unwrap();
+        let took = t.elapsed();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(69), "{args:?}: {err}");
+        assert!(
+            err.contains("is `berth serve` running?") && err.contains(&url),
+            "{args:?}: {err}"
+        );
+        assert!(took < Duration::from_secs(2), "{args:?} took {took:?}");
+    }
+}
+
+/// A missing token names the file that was tried, and --state-dir says where to look.
+#[test]
+fn a_missing_token_names_the_file_tried_and_state_dir_finds_it() {
+    let d = Daemon::start(&["--slots-max", "1"]);
+    let empty = tempfile::tempdir().unwrap();
+    let out = Command::new(common::BERTH)
+        .args(["status", "--state-dir"])
+        .arg(empty.path())
+        .env("BERTH_URL", &d.url)
+        .env_remove("BERTH_TOKEN")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&empty.path().join("admin.token").display().to_string()),
+        "{err}"
+    );
+    // The daemon's own state dir holds its admin token.
+    let out = Command::new(common::BERTH)
+        .args(["status", "--json", "--state-dir"])
+        .arg(&d.state)
+        .env("BERTH_URL", &d.url)
+        .env_remove("BERTH_TOKEN")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new(common::BERTH)
+        .args(["runs", "--json"])
+        .env("BERTH_STATE_DIR", &d.state)
+        .env("BERTH_URL", &d.url)
+        .env_remove("BERTH_TOKEN")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// `--wait 0` on a busy host: one line saying why, exit 75, no waiting line.
+#[test]
+fn wait_0_on_a_busy_host_prints_one_line() {
+    let d = Daemon::start(&["--slots-max", "1"]);
+    let h = d.post(
+        "/v1/runs",
+        &json!({"run_id": "h", "project": "busy", "resources": {"cpu_millis": 10}}).to_string(),
+    );
+    assert_eq!(h.status, 201);
+    let out = d
+        .cli()
+        .args(["run", "--project", "other", "--wait", "0", "--", "true"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(!err.contains("waiting"), "{err}");
+}
+
+/// The README's tour, with its own flags: two default runs of different projects run
+/// side by side, and a second run of one project waits for the first.
+#[test]
+fn the_readme_tour_runs_different_projects_side_by_side() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let serve = readme
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("berth serve "))
+        .expect("the tour starts the daemon");
+    let flags: Vec<&str> = serve.trim_end_matches('&').split_whitespace().collect();
+    assert!(flags.contains(&"--slots-max"), "{flags:?}");
+    let d = Daemon::start(&flags);
+    let dir = tempfile::tempdir().unwrap();
+    let run = |project: &str, name: &str| {
+        let marker = dir.path().join(name);
+        d.cli()
+            .args(["run", "--project", project, "--wait", "0", "--", "sh", "-c"])
+            .arg(format!("touch {}; sleep 2", marker.display()))
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let a = run("demo", "a");
+    let b = run("other", "b");
+    let both = [a, b].map(|c| c.wait_with_output().unwrap());
+    for o in &both {
+        assert!(
+            o.status.success(),
+            "a default run was not admitted at once: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    assert!(dir.path().join("a").exists() && dir.path().join("b").exists());
+}

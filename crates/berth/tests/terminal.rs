@@ -276,7 +276,8 @@ fn a_lease_lost_while_suspended_exits_75_with_its_line() {
         "{} run --project l --run-id lost --cpus 0.1 --ttl 2s -- sh -c 'while :; do echo tick; sleep 0.2; done'\n",
         common::BERTH
     ));
-    sh.expect("tick");
+    // (`\ntick`: CMD's output, not the echo of the typed command.)
+    sh.expect("\ntick");
     sh.type_("\x1a");
     sh.expect("Stopped");
     // Suspended past the ttl: the broker expires the lease and stops CMD.
@@ -288,4 +289,28 @@ fn a_lease_lost_while_suspended_exits_75_with_its_line() {
     sh.type_("echo rc=$?\n");
     sh.expect_after(n, "rc=75");
     sh.type_("exit\n");
+}
+
+/// On a terminal the waiting line is redrawn every second: its elapsed time ticks
+/// between the daemon's events.
+#[test]
+fn the_waiting_line_ticks_on_a_terminal() {
+    let d = Daemon::start(&["--slots-max", "1"]);
+    let h = d.post(
+        "/v1/runs",
+        &serde_json::json!({"run_id": "h", "project": "busy", "resources": {"cpu_millis": 10}})
+            .to_string(),
+    );
+    assert_eq!(h.status, 201);
+    let mut p = Pty::spawn(berth_run(&d, "w", &[], "echo admitted"));
+    let at = p.expect("berth: waiting: position 1");
+    let at = p.expect_after(at, ", 1s");
+    p.expect_after(at, ", 2s");
+    let r = d.post(
+        "/v1/runs/h/release",
+        &serde_json::json!({"fence": h.body["fence"]}).to_string(),
+    );
+    assert_eq!(r.status, 200);
+    p.expect("admitted");
+    assert_eq!(p.exit_code(), 0, "{}", p.text());
 }
