@@ -8,7 +8,7 @@ mod show;
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// Exit codes (SPEC section 12).
 pub const EXIT_USAGE: u8 = 2;
@@ -44,6 +44,14 @@ enum Cmd {
     Release(client::ReleaseArgs),
     /// Run one reaper pass now and print its report.
     Reap(client::ConnArgs),
+    /// Print a completion script for a shell, e.g. `berth completions bash >
+    /// /etc/bash_completion.d/berth`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print berth's man page (roff), e.g. `berth man | man -l -`.
+    Man,
 }
 
 /// See `[workspace.dependencies]` for why.
@@ -61,6 +69,14 @@ fn main() -> ExitCode {
         Cmd::Renew(a) => client::renew_main(a),
         Cmd::Release(a) => client::release_main(a),
         Cmd::Reap(a) => client::reap_main(a),
+        Cmd::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
+            Ok(0)
+        }
+        Cmd::Man => clap_mangen::Man::new(Cli::command())
+            .render(&mut std::io::stdout())
+            .map(|()| 0)
+            .map_err(anyhow::Error::from),
     };
     match result {
         Ok(code) => ExitCode::from(code),
@@ -68,5 +84,37 @@ fn main() -> ExitCode {
             eprintln!("berth: {e:#}");
             ExitCode::from(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every flag and argument of every command says what it is (units and defaults
+    /// are in the text), and every command has an about line.
+    #[test]
+    fn every_flag_has_help() {
+        fn walk(cmd: &clap::Command, path: &str, missing: &mut Vec<String>) {
+            for a in cmd.get_arguments() {
+                let id = a.get_id().as_str();
+                if id == "help" || id == "version" {
+                    continue;
+                }
+                if a.get_help().is_none() && a.get_long_help().is_none() {
+                    missing.push(format!("{path} {id}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                let p = format!("{path} {}", sub.get_name());
+                if sub.get_about().is_none() && sub.get_name() != "help" {
+                    missing.push(format!("{p} (about)"));
+                }
+                walk(sub, &p, missing);
+            }
+        }
+        let mut missing = Vec::new();
+        walk(&Cli::command(), "berth", &mut missing);
+        assert!(missing.is_empty(), "without help: {missing:#?}");
     }
 }

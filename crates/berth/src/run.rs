@@ -43,17 +43,25 @@ pub struct ClaimArgs {
     /// Project (default: the git toplevel's directory name, else the current directory's).
     #[arg(long)]
     pub project: Option<String>,
+    /// `managed` runs hold the project's runtime key; `analysis` runs only read
+    /// [default: managed].
     #[arg(long, value_parser = ["managed", "analysis"])]
     pub class: Option<String>,
+    /// `background` runs wait while any foreground run waits [default: foreground].
     #[arg(long, value_parser = ["foreground", "background"])]
     pub priority: Option<String>,
+    /// Slots [default: 1].
     #[arg(long)]
     pub slots: Option<u64>,
+    /// Memory, e.g. 4GiB [default: the daemon's, 2GiB + 128MiB unless configured].
     #[arg(long, value_parser = parse_size_arg)]
     pub memory: Option<u64>,
-    /// CPUs, decimal (1.5 = 1500 millis).
+    /// CPUs, decimal: 1.5 = 1500 millis [default: the daemon's, 0.5 unless
+    /// configured].
     #[arg(long, value_parser = parse_cpus)]
     pub cpus: Option<u64>,
+    /// Disk for the workspace, e.g. 20GiB [default: the daemon's, 10GiB unless
+    /// configured].
     #[arg(long, value_parser = parse_size_arg)]
     pub disk: Option<u64>,
     /// NAME=COUNT of a named resource (repeatable).
@@ -65,12 +73,14 @@ pub struct ClaimArgs {
     /// The worktree whose .berth.toml shapes the claim (absolute or relative).
     #[arg(long)]
     pub worktree: Option<PathBuf>,
+    /// The run's id; a retry with the same id re-attaches to it [default: a random
+    /// `r-…`].
     #[arg(long)]
     pub run_id: Option<String>,
-    /// Lease ttl, e.g. 5m.
+    /// Lease ttl, e.g. 5m [default: 5m]; `berth run` renews every third of it.
     #[arg(long, value_parser = parse_duration)]
     pub ttl: Option<u64>,
-    /// How long to wait in the queue, e.g. 30m (0 = do not wait).
+    /// How long to wait in the queue, e.g. 30m; 0 = do not wait [default: 30m].
     #[arg(long, value_parser = parse_duration)]
     pub wait: Option<u64>,
     #[command(flatten)]

@@ -535,3 +535,31 @@ fn the_readme_tour_runs_different_projects_side_by_side() {
     }
     assert!(dir.path().join("a").exists() && dir.path().join("b").exists());
 }
+
+/// Shell completions and the man page come from the binary itself.
+#[test]
+fn completions_and_the_man_page() {
+    for (shell, mark) in [
+        ("bash", "complete -F _berth"),
+        ("zsh", "#compdef berth"),
+        ("fish", "complete -c berth"),
+    ] {
+        let out = Command::new(common::BERTH)
+            .args(["completions", shell])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains(mark),
+            "{shell}: {text}"
+        );
+        assert!(text.contains("state-dir"), "{shell}: flags missing");
+    }
+    let out = Command::new(common::BERTH).arg("man").output().unwrap();
+    let man = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && man.contains(".TH berth 1"), "{man}");
+    assert!(
+        man.contains("serve") && man.contains("completions"),
+        "{man}"
+    );
+}
