@@ -563,3 +563,19 @@ fn completions_and_the_man_page() {
         "{man}"
     );
 }
+
+/// The example configuration in contrib/ is one `berth serve` accepts, and it is in
+/// force (its slots_max shows in the status).
+#[test]
+fn the_example_berth_toml_is_accepted() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../contrib/berth.toml");
+    let d = Daemon::start(&["--config", example]);
+    let s = d.get("/v1/status").body;
+    assert_eq!(s["slots_max"], 4, "{s}");
+    let unit = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../contrib/berth.service"
+    ))
+    .unwrap();
+    assert!(unit.contains("ExecStart=") && unit.contains("berth serve"));
+}
