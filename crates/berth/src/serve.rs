@@ -71,7 +71,7 @@ pub struct ServeArgs {
     /// Do not sample MemAvailable (use only the configured totals).
     #[arg(long, env = "BERTH_NO_MEMORY_SAMPLING")]
     pub no_memory_sampling: bool,
-    /// Grace between SIGTERM and SIGKILL when a run is stopped [default: 30s].
+    /// Grace between SIGTERM and SIGKILL when a run is stopped [default: 10s].
     #[arg(long, env = "BERTH_STOP_GRACE", value_parser = parse_duration)]
     pub stop_grace: Option<u64>,
     /// Never use cgroups (process groups only).
