@@ -1710,6 +1710,17 @@ impl Engine {
         self.by_id.get(run_id).map(|&s| self.view(s))
     }
 
+    /// Since when the run holds its state's start: its grant once granted, else when
+    /// it queued (what `berth runs` shows as its age).
+    pub fn since_of(&self, run_id: &str) -> Option<TimeMs> {
+        let r = self.run(*self.by_id.get(run_id)?);
+        Some(if r.fence.is_some() {
+            r.granted_at
+        } else {
+            r.enqueued_at
+        })
+    }
+
     /// The head of the host queue (foreground first): id, priority, when it queued.
     pub fn head(&self) -> Option<(&str, Priority, TimeMs)> {
         let (_, s) = self.queues[0].head().or_else(|| self.queues[1].head())?;

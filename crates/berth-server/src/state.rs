@@ -27,6 +27,8 @@ pub struct RunInfo {
     pub labels: BTreeMap<String, String>,
     pub workspace: Option<String>,
     pub expires_at: Option<String>,
+    /// When it was granted (or queued, while it waits).
+    pub since: Option<String>,
     pub env: BTreeMap<&'static str, String>,
     /// Pids that survived the last stop (a degraded run).
     pub survivors: Vec<i32>,
@@ -544,6 +546,7 @@ impl State {
             labels: extra.map(|e| e.labels.clone()).unwrap_or_default(),
             workspace: ws,
             expires_at,
+            since: self.engine.since_of(run_id).map(clock::mono_to_rfc3339),
             env,
             survivors: extra.map(|e| e.survivors.clone()).unwrap_or_default(),
             failure: extra.and_then(|e| e.failure.clone()),

@@ -329,15 +329,22 @@ pub fn runs_main(a: RunsArgs) -> anyhow::Result<u8> {
         return print_reply(&r, a.conn.json, |_| String::new());
     }
     println!(
-        "{:<20} {:<16} {:<9} {:>6} {:>4} {:<12} {:<34} reason",
-        "run", "project", "state", "fence", "pos", "expires", "claim"
+        "{:<20} {:<16} {:<9} {:>7} {:>6} {:>4} {:<12} {:<34} reason",
+        "run", "project", "state", "age", "fence", "pos", "expires", "claim"
     );
     for run in r.body["runs"].as_array().into_iter().flatten() {
+        // How long it has been granted (or waiting).
+        let age = run["since"]
+            .as_str()
+            .and_then(crate::show::parse_utc)
+            .map(|t| crate::show::duration((crate::show::now_s() - t).max(0) as u64))
+            .unwrap_or_default();
         println!(
-            "{:<20} {:<16} {:<9} {:>6} {:>4} {:<12} {:<34} {}",
+            "{:<20} {:<16} {:<9} {:>7} {:>6} {:>4} {:<12} {:<34} {}",
             run["run_id"].as_str().unwrap_or(""),
             run["project"].as_str().unwrap_or(""),
             run["state"].as_str().unwrap_or(""),
+            age,
             run["fence"]
                 .as_u64()
                 .map(|f| f.to_string())

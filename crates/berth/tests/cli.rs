@@ -333,6 +333,13 @@ fn every_client_command_has_json_for_scripts_and_lines_for_people() {
     let runs = json_of(&["runs"]);
     assert_eq!(runs["runs"].as_array().unwrap().len(), 2, "{runs}");
     let table = human(&["runs"]);
+    assert!(table.lines().next().unwrap().contains(" age "), "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("t-1") && (l.contains(" 0s ") || l.contains(" 1s "))),
+        "a run granted just now is 0s or 1s old: {table}"
+    );
     assert!(
         table
             .lines()
