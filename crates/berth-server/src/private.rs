@@ -315,7 +315,16 @@ mod tests {
         let e = lock(d.path()).err().unwrap().to_string();
         assert!(e.contains(&format!("pid {}", std::process::id())), "{e}");
         drop(held);
-        lock(d.path()).unwrap();
+        // Free again once dropped. (Eventually: a child another test forks at this
+        // moment shares the lock's open file until it execs, which closes it.)
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while let Err(e) = lock(d.path()) {
+            assert!(
+                std::time::Instant::now() < end,
+                "still locked after drop: {e}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
     }
 
     #[test]
