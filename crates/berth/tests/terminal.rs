@@ -289,6 +289,7 @@ fn a_lease_lost_while_suspended_exits_75_with_its_line() {
     sh.type_("echo rc=$?\n");
     sh.expect_after(n, "rc=75");
     sh.type_("exit\n");
+    eprintln!("--- transcript ---\n{}\n---", sh.text());
 }
 
 /// On a terminal the waiting line is redrawn every second: its elapsed time ticks
