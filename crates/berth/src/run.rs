@@ -275,7 +275,7 @@ fn wait_for_lease_with(client: &Client, body: &Value, wait_ms: u64, line: &WaitL
     let mut ever_reached = false;
     loop {
         match client.acquire_stream(body) {
-            Ok((status, reader)) if status == 200 => {
+            Ok((200, reader)) => {
                 ever_reached = true;
                 last_ok = Instant::now();
                 for l in reader.lines() {
