@@ -226,9 +226,8 @@ fn naive_depth(depth: u64, passes: usize) -> f64 {
         slots_free: 0,
         memory_free: 500 * GIB,
     };
-    let mut next = SLOTS + depth;
     let mut samples = Vec::with_capacity(passes);
-    for _ in 0..passes {
+    for next in (SLOTS + depth..).take(passes) {
         let h = n.holders.remove(0);
         n.slots_free += h.1;
         n.memory_free += h.2;
@@ -236,7 +235,6 @@ fn naive_depth(depth: u64, passes: usize) -> f64 {
         n.pass();
         samples.push(started.elapsed().as_secs_f64() * 1e6);
         n.waiters.push(entry(next));
-        next += 1;
     }
     samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
     percentile(&samples, 0.99)

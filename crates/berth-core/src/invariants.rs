@@ -149,19 +149,19 @@ impl Engine {
         );
 
         // A2: nothing over-committed, and the running sums agree with the recount.
-        for i in 0..n {
+        for (i, &held) in committed.iter().enumerate().take(n) {
             ensure!(
-                committed[i] == self.committed[i],
+                held == self.committed[i],
                 "{} committed {} but runs hold {}",
                 self.res_names[i],
                 self.committed[i],
-                committed[i]
+                held
             );
             ensure!(
-                committed[i] <= self.allocatable[i],
+                held <= self.allocatable[i],
                 "{} over-committed: {} > {}",
                 self.res_names[i],
-                committed[i],
+                held,
                 self.allocatable[i]
             );
         }
@@ -198,8 +198,7 @@ impl Engine {
                 "key {} waiter set is stale",
                 key.name
             );
-            for band in 0..2 {
-                let want = excl_waiting[k as usize][band];
+            for (band, &want) in excl_waiting[k as usize].iter().enumerate() {
                 ensure!(
                     key.exclusive_waiting[band] == want,
                     "key {} exclusive waiting {} != {want}",

@@ -12,8 +12,11 @@ use crate::{Batch, ProcessRecord, RunRecord, Store, WorkspaceIdentity, Writer};
 
 pub type Open<'a> = &'a dyn Fn() -> Box<dyn Store>;
 
+/// One conformance check: it opens (and reopens) the ledger through `Open`.
+pub type Check = fn(Open);
+
 /// Every check, by name, so a test can run each as its own case.
-pub const CHECKS: &[(&str, fn(Open))] = &[
+pub const CHECKS: &[(&str, Check)] = &[
     ("empty_ledger", empty_ledger),
     ("round_trip_every_field", round_trip_every_field),
     (
