@@ -53,7 +53,7 @@ pub struct RenewArgs {
     #[arg(long)]
     pub fence: Option<u64>,
     /// New ttl, e.g. 5m [default: the run's own].
-    #[arg(long, value_parser = crate::run::parse_duration)]
+    #[arg(long, value_parser = crate::args::parse_duration)]
     pub ttl: Option<u64>,
     #[command(flatten)]
     pub conn: ConnArgs,

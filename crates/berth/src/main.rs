@@ -1,6 +1,7 @@
 //! `berth`: a thin binary. `serve` starts the daemon (berth-server); every other
 //! subcommand is a client of its HTTP API.
 
+mod args;
 mod client;
 mod run;
 mod serve;

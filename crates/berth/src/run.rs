@@ -19,25 +19,6 @@ use serde_json::{json, Value};
 use crate::client::{error_text, Client, ConnArgs};
 use crate::{EXIT_REFUSED, EXIT_TIMEOUT};
 
-pub fn parse_size_arg(s: &str) -> Result<u64, String> {
-    validate::parse_size(s)
-}
-
-/// Durations as milliseconds: `30s`, `5m`.
-pub fn parse_duration(s: &str) -> Result<u64, String> {
-    validate::parse_duration_ms(s)
-}
-
-fn parse_cpus(s: &str) -> Result<u64, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a number of CPUs like 1.5"))?;
-    if !(v > 0.0 && v <= 4096.0) {
-        return Err("must be more than 0 and at most 4096".into());
-    }
-    Ok((v * 1000.0).round() as u64)
-}
-
 #[derive(Args, Debug, Clone)]
 pub struct ClaimArgs {
     /// Project (default: the git toplevel's directory name, else the current directory's).
@@ -54,15 +35,15 @@ pub struct ClaimArgs {
     #[arg(long)]
     pub slots: Option<u64>,
     /// Memory, e.g. 4GiB [default: the daemon's, 2GiB + 128MiB unless configured].
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = crate::args::parse_size)]
     pub memory: Option<u64>,
     /// CPUs, decimal: 1.5 = 1500 millis [default: the daemon's, 0.5 unless
     /// configured].
-    #[arg(long, value_parser = parse_cpus)]
+    #[arg(long, value_parser = crate::args::parse_cpus)]
     pub cpus: Option<u64>,
     /// Disk for the workspace, e.g. 20GiB [default: the daemon's, 10GiB unless
     /// configured].
-    #[arg(long, value_parser = parse_size_arg)]
+    #[arg(long, value_parser = crate::args::parse_size)]
     pub disk: Option<u64>,
     /// NAME=COUNT of a named resource (repeatable).
     #[arg(long = "resource", value_name = "NAME=COUNT")]
@@ -78,10 +59,10 @@ pub struct ClaimArgs {
     #[arg(long)]
     pub run_id: Option<String>,
     /// Lease ttl, e.g. 5m [default: 5m]; `berth run` renews every third of it.
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, value_parser = crate::args::parse_duration)]
     pub ttl: Option<u64>,
     /// How long to wait in the queue, e.g. 30m; 0 = do not wait [default: 30m].
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, value_parser = crate::args::parse_duration)]
     pub wait: Option<u64>,
     #[command(flatten)]
     pub conn: ConnArgs,

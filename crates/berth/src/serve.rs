@@ -10,7 +10,7 @@ use berth_core::validate::{parse_duration_ms, parse_size};
 use clap::Args;
 use serde::Deserialize;
 
-use crate::run::{parse_duration, parse_size_arg};
+use crate::args::{cpus_to_millis, parse_cpus, parse_duration, parse_size as parse_size_arg};
 
 #[derive(Args, Debug, Default)]
 pub struct ServeArgs {
@@ -46,7 +46,7 @@ pub struct ServeArgs {
     pub disk_reserve: Option<u64>,
     /// CPUs a run asks for when it names none, decimal [default: 0.5: coding agents
     /// mostly wait on a model, so half a CPU lets several share a small host].
-    #[arg(long, env = "BERTH_DEFAULT_CPUS", value_parser = parse_cpus_arg)]
+    #[arg(long, env = "BERTH_DEFAULT_CPUS", value_parser = parse_cpus)]
     pub default_cpus: Option<u64>,
     /// Memory a run asks for when it names none [default: 2GiB + 128MiB].
     #[arg(long, env = "BERTH_DEFAULT_MEMORY", value_parser = parse_size_arg)]
@@ -120,20 +120,6 @@ struct FileConfig {
 /// on a model; the engine's own default (2 CPUs) let a 2- or 4-core host run one agent
 /// at a time.
 pub const DEFAULT_RUN_CPU_MILLIS: u64 = 500;
-
-fn parse_cpus_arg(s: &str) -> Result<u64, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a number of CPUs like 0.5"))?;
-    cpus_to_millis(v)
-}
-
-fn cpus_to_millis(v: f64) -> Result<u64, String> {
-    if !(v > 0.0 && v <= 4096.0) {
-        return Err("must be more than 0 and at most 4096 CPUs".into());
-    }
-    Ok((v * 1000.0).round() as u64)
-}
 
 fn size(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
     v.map(|s| parse_size(&s).map_err(|e| anyhow!("berth.toml {key}: {e}")))

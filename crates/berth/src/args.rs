@@ -1,0 +1,32 @@
+//! Parsing of the CLI's and berth.toml's values, in one place for every subcommand:
+//! sizes and durations (the engine's own parsers), and CPUs as decimals.
+
+use berth_core::validate;
+
+/// Sizes in bytes: `2GiB`, `512M`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    validate::parse_size(s)
+}
+
+/// Durations as milliseconds: `30s`, `5m`.
+pub fn parse_duration(s: &str) -> Result<u64, String> {
+    validate::parse_duration_ms(s)
+}
+
+/// CPUs as millis: `1.5` is 1500.
+pub fn parse_cpus(s: &str) -> Result<u64, String> {
+    let v: f64 = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a number of CPUs like 1.5"))?;
+    cpus_to_millis(v)
+}
+
+/// At most this many CPUs in one figure.
+const CPUS_MAX: f64 = 4096.0;
+
+pub fn cpus_to_millis(v: f64) -> Result<u64, String> {
+    if !(v > 0.0 && v <= CPUS_MAX) {
+        return Err(format!("must be more than 0 and at most {CPUS_MAX} CPUs"));
+    }
+    Ok((v * 1000.0).round() as u64)
+}
