@@ -196,7 +196,8 @@ fn an_interactive_command_reads_the_terminal_and_sees_its_size() {
     p.expect("got:ada");
     p.expect("40 100");
     assert_eq!(p.exit_code(), 0, "{}", p.text());
-    assert_eq!(state(&d, "tty").0, "released");
+    // (Released once the broker has seen the run's processes gone.)
+    d.wait_until("tty is released", |d| state(d, "tty").0 == "released");
     eprintln!("--- transcript ---\n{}\n---", p.text());
 }
 
@@ -207,7 +208,7 @@ fn ctrl_c_ends_cmd_and_the_run_is_released() {
     p.expect("ready");
     p.type_("\x03");
     assert_eq!(p.exit_code(), 130, "{}", p.text());
-    assert_eq!(state(&d, "cc").0, "released");
+    d.wait_until("cc is released", |d| state(d, "cc").0 == "released");
 }
 
 #[test]
