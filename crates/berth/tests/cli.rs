@@ -452,14 +452,23 @@ fn a_refused_connection_exits_69_at_once_with_the_hint() {
 #[test]
 fn a_missing_token_names_the_file_tried_and_state_dir_finds_it() {
     let d = Daemon::start(&["--slots-max", "1"]);
+    // The CLI with no token given: it must find one (or say where it looked).
+    let tokenless = |args: &[&std::ffi::OsStr], state_env: Option<&std::path::Path>| {
+        let mut c = Command::new(common::BERTH);
+        c.args(args)
+            .env("BERTH_URL", &d.url)
+            .env_remove("BERTH_TOKEN");
+        if let Some(s) = state_env {
+            c.env("BERTH_STATE_DIR", s);
+        }
+        c.output().unwrap()
+    };
+    let os = |s: &'static str| std::ffi::OsStr::new(s);
     let empty = tempfile::tempdir().unwrap();
-    let out = Command::new(common::BERTH)
-        .args(["status", "--state-dir"])
-        .arg(empty.path())
-        .env("BERTH_URL", &d.url)
-        .env_remove("BERTH_TOKEN")
-        .output()
-        .unwrap();
+    let out = tokenless(
+        &[os("status"), os("--state-dir"), empty.path().as_os_str()],
+        None,
+    );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
@@ -467,25 +476,21 @@ fn a_missing_token_names_the_file_tried_and_state_dir_finds_it() {
         "{err}"
     );
     // The daemon's own state dir holds its admin token.
-    let out = Command::new(common::BERTH)
-        .args(["status", "--json", "--state-dir"])
-        .arg(&d.state)
-        .env("BERTH_URL", &d.url)
-        .env_remove("BERTH_TOKEN")
-        .output()
-        .unwrap();
+    let out = tokenless(
+        &[
+            os("status"),
+            os("--json"),
+            os("--state-dir"),
+            d.state.as_os_str(),
+        ],
+        None,
+    );
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let out = Command::new(common::BERTH)
-        .args(["runs", "--json"])
-        .env("BERTH_STATE_DIR", &d.state)
-        .env("BERTH_URL", &d.url)
-        .env_remove("BERTH_TOKEN")
-        .output()
-        .unwrap();
+    let out = tokenless(&[os("runs"), os("--json")], Some(&d.state));
     assert!(
         out.status.success(),
         "{}",
@@ -591,4 +596,39 @@ fn the_example_berth_toml_is_accepted() {
     ))
     .unwrap();
     assert!(unit.contains("ExecStart=") && unit.contains("berth serve"));
+}
+
+/// Malformed values for the new list parameter and the new serve settings are refused
+/// with the field named, and nothing starts or changes.
+#[test]
+fn bad_list_parameters_and_default_settings_are_refused_by_name() {
+    let d = Daemon::start(&["--slots-max", "1"]);
+    for q in ["all=maybe", "all=", "everything=true"] {
+        let r = d.get(&format!("/v1/runs?{q}"));
+        assert_eq!((r.status, r.code()), (400, "invalid"), "{q}: {:?}", r.body);
+        let field = r.body["error"]["details"]["field"].as_str().unwrap_or("");
+        assert!(
+            q.starts_with(field) && !field.is_empty(),
+            "{q}: {:?}",
+            r.body
+        );
+    }
+    for (flag, value) in [
+        ("--default-cpus", "0"),
+        ("--default-cpus", "-1"),
+        ("--default-cpus", "lots"),
+        ("--default-memory", "big"),
+    ] {
+        let (st, out) = d.start_fails(&[&format!("{flag}={value}")]);
+        assert!(!st.success());
+        assert!(out.contains(flag), "{flag} {value}: {out}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let toml = dir.path().join("berth.toml");
+    std::fs::write(&toml, "default_cpus = 0.0\n").unwrap();
+    let (st, out) = d.start_fails(&["--config", toml.to_str().unwrap()]);
+    assert!(!st.success());
+    assert!(out.contains("default_cpus"), "{out}");
+    // The running daemon is unchanged.
+    assert_eq!(d.get("/v1/status").body["slots_max"], 1);
 }
