@@ -549,8 +549,10 @@ impl CopyFrame {
 }
 
 /// Copies the regular files under the workspace's `logs/` into a new private archive
-/// `<diagnostics>/<name>` within the run's budgets (bytes by blocks, entries), at most
-/// `ARCHIVE_DEPTH_MAX` levels deep, by name; `None` when nothing was archived.
+/// `<diagnostics>/.partial-<entry>` within the run's budgets (bytes by blocks,
+/// entries), at most `ARCHIVE_DEPTH_MAX` levels deep, by name; `None` when nothing was
+/// archived. The caller marks the trash entry archived, then names the archive with
+/// `name_archive`: see `Worker::scrub` for why in that order.
 ///
 /// Read only through descriptors: `logs` is opened under the workspace's descriptor
 /// with `O_NOFOLLOW | O_DIRECTORY` (a `logs` link, file or mount point is not archived
@@ -559,7 +561,7 @@ impl CopyFrame {
 /// mount; links, fifos, sockets and devices are never opened. Written privately (a
 /// root-only 0600 file was copied as 0644): directories 0700, files 0600, each created
 /// with `O_EXCL | O_NOFOLLOW` under the copy's descriptor.
-fn archive_logs(ws: &OwnedFd, on: &walk::Mount, d: &Diagnostics, name: &str) -> Option<Archived> {
+fn archive_logs(ws: &OwnedFd, on: &walk::Mount, d: &Diagnostics, entry: &str) -> Option<CString> {
     let (logs, _) = walk::open_dir(ws, "logs", on).ok()?;
     let mut visits = ARCHIVE_VISITS_MAX;
     let names = list_sorted(&logs, &mut visits);
@@ -590,32 +592,34 @@ fn archive_logs(ws: &OwnedFd, on: &walk::Mount, d: &Diagnostics, name: &str) -> 
         block,
     };
     budget.room()?;
-    // A fresh directory: never one that exists (a second archive in the same
-    // millisecond gets a suffix). Written under a `.partial-` name and renamed to its
-    // own once complete: a crash halfway leaves only a `.partial-` entry, which the next
-    // `enforce_total` drops, never an archive that looks whole and is not.
+    // Written under `.partial-<trash entry>` and named as an archive only once complete
+    // and once the entry is marked: a crash before the mark leaves a `.partial-` entry
+    // that the next start drops (and the entry is archived again, whole); a crash after
+    // it, one that the next start names (see `recover_partials`). Never an archive that
+    // looks whole and is not, never two of one workspace. (Trash entry names are at most
+    // ~190 bytes, so the prefixed name fits a file name.)
+    let partial = CString::new(format!("{PARTIAL_PREFIX}{entry}")).ok()?;
     let mut made = None;
-    for k in 0..16 {
-        let Ok(n) = CString::new(if k == 0 {
-            format!("{PARTIAL_PREFIX}{name}")
-        } else {
-            format!("{PARTIAL_PREFIX}{name}-{k}")
-        }) else {
-            return None;
-        };
-        match make_private_dir(&diag, &n, &diag_on) {
+    for _ in 0..2 {
+        match make_private_dir(&diag, &partial, &diag_on) {
             Ok(fd) => {
-                made = Some((n, fd));
+                made = Some(fd);
                 break;
             }
-            Err(Errno::EXIST) => {}
+            // Left by an attempt that failed before its mark: redone from the start.
+            Err(Errno::EXIST) => {
+                if let Err(e) = drop_entry(&diag, &partial, &diag_on) {
+                    tracing::warn!("diagnostics {}: {e}", d.dir.display());
+                    return None;
+                }
+            }
             Err(e) => {
                 tracing::warn!("diagnostics {}: making an archive: {e}", d.dir.display());
                 return None;
             }
         }
     }
-    let (partial, top) = made?;
+    let top = made?;
     budget.charge(block);
     let mut stack = vec![CopyFrame {
         src: logs,
@@ -694,27 +698,70 @@ fn archive_logs(ws: &OwnedFd, on: &walk::Mount, d: &Diagnostics, name: &str) -> 
         }
         return None;
     }
-    // Complete: under its own name (RENAME_NOREPLACE: never over another archive).
-    let archive = CString::new(&partial.as_bytes()[PARTIAL_PREFIX.len()..]).ok()?;
-    if let Err(e) = fs::renameat_with(
-        &diag,
-        partial.as_c_str(),
-        &diag,
-        archive.as_c_str(),
-        fs::RenameFlags::NOREPLACE,
-    ) {
-        tracing::warn!("diagnostics {}: naming an archive: {e}", d.dir.display());
-        let _ = drop_entry(&diag, &partial, &diag_on);
-        return None;
+    Some(partial)
+}
+
+/// Names the complete archive `<diagnostics>/<partial>` as `<name>`, or `<name>-1`,
+/// `<name>-2`, ... when that is taken (RENAME_NOREPLACE: never over another archive),
+/// and measures it; `None` (the partial dropped) when it cannot be named.
+fn name_archive(d: &Diagnostics, partial: &CStr, name: &str) -> Option<Archived> {
+    let (diag, diag_meta) = match open_diagnostics(d, false) {
+        Ok(Some(x)) => x,
+        Ok(None) => return None,
+        Err(e) => {
+            tracing::warn!("diagnostics {}: {e}", d.dir.display());
+            return None;
+        }
+    };
+    let diag_on = diag_meta.mount();
+    let mut named = None;
+    for k in 0..16 {
+        let archive = CString::new(if k == 0 {
+            name.to_string()
+        } else {
+            format!("{name}-{k}")
+        })
+        .ok()?;
+        match fs::renameat_with(
+            &diag,
+            partial,
+            &diag,
+            archive.as_c_str(),
+            fs::RenameFlags::NOREPLACE,
+        ) {
+            Ok(()) => {
+                named = Some(archive);
+                break;
+            }
+            Err(Errno::EXIST) => {}
+            Err(e) => {
+                tracing::warn!("diagnostics {}: naming an archive: {e}", d.dir.display());
+                break;
+            }
+        }
     }
+    let Some(archive) = named else {
+        let _ = drop_entry(&diag, partial, &diag_on);
+        return None;
+    };
     // Reported as measured, which is also what `enforce_total` counts.
     let (fd, meta) = walk::open_dir(&diag, archive.as_c_str(), &diag_on).ok()?;
-    let usage = walk::usage(&fd, &diag_on, u64::MAX).unwrap_or(budget.spent);
+    let usage = walk::usage(&fd, &diag_on, u64::MAX).unwrap_or_default();
     Some(Archived {
         name: archive,
         ino: meta.ino,
         usage,
     })
+}
+
+/// An archive's name: `<time>-<label>`, the time in milliseconds since the Unix epoch,
+/// 15 digits (first, so that name order is age order for `enforce_total`).
+fn archive_name(label: &str) -> String {
+    let stamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|t| t.as_millis())
+        .unwrap_or(0);
+    format!("{stamp:015}-{label}")
 }
 
 /// Deletes the entry `name` of the diagnostics directory (an archive, or anything
@@ -1052,7 +1099,9 @@ struct Worker {
 
 impl Worker {
     fn run(mut self, wake: mpsc::Receiver<()>) {
-        // What an earlier daemon left: partial archives dropped, budgets enforced.
+        // What an earlier daemon left: archives complete but not yet named are named,
+        // other partial archives dropped, budgets enforced.
+        self.recover_partials();
         if let Some(d) = &self.diag {
             let dropped = enforce_total(d, &mut self.measured);
             self.counters
@@ -1257,17 +1306,31 @@ impl Worker {
         }
         self.watcher.forget(ident);
         self.mount_proven.remove(&ident);
-        // L5/P4: archived after the claim was freed; never holds capacity. Once per
-        // workspace: a retried removal does not archive again, nor does the removal
-        // after a crash (the entry is renamed `archived-` once its archive is done).
+        // L5/P4: archived after the claim was freed; never holds capacity. Exactly once
+        // per workspace, crashes included: the archive is written under a `.partial-`
+        // name, then the entry is marked `archived-`, then the archive is named. A crash
+        // before the mark: the partial is dropped at the next start and the entry
+        // archived again. After it: the next start names the partial (`recover_partials`)
+        // and the marked entry is only removed. (Naming first, then marking, archived a
+        // workspace twice when the crash fell between the two.) A retried removal does
+        // not archive again either.
         let marked;
         let mut entry = entry;
         if !clean && !retry && !entry.starts_with(ARCHIVED_PREFIX) {
-            self.archive(entry, &dir);
+            let partial = self
+                .diag
+                .as_ref()
+                .and_then(|d| archive_logs(&dir, &self.trash_mount, d, entry));
+            let source = entry;
             marked = format!("{ARCHIVED_PREFIX}{entry}");
             if fs::renameat(&self.trash_fd, entry, &self.trash_fd, marked.as_str()).is_ok() {
                 self.stuck.remove(entry);
                 entry = &marked;
+            }
+            // Crash tests: the entry is marked, its archive not yet named.
+            crate::failpoint::hit("archive-marked");
+            if let Some(partial) = partial {
+                self.finish_archive(&partial, source);
             }
         }
         let removed = walk::remove_contents(&dir, &self.trash_mount);
@@ -1306,27 +1369,20 @@ impl Worker {
         }
     }
 
-    /// Archives the logs of the trash entry open as `dir` (P4), then keeps the
+    /// Names the complete archive `partial` of a trash entry's logs (P4), then keeps the
     /// diagnostics directory within its total budgets.
     ///
-    /// The archive is named `<time>-<run id>`: the time in milliseconds since the Unix
-    /// epoch, 15 digits (first, so that name order is age order for `enforce_total`),
-    /// then the run id the entry's name carries, or the workspace's digest for an entry
+    /// The archive is named `<time>-<label>` (see `archive_name`): the label is the run
+    /// id the name of `entry` (unmarked) carries, or the workspace's digest for an entry
     /// that carries none; `-1`, `-2`, ... is added when that name is taken.
-    fn archive(&mut self, entry: &str, dir: &OwnedFd) {
+    fn finish_archive(&mut self, partial: &CStr, entry: &str) {
         let Some(d) = &self.diag else { return };
-        let stamp = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|t| t.as_millis())
-            .unwrap_or(0);
-        let run_id = run_of(entry);
         let label = archive_label(entry);
-        let Some(a) = archive_logs(dir, &self.trash_mount, d, &format!("{stamp:015}-{label}"))
-        else {
+        let Some(a) = name_archive(d, partial, &archive_name(label)) else {
             return;
         };
         let archive = a.name.to_string_lossy().into_owned();
-        match run_id {
+        match run_of(entry) {
             Some(run_id) => tracing::info!(
                 run_id,
                 archive,
@@ -1355,6 +1411,39 @@ impl Worker {
             );
         }
         self.counters.dropped.fetch_add(dropped, Relaxed);
+    }
+
+    /// At start: a `.partial-<entry>` archive whose trash entry is marked
+    /// `archived-<entry>` is complete (the mark comes after the last byte), so it is
+    /// named; every other `.partial-` entry is dropped by `enforce_total`.
+    fn recover_partials(&mut self) {
+        let Some(d) = &self.diag else { return };
+        let Ok(Some((diag, _))) = open_diagnostics(d, false) else {
+            return;
+        };
+        let Ok(mut rd) = Dir::read_from(&diag) else {
+            return;
+        };
+        let mut complete = Vec::new();
+        while let Some(Ok(e)) = rd.read() {
+            let Some(entry) = e
+                .file_name()
+                .to_str()
+                .ok()
+                .and_then(|n| n.strip_prefix(PARTIAL_PREFIX))
+            else {
+                continue;
+            };
+            let marked = format!("{ARCHIVED_PREFIX}{entry}");
+            let is_marked = walk::stat_at(&self.trash_fd, marked.as_str())
+                .is_ok_and(|m| m.kind == FileType::Directory);
+            if is_marked {
+                complete.push((e.file_name().to_owned(), entry.to_string()));
+            }
+        }
+        for (partial, entry) in complete {
+            self.finish_archive(&partial, &entry);
+        }
     }
 
     /// Makes new workspaces only when the pool runs low: released ones come back by
@@ -2354,6 +2443,70 @@ mod tests {
                 std::fs::read(diag.dir.join(&names[0]).join("run.log")).unwrap(),
                 b"log"
             );
+        }
+    }
+
+    /// Regression (CI, `crash_after_a_grant_is_committed_but_not_answered`): a crash
+    /// after an archive was named and before its trash entry was marked archived it a
+    /// second time at the next start. Now the mark comes first, and the two states a
+    /// crash can leave both end in exactly one whole archive: a partial archive of a
+    /// marked entry is named; a partial of an unmarked one is dropped and the entry
+    /// archived again from its logs.
+    #[test]
+    fn a_crash_between_archiving_and_marking_leaves_exactly_one_archive() {
+        for marked in [true, false] {
+            let state = tempfile::tempdir().unwrap();
+            let runs = ensure_runs_dir(state.path()).unwrap();
+            let diag = diagnostics(state.path(), 1 << 20, 1 << 30);
+            let ws = create(&runs, "r-1").unwrap();
+            std::fs::write(Path::new(&ws.path).join("logs/a.log"), b"aaa").unwrap();
+            std::fs::write(Path::new(&ws.path).join("logs/b.log"), b"bbb").unwrap();
+            let entry = format!("{}-r0@r-1", dir_name("r-1"));
+            std::fs::create_dir_all(runs.join(".trash")).unwrap();
+            let trashed = if marked {
+                format!("{ARCHIVED_PREFIX}{entry}")
+            } else {
+                entry.clone()
+            };
+            std::fs::rename(&ws.path, runs.join(".trash").join(&trashed)).unwrap();
+            // The partial: whole when the entry is marked, half written when not.
+            let partial = diag.dir.join(format!("{PARTIAL_PREFIX}{entry}"));
+            std::fs::create_dir_all(&partial).unwrap();
+            std::fs::write(partial.join("a.log"), b"aaa").unwrap();
+            if marked {
+                std::fs::write(partial.join("b.log"), b"bbb").unwrap();
+            }
+            let pool = Pool::start(&runs, Some(diag.clone())).unwrap();
+            until("the entry is removed", || {
+                archived(&pool) == 1 && trash_is_empty(&runs)
+            });
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let names: Vec<String> = std::fs::read_dir(&diag.dir)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().into_string().unwrap())
+                .collect();
+            assert_eq!(names.len(), 1, "marked {marked}: {names:?}");
+            assert!(names[0].ends_with("-r-1"), "marked {marked}: {names:?}");
+            let mut logs: Vec<(String, Vec<u8>)> = std::fs::read_dir(diag.dir.join(&names[0]))
+                .unwrap()
+                .map(|e| {
+                    let e = e.unwrap();
+                    (
+                        e.file_name().into_string().unwrap(),
+                        std::fs::read(e.path()).unwrap(),
+                    )
+                })
+                .collect();
+            logs.sort();
+            assert_eq!(
+                logs,
+                [
+                    ("a.log".to_string(), b"aaa".to_vec()),
+                    ("b.log".to_string(), b"bbb".to_vec())
+                ],
+                "marked {marked}"
+            );
+            assert_eq!(archived(&pool), 1, "marked {marked}");
         }
     }
 
