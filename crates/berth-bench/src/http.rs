@@ -39,6 +39,7 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
         diagnostics_run_bytes_max: 1 << 20,
         diagnostics_total_bytes_max: 1 << 30,
         init_ledger: false,
+        retain_ended_for_ms: berth_server::RETAIN_ENDED_FOR_MS_DEFAULT,
     }
 }
 

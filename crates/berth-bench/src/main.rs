@@ -79,10 +79,20 @@ enum Bench {
         #[arg(long, default_value_t = 10)]
         seconds: u64,
     },
+    /// Restart on a ledger holding N historic (ended) runs: time to serving and RSS
+    /// against an empty daemon's, then again once retention has pruned them.
+    Retention {
+        #[arg(long, default_value_t = 1_000_000)]
+        runs: u64,
+    },
+    /// (The daemon `retention` measures, in its own process.)
+    #[command(hide = true)]
+    RetentionDaemon { state_dir: std::path::PathBuf },
 }
 
 mod http;
 mod recovery;
+mod retention;
 
 const SLOTS: u64 = 8;
 const PROJECTS: u64 = 512;
@@ -245,6 +255,8 @@ fn main() {
     match args.bench {
         Bench::Http { clients, seconds } => http::main(clients, seconds),
         Bench::Recovery { runs } => recovery::main(runs),
+        Bench::Retention { runs } => retention::main(runs),
+        Bench::RetentionDaemon { state_dir } => retention::daemon(&state_dir),
         Bench::Core {
             passes,
             naive_passes,

@@ -15,6 +15,9 @@ pub const STABILIZE_SAMPLES_MAX: usize = 64;
 /// disk), so every figure berth shows is exact in any client, and sums of a few of them
 /// can never wrap a u64.
 pub const TOTAL_MAX: u64 = (1 << 53) - 1;
+/// Upper bound on `ended_retained_max`: every ended run remembered costs memory and
+/// restart time, so the daemon's footprint has a ceiling whatever is configured.
+pub const ENDED_RETAINED_LIMIT: usize = 1_000_000;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -71,7 +74,7 @@ impl Config {
             wait_ms_default: 1_800_000,
             wait_ms_max: 86_400_000,
             queue_len_max: 131_072,
-            ended_retained_max: 65_536,
+            ended_retained_max: 10_000,
             default_request: Resources {
                 slots: 1,
                 memory: 2 * GIB + 128 * MIB,
@@ -123,6 +126,11 @@ impl Config {
         }
         if self.queue_len_max == 0 {
             return Err("queue_len_max must be positive".into());
+        }
+        if self.ended_retained_max == 0 || self.ended_retained_max > ENDED_RETAINED_LIMIT {
+            return Err(format!(
+                "retain_ended (ended_retained_max) must be 1..={ENDED_RETAINED_LIMIT}"
+            ));
         }
         for (name, v) in [
             ("memory_total", self.memory_total),

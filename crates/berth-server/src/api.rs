@@ -935,6 +935,7 @@ async fn status(AxState(api): AxState<Api>) -> Result<Json<Value>, ApiError> {
         "diagnostics_bytes": c.diagnostics_bytes,
         "diagnostics_dropped": c.diagnostics_dropped,
     });
+    v["ledger"] = json!({ "ended_runs_pruned": c.ledger_pruned });
     Ok(Json(v))
 }
 

@@ -46,7 +46,14 @@ pub struct ServeConfig {
     pub diagnostics_total_bytes_max: u64,
     /// Start on a missing or empty ledger although the state dir has been used (S6).
     pub init_ledger: bool,
+    /// Ended runs older than this are deleted from the ledger (and the newest
+    /// `engine.ended_retained_max` are all that is kept in any case).
+    pub retain_ended_for_ms: u64,
 }
+
+/// How long ended runs stay in the ledger by default: a week of history to look back
+/// on, then gone, so the ledger does not grow forever.
+pub const RETAIN_ENDED_FOR_MS_DEFAULT: u64 = 7 * 86_400_000;
 
 /// Why the daemon must stop (D4): set once, by whoever finds it first.
 #[derive(Default)]
@@ -196,9 +203,10 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
                 uid: None,
             };
             store.write(&[&berth_store::Batch {
-                last_fence: ledger.last_fence,
-                runs: vec![],
-                tokens: vec![(hash.clone(), grant.stored())],
+                mutations: vec![berth_store::Mutation::Token {
+                    hash: hash.clone(),
+                    scope: grant.stored(),
+                }],
             }])?;
             tokens.push((hash, grant));
         }
@@ -213,7 +221,16 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         tokens: RwLock::new(tokens),
         url: format!("http://{addr}"),
     });
-    let writer = Writer::spawn(Box::new(store), cfg.group_commit);
+    // Retention: ended runs past the count the engine remembers, or older than the
+    // configured age, are pruned in the background.
+    let writer = Writer::spawn_retaining(
+        Box::new(store),
+        cfg.group_commit,
+        Some(berth_store::Retention {
+            ended_max: cfg.engine.ended_retained_max,
+            ended_age_ms: cfg.retain_ended_for_ms,
+        }),
+    );
     let fatal = Arc::new(Fatal::default());
     let st = state::State::restore(
         cfg.engine.clone(),
@@ -349,6 +366,7 @@ mod tests {
             diagnostics_run_bytes_max: 1 << 20,
             diagnostics_total_bytes_max: 1 << 30,
             init_ledger: false,
+            retain_ended_for_ms: RETAIN_ENDED_FOR_MS_DEFAULT,
         };
         let running = start(cfg).await.unwrap();
         assert!(base.is_dir(), "{} while serving", base.display());

@@ -11,7 +11,9 @@ use std::sync::{Arc, RwLock};
 use berth_core::{
     Command, EndCause, Engine, Error as CoreError, Event, RestoredRun, RunState, RunView, Snapshot,
 };
-use berth_store::{Batch, Ledger, ProcessRecord, RunRecord, StoreError, WorkspaceIdentity, Writer};
+use berth_store::{
+    Batch, Ledger, Mutation, ProcessRecord, RunRecord, StoreError, WorkspaceIdentity, Writer,
+};
 use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::auth::Grant;
@@ -114,6 +116,8 @@ pub struct ReapCounters {
     pub reused_pids_protected: u64,
     pub diagnostics_bytes: u64,
     pub diagnostics_dropped: u64,
+    /// Ended runs retention has deleted from the ledger since the daemon started.
+    pub ledger_pruned: u64,
 }
 
 struct Extra {
@@ -344,12 +348,14 @@ impl State {
         diagnostics: workspace::Diagnostics,
     ) -> Result<State, String> {
         let now = clock::mono_ms();
-        let mut restored = Vec::new();
-        let mut extras = HashMap::new();
+        restore_summary(&ledger, same_boot, ledger.last_fence);
+        let mut restored = Vec::with_capacity(ledger.runs.len());
+        let mut extras = HashMap::with_capacity(ledger.runs.len());
         let mut unclaimed = HashMap::new();
         let mut ended = VecDeque::new();
         let mut cleanup_retry = BTreeMap::new();
-        for r in &ledger.runs {
+        // Moved, not copied: a restart's peak memory is one copy of what it loads.
+        for r in ledger.runs {
             let (mut enqueued, mut deadline, mut expires) =
                 (r.enqueued_ms, r.deadline_ms, r.expires_ms.unwrap_or(0));
             if !same_boot {
@@ -368,23 +374,12 @@ impl State {
                 s if s.is_terminal() => ended.push_back(id.clone()),
                 _ => {}
             }
-            restored.push(RestoredRun {
-                request: r.request.clone(),
-                state: r.state,
-                fence: r.fence,
-                enqueued_at: enqueued,
-                deadline,
-                granted_at: r.granted_ms.unwrap_or(0).min(now),
-                expires_at: expires,
-                cause: r.end_cause,
-                primary_mode: r.primary_mode,
-            });
             let mut extra = Extra {
-                worktree: r.worktree.clone(),
-                labels: r.labels.clone(),
+                worktree: r.worktree,
+                labels: r.labels,
                 queue_seq: r.queue_seq,
-                workspace: r.workspace.clone(),
-                processes: r.processes.clone(),
+                workspace: r.workspace,
+                processes: r.processes,
                 survivors: Vec::new(),
                 stop_grace_ms: r.stop_grace_ms,
                 failure: None,
@@ -394,9 +389,19 @@ impl State {
                 extra.shrink();
             }
             extras.insert(id, extra);
+            restored.push(RestoredRun {
+                request: r.request,
+                state: r.state,
+                fence: r.fence,
+                enqueued_at: enqueued,
+                deadline,
+                granted_at: r.granted_ms.unwrap_or(0).min(now),
+                expires_at: expires,
+                cause: r.end_cause,
+                primary_mode: r.primary_mode,
+            });
         }
         let engine = Engine::restore(cfg, ledger.last_fence, now, restored)?;
-        restore_summary(&ledger, same_boot, engine.last_fence());
         Ok(State {
             engine,
             writer,
@@ -487,6 +492,7 @@ impl State {
         ReapCounters {
             diagnostics_bytes: d.bytes.load(Relaxed),
             diagnostics_dropped: d.dropped.load(Relaxed),
+            ledger_pruned: self.writer.pruned(),
             ..self.counters
         }
     }
@@ -754,16 +760,11 @@ impl State {
             self.fatal.raise(e.to_string());
             return then(Err(&e));
         }
-        let batch = Batch {
-            last_fence: self.engine.last_fence(),
-            runs,
-            tokens: vec![],
-        };
-        let fatal = self.fatal.clone();
-        let granted = batch
-            .runs
+        let granted = runs
             .iter()
             .any(|r| r.state == RunState::Granted && r.granted_ms.is_some());
+        let batch = Batch::runs(self.engine.last_fence(), runs);
+        let fatal = self.fatal.clone();
         let stops = std::mem::take(&mut self.pending_stops);
         let stopper = self.stopper.clone();
         self.writer.submit(Some(batch), move |res| {
@@ -1175,9 +1176,10 @@ impl State {
                         .unwrap()
                         .push((hash.clone(), grant));
                     let batch = Batch {
-                        last_fence: self.engine.last_fence(),
-                        runs: vec![],
-                        tokens: vec![(hash, grant.stored())],
+                        mutations: vec![Mutation::Token {
+                            hash,
+                            scope: grant.stored(),
+                        }],
                     };
                     self.writer.submit(Some(batch), move |r| {
                         let _ = reply.send(r.map_err(store_error).map(|()| token));

@@ -8,7 +8,9 @@ use berth_core::{
     Class, Concurrency, ContractInfo, EndCause, KeyMode, Priority, Request, Resources, RunState,
 };
 
-use crate::{Batch, ProcessRecord, RunRecord, Store, WorkspaceIdentity, Writer};
+use crate::{
+    Batch, Mutation, ProcessRecord, Retention, RunRecord, Store, WorkspaceIdentity, Writer,
+};
 
 pub type Open<'a> = &'a dyn Fn() -> Box<dyn Store>;
 
@@ -37,6 +39,11 @@ pub const CHECKS: &[(&str, Check)] = &[
         group_commit_shares_transactions,
     ),
     ("boot_id_round_trips", boot_id_round_trips),
+    (
+        "retention_forgets_old_ended_runs_only",
+        retention_forgets_old_ended_runs_only,
+    ),
+    ("retention_by_age", retention_by_age),
 ];
 
 /// A record with every field set to something non-default.
@@ -108,11 +115,7 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
 }
 
 fn batch(fence: u64, runs: Vec<RunRecord>) -> Batch {
-    Batch {
-        last_fence: fence,
-        runs,
-        tokens: vec![],
-    }
+    Batch::runs(fence, runs)
 }
 
 pub fn empty_ledger(open: Open) {
@@ -188,9 +191,16 @@ pub fn ended_runs_are_bounded_on_load(open: Open) {
 
 pub fn tokens_round_trip(open: Open) {
     let b = Batch {
-        last_fence: 0,
-        runs: vec![],
-        tokens: vec![("aa".into(), "read".into()), ("bb".into(), "admin".into())],
+        mutations: vec![
+            Mutation::Token {
+                hash: "aa".into(),
+                scope: "read".into(),
+            },
+            Mutation::Token {
+                hash: "bb".into(),
+                scope: "admin".into(),
+            },
+        ],
     };
     open().write(&[&b]).unwrap();
     assert_eq!(
@@ -246,4 +256,84 @@ pub fn boot_id_round_trips(open: Open) {
     s.set_boot_id("b-1").unwrap();
     s.set_boot_id("b-2").unwrap();
     assert_eq!(open().load(0).unwrap().boot_id.as_deref(), Some("b-2"));
+}
+
+/// Retention by count: the `ended_max` most recent ended runs stay, older ended runs go
+/// with their processes, in bounded chunks; live runs are never pruned; arrival numbers
+/// never go back even when the newest runs were pruned.
+pub fn retention_forgets_old_ended_runs_only(open: Open) {
+    let mut s = open();
+    let mut runs = Vec::new();
+    for i in 0..12u64 {
+        let state = if i % 4 == 0 {
+            RunState::Granted
+        } else {
+            RunState::Released
+        };
+        runs.push(sample_run(&format!("p{i}"), i, state));
+    }
+    s.write(&[&batch(500, runs)]).unwrap();
+    let keep_two = Retention {
+        ended_max: 2,
+        ended_age_ms: u64::MAX,
+    };
+    let now = 1_900_000_000_000;
+    // Nine ended runs, two kept: seven to prune, at most five per call.
+    assert_eq!(s.prune(&keep_two, now, 5).unwrap(), 5);
+    assert_eq!(s.prune(&keep_two, now, 5).unwrap(), 2);
+    assert_eq!(s.prune(&keep_two, now, 5).unwrap(), 0);
+    let l = open().load(100).unwrap();
+    let ids: Vec<&str> = l.runs.iter().map(|r| r.request.run_id.as_str()).collect();
+    assert_eq!(ids, ["p0", "p4", "p8", "p10", "p11"]);
+    // The live runs keep their processes; nothing of the pruned is left.
+    assert!(
+        l.runs.iter().all(|r| r.processes.len() == 2),
+        "{:?}",
+        l.runs
+    );
+    // Everything ended goes at `ended_max = 0`; the next arrival still comes after p11.
+    let none = Retention {
+        ended_max: 0,
+        ended_age_ms: u64::MAX,
+    };
+    assert_eq!(s.prune(&none, now, 100).unwrap(), 2);
+    let l = open().load(100).unwrap();
+    assert_eq!(l.runs.len(), 3);
+    assert_eq!(l.next_queue_seq, 12);
+    // A pruned run's id is free again: written anew, it is a new run with no processes
+    // of the old one.
+    let mut again = sample_run("p3", 20, RunState::Queued);
+    again.processes.clear();
+    s.write(&[&batch(500, vec![again.clone()])]).unwrap();
+    let l = open().load(100).unwrap();
+    assert_eq!(l.runs.last(), Some(&again));
+}
+
+/// Retention by age: runs that ended longer ago than `ended_age_ms` go, younger ones
+/// stay, whatever the count. (Written now: aged by asking as of a later time.)
+pub fn retention_by_age(open: Open) {
+    let mut s = open();
+    let written_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    s.write(&[&batch(
+        500,
+        vec![
+            sample_run("a1", 1, RunState::Released),
+            sample_run("a2", 2, RunState::Expired),
+            sample_run("a3", 3, RunState::Granted),
+        ],
+    )])
+    .unwrap();
+    let day = Retention {
+        ended_max: 1_000,
+        ended_age_ms: 86_400_000,
+    };
+    assert_eq!(s.prune(&day, written_ms + 3_600_000, 100).unwrap(), 0);
+    assert_eq!(open().load(100).unwrap().runs.len(), 3);
+    assert_eq!(s.prune(&day, written_ms + 2 * 86_400_000, 100).unwrap(), 2);
+    let l = open().load(100).unwrap();
+    let ids: Vec<&str> = l.runs.iter().map(|r| r.request.run_id.as_str()).collect();
+    assert_eq!(ids, ["a3"]);
 }

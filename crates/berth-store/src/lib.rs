@@ -1,7 +1,9 @@
 //! berth-store: the durable ledger (D1–D4).
 //!
-//! [`Store`] is what the server needs from a ledger: load everything at startup, and
-//! write a group of batches in one durable transaction. [`SqliteStore`] is the embedded
+//! [`Store`] is what the server needs from a ledger: load what a restart needs, write a
+//! group of batches in one durable transaction, and forget ended runs past the
+//! retention policy. A [`Batch`] is a list of [`Mutation`]s, a closed enum: adding a
+//! durable thing is one arm there, one table in each store and one conformance check. [`SqliteStore`] is the embedded
 //! default (WAL, `synchronous=FULL`, `BEGIN IMMEDIATE`, schema migrations by version).
 //! [`Writer`] owns a store on one thread and commits whatever batches are waiting in a
 //! single transaction, so concurrent requests share one fsync (group commit).
@@ -13,6 +15,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use berth_core::{EndCause, KeyMode, Request, RunState};
 
@@ -21,8 +24,15 @@ mod sqlite;
 
 pub use sqlite::SqliteStore;
 
+/// What went wrong, in two kinds the writer treats differently: [`StoreError::Conflict`]
+/// refused one batch and wrote nothing of it (a fleet store's answer to a lost race;
+/// the ledger is fine and the writer goes on), every other variant means the ledger
+/// cannot be trusted (D4: the daemon stops; see [`StoreError::is_fatal`]).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// Refused, nothing written: the batch conflicts with what the ledger holds.
+    #[error("ledger refused the change (nothing written): {0}")]
+    Conflict(String),
     #[error("ledger {path}: {message}")]
     Open { path: String, message: String },
     #[error("ledger is corrupt or unreadable: {0}")]
@@ -33,6 +43,13 @@ pub enum StoreError {
     Write(String),
     #[error("the ledger writer has stopped")]
     Stopped,
+}
+
+impl StoreError {
+    /// False only for a refusal that wrote nothing and left the ledger sound.
+    pub fn is_fatal(&self) -> bool {
+        !matches!(self, StoreError::Conflict(_))
+    }
 }
 
 /// Where a run's workspace is and what it was when berth created it (W1).
@@ -76,21 +93,68 @@ pub struct RunRecord {
     pub stop_grace_ms: Option<u64>,
 }
 
-/// One command's durable effects.
+/// One durable change. Closed on purpose: every store must handle every arm, and each
+/// arm has its own table and its own conformance check.
+// Nearly every mutation is a run: boxing it would add an allocation to each for the
+// sake of the rare small ones.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Mutation {
+    /// The fence counter is at least this; it never goes down, whatever order batches
+    /// arrive in (L1).
+    Fence(u64),
+    /// A run's whole record, inserted or updated; a terminal state is never
+    /// overwritten (D3), and processes only ever add up (P1).
+    Run(RunRecord),
+    /// A token, by the hash of its secret, and what it grants.
+    Token { hash: String, scope: String },
+}
+
+/// One command's durable effects: written whole or not at all.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Batch {
-    /// The fence counter after this batch; the store never lets it go down (L1).
-    pub last_fence: u64,
-    pub runs: Vec<RunRecord>,
-    /// Token hashes to add: (hash hex, scope).
-    pub tokens: Vec<(String, String)>,
+    pub mutations: Vec<Mutation>,
 }
 
 impl Batch {
+    /// A batch of these runs' records and the fence counter after them.
+    pub fn runs(last_fence: u64, runs: Vec<RunRecord>) -> Batch {
+        let mut mutations = Vec::with_capacity(runs.len() + 1);
+        mutations.push(Mutation::Fence(last_fence));
+        mutations.extend(runs.into_iter().map(Mutation::Run));
+        Batch { mutations }
+    }
+
+    pub fn push(&mut self, m: Mutation) {
+        self.mutations.push(m);
+    }
+
+    /// Nothing to write (a fence alone restates what the ledger holds at least).
     pub fn is_empty(&self) -> bool {
-        self.runs.is_empty() && self.tokens.is_empty()
+        self.mutations
+            .iter()
+            .all(|m| matches!(m, Mutation::Fence(_)))
     }
 }
+
+/// Which ended runs the ledger keeps: the `ended_max` most recent, and none that ended
+/// more than `ended_age_ms` ago. Live runs are always kept. Pruned in the background
+/// (see [`Writer::spawn_retaining`]), so restart time and memory stay flat however long
+/// the daemon has run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retention {
+    pub ended_max: usize,
+    pub ended_age_ms: u64,
+}
+
+/// The most ended runs one prune deletes: bounds how long it holds the ledger (a few
+/// milliseconds), so commits never wait long behind it.
+pub const PRUNE_ROWS_MAX: usize = 2_000;
+/// How often the writer prunes while the ledger has nothing left to prune.
+pub const PRUNE_INTERVAL_MS: u64 = 10_000;
+/// How soon it prunes again after a full chunk: a backlog (a ledger from before
+/// retention, or a lowered limit) drains at up to ~40,000 rows a second.
+pub const PRUNE_BACKLOG_PAUSE_MS: u64 = 50;
 
 /// What a restarting daemon reads back.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -106,9 +170,18 @@ pub struct Ledger {
 pub trait Store: Send + 'static {
     /// Reads the ledger: every live run and at most `ended_max` of the latest ended ones.
     fn load(&mut self, ended_max: usize) -> Result<Ledger, StoreError>;
-    /// Writes all batches in one transaction; returns once it is durable.
+    /// Writes all batches in one transaction; returns once it is durable. A
+    /// [`StoreError::Conflict`] means none of them was written.
     fn write(&mut self, batches: &[&Batch]) -> Result<(), StoreError>;
     fn set_boot_id(&mut self, boot_id: &str) -> Result<(), StoreError>;
+    /// Deletes at most `rows_max` ended runs that `policy` no longer keeps (as of
+    /// `now_unix_ms`), oldest first, with their processes; returns how many.
+    fn prune(
+        &mut self,
+        policy: &Retention,
+        now_unix_ms: u64,
+        rows_max: usize,
+    ) -> Result<usize, StoreError>;
 }
 
 type Done = Box<dyn FnOnce(Result<(), &StoreError>) + Send>;
@@ -123,6 +196,7 @@ struct Job {
 pub struct Writer {
     tx: mpsc::Sender<Job>,
     commits: Arc<AtomicU64>,
+    pruned: Arc<AtomicU64>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -131,62 +205,174 @@ pub const GROUP_MAX: usize = 4096;
 /// How long a commit under load waits for more batches.
 pub const GROUP_WINDOW_US: u64 = 300;
 
-impl Writer {
-    /// `group`: commit waiting batches together (true) or one per transaction (false,
-    /// the benchmark's baseline). After a failed write the writer stops: D4 says the
-    /// daemon must not go on guessing.
-    pub fn spawn(mut store: Box<dyn Store>, group: bool) -> Writer {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let commits = Arc::new(AtomicU64::new(0));
-        let counter = commits.clone();
-        let thread = std::thread::Builder::new()
-            .name("berth-ledger".into())
-            .spawn(move || {
-                let mut failed: Option<StoreError> = None;
-                let mut contended = false;
-                while let Ok(first) = rx.recv() {
-                    let mut jobs = vec![first];
-                    if group {
-                        // Under load (the last commit carried several batches), sleep a
-                        // little before taking what is queued: one fsync then serves more
-                        // writes. Sleeping, not waiting on the channel, so the arrivals
-                        // do not wake this thread one by one. Alone, never wait.
-                        if contended {
-                            std::thread::sleep(std::time::Duration::from_micros(GROUP_WINDOW_US));
+/// The writer thread's own state.
+struct Committer {
+    store: Box<dyn Store>,
+    group: bool,
+    retention: Option<Retention>,
+    commits: Arc<AtomicU64>,
+    pruned: Arc<AtomicU64>,
+    /// D4: after a fatal error nothing more is written; every later job gets it.
+    failed: Option<StoreError>,
+    /// The last commit carried several batches: the next one waits a little for more.
+    contended: bool,
+    prune_at: Instant,
+}
+
+impl Committer {
+    fn run(mut self, rx: mpsc::Receiver<Job>) {
+        loop {
+            let wait = self.prune_at.saturating_duration_since(Instant::now());
+            let first = match rx.recv_timeout(wait) {
+                Ok(job) => job,
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    self.prune();
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            };
+            let jobs = self.gather(first, &rx);
+            self.commit(jobs);
+            // Under sustained load the channel is never idle: prune between commits.
+            if Instant::now() >= self.prune_at {
+                self.prune();
+            }
+        }
+    }
+
+    /// The first job and whatever else is waiting, up to `GROUP_MAX`.
+    fn gather(&self, first: Job, rx: &mpsc::Receiver<Job>) -> Vec<Job> {
+        let mut jobs = vec![first];
+        if !self.group {
+            return jobs;
+        }
+        // Under load (the last commit carried several batches), sleep a little before
+        // taking what is queued: one fsync then serves more writes. Sleeping, not
+        // waiting on the channel, so the arrivals do not wake this thread one by one.
+        // Alone, never wait.
+        if self.contended {
+            std::thread::sleep(Duration::from_micros(GROUP_WINDOW_US));
+        }
+        while jobs.len() < GROUP_MAX {
+            match rx.try_recv() {
+                Ok(j) => jobs.push(j),
+                Err(_) => break,
+            }
+        }
+        jobs
+    }
+
+    /// Writes the jobs' batches in one transaction, then answers each job in order. A
+    /// conflict refuses only the batch that caused it: the group is written again one
+    /// batch at a time, so the others still commit.
+    fn commit(&mut self, jobs: Vec<Job>) {
+        let writes: Vec<usize> = (0..jobs.len())
+            .filter(|&i| jobs[i].batch.as_ref().is_some_and(|b| !b.is_empty()))
+            .collect();
+        self.contended = writes.len() > 1;
+        let mut refused: Vec<Option<StoreError>> = jobs.iter().map(|_| None).collect();
+        if self.failed.is_none() && !writes.is_empty() {
+            let batches: Vec<&Batch> = writes
+                .iter()
+                .filter_map(|&i| jobs[i].batch.as_ref())
+                .collect();
+            match self.store.write(&batches) {
+                Ok(()) => {
+                    self.commits.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) if e.is_fatal() => self.failed = Some(e),
+                Err(e) if writes.len() == 1 => refused[writes[0]] = Some(e),
+                Err(_) => {
+                    for &i in &writes {
+                        if self.failed.is_some() {
+                            break;
                         }
-                        while jobs.len() < GROUP_MAX {
-                            match rx.try_recv() {
-                                Ok(j) => jobs.push(j),
-                                Err(_) => break,
-                            }
-                        }
-                    }
-                    let batches: Vec<&Batch> = jobs
-                        .iter()
-                        .filter_map(|j| j.batch.as_ref())
-                        .filter(|b| !b.is_empty())
-                        .collect();
-                    contended = batches.len() > 1;
-                    if failed.is_none() && !batches.is_empty() {
-                        match store.write(&batches) {
+                        let b = jobs[i].batch.as_ref().expect("a write");
+                        match self.store.write(&[b]) {
                             Ok(()) => {
-                                counter.fetch_add(1, Ordering::Relaxed);
+                                self.commits.fetch_add(1, Ordering::Relaxed);
                             }
-                            Err(e) => failed = Some(e),
+                            Err(e) if e.is_fatal() => self.failed = Some(e),
+                            Err(e) => refused[i] = Some(e),
                         }
-                    }
-                    for job in jobs {
-                        (job.done)(match &failed {
-                            None => Ok(()),
-                            Some(e) => Err(e),
-                        });
                     }
                 }
-            })
+            }
+        }
+        for (job, refused) in jobs.into_iter().zip(refused) {
+            (job.done)(match (&self.failed, &refused) {
+                (Some(e), _) | (None, Some(e)) => Err(e),
+                (None, None) => Ok(()),
+            });
+        }
+    }
+
+    /// One bounded prune; again soon if there was more to delete.
+    fn prune(&mut self) {
+        let Some(policy) = self.retention.filter(|_| self.failed.is_none()) else {
+            self.prune_at = Instant::now() + Duration::from_secs(3600);
+            return;
+        };
+        let now_unix_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let pause = match self.store.prune(&policy, now_unix_ms, PRUNE_ROWS_MAX) {
+            Ok(n) => {
+                self.pruned.fetch_add(n as u64, Ordering::Relaxed);
+                if n == PRUNE_ROWS_MAX {
+                    PRUNE_BACKLOG_PAUSE_MS
+                } else {
+                    PRUNE_INTERVAL_MS
+                }
+            }
+            // Not fatal: what was to be forgotten stays a little longer; said once per
+            // interval.
+            Err(e) => {
+                tracing::warn!("ledger retention: {e}");
+                PRUNE_INTERVAL_MS
+            }
+        };
+        self.prune_at = Instant::now() + Duration::from_millis(pause);
+    }
+}
+
+impl Writer {
+    /// `group`: commit waiting batches together (true) or one per transaction (false,
+    /// the benchmark's baseline). After a fatal error the writer stops writing: D4
+    /// says the daemon must not go on guessing. No retention: nothing is deleted.
+    pub fn spawn(store: Box<dyn Store>, group: bool) -> Writer {
+        Writer::spawn_retaining(store, group, None)
+    }
+
+    /// Like [`Writer::spawn`], and ended runs past `retention` are pruned on this
+    /// thread, `PRUNE_ROWS_MAX` at a time, between commits.
+    pub fn spawn_retaining(
+        store: Box<dyn Store>,
+        group: bool,
+        retention: Option<Retention>,
+    ) -> Writer {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let commits = Arc::new(AtomicU64::new(0));
+        let pruned = Arc::new(AtomicU64::new(0));
+        let committer = Committer {
+            store,
+            group,
+            retention,
+            commits: commits.clone(),
+            pruned: pruned.clone(),
+            failed: None,
+            contended: false,
+            // The first prune soon after start: a backlog starts draining at once.
+            prune_at: Instant::now() + Duration::from_millis(PRUNE_BACKLOG_PAUSE_MS),
+        };
+        let thread = std::thread::Builder::new()
+            .name("berth-ledger".into())
+            .spawn(move || committer.run(rx))
             .expect("spawn ledger thread");
         Writer {
             tx,
             commits,
+            pruned,
             thread: Some(thread),
         }
     }
@@ -211,6 +397,11 @@ impl Writer {
         self.commits.load(Ordering::Relaxed)
     }
 
+    /// Ended runs deleted by retention so far.
+    pub fn pruned(&self) -> u64 {
+        self.pruned.load(Ordering::Relaxed)
+    }
+
     /// Waits until everything submitted so far is durable, then stops the thread.
     pub fn close(mut self) {
         let (tx, _) = mpsc::channel();
@@ -218,5 +409,102 @@ impl Writer {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// A store that refuses (a conflict) any batch holding the token `conflict`, fails
+    /// for good at the token `broken`, and records what it committed.
+    struct Picky {
+        committed: Arc<Mutex<Vec<String>>>,
+    }
+
+    fn tokens(b: &Batch) -> impl Iterator<Item = &str> {
+        b.mutations.iter().filter_map(|m| match m {
+            Mutation::Token { hash, .. } => Some(hash.as_str()),
+            _ => None,
+        })
+    }
+
+    impl Store for Picky {
+        fn load(&mut self, _: usize) -> Result<Ledger, StoreError> {
+            Ok(Ledger::default())
+        }
+        fn write(&mut self, batches: &[&Batch]) -> Result<(), StoreError> {
+            let all: Vec<&str> = batches.iter().flat_map(|b| tokens(b)).collect();
+            if all.contains(&"broken") {
+                return Err(StoreError::Write("disk gone".into()));
+            }
+            if all.contains(&"conflict") {
+                return Err(StoreError::Conflict("taken".into()));
+            }
+            self.committed
+                .lock()
+                .unwrap()
+                .extend(all.iter().map(|t| t.to_string()));
+            Ok(())
+        }
+        fn set_boot_id(&mut self, _: &str) -> Result<(), StoreError> {
+            Ok(())
+        }
+        fn prune(&mut self, _: &Retention, _: u64, _: usize) -> Result<usize, StoreError> {
+            Ok(0)
+        }
+    }
+
+    fn token(hash: &str) -> Batch {
+        Batch {
+            mutations: vec![Mutation::Token {
+                hash: hash.into(),
+                scope: "read".into(),
+            }],
+        }
+    }
+
+    /// A conflict refuses only its own batch, even inside a group, and the writer goes
+    /// on; a fatal error fails its whole group (one transaction) and every later write
+    /// (D4).
+    #[test]
+    fn a_conflict_refuses_one_batch_and_a_fatal_error_stops_the_writer() {
+        let committed = Arc::new(Mutex::new(Vec::new()));
+        let writer = Writer::spawn(
+            Box::new(Picky {
+                committed: committed.clone(),
+            }),
+            true,
+        );
+        let (tx, rx) = mpsc::channel();
+        let group = |names: &[&'static str]| {
+            // Held until all are queued, so they go out as one group.
+            let (hold_tx, hold) = mpsc::channel::<()>();
+            writer.submit(None, move |_| {
+                let _ = hold.recv();
+            });
+            for &t in names {
+                let tx = tx.clone();
+                writer.submit(Some(token(t)), move |r| {
+                    tx.send((t, r.map_err(|e| e.is_fatal()))).unwrap()
+                });
+            }
+            hold_tx.send(()).unwrap();
+            (0..names.len())
+                .map(|_| rx.recv().unwrap())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            group(&["a", "conflict", "b"]),
+            [("a", Ok(())), ("conflict", Err(false)), ("b", Ok(()))]
+        );
+        assert_eq!(
+            group(&["d", "broken"]),
+            [("d", Err(true)), ("broken", Err(true))]
+        );
+        assert_eq!(group(&["e"]), [("e", Err(true))]);
+        writer.close();
+        assert_eq!(*committed.lock().unwrap(), ["a", "b"]);
     }
 }

@@ -8,7 +8,46 @@ use berth_core::{
 };
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
-use crate::{Batch, Ledger, ProcessRecord, RunRecord, Store, StoreError, WorkspaceIdentity};
+use crate::{
+    Batch, Ledger, Mutation, ProcessRecord, Retention, RunRecord, Store, StoreError,
+    WorkspaceIdentity,
+};
+
+/// The most pages in use (not free) a ledger may have for its integrity check to run
+/// at open: 64 MiB at 4 KiB pages, ~60 ms warm. `quick_check` reads every page in use,
+/// so on a ledger that grew without retention (a million ended runs is ~400 MB) it
+/// would cost seconds of every restart; retention keeps a ledger far below this.
+pub const QUICK_CHECK_PAGES_MAX: i64 = 16_384;
+
+/// D4: refuses a ledger that fails its own integrity check. Above
+/// `QUICK_CHECK_PAGES_MAX` pages in use, the check waits for a start after retention
+/// has pruned the ledger (said in the log); until then, what berth reads is still
+/// checked page by page as SQLite reads it, and a corrupt page stops the daemon.
+fn check_integrity(conn: &Connection, path: &Path) -> Result<(), StoreError> {
+    let used: i64 = conn
+        .query_row(
+            "SELECT (SELECT page_count FROM pragma_page_count())
+                  - (SELECT freelist_count FROM pragma_freelist_count())",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(corrupt)?;
+    if used > QUICK_CHECK_PAGES_MAX {
+        tracing::warn!(
+            pages = used,
+            "ledger {}: larger than {QUICK_CHECK_PAGES_MAX} pages, so its integrity check is left for a start after retention has pruned it",
+            path.display()
+        );
+        return Ok(());
+    }
+    let ok: String = conn
+        .query_row("PRAGMA quick_check", [], |r| r.get(0))
+        .map_err(corrupt)?;
+    if ok != "ok" {
+        return Err(StoreError::Corrupt(ok));
+    }
+    Ok(())
+}
 
 /// Schema migrations, applied in order; the ledger records how many have run.
 const MIGRATIONS: &[&str] = &[
@@ -59,6 +98,14 @@ const MIGRATIONS: &[&str] = &[
      ) STRICT;",
     // 3: a run's own stop grace (P2).
     "ALTER TABLE runs ADD COLUMN stop_grace_ms INTEGER;",
+    // 4: retention. When a run ended (wall clock: ages must survive reboots), indexed
+    // for pruning by age; runs that ended before retention existed age from now. The
+    // queue sequence floor keeps arrival numbers rising when the newest rows are gone.
+    "ALTER TABLE runs ADD COLUMN ended_unix_ms INTEGER;
+     UPDATE runs SET ended_unix_ms = CAST(unixepoch('subsec') * 1000 AS INTEGER)
+       WHERE terminal = 1;
+     CREATE INDEX runs_ended ON runs (ended_unix_ms) WHERE terminal = 1;
+     INSERT INTO meta (key, value) VALUES ('queue_seq_floor', '0');",
 ];
 
 pub struct SqliteStore {
@@ -113,13 +160,7 @@ impl SqliteStore {
         }
         conn.execute_batch("PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;")
             .map_err(open_err)?;
-        // D4: refuse a ledger that fails its own integrity check.
-        let ok: String = conn
-            .query_row("PRAGMA quick_check", [], |r| r.get(0))
-            .map_err(corrupt)?;
-        if ok != "ok" {
-            return Err(StoreError::Corrupt(ok));
-        }
+        check_integrity(&conn, path)?;
         let mut store = SqliteStore { conn };
         store.migrate()?;
         Ok(store)
@@ -253,16 +294,54 @@ fn u(v: i64) -> u64 {
     v as u64
 }
 
+/// The columns `read_run` reads, in this order: by position, not by name (looking each
+/// name up was an eighth of a restart's CPU).
+const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms";
+
+/// Positions of `RUN_COLUMNS`.
+mod col {
+    pub const RUN_ID: usize = 0;
+    pub const PROJECT: usize = 1;
+    pub const CLASS: usize = 2;
+    pub const PRIORITY: usize = 3;
+    pub const SLOTS: usize = 4;
+    pub const MEMORY: usize = 5;
+    pub const CPU_MILLIS: usize = 6;
+    pub const DISK: usize = 7;
+    pub const NAMED: usize = 8;
+    pub const SINGLETONS: usize = 9;
+    pub const CONTRACT_CONCURRENCY: usize = 10;
+    pub const CONTRACT_FINGERPRINT: usize = 11;
+    pub const CONTRACT_COMMIT: usize = 12;
+    pub const TTL_MS: usize = 13;
+    pub const WAIT_MS: usize = 14;
+    pub const WORKTREE: usize = 15;
+    pub const LABELS: usize = 16;
+    pub const STATE: usize = 17;
+    pub const FENCE: usize = 18;
+    pub const QUEUE_SEQ: usize = 19;
+    pub const ENQUEUED_MS: usize = 20;
+    pub const DEADLINE_MS: usize = 21;
+    pub const GRANTED_MS: usize = 22;
+    pub const EXPIRES_MS: usize = 23;
+    pub const END_CAUSE: usize = 24;
+    pub const PRIMARY_MODE: usize = 25;
+    pub const WS_PATH: usize = 26;
+    pub const WS_DEV: usize = 27;
+    pub const WS_INO: usize = 28;
+    pub const STOP_GRACE_MS: usize = 29;
+}
+
 fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
-    let g = |i: &str| -> Result<i64, StoreError> { row.get::<_, i64>(i).map_err(corrupt) };
-    let s = |i: &str| -> Result<String, StoreError> { row.get::<_, String>(i).map_err(corrupt) };
-    let os = |i: &str| -> Result<Option<String>, StoreError> {
+    let g = |i: usize| -> Result<i64, StoreError> { row.get::<_, i64>(i).map_err(corrupt) };
+    let s = |i: usize| -> Result<String, StoreError> { row.get::<_, String>(i).map_err(corrupt) };
+    let os = |i: usize| -> Result<Option<String>, StoreError> {
         row.get::<_, Option<String>>(i).map_err(corrupt)
     };
-    let oi = |i: &str| -> Result<Option<i64>, StoreError> {
+    let oi = |i: usize| -> Result<Option<i64>, StoreError> {
         row.get::<_, Option<i64>>(i).map_err(corrupt)
     };
-    let named = decode_map(&s("named")?)?
+    let named = decode_map(&s(col::NAMED)?)?
         .into_iter()
         .map(|(k, v)| {
             v.parse::<u64>()
@@ -270,20 +349,20 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
                 .map_err(|_| StoreError::Corrupt(format!("bad named amount {v:?}")))
         })
         .collect::<Result<BTreeMap<_, _>, _>>()?;
-    let singletons: Vec<String> = s("singletons")?
+    let singletons: Vec<String> = s(col::SINGLETONS)?
         .split(',')
         .filter(|x| !x.is_empty())
         .map(str::to_string)
         .collect();
-    let contract = match os("contract_concurrency")? {
+    let contract = match os(col::CONTRACT_CONCURRENCY)? {
         Some(c) => Some(ContractInfo {
             concurrency: parse_concurrency(&c)?,
-            fingerprint: os("contract_fingerprint")?.unwrap_or_default(),
-            commit: os("contract_commit")?,
+            fingerprint: os(col::CONTRACT_FINGERPRINT)?.unwrap_or_default(),
+            commit: os(col::CONTRACT_COMMIT)?,
         }),
         None => None,
     };
-    let workspace = match (os("ws_path")?, oi("ws_dev")?, oi("ws_ino")?) {
+    let workspace = match (os(col::WS_PATH)?, oi(col::WS_DEV)?, oi(col::WS_INO)?) {
         (Some(path), Some(dev), Some(ino)) => Some(WorkspaceIdentity {
             path,
             dev: u(dev),
@@ -293,45 +372,45 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
     };
     Ok(RunRecord {
         request: Request {
-            run_id: s("run_id")?,
-            project: s("project")?,
-            class: parse_class(&s("class")?)?,
-            priority: parse_priority(&s("priority")?)?,
+            run_id: s(col::RUN_ID)?,
+            project: s(col::PROJECT)?,
+            class: parse_class(&s(col::CLASS)?)?,
+            priority: parse_priority(&s(col::PRIORITY)?)?,
             resources: Resources {
-                slots: u(g("slots")?),
-                memory: u(g("memory")?),
-                cpu_millis: u(g("cpu_millis")?),
-                disk: u(g("disk")?),
+                slots: u(g(col::SLOTS)?),
+                memory: u(g(col::MEMORY)?),
+                cpu_millis: u(g(col::CPU_MILLIS)?),
+                disk: u(g(col::DISK)?),
                 named,
             },
             singletons,
             contract,
-            ttl_ms: u(g("ttl_ms")?),
-            wait_ms: u(g("wait_ms")?),
+            ttl_ms: u(g(col::TTL_MS)?),
+            wait_ms: u(g(col::WAIT_MS)?),
         },
-        worktree: os("worktree")?,
-        labels: decode_map(&s("labels")?)?,
-        state: parse_state(&s("state")?)?,
-        fence: oi("fence")?.map(u),
-        queue_seq: u(g("queue_seq")?),
-        enqueued_ms: u(g("enqueued_ms")?),
-        deadline_ms: u(g("deadline_ms")?),
-        granted_ms: oi("granted_ms")?.map(u),
-        expires_ms: oi("expires_ms")?.map(u),
-        end_cause: match os("end_cause")?.as_deref() {
+        worktree: os(col::WORKTREE)?,
+        labels: decode_map(&s(col::LABELS)?)?,
+        state: parse_state(&s(col::STATE)?)?,
+        fence: oi(col::FENCE)?.map(u),
+        queue_seq: u(g(col::QUEUE_SEQ)?),
+        enqueued_ms: u(g(col::ENQUEUED_MS)?),
+        deadline_ms: u(g(col::DEADLINE_MS)?),
+        granted_ms: oi(col::GRANTED_MS)?.map(u),
+        expires_ms: oi(col::EXPIRES_MS)?.map(u),
+        end_cause: match os(col::END_CAUSE)?.as_deref() {
             None => None,
             Some("released") => Some(EndCause::Released),
             Some("expired") => Some(EndCause::Expired),
             Some(x) => return Err(StoreError::Corrupt(format!("unknown end cause {x:?}"))),
         },
-        primary_mode: match s("primary_mode")?.as_str() {
+        primary_mode: match s(col::PRIMARY_MODE)?.as_str() {
             "exclusive" => KeyMode::Exclusive,
             "shared" => KeyMode::Shared,
             x => return Err(StoreError::Corrupt(format!("unknown key mode {x:?}"))),
         },
         workspace,
         processes: Vec::new(),
-        stop_grace_ms: oi("stop_grace_ms")?.map(u),
+        stop_grace_ms: oi(col::STOP_GRACE_MS)?.map(u),
     })
 }
 
@@ -339,15 +418,16 @@ const UPSERT: &str =
     "INSERT INTO runs (run_id, project, class, priority, slots, memory, cpu_millis,
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
-    expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms)
+    expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms,
+    ended_unix_ms)
   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
-    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31)
+    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32)
   ON CONFLICT (run_id) DO UPDATE SET
     state = excluded.state, fence = excluded.fence, deadline_ms = excluded.deadline_ms,
     granted_ms = excluded.granted_ms, expires_ms = excluded.expires_ms,
     end_cause = excluded.end_cause, primary_mode = excluded.primary_mode,
     ws_path = excluded.ws_path, ws_dev = excluded.ws_dev, ws_ino = excluded.ws_ino,
-    terminal = excluded.terminal
+    terminal = excluded.terminal, ended_unix_ms = excluded.ended_unix_ms
   -- D3: a terminal state is never overwritten.
   WHERE runs.terminal = 0";
 
@@ -373,13 +453,13 @@ impl Store for SqliteStore {
         {
             let mut stmt = self
                 .conn
-                .prepare(
-                    "SELECT * FROM runs WHERE terminal = 0
+                .prepare(&format!(
+                    "SELECT {RUN_COLUMNS} FROM runs WHERE terminal = 0
                      UNION ALL
-                     SELECT * FROM (SELECT * FROM runs WHERE terminal = 1
+                     SELECT {RUN_COLUMNS} FROM (SELECT * FROM runs WHERE terminal = 1
                                     ORDER BY queue_seq DESC LIMIT ?1)
                      ORDER BY queue_seq",
-                )
+                ))
                 .map_err(corrupt)?;
             let mut rows = stmt.query([ended_max as i64]).map_err(corrupt)?;
             while let Some(row) = rows.next().map_err(corrupt)? {
@@ -394,9 +474,18 @@ impl Store for SqliteStore {
             }
             let mut stmt = self
                 .conn
-                .prepare("SELECT run_id, pid, start_ticks, boot_id FROM processes ORDER BY run_id, pid, start_ticks")
+                // Only the loaded runs' (by the primary key's prefix): the processes of
+                // runs retention has not yet pruned are not read at all.
+                .prepare(
+                    "SELECT run_id, pid, start_ticks, boot_id FROM processes WHERE run_id IN
+                       (SELECT run_id FROM runs WHERE terminal = 0
+                        UNION ALL
+                        SELECT run_id FROM (SELECT run_id FROM runs WHERE terminal = 1
+                                            ORDER BY queue_seq DESC LIMIT ?1))
+                     ORDER BY run_id, pid, start_ticks",
+                )
                 .map_err(corrupt)?;
-            let mut rows = stmt.query([]).map_err(corrupt)?;
+            let mut rows = stmt.query([ended_max as i64]).map_err(corrupt)?;
             while let Some(row) = rows.next().map_err(corrupt)? {
                 let run_id: String = row.get(0).map_err(corrupt)?;
                 if let Some(&i) = index.get(&run_id) {
@@ -408,10 +497,15 @@ impl Store for SqliteStore {
                 }
             }
         }
+        // Two index lookups (not a scan of every row), and never below what pruned runs
+        // had reached.
         let next_queue_seq: i64 = self
             .conn
             .query_row(
-                "SELECT COALESCE(MAX(queue_seq) + 1, 0) FROM runs",
+                "SELECT MAX(COALESCE((SELECT MAX(queue_seq) + 1 FROM runs WHERE terminal = 0), 0),
+                            COALESCE((SELECT MAX(queue_seq) + 1 FROM runs WHERE terminal = 1), 0),
+                            (SELECT CAST(value AS INTEGER) FROM meta
+                             WHERE key = 'queue_seq_floor'))",
                 [],
                 |r| r.get(0),
             )
@@ -449,88 +543,64 @@ impl Store for SqliteStore {
             .conn
             .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
             .map_err(write_err)?;
-        {
-            let mut upsert = tx.prepare_cached(UPSERT).map_err(write_err)?;
-            let mut fence = 0u64;
-            for b in batches {
-                fence = fence.max(b.last_fence);
-                for r in &b.runs {
-                    let q = &r.request;
-                    let c = q.contract.as_ref();
-                    let ws = r.workspace.as_ref();
-                    upsert
-                        .execute(params![
-                            q.run_id,
-                            q.project,
-                            class_str(q.class),
-                            q.priority.as_str(),
-                            q.resources.slots as i64,
-                            q.resources.memory as i64,
-                            q.resources.cpu_millis as i64,
-                            q.resources.disk as i64,
-                            encode_map(&q.resources.named),
-                            q.singletons.join(","),
-                            c.map(|c| concurrency_str(c.concurrency)),
-                            c.map(|c| c.fingerprint.as_str()),
-                            c.and_then(|c| c.commit.as_deref()),
-                            q.ttl_ms as i64,
-                            q.wait_ms as i64,
-                            r.worktree,
-                            encode_map(&r.labels),
-                            r.state.as_str(),
-                            r.fence.map(|f| f as i64),
-                            r.queue_seq as i64,
-                            r.enqueued_ms as i64,
-                            r.deadline_ms as i64,
-                            r.granted_ms.map(|x| x as i64),
-                            r.expires_ms.map(|x| x as i64),
-                            r.end_cause.map(|c| match c {
-                                EndCause::Released => "released",
-                                EndCause::Expired => "expired",
-                            }),
-                            r.primary_mode.as_str(),
-                            ws.map(|w| w.path.as_str()),
-                            ws.map(|w| w.dev as i64),
-                            ws.map(|w| w.ino as i64),
-                            r.state.is_terminal() as i64,
-                            r.stop_grace_ms.map(|g| g as i64),
-                        ])
-                        .map_err(write_err)?;
-                }
-                for r in &b.runs {
-                    for p in &r.processes {
-                        let mut ins = tx
-                            .prepare_cached(
-                                "INSERT OR IGNORE INTO processes (run_id, pid, start_ticks, boot_id)
-                                 VALUES (?1, ?2, ?3, ?4)",
-                            )
-                            .map_err(write_err)?;
-                        ins.execute(params![
-                            r.request.run_id,
-                            p.pid as i64,
-                            p.start_ticks as i64,
-                            p.boot_id
-                        ])
-                        .map_err(write_err)?;
-                    }
-                }
-                for (hash, scope) in &b.tokens {
-                    tx.execute(
+        let now_ms = unix_ms();
+        let mut fence = 0u64;
+        for m in batches.iter().flat_map(|b| &b.mutations) {
+            match m {
+                Mutation::Fence(f) => fence = fence.max(*f),
+                Mutation::Run(r) => upsert_run(&tx, r, now_ms)?,
+                Mutation::Token { hash, scope } => {
+                    tx.prepare_cached(
                         "INSERT OR REPLACE INTO tokens (hash, scope) VALUES (?1, ?2)",
-                        params![hash, scope],
                     )
+                    .and_then(|mut s| s.execute(params![hash, scope]))
                     .map_err(write_err)?;
                 }
             }
-            // L1: the counter only ever moves up, whatever order batches arrive in.
-            tx.execute(
-                "UPDATE meta SET value = CAST(MAX(CAST(value AS INTEGER), ?1) AS TEXT)
-                 WHERE key = 'last_fence'",
-                params![fence as i64],
-            )
-            .map_err(write_err)?;
         }
+        // L1: the counter only ever moves up, whatever order batches arrive in.
+        tx.prepare_cached(
+            "UPDATE meta SET value = CAST(MAX(CAST(value AS INTEGER), ?1) AS TEXT)
+             WHERE key = 'last_fence'",
+        )
+        .and_then(|mut s| s.execute(params![fence as i64]))
+        .map_err(write_err)?;
         tx.commit().map_err(write_err)
+    }
+
+    fn prune(
+        &mut self,
+        policy: &Retention,
+        now_unix_ms: u64,
+        rows_max: usize,
+    ) -> Result<usize, StoreError> {
+        let tx = self
+            .conn
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .map_err(write_err)?;
+        let doomed = prunable(&tx, policy, now_unix_ms, rows_max).map_err(write_err)?;
+        let mut floor = 0u64;
+        {
+            let mut del_run = tx
+                .prepare_cached("DELETE FROM runs WHERE run_id = ?1 AND terminal = 1")
+                .map_err(write_err)?;
+            let mut del_procs = tx
+                .prepare_cached("DELETE FROM processes WHERE run_id = ?1")
+                .map_err(write_err)?;
+            for (run_id, seq) in &doomed {
+                del_run.execute(params![run_id]).map_err(write_err)?;
+                del_procs.execute(params![run_id]).map_err(write_err)?;
+                floor = floor.max(seq + 1);
+            }
+        }
+        tx.execute(
+            "UPDATE meta SET value = CAST(MAX(CAST(value AS INTEGER), ?1) AS TEXT)
+             WHERE key = 'queue_seq_floor'",
+            params![floor as i64],
+        )
+        .map_err(write_err)?;
+        tx.commit().map_err(write_err)?;
+        Ok(doomed.len())
     }
 
     fn set_boot_id(&mut self, boot_id: &str) -> Result<(), StoreError> {
@@ -543,4 +613,135 @@ impl Store for SqliteStore {
             .map_err(write_err)?;
         Ok(())
     }
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Inserts or updates one run's record (D3: not once it is terminal) and adds its
+/// processes. `now_ms` is when a run written terminal ended.
+fn upsert_run(tx: &rusqlite::Transaction, r: &RunRecord, now_ms: u64) -> Result<(), StoreError> {
+    let q = &r.request;
+    let c = q.contract.as_ref();
+    let ws = r.workspace.as_ref();
+    let terminal = r.state.is_terminal();
+    tx.prepare_cached(UPSERT)
+        .and_then(|mut s| {
+            s.execute(params![
+                q.run_id,
+                q.project,
+                class_str(q.class),
+                q.priority.as_str(),
+                q.resources.slots as i64,
+                q.resources.memory as i64,
+                q.resources.cpu_millis as i64,
+                q.resources.disk as i64,
+                encode_map(&q.resources.named),
+                q.singletons.join(","),
+                c.map(|c| concurrency_str(c.concurrency)),
+                c.map(|c| c.fingerprint.as_str()),
+                c.and_then(|c| c.commit.as_deref()),
+                q.ttl_ms as i64,
+                q.wait_ms as i64,
+                r.worktree,
+                encode_map(&r.labels),
+                r.state.as_str(),
+                r.fence.map(|f| f as i64),
+                r.queue_seq as i64,
+                r.enqueued_ms as i64,
+                r.deadline_ms as i64,
+                r.granted_ms.map(|x| x as i64),
+                r.expires_ms.map(|x| x as i64),
+                r.end_cause.map(|c| match c {
+                    EndCause::Released => "released",
+                    EndCause::Expired => "expired",
+                }),
+                r.primary_mode.as_str(),
+                ws.map(|w| w.path.as_str()),
+                ws.map(|w| w.dev as i64),
+                ws.map(|w| w.ino as i64),
+                terminal as i64,
+                r.stop_grace_ms.map(|g| g as i64),
+                terminal.then_some(now_ms as i64),
+            ])
+        })
+        .map_err(write_err)?;
+    let mut ins = tx
+        .prepare_cached(
+            "INSERT OR IGNORE INTO processes (run_id, pid, start_ticks, boot_id)
+             VALUES (?1, ?2, ?3, ?4)",
+        )
+        .map_err(write_err)?;
+    for p in &r.processes {
+        ins.execute(params![
+            r.request.run_id,
+            p.pid as i64,
+            p.start_ticks as i64,
+            p.boot_id
+        ])
+        .map_err(write_err)?;
+    }
+    Ok(())
+}
+
+/// Up to `rows_max` ended runs `policy` no longer keeps, as (run id, queue seq): past
+/// the `ended_max` most recent (by arrival), or ended more than `ended_age_ms` ago.
+/// Both through an index, so a prune costs the rows it deletes, not the ledger's size.
+fn prunable(
+    tx: &rusqlite::Transaction,
+    policy: &Retention,
+    now_unix_ms: u64,
+    rows_max: usize,
+) -> rusqlite::Result<Vec<(String, u64)>> {
+    let last_kept: Option<i64> = tx
+        .query_row(
+            "SELECT queue_seq FROM runs WHERE terminal = 1
+             ORDER BY queue_seq DESC LIMIT 1 OFFSET ?1",
+            params![policy.ended_max.saturating_sub(1).min(i64::MAX as usize) as i64],
+            |r| r.get(0),
+        )
+        .optional()?;
+    let mut doomed: Vec<(String, u64)> = Vec::new();
+    if policy.ended_max == 0 || last_kept.is_some() {
+        let below = if policy.ended_max == 0 {
+            i64::MAX
+        } else {
+            last_kept.unwrap_or(i64::MIN)
+        };
+        let mut stmt = tx.prepare_cached(
+            "SELECT run_id, queue_seq FROM runs WHERE terminal = 1 AND queue_seq < ?1
+             ORDER BY queue_seq LIMIT ?2",
+        )?;
+        let rows = stmt.query_map(params![below, rows_max as i64], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+        })?;
+        for row in rows {
+            doomed.push(row?);
+        }
+    }
+    let room = rows_max.saturating_sub(doomed.len());
+    if room > 0 {
+        let cutoff = now_unix_ms
+            .saturating_sub(policy.ended_age_ms)
+            .min(i64::MAX as u64);
+        let mut stmt = tx.prepare_cached(
+            "SELECT run_id, queue_seq FROM runs WHERE terminal = 1 AND ended_unix_ms < ?1
+             ORDER BY ended_unix_ms LIMIT ?2",
+        )?;
+        let rows = stmt.query_map(params![cutoff as i64, room as i64], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+        })?;
+        let seen: std::collections::HashSet<String> =
+            doomed.iter().map(|(id, _)| id.clone()).collect();
+        for row in rows {
+            let (id, seq) = row?;
+            if !seen.contains(&id) {
+                doomed.push((id, seq));
+            }
+        }
+    }
+    Ok(doomed)
 }

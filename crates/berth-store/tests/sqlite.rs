@@ -95,11 +95,7 @@ fn crash_child(path: &Path) {
     for i in start.. {
         let mut run = sample_run(&format!("c{i}"), i, RunState::Granted);
         run.fence = Some(i + 1);
-        let b = Batch {
-            last_fence: i + 1,
-            runs: vec![run],
-            tokens: vec![],
-        };
+        let b = Batch::runs(i + 1, vec![run]);
         let out = out.clone();
         writer.submit(Some(b), move |r| {
             if r.is_ok() {

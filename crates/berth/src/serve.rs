@@ -84,6 +84,13 @@ pub struct ServeArgs {
     /// 256MiB].
     #[arg(long, env = "BERTH_DIAGNOSTICS_TOTAL_BYTES", value_parser = parse_size_arg)]
     pub diagnostics_total_bytes: Option<u64>,
+    /// Ended runs remembered (answers about them, idempotent retries) and kept in the
+    /// ledger; older ones are deleted in the background [default: 10000].
+    #[arg(long, env = "BERTH_RETAIN_ENDED")]
+    pub retain_ended: Option<usize>,
+    /// Ended runs older than this are deleted from the ledger [default: 7d].
+    #[arg(long, env = "BERTH_RETAIN_ENDED_FOR", value_parser = parse_duration)]
+    pub retain_ended_for: Option<u64>,
     /// Start a new ledger although this state dir was used before and its ledger is
     /// missing or empty (fences still continue above the fence marker).
     #[arg(long, env = "BERTH_INIT_LEDGER")]
@@ -114,6 +121,8 @@ struct FileConfig {
     diagnostics_total_bytes: Option<String>,
     default_cpus: Option<f64>,
     default_memory: Option<String>,
+    retain_ended: Option<usize>,
+    retain_ended_for: Option<String>,
 }
 
 /// What a run asks for when it names no CPUs: half a CPU. A coding agent mostly waits
@@ -227,6 +236,9 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     {
         c.default_request.memory = v;
     }
+    if let Some(v) = a.retain_ended.or(file.retain_ended) {
+        c.ended_retained_max = v;
+    }
     c.fit_default_request();
     if let Err(e) = c.validate() {
         bail!("configuration: {e}");
@@ -263,6 +275,10 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             )?)
             .unwrap_or(256 << 20),
         init_ledger: a.init_ledger,
+        retain_ended_for_ms: a
+            .retain_ended_for
+            .or(duration("retain_ended_for", file.retain_ended_for)?)
+            .unwrap_or(berth_server::RETAIN_ENDED_FOR_MS_DEFAULT),
     })
 }
 

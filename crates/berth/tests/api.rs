@@ -738,3 +738,52 @@ fn real_memory_sampling_holds_back_what_the_host_does_not_have() {
     );
     assert_eq!(small.status, 201, "{:?}", small.body);
 }
+
+/// Issue 10, retention: ended runs past `--retain-ended` leave the ledger in the
+/// background (counted in the status), live runs stay whatever their age, a pruned run
+/// is gone after a restart (its id free again), and a bad setting is refused by name.
+#[test]
+fn retention_prunes_ended_runs_in_the_background_and_never_live_ones() {
+    let mut d = Daemon::start(&["--slots-max", "4", "--retain-ended", "2"]);
+    let live = acquire(&d, json!({"run_id": "live", "project": "l"}));
+    assert_eq!(live.status, 201, "{:?}", live.body);
+    for i in 0..5 {
+        let id = format!("old-{i}");
+        let r = acquire(&d, json!({"run_id": id, "project": "p"}));
+        assert_eq!(r.status, 201, "{:?}", r.body);
+        let fence = r.body["fence"].as_u64().unwrap();
+        let rel = d.post(
+            &format!("/v1/runs/{id}/release"),
+            &json!({ "fence": fence }).to_string(),
+        );
+        assert_eq!(rel.status, 200, "{:?}", rel.body);
+    }
+    d.wait_until("three ended runs are pruned", |d| {
+        d.get("/v1/status").body["ledger"]["ended_runs_pruned"] == 3
+    });
+    d.kill9_and_restart();
+    for (id, status) in [
+        ("old-0", 404),
+        ("old-2", 404),
+        ("old-3", 200),
+        ("old-4", 200),
+    ] {
+        assert_eq!(
+            d.get(&format!("/v1/runs/{id}")).status,
+            status,
+            "{id} after the restart"
+        );
+    }
+    assert_eq!(d.get("/v1/runs/live").body["state"], "granted");
+    // The id of a pruned run is free: a new run, with a new fence.
+    let again = acquire(&d, json!({"run_id": "old-0", "project": "other"}));
+    assert_eq!(again.status, 201, "{:?}", again.body);
+    for value in ["0", "1000001", "many"] {
+        let (st, out) = d.start_fails(&[&format!("--retain-ended={value}")]);
+        assert!(!st.success());
+        assert!(out.contains("retain"), "--retain-ended {value}: {out}");
+    }
+    let (st, out) = d.start_fails(&["--retain-ended-for=soon"]);
+    assert!(!st.success());
+    assert!(out.contains("--retain-ended-for"), "{out}");
+}

@@ -287,11 +287,7 @@ fn a_recorded_pid_that_now_belongs_to_a_stranger_is_left_alone() {
             boot_id: boot,
         }];
         store
-            .write(&[&Batch {
-                last_fence: ledger.last_fence,
-                runs: vec![rec],
-                tokens: vec![],
-            }])
+            .write(&[&Batch::runs(ledger.last_fence, vec![rec])])
             .unwrap();
     }
     d.kill9_and_restart();

@@ -12,12 +12,22 @@ use serde_json::Value;
 
 pub const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 
+/// A port for a test daemon, free now and below the kernel's ephemeral range
+/// (`ip_local_port_range`, 32768 and up by default). A port from `bind(:0)` came from
+/// that range, and while its daemon was starting or down for a restart, an outgoing
+/// connection of another test could take it ("Address already in use"). Each test
+/// binary (one runs at a time) counts through its own block of 100 ports.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20_000 + (std::process::id() % 120) as u16 * 100;
+    for _ in 0..100 {
+        let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 100;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {base}..{}", base + 100)
 }
 
 pub struct Daemon {
