@@ -534,14 +534,7 @@ impl State {
             };
             env.insert("BERTH_CONCURRENCY", concurrency.to_string());
             if let Some(ws) = &ws {
-                let p = |s: &str| format!("{ws}/{s}");
-                env.insert("BERTH_WORKSPACE", ws.clone());
-                env.insert("BERTH_TMP_DIR", p("tmp"));
-                env.insert("TMPDIR", p("tmp"));
-                env.insert("BERTH_LOG_DIR", p("logs"));
-                env.insert("BERTH_CACHE_DIR", p("cache"));
-                env.insert("BERTH_BROWSER_DIR", p("browser"));
-                env.insert("BERTH_OUTPUT_DIR", p("out"));
+                workspace::env(ws, &mut env);
             }
             if let Some(wt) = extra.and_then(|e| e.worktree.as_ref()) {
                 env.insert("BERTH_WORKTREE", wt.clone());
