@@ -147,14 +147,17 @@ pub struct Retention {
     pub ended_age_ms: u64,
 }
 
-/// The most ended runs one prune deletes: bounds how long it holds the ledger (a few
-/// milliseconds), so commits never wait long behind it.
-pub const PRUNE_ROWS_MAX: usize = 2_000;
-/// How often the writer prunes while the ledger has nothing left to prune.
-pub const PRUNE_INTERVAL_MS: u64 = 10_000;
+/// The most ended runs one prune deletes: bounds how long it holds the ledger (about a
+/// millisecond), so commits never wait long behind it.
+pub const PRUNE_ROWS_MAX: usize = 500;
+/// How often the writer prunes while the ledger has nothing left to prune: often
+/// enough that steady churn (every lifecycle eventually deletes one row) is pruned in
+/// small steps rather than in one long drain.
+pub const PRUNE_INTERVAL_MS: u64 = 1_000;
 /// How soon it prunes again after a full chunk: a backlog (a ledger from before
-/// retention, or a lowered limit) drains at up to ~40,000 rows a second.
-pub const PRUNE_BACKLOG_PAUSE_MS: u64 = 50;
+/// retention, a lowered limit, or churn faster than `PRUNE_INTERVAL_MS` keeps up with)
+/// drains at up to ~50,000 rows a second.
+pub const PRUNE_BACKLOG_PAUSE_MS: u64 = 10;
 
 /// What a restarting daemon reads back.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
