@@ -39,6 +39,29 @@ impl ApiError {
     }
 }
 
+/// S3: why a process was not registered, as the API says it.
+pub fn registration_refused(pid: i32, r: crate::register::Refusal) -> ApiError {
+    use crate::register::Refusal;
+    match r {
+        Refusal::Forbidden(why) => ApiError::new(403, "pid_forbidden", why),
+        Refusal::NotOwned(why) => ApiError::new(403, "pid_not_owned", why),
+        Refusal::OwnedByRun { run_id } => ApiError::new(
+            403,
+            "pid_owned_by_run",
+            format!(
+                "pid {pid} belongs to live run {run_id}; stopping it would stop that run's processes"
+            ),
+        )
+        .with(json!({"run_id": run_id, "pid": pid})),
+        Refusal::NoSuchProcess => ApiError::invalid("pid", format!("no process {pid} is running")),
+        Refusal::CouldNotLook(why) => ApiError::new(
+            503,
+            "could_not_look",
+            format!("pid {pid} could not be checked ({why}); try again"),
+        ),
+    }
+}
+
 impl From<CoreError> for ApiError {
     fn from(e: CoreError) -> ApiError {
         let message = e.to_string();

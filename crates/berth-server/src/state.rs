@@ -356,13 +356,6 @@ impl State {
         let mut cleanup_retry = BTreeMap::new();
         // Moved, not copied: a restart's peak memory is one copy of what it loads.
         for r in ledger.runs {
-            let (mut enqueued, mut deadline, mut expires) =
-                (r.enqueued_ms, r.deadline_ms, r.expires_ms.unwrap_or(0));
-            if !same_boot {
-                enqueued = enqueued.min(now);
-                deadline = now + reconnect_window_ms;
-                expires = now;
-            }
             let id = r.request.run_id.clone();
             match r.state {
                 RunState::Queued => {
@@ -374,32 +367,10 @@ impl State {
                 s if s.is_terminal() => ended.push_back(id.clone()),
                 _ => {}
             }
-            let mut extra = Extra {
-                worktree: r.worktree,
-                labels: r.labels,
-                queue_seq: r.queue_seq,
-                workspace: r.workspace,
-                processes: r.processes,
-                survivors: Vec::new(),
-                stop_grace_ms: r.stop_grace_ms,
-                failure: None,
-                ended_digest: None,
-            };
-            if r.state.is_terminal() {
-                extra.shrink();
-            }
+            let reboot_window = (!same_boot).then_some(reconnect_window_ms);
+            let (run, extra) = restored_run(r, now, reboot_window);
             extras.insert(id, extra);
-            restored.push(RestoredRun {
-                request: r.request,
-                state: r.state,
-                fence: r.fence,
-                enqueued_at: enqueued,
-                deadline,
-                granted_at: r.granted_ms.unwrap_or(0).min(now),
-                expires_at: expires,
-                cause: r.end_cause,
-                primary_mode: r.primary_mode,
-            });
+            restored.push(run);
         }
         let engine = Engine::restore(cfg, ledger.last_fence, now, restored)?;
         Ok(State {
@@ -586,6 +557,9 @@ impl State {
         let out = self.engine.apply(now, cmd);
         let mut queue: VecDeque<Event> = out.events.into();
         while let Some(ev) = queue.pop_front() {
+            if let Some(run_id) = event_run(&ev) {
+                touched.insert(run_id.to_string());
+            }
             match &ev {
                 Event::Granted {
                     run_id,
@@ -593,85 +567,16 @@ impl State {
                     expires_at_ms,
                     ..
                 } => {
-                    tracing::debug!(
-                        run_id,
-                        fence,
-                        ttl_ms = expires_at_ms.saturating_sub(now),
-                        "granted"
-                    );
-                    touched.insert(run_id.clone());
-                    match self.workspaces.create(run_id) {
-                        Ok(ws) => {
-                            if let Some(e) = self.extras.get_mut(run_id) {
-                                e.workspace = Some(ws);
-                            }
-                        }
-                        Err(e) => {
-                            // W1: no grant without its workspace. The run is released
-                            // in this same step (before anything is acknowledged), and
-                            // its caller told why.
-                            tracing::error!(run_id, "workspace: {e}; the run is released");
-                            if let Some(x) = self.extras.get_mut(run_id) {
-                                x.failure = Some(format!(
-                                    "the run was granted but its workspace could not be made ({e}); berth released it"
-                                ));
-                            }
-                            let more = self.engine.apply(
-                                now,
-                                Command::Release {
-                                    run_id: run_id.clone(),
-                                    fence: *fence,
-                                },
-                            );
-                            queue.extend(more.events);
-                        }
-                    }
+                    let ttl_ms = expires_at_ms.saturating_sub(now);
+                    tracing::debug!(run_id, fence, ttl_ms, "granted");
+                    queue.extend(self.on_granted(now, run_id, *fence));
                 }
                 Event::StopRequested { run_id, cause } => {
-                    match cause {
-                        // L6: one line per lease that ran out.
-                        EndCause::Expired => {
-                            let fence = self.engine.view_of(run_id).and_then(|v| v.fence);
-                            tracing::info!(
-                                run_id,
-                                fence,
-                                "lease expired: not renewed in time; the run is stopped and its claim freed once its processes are gone"
-                            );
-                        }
-                        EndCause::Released => tracing::debug!(run_id, "released"),
-                    }
-                    touched.insert(run_id.clone());
-                    if self.has_processes(run_id) {
-                        // Capacity stays counted until the processes are proven gone (L5).
-                        self.start_stop(run_id);
-                    } else {
-                        let ok = self.cleanup(run_id);
-                        let more = self.engine.apply(
-                            now,
-                            Command::StopDone {
-                                run_id: run_id.clone(),
-                                ok,
-                            },
-                        );
-                        queue.extend(more.events);
-                    }
+                    queue.extend(self.on_stop_requested(now, run_id, *cause));
                 }
-                Event::Degraded { run_id } => {
-                    touched.insert(run_id.clone());
-                    self.schedule_retry(run_id);
-                    let retry_in_ms = self
-                        .cleanup_retry
-                        .get(run_id)
-                        .map_or(0, |(_, at)| at.saturating_sub(now));
-                    tracing::warn!(
-                        run_id,
-                        retry_in_ms,
-                        "run degraded: its stop or cleanup failed; its capacity stays counted until a retry succeeds"
-                    );
-                }
+                Event::Degraded { run_id } => self.on_degraded(now, run_id),
                 Event::Ended { run_id, state } => {
                     tracing::debug!(run_id, state = state.as_str(), "ended");
-                    touched.insert(run_id.clone());
                     self.cleanup_retry.remove(run_id);
                     if let Some(e) = self.extras.get_mut(run_id) {
                         e.survivors.clear();
@@ -680,17 +585,7 @@ impl State {
                     self.unclaimed.remove(run_id);
                     self.ended.push_back(run_id.clone());
                 }
-                Event::Queued { run_id, .. }
-                | Event::Renewed { run_id, .. }
-                | Event::QueueDeadlineExtended { run_id, .. }
-                | Event::KeyModeChanged { run_id, .. }
-                | Event::UpgradeQueued { run_id, .. }
-                | Event::UpgradeGranted { run_id, .. } => {
-                    touched.insert(run_id.clone());
-                }
-                Event::Promoted { .. }
-                | Event::EvidenceInvalidated { .. }
-                | Event::MemoryStabilized { .. } => {}
+                _ => {}
             }
         }
         // Forget what the engine forgot (it keeps `ended_retained_max` ended runs).
@@ -702,6 +597,73 @@ impl State {
             }
         }
         out.result
+    }
+
+    /// W1: a granted run gets its workspace, or is released in this same step (before
+    /// anything is acknowledged) and its caller told why. Returns what that sets off.
+    fn on_granted(&mut self, now: u64, run_id: &str, fence: u64) -> Vec<Event> {
+        match self.workspaces.create(run_id) {
+            Ok(ws) => {
+                if let Some(e) = self.extras.get_mut(run_id) {
+                    e.workspace = Some(ws);
+                }
+                Vec::new()
+            }
+            Err(e) => {
+                tracing::error!(run_id, "workspace: {e}; the run is released");
+                if let Some(x) = self.extras.get_mut(run_id) {
+                    x.failure = Some(format!(
+                        "the run was granted but its workspace could not be made ({e}); berth released it"
+                    ));
+                }
+                let release = Command::Release {
+                    run_id: run_id.to_string(),
+                    fence,
+                };
+                self.engine.apply(now, release).events
+            }
+        }
+    }
+
+    /// A run is to stop: its processes are stopped first (capacity stays counted until
+    /// they are proven gone, L5), or, with none, it is cleaned up at once. Returns what
+    /// that sets off.
+    fn on_stop_requested(&mut self, now: u64, run_id: &str, cause: EndCause) -> Vec<Event> {
+        match cause {
+            // L6: one line per lease that ran out.
+            EndCause::Expired => {
+                let fence = self.engine.view_of(run_id).and_then(|v| v.fence);
+                tracing::info!(
+                    run_id,
+                    fence,
+                    "lease expired: not renewed in time; the run is stopped and its claim freed once its processes are gone"
+                );
+            }
+            EndCause::Released => tracing::debug!(run_id, "released"),
+        }
+        if self.has_processes(run_id) {
+            self.start_stop(run_id);
+            return Vec::new();
+        }
+        let ok = self.cleanup(run_id);
+        let done = Command::StopDone {
+            run_id: run_id.to_string(),
+            ok,
+        };
+        self.engine.apply(now, done).events
+    }
+
+    fn on_degraded(&mut self, now: u64, run_id: &str) {
+        self.schedule_retry(run_id);
+        let retry_in_ms = self
+            .cleanup_retry
+            .get(run_id)
+            .map_or(0, |(_, at)| at.saturating_sub(now));
+        tracing::warn!(
+            run_id,
+            retry_in_ms,
+            "run degraded: its stop or cleanup failed; its capacity stays counted until a retry succeeds"
+        );
     }
 
     /// Removes a stopping run's workspace after its identity check. False leaves the
@@ -840,23 +802,8 @@ impl State {
                 roots: e.processes.iter().map(proc_id).collect(),
             })
             .collect();
-        use crate::register::Refusal;
-        let id = crate::register::check(&self.me, uid, pid, &others).map_err(|r| match r {
-            Refusal::Forbidden(why) => ApiError::new(403, "pid_forbidden", why),
-            Refusal::NotOwned(why) => ApiError::new(403, "pid_not_owned", why),
-            Refusal::OwnedByRun { run_id } => ApiError::new(
-                403,
-                "pid_owned_by_run",
-                format!("pid {pid} belongs to live run {run_id}; stopping it would stop that run's processes"),
-            )
-            .with(serde_json::json!({"run_id": run_id, "pid": pid})),
-            Refusal::NoSuchProcess => ApiError::invalid("pid", format!("no process {pid} is running")),
-            Refusal::CouldNotLook(why) => ApiError::new(
-                503,
-                "could_not_look",
-                format!("pid {pid} could not be checked ({why}); try again"),
-            ),
-        })?;
+        let id = crate::register::check(&self.me, uid, pid, &others)
+            .map_err(|r| crate::error::registration_refused(pid, r))?;
         if let Some(base) = &self.supervision.cgroup_base {
             let group = berth_proc::cgroup::Group::create(base, &workspace::dir_name(run_id));
             if let Err(e) = group.and_then(|g| g.add(pid)) {
@@ -879,6 +826,64 @@ impl State {
         }
         self.info(run_id)
             .ok_or_else(|| ApiError::new(500, "internal", "run vanished"))
+    }
+}
+
+/// A ledger record as the engine and the server take it back. Times are this boot's
+/// monotonic milliseconds; after a reboot (`reboot_window` is the reconnect window)
+/// every lease is over and every waiter has one reconnect window.
+fn restored_run(r: RunRecord, now: u64, reboot_window: Option<u64>) -> (RestoredRun, Extra) {
+    let (mut enqueued, mut deadline, mut expires) =
+        (r.enqueued_ms, r.deadline_ms, r.expires_ms.unwrap_or(0));
+    if let Some(window) = reboot_window {
+        enqueued = enqueued.min(now);
+        deadline = now + window;
+        expires = now;
+    }
+    let mut extra = Extra {
+        worktree: r.worktree,
+        labels: r.labels,
+        queue_seq: r.queue_seq,
+        workspace: r.workspace,
+        processes: r.processes,
+        survivors: Vec::new(),
+        stop_grace_ms: r.stop_grace_ms,
+        failure: None,
+        ended_digest: None,
+    };
+    if r.state.is_terminal() {
+        extra.shrink();
+    }
+    let run = RestoredRun {
+        request: r.request,
+        state: r.state,
+        fence: r.fence,
+        enqueued_at: enqueued,
+        deadline,
+        granted_at: r.granted_ms.unwrap_or(0).min(now),
+        expires_at: expires,
+        cause: r.end_cause,
+        primary_mode: r.primary_mode,
+    };
+    (run, extra)
+}
+
+/// The run an event is about, if it changes something the ledger records.
+fn event_run(ev: &Event) -> Option<&str> {
+    match ev {
+        Event::Granted { run_id, .. }
+        | Event::StopRequested { run_id, .. }
+        | Event::Degraded { run_id }
+        | Event::Ended { run_id, .. }
+        | Event::Queued { run_id, .. }
+        | Event::Renewed { run_id, .. }
+        | Event::QueueDeadlineExtended { run_id, .. }
+        | Event::KeyModeChanged { run_id, .. }
+        | Event::UpgradeQueued { run_id, .. }
+        | Event::UpgradeGranted { run_id, .. } => Some(run_id),
+        Event::Promoted { .. }
+        | Event::EvidenceInvalidated { .. }
+        | Event::MemoryStabilized { .. } => None,
     }
 }
 
