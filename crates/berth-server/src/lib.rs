@@ -144,12 +144,97 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     private::state_dir(&cfg.state_dir)?;
     let lock = private::lock(&cfg.state_dir)?;
     let runs_dir = workspace::ensure_runs_dir(&cfg.state_dir)?;
+    let opened = open_ledger(&cfg, &runs_dir)?;
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.listen))?;
+    let addr = listener.local_addr()?;
+    let shared = Arc::new(state::Shared {
+        tokens: RwLock::new(opened.tokens),
+        url: format!("http://{addr}"),
+    });
+    // Retention: ended runs past the count the engine remembers, or older than the
+    // configured age, are pruned in the background.
+    let writer = Writer::spawn_retaining(
+        Box::new(opened.store),
+        cfg.group_commit,
+        Some(berth_store::Retention {
+            ended_max: cfg.engine.ended_retained_max,
+            ended_age_ms: cfg.retain_ended_for_ms,
+        }),
+    );
+    let fatal = Arc::new(Fatal::default());
+    let mut st = state::State::restore(
+        cfg.engine.clone(),
+        opened.ledger,
+        opened.same_boot,
+        writer,
+        shared.clone(),
+        runs_dir,
+        cfg.reconnect_window_ms,
+        fatal.clone(),
+        opened.marker,
+        supervision(&cfg),
+        diagnostics(&cfg),
+    )
+    .map_err(|e| anyhow::anyhow!("ledger {}: {e}", cfg.state_dir.join("ledger.db").display()))?;
+    let commits_cell = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let (tx, rx) = mpsc::channel(INBOX_MAX);
+    st.set_inbox(&tx);
+    let api = api::Api {
+        tx,
+        shared,
+        auth: !cfg.insecure_no_auth,
+        cfg: Arc::new(cfg.engine.clone()),
+        uid: rustix::process::geteuid().as_raw(),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let state_task = {
+        let counter = commits_cell.clone();
+        let (tick_ms, sample) = (cfg.tick_ms, cfg.sample_memory);
+        tokio::spawn(async move {
+            let probe = CommitProbe(counter);
+            state::run(st, rx, tick_ms, sample, Some(probe)).await;
+        })
+    };
+    let task = tokio::spawn(serve_until_stopped(
+        listener,
+        api::router(api),
+        lock,
+        fatal,
+        stop_rx,
+        state_task,
+    ));
+    let counter = commits_cell.clone();
+    Ok(Running {
+        addr,
+        admin_token: opened.admin,
+        shutdown: Some(stop_tx),
+        task,
+        commits: Arc::new(move || counter.load(std::sync::atomic::Ordering::Relaxed)),
+    })
+}
+
+/// What `open_ledger` hands the rest of the start.
+struct Opened {
+    store: SqliteStore,
+    ledger: berth_store::Ledger,
+    same_boot: bool,
+    marker: private::FenceMarker,
+    tokens: Vec<(String, auth::Grant)>,
+    admin: Option<String>,
+}
+
+/// Opens the ledger (refusing a vanished one in a used state dir, S6, and an
+/// unreadable one, D4), moves the fence marker ahead (L1), records this boot and makes
+/// sure the admin token is known.
+fn open_ledger(cfg: &ServeConfig, runs_dir: &std::path::Path) -> anyhow::Result<Opened> {
     let ledger_path = cfg.state_dir.join("ledger.db");
     let mut marker = private::FenceMarker::open(&cfg.state_dir)?;
     // S6: a ledger that vanished from a used state dir would restart fences and forget
     // every run; refused unless the operator says to start afresh.
     let ledger_empty = std::fs::symlink_metadata(&ledger_path).map_or(true, |m| m.len() == 0);
-    if ledger_empty && !cfg.init_ledger && used(&cfg.state_dir, &runs_dir, &marker) {
+    if ledger_empty && !cfg.init_ledger && used(&cfg.state_dir, runs_dir, &marker) {
         bail!(
             "{} is missing or empty, but this state directory has been used (admin token, fence marker or workspaces present): refusing to start from nothing (S6). Restore the ledger, or start with --init-ledger to begin a new one (fences still continue above the marker)",
             ledger_path.display()
@@ -187,136 +272,106 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     let boot = clock::boot_id();
     let same_boot = ledger.boot_id.as_deref().is_none_or(|b| b == boot);
     store.set_boot_id(&boot)?;
+    let (tokens, admin) = known_tokens(cfg, &mut store, &ledger)?;
+    Ok(Opened {
+        store,
+        ledger,
+        same_boot,
+        marker,
+        tokens,
+        admin,
+    })
+}
 
+/// The ledger's tokens, with the admin token's hash added (durably) if it is new.
+fn known_tokens(
+    cfg: &ServeConfig,
+    store: &mut SqliteStore,
+    ledger: &berth_store::Ledger,
+) -> anyhow::Result<(Vec<(String, auth::Grant)>, Option<String>)> {
     let mut tokens: Vec<(String, auth::Grant)> = ledger
         .tokens
         .iter()
         .filter_map(|(h, s)| Some((h.clone(), auth::Grant::parse(s)?)))
         .collect();
-    let mut admin = None;
-    if !cfg.insecure_no_auth {
-        let token = private::admin_token(&cfg.state_dir)?;
-        let hash = auth::hash_token(&token);
-        if !tokens.iter().any(|(h, _)| *h == hash) {
-            let grant = auth::Grant {
-                scope: auth::Scope::Admin,
-                uid: None,
-            };
-            store.write(&[&berth_store::Batch {
-                mutations: vec![berth_store::Mutation::Token {
-                    hash: hash.clone(),
-                    scope: grant.stored(),
-                }],
-            }])?;
-            tokens.push((hash, grant));
-        }
-        admin = Some(token);
+    if cfg.insecure_no_auth {
+        return Ok((tokens, None));
     }
-
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .with_context(|| format!("binding {}", cfg.listen))?;
-    let addr = listener.local_addr()?;
-    let shared = Arc::new(state::Shared {
-        tokens: RwLock::new(tokens),
-        url: format!("http://{addr}"),
-    });
-    // Retention: ended runs past the count the engine remembers, or older than the
-    // configured age, are pruned in the background.
-    let writer = Writer::spawn_retaining(
-        Box::new(store),
-        cfg.group_commit,
-        Some(berth_store::Retention {
-            ended_max: cfg.engine.ended_retained_max,
-            ended_age_ms: cfg.retain_ended_for_ms,
-        }),
-    );
-    let fatal = Arc::new(Fatal::default());
-    let st = state::State::restore(
-        cfg.engine.clone(),
-        ledger,
-        same_boot,
-        writer,
-        shared.clone(),
-        runs_dir,
-        cfg.reconnect_window_ms,
-        fatal.clone(),
-        marker,
-        state::Supervision {
-            // One namespace per state dir: a restarted daemon finds its runs' groups
-            // again (P5), another daemon never touches them.
-            cgroup_base: if cfg.cgroups {
-                let state = cfg
-                    .state_dir
-                    .canonicalize()
-                    .unwrap_or_else(|_| cfg.state_dir.clone());
-                berth_proc::cgroup::base(&workspace::dir_name(&state.display().to_string()))
-            } else {
-                None
-            },
-            grace_ms: cfg.stop_grace_ms,
-            kill_wait_ms: 5_000,
-        },
-        workspace::Diagnostics {
-            dir: cfg.state_dir.join("diagnostics"),
-            run_bytes_max: cfg.diagnostics_run_bytes_max,
-            total_bytes_max: cfg.diagnostics_total_bytes_max,
-            run_entries_max: workspace::DIAGNOSTICS_RUN_ENTRIES_MAX,
-            total_entries_max: workspace::DIAGNOSTICS_TOTAL_ENTRIES_MAX,
-        },
-    )
-    .map_err(|e| anyhow::anyhow!("ledger {}: {e}", ledger_path.display()))?;
-    let commits_cell = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let (tx, rx) = mpsc::channel(INBOX_MAX);
-    let mut st = st;
-    st.set_inbox(&tx);
-    let api = api::Api {
-        tx,
-        shared,
-        auth: !cfg.insecure_no_auth,
-        cfg: Arc::new(cfg.engine.clone()),
-        uid: rustix::process::geteuid().as_raw(),
-    };
-    let app = api::router(api);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let state_task = {
-        let counter = commits_cell.clone();
-        let (tick_ms, sample) = (cfg.tick_ms, cfg.sample_memory);
-        tokio::spawn(async move {
-            let probe = CommitProbe(counter);
-            state::run(st, rx, tick_ms, sample, Some(probe)).await;
-        })
-    };
-    let conns_max = http::connection_budget();
-    let task = tokio::spawn(async move {
-        let _lock = lock;
-        let fatal_wait = fatal.clone();
-        let shutdown = async move {
-            tokio::select! {
-                _ = stop_rx => {}
-                _ = fatal_wait.notify.notified() => {}
-                _ = signal() => {}
-            }
+    let token = private::admin_token(&cfg.state_dir)?;
+    let hash = auth::hash_token(&token);
+    if !tokens.iter().any(|(h, _)| *h == hash) {
+        let grant = auth::Grant {
+            scope: auth::Scope::Admin,
+            uid: None,
         };
-        http::serve(listener, app, conns_max, shutdown).await;
-        // The router (and every sender) is gone: the state task drains and closes
-        // the writer, which makes everything acknowledged durable.
-        state_task.await?;
-        // D4: a fatal error is an error exit, with its reason (so a supervisor's
-        // restart-on-failure restarts it and the log says why).
-        match fatal.reason() {
-            Some(why) => bail!("stopped: {why}"),
-            None => Ok(()),
+        store.write(&[&berth_store::Batch {
+            mutations: vec![berth_store::Mutation::Token {
+                hash: hash.clone(),
+                scope: grant.stored(),
+            }],
+        }])?;
+        tokens.push((hash, grant));
+    }
+    Ok((tokens, Some(token)))
+}
+
+fn supervision(cfg: &ServeConfig) -> state::Supervision {
+    state::Supervision {
+        // One namespace per state dir: a restarted daemon finds its runs' groups
+        // again (P5), another daemon never touches them.
+        cgroup_base: if cfg.cgroups {
+            let state = cfg
+                .state_dir
+                .canonicalize()
+                .unwrap_or_else(|_| cfg.state_dir.clone());
+            berth_proc::cgroup::base(&workspace::dir_name(&state.display().to_string()))
+        } else {
+            None
+        },
+        grace_ms: cfg.stop_grace_ms,
+        kill_wait_ms: 5_000,
+    }
+}
+
+fn diagnostics(cfg: &ServeConfig) -> workspace::Diagnostics {
+    workspace::Diagnostics {
+        dir: cfg.state_dir.join("diagnostics"),
+        run_bytes_max: cfg.diagnostics_run_bytes_max,
+        total_bytes_max: cfg.diagnostics_total_bytes_max,
+        run_entries_max: workspace::DIAGNOSTICS_RUN_ENTRIES_MAX,
+        total_entries_max: workspace::DIAGNOSTICS_TOTAL_ENTRIES_MAX,
+    }
+}
+
+/// Serves until asked to stop, a signal or a fatal error; then lets the state task
+/// drain (every acknowledged change durable) and says why it stopped.
+async fn serve_until_stopped(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    lock: private::Lock,
+    fatal: Arc<Fatal>,
+    stop_rx: tokio::sync::oneshot::Receiver<()>,
+    state_task: tokio::task::JoinHandle<()>,
+) -> anyhow::Result<()> {
+    let _lock = lock;
+    let fatal_wait = fatal.clone();
+    let shutdown = async move {
+        tokio::select! {
+            _ = stop_rx => {}
+            _ = fatal_wait.notify.notified() => {}
+            _ = signal() => {}
         }
-    });
-    let counter = commits_cell.clone();
-    Ok(Running {
-        addr,
-        admin_token: admin,
-        shutdown: Some(stop_tx),
-        task,
-        commits: Arc::new(move || counter.load(std::sync::atomic::Ordering::Relaxed)),
-    })
+    };
+    http::serve(listener, app, http::connection_budget(), shutdown).await;
+    // The router (and every sender) is gone: the state task drains and closes
+    // the writer, which makes everything acknowledged durable.
+    state_task.await?;
+    // D4: a fatal error is an error exit, with its reason (so a supervisor's
+    // restart-on-failure restarts it and the log says why).
+    match fatal.reason() {
+        Some(why) => bail!("stopped: {why}"),
+        None => Ok(()),
+    }
 }
 
 /// Publishes the writer's commit count for benchmarks and tests.
