@@ -164,7 +164,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         }),
     );
     let fatal = Arc::new(Fatal::default());
-    let mut st = state::State::restore(
+    let st = state::State::restore(
         cfg.engine.clone(),
         opened.ledger,
         opened.same_boot,
@@ -179,24 +179,8 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     )
     .map_err(|e| anyhow::anyhow!("ledger {}: {e}", cfg.state_dir.join("ledger.db").display()))?;
     let commits_cell = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let (tx, rx) = mpsc::channel(INBOX_MAX);
-    st.set_inbox(&tx);
-    let api = api::Api {
-        tx,
-        shared,
-        auth: !cfg.insecure_no_auth,
-        cfg: Arc::new(cfg.engine.clone()),
-        uid: rustix::process::geteuid().as_raw(),
-    };
+    let (api, state_task) = spawn_state(&cfg, st, shared, commits_cell.clone());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let state_task = {
-        let counter = commits_cell.clone();
-        let (tick_ms, sample) = (cfg.tick_ms, cfg.sample_memory);
-        tokio::spawn(async move {
-            let probe = CommitProbe(counter);
-            state::run(st, rx, tick_ms, sample, Some(probe)).await;
-        })
-    };
     let task = tokio::spawn(serve_until_stopped(
         listener,
         api::router(api),
@@ -213,6 +197,31 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         task,
         commits: Arc::new(move || counter.load(std::sync::atomic::Ordering::Relaxed)),
     })
+}
+
+/// Starts the state task (the one owner of the engine and the writer) and returns the
+/// API's handle to it.
+fn spawn_state(
+    cfg: &ServeConfig,
+    mut st: state::State,
+    shared: Arc<state::Shared>,
+    commits: Arc<std::sync::atomic::AtomicU64>,
+) -> (api::Api, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = mpsc::channel(INBOX_MAX);
+    st.set_inbox(&tx);
+    let api = api::Api {
+        tx,
+        shared,
+        auth: !cfg.insecure_no_auth,
+        cfg: Arc::new(cfg.engine.clone()),
+        uid: rustix::process::geteuid().as_raw(),
+    };
+    let (tick_ms, sample) = (cfg.tick_ms, cfg.sample_memory);
+    let state_task = tokio::spawn(async move {
+        let probe = CommitProbe(commits);
+        state::run(st, rx, tick_ms, sample, Some(probe)).await;
+    });
+    (api, state_task)
 }
 
 /// What `open_ledger` hands the rest of the start.

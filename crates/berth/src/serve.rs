@@ -161,84 +161,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         None if a.config.is_none() => FileConfig::default(),
         None => bail!("reading {}: no such file", file_path.display()),
     };
-    let cpus = berth_server::host::cpus();
-    let (mem_given, disk_given) = (
-        a.memory_total.is_some() || file.memory_total.is_some(),
-        a.disk_total.is_some() || file.disk_total.is_some(),
-    );
-    let mem = a
-        .memory_total
-        .or(size("memory_total", file.memory_total)?)
-        .unwrap_or_else(berth_server::host::memory_total);
-    let disk = a
-        .disk_total
-        .or(size("disk_total", file.disk_total)?)
-        .unwrap_or_else(|| berth_server::host::disk_total(&state_dir));
-    let mut c = berth_core::Config::for_host(cpus, mem, disk);
-    // What the host reports is clamped to the bounded totals (S7); what an operator
-    // asks for is kept as given, so `validate` refuses it with the rule instead of
-    // silently using another number.
-    if mem_given {
-        c.memory_total = mem;
-    }
-    if disk_given {
-        c.disk_total = disk;
-    }
-    if let Some(v) = a.cpu_total.or(file.cpu_total) {
-        c.cpu_total_millis = v;
-        c.slots_max = (v / 2000).clamp(1, 8);
-    }
-    if let Some(v) = a.slots_max.or(file.slots_max) {
-        c.slots_max = v;
-    }
-    if let Some(v) = a
-        .memory_reserve
-        .or(size("memory_reserve", file.memory_reserve)?)
-    {
-        c.memory_reserve = v;
-    }
-    if let Some(v) = a.cpu_reserve.or(file.cpu_reserve) {
-        c.cpu_reserve_millis = v;
-    }
-    if let Some(v) = a.disk_reserve.or(size("disk_reserve", file.disk_reserve)?) {
-        c.disk_reserve = v;
-    }
-    if let Some(v) = a.window.or(file.window) {
-        c.window = v;
-    }
-    if let Some(v) = a
-        .starvation_guard
-        .or(duration("starvation_guard", file.starvation_guard)?)
-    {
-        c.starvation_guard_ms = v;
-    }
-    let mut named: BTreeMap<String, u64> = file.resources.unwrap_or_default();
-    for r in &a.resources {
-        let (name, count) = r
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--resource {r:?}: expected NAME=COUNT"))?;
-        let count: u64 = count
-            .parse()
-            .map_err(|_| anyhow!("--resource {r:?}: COUNT must be a whole number"))?;
-        named.insert(name.to_string(), count);
-    }
-    c.named = named.into_iter().collect();
-    c.default_request.cpu_millis = match (a.default_cpus, file.default_cpus) {
-        (Some(m), _) => m,
-        (None, Some(v)) => {
-            cpus_to_millis(v).map_err(|e| anyhow!("berth.toml default_cpus: {e}"))?
-        }
-        (None, None) => DEFAULT_RUN_CPU_MILLIS,
-    };
-    if let Some(v) = a
-        .default_memory
-        .or(size("default_memory", file.default_memory)?)
-    {
-        c.default_request.memory = v;
-    }
-    if let Some(v) = a.retain_ended.or(file.retain_ended) {
-        c.ended_retained_max = v;
-    }
+    let mut c = engine_config(&a, &file, &state_dir)?;
     c.fit_default_request();
     if let Err(e) = c.validate() {
         bail!("configuration: {e}");
@@ -280,6 +203,107 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             .or(duration("retain_ended_for", file.retain_ended_for)?)
             .unwrap_or(berth_server::RETAIN_ENDED_FOR_MS_DEFAULT),
     })
+}
+
+/// The engine's configuration: the host's own figures, then `berth.toml`, then flags.
+fn engine_config(
+    a: &ServeArgs,
+    file: &FileConfig,
+    state_dir: &std::path::Path,
+) -> anyhow::Result<berth_core::Config> {
+    let cpus = berth_server::host::cpus();
+    let (mem_given, disk_given) = (
+        a.memory_total.is_some() || file.memory_total.is_some(),
+        a.disk_total.is_some() || file.disk_total.is_some(),
+    );
+    let mem = a
+        .memory_total
+        .or(size("memory_total", file.memory_total.clone())?)
+        .unwrap_or_else(berth_server::host::memory_total);
+    let disk = a
+        .disk_total
+        .or(size("disk_total", file.disk_total.clone())?)
+        .unwrap_or_else(|| berth_server::host::disk_total(state_dir));
+    let mut c = berth_core::Config::for_host(cpus, mem, disk);
+    // What the host reports is clamped to the bounded totals (S7); what an operator
+    // asks for is kept as given, so `validate` refuses it with the rule instead of
+    // silently using another number.
+    if mem_given {
+        c.memory_total = mem;
+    }
+    if disk_given {
+        c.disk_total = disk;
+    }
+    if let Some(v) = a.cpu_total.or(file.cpu_total) {
+        c.cpu_total_millis = v;
+        c.slots_max = (v / 2000).clamp(1, 8);
+    }
+    if let Some(v) = a.slots_max.or(file.slots_max) {
+        c.slots_max = v;
+    }
+    if let Some(v) = a
+        .memory_reserve
+        .or(size("memory_reserve", file.memory_reserve.clone())?)
+    {
+        c.memory_reserve = v;
+    }
+    if let Some(v) = a.cpu_reserve.or(file.cpu_reserve) {
+        c.cpu_reserve_millis = v;
+    }
+    if let Some(v) = a
+        .disk_reserve
+        .or(size("disk_reserve", file.disk_reserve.clone())?)
+    {
+        c.disk_reserve = v;
+    }
+    if let Some(v) = a.window.or(file.window) {
+        c.window = v;
+    }
+    if let Some(v) = a
+        .starvation_guard
+        .or(duration("starvation_guard", file.starvation_guard.clone())?)
+    {
+        c.starvation_guard_ms = v;
+    }
+    named_and_defaults(&mut c, a, file)?;
+    Ok(c)
+}
+
+/// Named resources (`--resource`, `[resources]`) and what a run that names nothing
+/// asks for.
+fn named_and_defaults(
+    c: &mut berth_core::Config,
+    a: &ServeArgs,
+    file: &FileConfig,
+) -> anyhow::Result<()> {
+    let mut named: BTreeMap<String, u64> = file.resources.clone().unwrap_or_default();
+    for r in &a.resources {
+        let (name, count) = r
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--resource {r:?}: expected NAME=COUNT"))?;
+        let count: u64 = count
+            .parse()
+            .map_err(|_| anyhow!("--resource {r:?}: COUNT must be a whole number"))?;
+        named.insert(name.to_string(), count);
+    }
+    c.named = named.into_iter().collect();
+    c.default_request.cpu_millis = match (a.default_cpus, file.default_cpus) {
+        (Some(m), _) => m,
+        (None, Some(v)) => {
+            cpus_to_millis(v).map_err(|e| anyhow!("berth.toml default_cpus: {e}"))?
+        }
+        (None, None) => DEFAULT_RUN_CPU_MILLIS,
+    };
+    if let Some(v) = a
+        .default_memory
+        .or(size("default_memory", file.default_memory.clone())?)
+    {
+        c.default_request.memory = v;
+    }
+    if let Some(v) = a.retain_ended.or(file.retain_ended) {
+        c.ended_retained_max = v;
+    }
+    Ok(())
 }
 
 pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
