@@ -378,168 +378,242 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        // Handlers first: a signal that arrives once CMD exists must reach CMD.
-        let mut sigint = signal(SignalKind::interrupt())?;
-        let mut sigterm = signal(SignalKind::terminate())?;
-        let mut sighup = signal(SignalKind::hangup())?;
-        let mut sigtstp = signal(SignalKind::from_raw(libc::SIGTSTP))?;
-        // CMD must never run unregistered (P1): it starts behind a gate, a shell that
-        // waits for one byte on a pipe and then execs CMD under the same pid. If this
-        // process dies before it registers CMD, the pipe closes, the read fails and CMD
-        // never starts.
-        let (gate_read, gate_write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::empty())?;
-        rustix::io::fcntl_setfd(&gate_write, rustix::io::FdFlags::CLOEXEC)?;
-        let fd = std::os::fd::AsRawFd::as_raw_fd(&gate_read);
-        let gate = format!("read -r _ <&{fd} || exit 125; exec \"$@\" {fd}<&-");
-        // std, not tokio: the child is waited for by `watch_child` (which also sees it
-        // stop), never by a runtime that would reap it behind our back.
-        use std::os::unix::process::CommandExt;
-        let mut cmd = std::process::Command::new("/bin/sh");
-        cmd.arg("-c")
-            .arg(gate)
-            .arg("berth-run")
-            .args(&a.cmd)
-            .envs(&env)
-            .process_group(0);
-        let spawned = cmd.spawn();
-        drop(gate_read);
-        let child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                eprintln!("berth: cannot start {}: {e}", a.cmd[0]);
-                let _ = release(&client, &run_id, fence).await;
-                return Ok(127);
-            }
-        };
-        let pgid = child.id() as i32;
-        let mut events = watch_child(pgid);
-        berth_server::failpoint::hit("spawn-before-register");
-        // P1: the broker records the child by identity (and moves it into the run's
-        // cgroup), so it can stop the tree if this client dies (P6). CMD never runs
-        // unregistered: if registering fails, the gate stays shut (closing the pipe
-        // makes the gate's `read` fail, so the shell exits 125 without running CMD),
-        // the lease is released and berth run says why.
-        if let Err((code, why)) = register(&client, &run_id, fence, pgid, ttl_ms).await {
-            drop(gate_write);
-            while let Some(ev) = events.recv().await {
-                if matches!(ev, ChildEvent::Exited(_)) {
-                    break;
-                }
-            }
-            eprintln!(
-                "berth: run {run_id}: CMD was not started, because the broker could not record it: {why}"
-            );
+    rt.block_on(run_granted(a, client, run_id, fence, env, ttl_ms, tty))
+}
+
+/// Runs CMD under the granted lease `fence` of `run_id`: starts it behind its gate,
+/// registers it, opens the gate, renews the lease while it runs and releases it after.
+async fn run_granted(
+    a: RunArgs,
+    client: Arc<Client>,
+    run_id: String,
+    fence: u64,
+    env: BTreeMap<String, String>,
+    ttl_ms: u64,
+    tty: Option<Tty>,
+) -> anyhow::Result<u8> {
+    use tokio::signal::unix::{signal, SignalKind};
+    // Handlers first: a signal that arrives once CMD exists must reach CMD.
+    let signals = Signals {
+        int: signal(SignalKind::interrupt())?,
+        term: signal(SignalKind::terminate())?,
+        hup: signal(SignalKind::hangup())?,
+        tstp: signal(SignalKind::from_raw(libc::SIGTSTP))?,
+    };
+    // CMD must never run unregistered (P1): it starts behind a gate, a shell that
+    // waits for one byte on a pipe and then execs CMD under the same pid. If this
+    // process dies before it registers CMD, the pipe closes, the read fails and CMD
+    // never starts.
+    let (spawned, gate_write) = spawn_gated(&a.cmd, &env)?;
+    let child = match spawned {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("berth: cannot start {}: {e}", a.cmd[0]);
             let _ = release(&client, &run_id, fence).await;
-            return Ok(code);
+            return Ok(127);
         }
-        // The terminal goes to CMD before it starts: its first read must not stop it.
-        if let Some(t) = &tty {
-            t.give(pgid);
-        }
-        // Open the gate: CMD starts now.
-        rustix::io::write(&gate_write, b"go\n")?;
+    };
+    let pgid = child.id() as i32;
+    let mut events = watch_child(pgid);
+    berth_server::failpoint::hit("spawn-before-register");
+    // P1: the broker records the child by identity (and moves it into the run's
+    // cgroup), so it can stop the tree if this client dies (P6). CMD never runs
+    // unregistered: if registering fails, the gate stays shut (closing the pipe
+    // makes the gate's `read` fail, so the shell exits 125 without running CMD),
+    // the lease is released and berth run says why.
+    if let Err((code, why)) = register(&client, &run_id, fence, pgid, ttl_ms).await {
+        // Closing the pipe makes the gate's `read` fail: the shell exits 125.
         drop(gate_write);
-        let (lost_tx, mut lost_rx) = tokio::sync::mpsc::channel::<String>(1);
-        let renew_now = Arc::new(tokio::sync::Notify::new());
-        let renewer = {
-            let client = client.clone();
-            let run_id = run_id.clone();
-            let renew_now = renew_now.clone();
-            tokio::spawn(async move {
-                let every = Duration::from_millis(ttl_ms / 3);
-                let mut deadline = Instant::now() + Duration::from_millis(ttl_ms);
-                let mut pause = every;
-                loop {
-                    tokio::select! {
-                        _ = tokio::time::sleep(pause) => {}
-                        _ = renew_now.notified() => {}
-                    }
-                    pause = every;
-                    let c = client.clone();
-                    let id = run_id.clone();
-                    let r = tokio::task::spawn_blocking(move || {
-                        c.call(
-                            "POST",
-                            &format!("/v1/runs/{id}/renew"),
-                            Some(&json!({ "fence": fence })),
-                        )
-                    })
-                    .await;
-                    match r {
-                        Ok(Ok(reply)) if reply.status == 200 => {
-                            deadline = Instant::now() + Duration::from_millis(ttl_ms);
-                        }
-                        Ok(Ok(reply)) if reply.status == 410 || reply.status == 409 => {
-                            let _ = lost_tx.send(error_text(&reply.body)).await;
-                            return;
-                        }
-                        // Unreachable or busy (a restart): keep trying, sooner than the
-                        // renew period, until the lease would have run out.
-                        _ => {
-                            pause = every.min(RENEW_RETRY);
-                            if Instant::now() > deadline {
-                                let _ = lost_tx
-                                    .send("berth was unreachable until the lease ran out".into())
-                                    .await;
-                                return;
-                            }
-                        }
+        while let Some(ev) = events.recv().await {
+            if matches!(ev, ChildEvent::Exited(_)) {
+                break;
+            }
+        }
+        eprintln!("berth: run {run_id}: CMD was not started, because the broker could not record it: {why}");
+        let _ = release(&client, &run_id, fence).await;
+        return Ok(code);
+    }
+    // The terminal goes to CMD before it starts: its first read must not stop it.
+    if let Some(t) = &tty {
+        t.give(pgid);
+    }
+    // Open the gate: CMD starts now.
+    rustix::io::write(&gate_write, b"go\n")?;
+    drop(gate_write);
+    let (lost_tx, mut lost_rx) = tokio::sync::mpsc::channel::<String>(1);
+    let renew_now = Arc::new(tokio::sync::Notify::new());
+    let renewer = spawn_renewer(
+        client.clone(),
+        run_id.clone(),
+        fence,
+        ttl_ms,
+        lost_tx,
+        renew_now.clone(),
+    );
+    let (status, lost_reason) =
+        supervise(pgid, &tty, &mut events, signals, &mut lost_rx, &renew_now).await;
+    renewer.abort();
+    if let Some(t) = &tty {
+        t.take_back();
+    }
+    Ok(finish(&client, &run_id, fence, status, lost_reason).await)
+}
+
+/// Releases the lease after CMD ended; the exit status of `berth run`. Any lost lease
+/// ends in 75 and one line that says why (never a bare signal status): lost while CMD
+/// ran, or found lost when releasing (it expired while berth run was suspended, and
+/// the broker stopped CMD).
+async fn finish(
+    client: &Arc<Client>,
+    run_id: &str,
+    fence: u64,
+    status: ExitKind,
+    lost_reason: Option<String>,
+) -> u8 {
+    let lost = match lost_reason {
+        Some(why) => Some(why),
+        None => release(client, run_id, fence).await.err(),
+    };
+    if let Some(why) = lost {
+        eprintln!(
+            "berth: the lease for run {run_id} was lost ({why}); CMD was stopped ({})",
+            status.describe()
+        );
+        return EXIT_TIMEOUT;
+    }
+    status.code()
+}
+
+/// The signals berth run passes on to CMD's process group.
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+    tstp: tokio::signal::unix::Signal,
+}
+
+/// Waits for CMD to end: passes signals on to its group, follows it into suspension
+/// and back (job control), and stops it (TERM, grace, KILL) if the lease is lost.
+/// Returns how CMD ended and why the lease was lost, if it was.
+async fn supervise(
+    pgid: i32,
+    tty: &Option<Tty>,
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<ChildEvent>,
+    mut signals: Signals,
+    lost_rx: &mut tokio::sync::mpsc::Receiver<String>,
+    renew_now: &tokio::sync::Notify,
+) -> (ExitKind, Option<String>) {
+    let mut lost_reason = None;
+    let status = loop {
+        tokio::select! {
+            ev = events.recv() => match ev {
+                Some(ChildEvent::Exited(st)) | Some(ChildEvent::Lost(st)) => break st,
+                None => break ExitKind::Unknown,
+                Some(ChildEvent::Stopped(sig)) => {
+                    if suspend_with(tty, pgid, sig) {
+                        // Back from a suspension that may have outlasted the lease.
+                        renew_now.notify_one();
                     }
                 }
-            })
-        };
-        let mut lost_reason = None;
-        let status = loop {
+            },
+            _ = signals.int.recv() => signal_group(pgid, rustix::process::Signal::INT),
+            _ = signals.term.recv() => signal_group(pgid, rustix::process::Signal::TERM),
+            _ = signals.hup.recv() => signal_group(pgid, rustix::process::Signal::HUP),
+            // Asked to suspend (not from the terminal, which signals CMD itself):
+            // CMD is suspended, and its stop suspends berth run in turn.
+            _ = signals.tstp.recv() => signal_group(pgid, rustix::process::Signal::TSTP),
+            Some(why) = lost_rx.recv(), if lost_reason.is_none() => {
+                lost_reason = Some(why);
+                signal_group(pgid, rustix::process::Signal::TERM);
+                signal_group(pgid, rustix::process::Signal::CONT);
+                let pg = pgid;
+                tokio::spawn(async move {
+                    tokio::time::sleep(STOP_GRACE).await;
+                    signal_group(pg, rustix::process::Signal::KILL);
+                });
+            }
+        }
+    };
+    (status, lost_reason)
+}
+
+/// Starts CMD behind its gate (see `run_main`), in its own process group; returns the
+/// spawn's outcome and the pipe end whose one byte opens the gate.
+fn spawn_gated(
+    cmd_args: &[String],
+    env: &BTreeMap<String, String>,
+) -> anyhow::Result<(std::io::Result<std::process::Child>, std::os::fd::OwnedFd)> {
+    let (gate_read, gate_write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::empty())?;
+    rustix::io::fcntl_setfd(&gate_write, rustix::io::FdFlags::CLOEXEC)?;
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&gate_read);
+    let gate = format!("read -r _ <&{fd} || exit 125; exec \"$@\" {fd}<&-");
+    // std, not tokio: the child is waited for by `watch_child` (which also sees it
+    // stop), never by a runtime that would reap it behind our back.
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new("/bin/sh");
+    cmd.arg("-c")
+        .arg(gate)
+        .arg("berth-run")
+        .args(cmd_args)
+        .envs(env)
+        .process_group(0);
+    let spawned = cmd.spawn();
+    drop(gate_read);
+    Ok((spawned, gate_write))
+}
+
+/// Renews the lease every third of its ttl (at once when `renew_now` is notified);
+/// sends why on `lost` when the lease is gone or berth stayed unreachable until it
+/// would have run out.
+fn spawn_renewer(
+    client: Arc<Client>,
+    run_id: String,
+    fence: u64,
+    ttl_ms: u64,
+    lost: tokio::sync::mpsc::Sender<String>,
+    renew_now: Arc<tokio::sync::Notify>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let every = Duration::from_millis(ttl_ms / 3);
+        let mut deadline = Instant::now() + Duration::from_millis(ttl_ms);
+        let mut pause = every;
+        loop {
             tokio::select! {
-                ev = events.recv() => match ev {
-                    Some(ChildEvent::Exited(st)) | Some(ChildEvent::Lost(st)) => break st,
-                    None => break ExitKind::Unknown,
-                    Some(ChildEvent::Stopped(sig)) => {
-                        if suspend_with(&tty, pgid, sig) {
-                            // Back from a suspension that may have outlasted the lease.
-                            renew_now.notify_one();
-                        }
+                _ = tokio::time::sleep(pause) => {}
+                _ = renew_now.notified() => {}
+            }
+            pause = every;
+            let c = client.clone();
+            let id = run_id.clone();
+            let r = tokio::task::spawn_blocking(move || {
+                c.call(
+                    "POST",
+                    &format!("/v1/runs/{id}/renew"),
+                    Some(&json!({ "fence": fence })),
+                )
+            })
+            .await;
+            match r {
+                Ok(Ok(reply)) if reply.status == 200 => {
+                    deadline = Instant::now() + Duration::from_millis(ttl_ms);
+                }
+                Ok(Ok(reply)) if reply.status == 410 || reply.status == 409 => {
+                    let _ = lost.send(error_text(&reply.body)).await;
+                    return;
+                }
+                // Unreachable or busy (a restart): keep trying, sooner than the renew
+                // period, until the lease would have run out.
+                _ => {
+                    pause = every.min(RENEW_RETRY);
+                    if Instant::now() > deadline {
+                        let _ = lost
+                            .send("berth was unreachable until the lease ran out".into())
+                            .await;
+                        return;
                     }
-                },
-                _ = sigint.recv() => signal_group(pgid, rustix::process::Signal::INT),
-                _ = sigterm.recv() => signal_group(pgid, rustix::process::Signal::TERM),
-                _ = sighup.recv() => signal_group(pgid, rustix::process::Signal::HUP),
-                // Asked to suspend (not from the terminal, which signals CMD itself):
-                // CMD is suspended, and its stop suspends berth run in turn.
-                _ = sigtstp.recv() => signal_group(pgid, rustix::process::Signal::TSTP),
-                Some(why) = lost_rx.recv(), if lost_reason.is_none() => {
-                    lost_reason = Some(why);
-                    signal_group(pgid, rustix::process::Signal::TERM);
-                    signal_group(pgid, rustix::process::Signal::CONT);
-                    let pg = pgid;
-                    tokio::spawn(async move {
-                        tokio::time::sleep(STOP_GRACE).await;
-                        signal_group(pg, rustix::process::Signal::KILL);
-                    });
                 }
             }
-        };
-        renewer.abort();
-        if let Some(t) = &tty {
-            t.take_back();
         }
-        // Any lost lease ends in 75 and one line that says why (never a bare signal
-        // status): lost while CMD ran, or found lost when releasing (it expired while
-        // berth run was suspended, and the broker stopped CMD).
-        let lost = match lost_reason {
-            Some(why) => Some(why),
-            None => release(&client, &run_id, fence).await.err(),
-        };
-        if let Some(why) = lost {
-            eprintln!(
-                "berth: the lease for run {run_id} was lost ({why}); CMD was stopped ({})",
-                status.describe()
-            );
-            return Ok(EXIT_TIMEOUT);
-        }
-        Ok(status.code())
     })
 }
 
