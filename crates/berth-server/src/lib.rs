@@ -230,7 +230,7 @@ struct Opened {
     ledger: berth_store::Ledger,
     same_boot: bool,
     marker: private::FenceMarker,
-    tokens: Vec<(String, auth::Grant)>,
+    tokens: Tokens,
     admin: Option<String>,
 }
 
@@ -292,13 +292,16 @@ fn open_ledger(cfg: &ServeConfig, runs_dir: &std::path::Path) -> anyhow::Result<
     })
 }
 
+/// Token hashes and what each grants.
+type Tokens = Vec<(String, auth::Grant)>;
+
 /// The ledger's tokens, with the admin token's hash added (durably) if it is new.
 fn known_tokens(
     cfg: &ServeConfig,
     store: &mut SqliteStore,
     ledger: &berth_store::Ledger,
-) -> anyhow::Result<(Vec<(String, auth::Grant)>, Option<String>)> {
-    let mut tokens: Vec<(String, auth::Grant)> = ledger
+) -> anyhow::Result<(Tokens, Option<String>)> {
+    let mut tokens: Tokens = ledger
         .tokens
         .iter()
         .filter_map(|(h, s)| Some((h.clone(), auth::Grant::parse(s)?)))

@@ -316,91 +316,103 @@ pub fn remove_contents<Fd: AsFd>(top: Fd, on: &Mount) -> Result<u64, WalkError> 
             };
         }
         if kind != FileType::Directory {
-            match fs::unlinkat(fd, name.as_c_str(), AtFlags::empty()) {
-                Ok(()) => {
-                    removed += 1;
-                    crate::failpoint::hit("mid-workspace-removal");
-                }
-                Err(Errno::NOENT) => {}
-                // A file bind-mounted over this one.
-                Err(Errno::BUSY) => return Err(WalkError::Mount),
-                Err(e) => return Err(fail("unlink")(e)),
-            }
+            removed += unlink_file(fd, &name)?;
             continue;
         }
         if depth < WALK_FDS_MAX {
-            let sub = match open_dir(fd, name.as_c_str(), on) {
-                Ok((sub, meta)) => {
-                    // A directory its owner made unwritable (0500) could not be
-                    // emptied by a berth that is not root: made writable first.
-                    if meta.mode & 0o700 != 0o700 {
-                        let _ = fs::fchmod(&sub, Mode::from_raw_mode(0o700));
-                    }
-                    sub
-                }
-                Err(OpenError::Gone) => continue,
-                // Swapped for a link or a file since it was listed: unlinked as one.
-                Err(OpenError::Kind) => match fs::unlinkat(fd, name.as_c_str(), AtFlags::empty()) {
-                    Ok(()) | Err(Errno::NOENT) => continue,
-                    Err(e) => return Err(fail("unlink")(e)),
-                },
-                Err(OpenError::Mount(_)) => return Err(WalkError::Mount),
-                Err(OpenError::Io(e)) => return Err(fail("open subdirectory")(e)),
-            };
-            stack.push((Dir::new(sub).map_err(fail("read directory"))?, name));
+            if let Some(sub) = open_to_empty(fd, &name, on)? {
+                stack.push((Dir::new(sub).map_err(fail("read directory"))?, name));
+            }
             continue;
         }
         // Too deep to open another descriptor: moved up into `top` (flattening).
-        match stat_at(fd, name.as_c_str()) {
-            // Swapped for a link or a file since it was listed: unlinked as one.
-            Ok(m) if m.kind != FileType::Directory => {
-                match fs::unlinkat(fd, name.as_c_str(), AtFlags::empty()) {
-                    Ok(()) | Err(Errno::NOENT) => continue,
-                    Err(Errno::BUSY) => return Err(WalkError::Mount),
-                    Err(e) => return Err(fail("unlink")(e)),
-                }
-            }
-            Ok(m) if !m.on(on) => return Err(WalkError::Mount),
-            Ok(_) => {}
-            Err(Errno::NOENT) => continue,
-            Err(e) => return Err(fail("stat")(e)),
-        }
-        loop {
-            fresh += 1;
-            let new = format!("{FLAT_PREFIX}{fresh}");
-            // NOREPLACE: never lands on an entry already in `top` (the run may have
-            // made one by that name); the next name is tried instead.
-            match fs::renameat_with(
-                fd,
-                name.as_c_str(),
-                top,
-                new.as_str(),
-                fs::RenameFlags::NOREPLACE,
-            ) {
-                Ok(()) => {
-                    moved_up = true;
-                    break;
-                }
-                Err(Errno::EXIST) => {}
-                Err(Errno::NOENT) => break,
-                Err(Errno::BUSY) => return Err(WalkError::Mount),
-                // A file system without RENAME_NOREPLACE: an unused name is looked
-                // for first, then renamed to plainly.
-                Err(Errno::INVAL) => match stat_at(top, new.as_str()) {
-                    Err(Errno::NOENT) => {
-                        fs::renameat(fd, name.as_c_str(), top, new.as_str())
-                            .map_err(fail("move a deep directory up"))?;
-                        moved_up = true;
-                        break;
-                    }
-                    Ok(_) => {}
-                    Err(e) => return Err(fail("stat")(e)),
-                },
-                Err(e) => return Err(fail("move a deep directory up")(e)),
-            }
-        }
+        moved_up |= move_up(fd, &name, top, on, &mut fresh)?;
     }
     Ok(removed)
+}
+
+/// Unlinks the non-directory `name` under `fd`; 1 if it was removed, 0 if it was gone.
+fn unlink_file(fd: BorrowedFd, name: &CStr) -> Result<u64, WalkError> {
+    match fs::unlinkat(fd, name, AtFlags::empty()) {
+        Ok(()) => {
+            crate::failpoint::hit("mid-workspace-removal");
+            Ok(1)
+        }
+        Err(Errno::NOENT) => Ok(0),
+        // A file bind-mounted over this one.
+        Err(Errno::BUSY) => Err(WalkError::Mount),
+        Err(e) => Err(fail("unlink")(e)),
+    }
+}
+
+/// Opens the subdirectory `name` under `fd` to be emptied, made writable if its owner
+/// made it not (0500: a berth that is not root could not empty it); `None` when it is
+/// gone, or was swapped for a link or a file since it was listed (unlinked as one).
+fn open_to_empty(fd: BorrowedFd, name: &CStr, on: &Mount) -> Result<Option<OwnedFd>, WalkError> {
+    match open_dir(fd, name, on) {
+        Ok((sub, meta)) => {
+            if meta.mode & 0o700 != 0o700 {
+                let _ = fs::fchmod(&sub, Mode::from_raw_mode(0o700));
+            }
+            Ok(Some(sub))
+        }
+        Err(OpenError::Gone) => Ok(None),
+        Err(OpenError::Kind) => match fs::unlinkat(fd, name, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => Ok(None),
+            Err(e) => Err(fail("unlink")(e)),
+        },
+        Err(OpenError::Mount(_)) => Err(WalkError::Mount),
+        Err(OpenError::Io(e)) => Err(fail("open subdirectory")(e)),
+    }
+}
+
+/// Moves the directory `name` under `fd`, too deep to open, up into `top` under a
+/// fresh name (see `remove_contents`); true if it moved. Checked first to be a
+/// directory on `on` (a link or a file swapped in is unlinked as one).
+fn move_up(
+    fd: BorrowedFd,
+    name: &CStr,
+    top: BorrowedFd,
+    on: &Mount,
+    fresh: &mut u64,
+) -> Result<bool, WalkError> {
+    match stat_at(fd, name) {
+        Ok(m) if m.kind != FileType::Directory => {
+            return match fs::unlinkat(fd, name, AtFlags::empty()) {
+                Ok(()) | Err(Errno::NOENT) => Ok(false),
+                Err(Errno::BUSY) => Err(WalkError::Mount),
+                Err(e) => Err(fail("unlink")(e)),
+            }
+        }
+        Ok(m) if !m.on(on) => return Err(WalkError::Mount),
+        Ok(_) => {}
+        Err(Errno::NOENT) => return Ok(false),
+        Err(e) => return Err(fail("stat")(e)),
+    }
+    loop {
+        *fresh += 1;
+        let new = format!("{FLAT_PREFIX}{fresh}");
+        // NOREPLACE: never lands on an entry already in `top` (the run may have made
+        // one by that name); the next name is tried instead.
+        match fs::renameat_with(fd, name, top, new.as_str(), fs::RenameFlags::NOREPLACE) {
+            Ok(()) => return Ok(true),
+            Err(Errno::EXIST) => {}
+            Err(Errno::NOENT) => return Ok(false),
+            Err(Errno::BUSY) => return Err(WalkError::Mount),
+            // A file system without RENAME_NOREPLACE: an unused name is looked for
+            // first, then renamed to plainly.
+            Err(Errno::INVAL) => match stat_at(top, new.as_str()) {
+                Err(Errno::NOENT) => {
+                    fs::renameat(fd, name, top, new.as_str())
+                        .map_err(fail("move a deep directory up"))?;
+                    return Ok(true);
+                }
+                Ok(_) => {}
+                Err(e) => return Err(fail("stat")(e)),
+            },
+            Err(e) => return Err(fail("move a deep directory up")(e)),
+        }
+    }
 }
 
 /// What a tree costs on disk: allocated bytes (at least one block per entry, see
