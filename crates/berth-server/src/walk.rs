@@ -438,6 +438,45 @@ impl Usage {
     }
 }
 
+/// Counts the directory `name` under `fd` into `u` and opens it to be walked; `None`
+/// when it is gone or cannot be opened (then `u` is incomplete).
+fn measure_dir(fd: BorrowedFd, name: &CStr, on: &Mount, u: &mut Usage) -> Option<OwnedFd> {
+    match open_dir(fd, name, on) {
+        Ok((sub, meta)) => {
+            u.add(Usage {
+                bytes: meta.cost_bytes(),
+                entries: 1,
+                complete: true,
+            });
+            Some(sub)
+        }
+        Err(OpenError::Gone) => None,
+        Err(_) => {
+            u.complete = false;
+            None
+        }
+    }
+}
+
+/// Counts the entry `name` under `fd` into `u` without opening it: a file, or a
+/// directory too deep to open (then `u` is incomplete: not seen inside).
+fn measure_other(fd: BorrowedFd, name: &CStr, u: &mut Usage) {
+    match stat_at(fd, name) {
+        Ok(m) => {
+            u.add(Usage {
+                bytes: m.cost_bytes(),
+                entries: 1,
+                complete: true,
+            });
+            if m.kind == FileType::Directory {
+                u.complete = false;
+            }
+        }
+        Err(Errno::NOENT) => {}
+        Err(_) => u.complete = false,
+    }
+}
+
 /// Measures the tree open as `top` on `on`, iteratively through descriptors, never
 /// following a link nor crossing a mount; stops (incomplete) after `entries_max`.
 pub fn usage<Fd: AsFd>(top: Fd, on: &Mount, entries_max: u64) -> Result<Usage, Errno> {
@@ -485,37 +524,9 @@ pub fn usage<Fd: AsFd>(top: Fd, on: &Mount, entries_max: u64) -> Result<Usage, E
             };
         }
         let sub = if kind == FileType::Directory && depth < WALK_FDS_MAX {
-            match open_dir(fd, name, on) {
-                Ok((sub, meta)) => {
-                    u.add(Usage {
-                        bytes: meta.cost_bytes(),
-                        entries: 1,
-                        complete: true,
-                    });
-                    Some(sub)
-                }
-                Err(OpenError::Gone) => None,
-                Err(_) => {
-                    u.complete = false;
-                    None
-                }
-            }
+            measure_dir(fd, name, on, &mut u)
         } else {
-            match stat_at(fd, name) {
-                Ok(m) => {
-                    u.add(Usage {
-                        bytes: m.cost_bytes(),
-                        entries: 1,
-                        complete: true,
-                    });
-                    if m.kind == FileType::Directory {
-                        // Too deep to open: not seen inside.
-                        u.complete = false;
-                    }
-                }
-                Err(Errno::NOENT) => {}
-                Err(_) => u.complete = false,
-            }
+            measure_other(fd, name, &mut u);
             None
         };
         if let Some(sub) = sub {
