@@ -289,17 +289,43 @@ pub(super) fn archive_logs(
     // it, one that the next start names (see `recover_partials`). Never an archive that
     // looks whole and is not, never two of one workspace. (Trash entry names are at most
     // ~190 bytes, so the prefixed name fits a file name.)
+    let (partial, top) = make_partial(&diag, &diag_on, d, entry)?;
+    budget.charge(block);
+    let first = CopyFrame {
+        src: logs,
+        names,
+        dest: top,
+        dest_bytes: block,
+    };
+    let files = copy_tree(first, on, &diag_on, &mut budget, &mut visits, &d.dir);
+    if files == 0 {
+        if let Err(e) = drop_entry(&diag, &partial, &diag_on) {
+            tracing::warn!("diagnostics {}: {e}", d.dir.display());
+        }
+        return None;
+    }
+    Some(partial)
+}
+
+/// Makes the private directory `.partial-<entry>` an archive is written into, dropping
+/// one an earlier attempt left (it failed before its mark, so it is redone whole).
+fn make_partial(
+    diag: &OwnedFd,
+    diag_on: &walk::Mount,
+    d: &Diagnostics,
+    entry: &str,
+) -> Option<(CString, OwnedFd)> {
     let partial = CString::new(format!("{PARTIAL_PREFIX}{entry}")).ok()?;
     let mut made = None;
     for _ in 0..2 {
-        match make_private_dir(&diag, &partial, &diag_on) {
+        match make_private_dir(diag, &partial, diag_on) {
             Ok(fd) => {
                 made = Some(fd);
                 break;
             }
             // Left by an attempt that failed before its mark: redone from the start.
             Err(Errno::EXIST) => {
-                if let Err(e) = drop_entry(&diag, &partial, &diag_on) {
+                if let Err(e) = drop_entry(diag, &partial, diag_on) {
                     tracing::warn!("diagnostics {}: {e}", d.dir.display());
                     return None;
                 }
@@ -310,14 +336,21 @@ pub(super) fn archive_logs(
             }
         }
     }
-    let top = made?;
-    budget.charge(block);
-    let mut stack = vec![CopyFrame {
-        src: logs,
-        names,
-        dest: top,
-        dest_bytes: block,
-    }];
+    Some((partial, made?))
+}
+
+/// Copies the tree below `first` (depth first, by name) within `budget`; returns how
+/// many files it copied. Logs go to the warning log under `dir`'s name.
+fn copy_tree(
+    first: CopyFrame,
+    on: &walk::Mount,
+    diag_on: &walk::Mount,
+    budget: &mut Budget,
+    visits: &mut u64,
+    dir: &Path,
+) -> u64 {
+    let block = budget.block;
+    let mut stack = vec![first];
     let mut files = 0u64;
     let mut buf = vec![0u8; COPY_BUF_BYTES];
     loop {
@@ -341,7 +374,7 @@ pub(super) fn archive_logs(
                     Ok((out, copied)) => {
                         let real = walk::stat_fd(&out).map_or(0, |m| m.cost_bytes());
                         budget.charge(budget.cost(copied).max(real));
-                        f.charge_growth(&mut budget);
+                        f.charge_growth(budget);
                         files += 1;
                         // Crash tests: a crash with an archive half written.
                         if files == 1 {
@@ -349,7 +382,7 @@ pub(super) fn archive_logs(
                         }
                     }
                     Err(e) => {
-                        tracing::warn!("diagnostics {}: copying a log: {e}", d.dir.display());
+                        tracing::warn!("diagnostics {}: copying a log: {e}", dir.display());
                         break;
                     }
                 }
@@ -361,16 +394,16 @@ pub(super) fn archive_logs(
                 let Ok((src, _)) = walk::open_dir(&f.src, entry.as_c_str(), on) else {
                     continue;
                 };
-                let dest = match make_private_dir(&f.dest, &entry, &diag_on) {
+                let dest = match make_private_dir(&f.dest, &entry, diag_on) {
                     Ok(fd) => fd,
                     Err(e) => {
-                        tracing::warn!("diagnostics {}: copying a log: {e}", d.dir.display());
+                        tracing::warn!("diagnostics {}: copying a log: {e}", dir.display());
                         break;
                     }
                 };
                 budget.charge(block);
-                f.charge_growth(&mut budget);
-                let names = list_sorted(&src, &mut visits);
+                f.charge_growth(budget);
+                let names = list_sorted(&src, visits);
                 stack.push(CopyFrame {
                     src,
                     names,
@@ -382,14 +415,7 @@ pub(super) fn archive_logs(
             _ => {}
         }
     }
-    drop(stack);
-    if files == 0 {
-        if let Err(e) = drop_entry(&diag, &partial, &diag_on) {
-            tracing::warn!("diagnostics {}: {e}", d.dir.display());
-        }
-        return None;
-    }
-    Some(partial)
+    files
 }
 
 /// Names the complete archive `<diagnostics>/<partial>` as `<name>`, or `<name>-1`,
