@@ -509,6 +509,47 @@ pub(super) const PARTIAL_PREFIX: &str = ".partial-";
 /// never changes once written, so each is walked once, not again at every new archive.
 pub(super) type Measured = HashMap<CString, (u64, walk::Usage)>;
 
+/// What the diagnostics entry `name` (with metadata `m`) costs, measured once per
+/// archive (by inode) and remembered in `measured`. What cannot be measured whole
+/// (deeper than a walk goes, or more entries than the whole budget) counts as over the
+/// budget: dropped in its turn.
+fn measure(
+    diag: &OwnedFd,
+    on: &walk::Mount,
+    name: &CString,
+    m: &walk::Meta,
+    d: &Diagnostics,
+    measured: &mut Measured,
+) -> walk::Usage {
+    if m.kind != FileType::Directory {
+        return walk::Usage {
+            bytes: m.cost_bytes(),
+            entries: 1,
+            complete: true,
+        };
+    }
+    if let Some((_, u)) = measured.get(name).filter(|(ino, _)| *ino == m.ino) {
+        return *u;
+    }
+    let u = match walk::open_dir(diag, name.as_c_str(), on) {
+        Ok((fd, _)) => {
+            walk::usage(&fd, on, d.total_entries_max.saturating_add(1)).unwrap_or_default()
+        }
+        Err(_) => walk::Usage::default(),
+    };
+    let u = if u.complete {
+        u
+    } else {
+        walk::Usage {
+            bytes: u64::MAX / 4,
+            entries: u64::MAX / 4,
+            complete: false,
+        }
+    };
+    measured.insert(name.clone(), (m.ino, u));
+    u
+}
+
 /// Keeps the diagnostics directory within its total budgets, bytes (by blocks) and
 /// entries, the directory itself included: drops the oldest archives (names begin with
 /// their time) until both hold. Returns how many were dropped.
@@ -556,35 +597,7 @@ pub(super) fn enforce_total(d: &Diagnostics, measured: &mut Measured) -> u64 {
             }
             continue;
         }
-        let usage = if m.kind != FileType::Directory {
-            walk::Usage {
-                bytes: m.cost_bytes(),
-                entries: 1,
-                complete: true,
-            }
-        } else if let Some((_, u)) = measured.get(&name).filter(|(ino, _)| *ino == m.ino) {
-            *u
-        } else {
-            let u = match walk::open_dir(&diag, name.as_c_str(), &on) {
-                Ok((fd, _)) => {
-                    walk::usage(&fd, &on, d.total_entries_max.saturating_add(1)).unwrap_or_default()
-                }
-                Err(_) => walk::Usage::default(),
-            };
-            // What cannot be measured whole (deeper than a walk goes, or more entries
-            // than the whole budget) counts as over the budget: dropped in its turn.
-            let u = if u.complete {
-                u
-            } else {
-                walk::Usage {
-                    bytes: u64::MAX / 4,
-                    entries: u64::MAX / 4,
-                    complete: false,
-                }
-            };
-            measured.insert(name.clone(), (m.ino, u));
-            u
-        };
+        let usage = measure(&diag, &on, &name, &m, d, measured);
         total.add(usage);
         archives.push((name, usage));
     }
