@@ -408,23 +408,8 @@ impl Worker {
     /// and never across a mount point. An entry that cannot be deleted stays in the
     /// trash and is retried at every rescan.
     fn scrub(&mut self, entry: &str) {
-        let dir = match walk::open_dir(&self.trash_fd, entry, &self.trash_mount) {
-            Ok((dir, _)) => dir,
-            Err(OpenError::Gone) => return,
-            Err(OpenError::Kind) => {
-                // A file or a link: unlinked, never followed.
-                let _ = fs::unlinkat(&self.trash_fd, entry, AtFlags::empty());
-                return;
-            }
-            // Something mounted over the workspace itself: not ours to delete.
-            Err(OpenError::Mount(m)) => {
-                self.note_stuck(entry, (m.dev, m.ino), "it is a mount point");
-                return;
-            }
-            Err(OpenError::Io(e)) => {
-                self.note_stuck(entry, (0, 0), &format!("open: {e}"));
-                return;
-            }
+        let Some(dir) = self.open_trash_entry(entry) else {
+            return;
         };
         // The identity as `fstat` reports it, as the pool records it.
         let Ok(st) = fs::fstat(&dir) else { return };
@@ -439,27 +424,8 @@ impl Worker {
         // Watch first, then look: a change made while looking shows up as an event.
         let watched = room && self.watcher.watch(&dir, ident);
         let clean = is_clean_fd(&dir, &self.trash_mount);
-        if clean && room {
-            let dirtied = self.watcher.drain();
-            if !dirtied.is_empty() {
-                self.evict_ready(&dirtied);
-            }
-            // Unwatchable (no inotify, no watches left) but clean: recycled all the
-            // same; its next release takes this path again.
-            if !watched || self.watcher.vouches(ident) {
-                let name = self.next_name();
-                if fs::renameat(&self.trash_fd, entry, &self.pool_fd, name.as_str()).is_ok() {
-                    self.stuck.remove(entry);
-                    self.shared
-                        .ready
-                        .lock()
-                        .unwrap()
-                        .push_back(Pooled { name, ident });
-                    // Checked on its mount just now (is_clean_fd or made here).
-                    self.mount_proven.insert(ident);
-                    return;
-                }
-            }
+        if clean && room && self.recycle(entry, ident, watched) {
+            return;
         }
         self.watcher.forget(ident);
         self.mount_proven.remove(&ident);
@@ -504,6 +470,55 @@ impl Worker {
             }
             Err(e) => self.note_stuck(entry, ident, &e),
         }
+    }
+
+    /// Opens the trash entry `entry` to be scrubbed; `None` when there is nothing to
+    /// scrub now: gone, a file or a link (unlinked, never followed), or a mount point
+    /// or unreadable (kept, retried at the next rescan).
+    fn open_trash_entry(&mut self, entry: &str) -> Option<OwnedFd> {
+        match walk::open_dir(&self.trash_fd, entry, &self.trash_mount) {
+            Ok((dir, _)) => Some(dir),
+            Err(OpenError::Gone) => None,
+            Err(OpenError::Kind) => {
+                let _ = fs::unlinkat(&self.trash_fd, entry, AtFlags::empty());
+                None
+            }
+            // Something mounted over the workspace itself: not ours to delete.
+            Err(OpenError::Mount(m)) => {
+                self.note_stuck(entry, (m.dev, m.ino), "it is a mount point");
+                None
+            }
+            Err(OpenError::Io(e)) => {
+                self.note_stuck(entry, (0, 0), &format!("open: {e}"));
+                None
+            }
+        }
+    }
+
+    /// Moves the clean trash entry `entry` back into the pool, ready to hand out, if
+    /// inotify vouches that nothing changed it while it was looked at (or it could not
+    /// be watched: then its next release takes the slow path again). True if it did.
+    fn recycle(&mut self, entry: &str, ident: Ident, watched: bool) -> bool {
+        let dirtied = self.watcher.drain();
+        if !dirtied.is_empty() {
+            self.evict_ready(&dirtied);
+        }
+        if watched && !self.watcher.vouches(ident) {
+            return false;
+        }
+        let name = self.next_name();
+        if fs::renameat(&self.trash_fd, entry, &self.pool_fd, name.as_str()).is_err() {
+            return false;
+        }
+        self.stuck.remove(entry);
+        self.shared
+            .ready
+            .lock()
+            .unwrap()
+            .push_back(Pooled { name, ident });
+        // Checked on its mount just now (is_clean_fd or made here).
+        self.mount_proven.insert(ident);
+        true
     }
 
     /// A trash entry that could not be removed stays and is retried at every rescan
