@@ -343,15 +343,65 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
             "budgets are not supported by this berth yet",
         ));
     }
-    let ttl_s = b.ttl_s.unwrap_or(api.cfg.ttl_ms_default / 1000);
-    if ttl_s == 0 || ttl_s > 86_400 {
-        return Err(ApiError::invalid("ttl_s", "must be between 1 and 86400"));
-    }
+    let ttl_s = ttl_s(&api.cfg, b.ttl_s.unwrap_or(api.cfg.ttl_ms_default / 1000))?;
     let wait_s = b.wait_s.unwrap_or(api.cfg.wait_ms_default / 1000);
-    if wait_s > 86_400 {
-        return Err(ApiError::invalid("wait_s", "must be between 0 and 86400"));
+    let wait_s_max = api.cfg.wait_ms_max / 1000;
+    if wait_s > wait_s_max {
+        return Err(ApiError::invalid(
+            "wait_s",
+            format!("must be between 0 and {wait_s_max}"),
+        ));
     }
-    let d = &api.cfg.default_request;
+    let res = resources(&api.cfg, b.resources.unwrap_or_default().0)?;
+    let labels = labels(b.labels.unwrap_or_default().0)?;
+    let singletons = singletons(b.singletons.unwrap_or_default())?;
+    if let Some(wt) = &b.worktree {
+        if !std::path::Path::new(wt).is_absolute() || wt.len() > WORKTREE_BYTES_MAX {
+            return Err(ApiError::invalid(
+                "worktree",
+                format!("must be an absolute path of at most {WORKTREE_BYTES_MAX} bytes"),
+            ));
+        }
+    }
+    let req = CoreRequest {
+        run_id,
+        project: b.project,
+        class: match b.class {
+            Some(ClassWire::Analysis) => Class::Analysis,
+            _ => Class::Managed,
+        },
+        priority: match b.priority {
+            Some(PriorityWire::Background) => Priority::Background,
+            _ => Priority::Foreground,
+        },
+        resources: res,
+        singletons,
+        // Filled in by `read_worktree`, off the async workers.
+        contract: None,
+        ttl_ms: ttl_s * 1000,
+        wait_ms: wait_s * 1000,
+    };
+    Ok((req, (b.worktree, labels, b.stop_grace_s.map(|g| g * 1000))))
+}
+
+/// A lease's ttl in seconds, within the engine's `ttl_ms_max` (the one limit).
+fn ttl_s(cfg: &berth_core::Config, ttl_s: u64) -> Result<u64, ApiError> {
+    let max = cfg.ttl_ms_max / 1000;
+    if ttl_s == 0 || ttl_s > max {
+        return Err(ApiError::invalid(
+            "ttl_s",
+            format!("must be between 1 and {max}"),
+        ));
+    }
+    Ok(ttl_s)
+}
+
+/// The resources asked for, over the host's defaults; named ones must be declared.
+fn resources(
+    cfg: &berth_core::Config,
+    asked: BTreeMap<String, u64>,
+) -> Result<Resources, ApiError> {
+    let d = &cfg.default_request;
     let mut res = Resources {
         slots: d.slots,
         memory: d.memory,
@@ -359,14 +409,14 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
         disk: d.disk,
         named: BTreeMap::new(),
     };
-    for (k, v) in b.resources.unwrap_or_default().0 {
+    for (k, v) in asked {
         match k.as_str() {
             "slots" => res.slots = v,
             "memory" => res.memory = v,
             "cpu_millis" => res.cpu_millis = v,
             "disk" => res.disk = v,
             name => {
-                if !api.cfg.named.iter().any(|(n, _)| n == name) {
+                if !cfg.named.iter().any(|(n, _)| n == name) {
                     return Err(ApiError::invalid(
                         &format!("resources.{name}"),
                         "is not a resource this host declares",
@@ -379,7 +429,10 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
     if res.slots == 0 {
         return Err(ApiError::invalid("resources.slots", "must be at least 1"));
     }
-    let labels = b.labels.unwrap_or_default().0;
+    Ok(res)
+}
+
+fn labels(labels: BTreeMap<String, String>) -> Result<BTreeMap<String, String>, ApiError> {
     if labels.len() > LABELS_MAX {
         return Err(ApiError::invalid(
             "labels",
@@ -400,7 +453,10 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
             ));
         }
     }
-    let singletons = b.singletons.unwrap_or_default();
+    Ok(labels)
+}
+
+fn singletons(singletons: Vec<String>) -> Result<Vec<String>, ApiError> {
     if singletons.len() > berth_core::SINGLETONS_MAX {
         return Err(ApiError::invalid(
             "singletons",
@@ -410,34 +466,7 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
     for s in &singletons {
         validate::resource_name(s).map_err(|e| ApiError::invalid("singletons", e))?;
     }
-    let class = match b.class {
-        Some(ClassWire::Analysis) => Class::Analysis,
-        _ => Class::Managed,
-    };
-    if let Some(wt) = &b.worktree {
-        if !std::path::Path::new(wt).is_absolute() || wt.len() > WORKTREE_BYTES_MAX {
-            return Err(ApiError::invalid(
-                "worktree",
-                format!("must be an absolute path of at most {WORKTREE_BYTES_MAX} bytes"),
-            ));
-        }
-    }
-    let req = CoreRequest {
-        run_id,
-        project: b.project,
-        class,
-        priority: match b.priority {
-            Some(PriorityWire::Background) => Priority::Background,
-            _ => Priority::Foreground,
-        },
-        resources: res,
-        singletons,
-        // Filled in by `read_worktree`, off the async workers.
-        contract: None,
-        ttl_ms: ttl_s * 1000,
-        wait_ms: wait_s * 1000,
-    };
-    Ok((req, (b.worktree, labels, b.stop_grace_s.map(|g| g * 1000))))
+    Ok(singletons)
 }
 
 /// A run as the API shows it, serialized straight from the state's answer (building a
@@ -792,9 +821,7 @@ async fn renew(
     let b: RenewBody = json_body(body, true).await?;
     let fence = b.fence.map(check_fence).transpose()?;
     if let Some(t) = b.ttl_s {
-        if t == 0 || t > 86_400 {
-            return Err(ApiError::invalid("ttl_s", "must be between 1 and 86400"));
-        }
+        ttl_s(&api.cfg, t)?;
     }
     let cmd = Command::Renew {
         run_id: id,
