@@ -168,29 +168,16 @@ pub async fn serve(
             app: app.clone(),
             mark: mark.clone(),
         });
-        let mut stop = stop_rx.clone();
         // Finished connections are collected as we go, so the set stays small.
         while conns.try_join_next().is_some() {}
-        let reg = registry.clone();
-        conns.spawn(async move {
-            let _permit = permit;
-            // Leaves the registry however the connection ends.
-            let _gone = Unregister(reg, id);
-            let mut b = hyper::server::conn::http1::Builder::new();
-            b.timer(TokioTimer::new())
-                .header_read_timeout(HEAD_READ_TIMEOUT)
-                .max_buf_size(HEAD_BUF_BYTES_MAX)
-                .keep_alive(true);
-            let conn = b.serve_connection(TokioIo::new(sock), svc);
-            tokio::pin!(conn);
-            tokio::select! {
-                _ = conn.as_mut() => return,
-                _ = stop.wait_for(|s| *s) => {}
-                _ = mark.kick.notified() => {}
-            }
-            conn.as_mut().graceful_shutdown();
-            let _ = conn.await;
-        });
+        conns.spawn(serve_connection(
+            sock,
+            svc,
+            mark,
+            permit,
+            Unregister(registry.clone(), id),
+            stop_rx.clone(),
+        ));
     }
     drop(listener);
     let _ = stop_tx.send(true);
@@ -202,6 +189,35 @@ pub async fn serve(
     .await;
     conns.abort_all();
     while conns.join_next().await.is_some() {}
+}
+
+/// One connection: served until it ends, the daemon stops or the connection is
+/// evicted (`mark.kick`), then shut down gracefully.
+async fn serve_connection(
+    sock: tokio::net::TcpStream,
+    svc: hyper_util::service::TowerToHyperService<Marked>,
+    mark: Arc<ConnMark>,
+    permit: tokio::sync::OwnedSemaphorePermit,
+    gone: Unregister,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let _permit = permit;
+    // Leaves the registry however the connection ends.
+    let _gone = gone;
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new())
+        .header_read_timeout(HEAD_READ_TIMEOUT)
+        .max_buf_size(HEAD_BUF_BYTES_MAX)
+        .keep_alive(true);
+    let conn = b.serve_connection(TokioIo::new(sock), svc);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => return,
+        _ = stop.wait_for(|s| *s) => {}
+        _ = mark.kick.notified() => {}
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
 }
 
 struct Unregister(Registry, u64);
