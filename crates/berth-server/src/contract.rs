@@ -92,62 +92,9 @@ pub fn read(worktree: &Path) -> Result<Option<Contract>, String> {
     let mut ports = Vec::new();
     for (key, value) in &table {
         match key.as_str() {
-            "concurrency" => {
-                concurrency = match value.as_str() {
-                    Some("serial") => Concurrency::Serial,
-                    Some("parallel") => Concurrency::Parallel,
-                    Some("disabled") => Concurrency::Disabled,
-                    _ => {
-                        return Err(bad(
-                            "concurrency must be \"serial\", \"parallel\" or \"disabled\"",
-                        ))
-                    }
-                }
-            }
-            "singletons" => {
-                let arr = value
-                    .as_array()
-                    .ok_or_else(|| bad("singletons must be an array of names"))?;
-                for v in arr {
-                    let s = v
-                        .as_str()
-                        .ok_or_else(|| bad("singletons must be an array of names"))?;
-                    berth_core::validate::resource_name(s)
-                        .map_err(|e| bad(format!("singletons: {e}")))?;
-                    singletons.push(s.to_string());
-                }
-            }
-            "port" => {
-                let arr = value
-                    .as_array()
-                    .ok_or_else(|| bad("port must be an array of tables ([[port]])"))?;
-                for p in arr {
-                    let t = p
-                        .as_table()
-                        .ok_or_else(|| bad("port entries must be tables"))?;
-                    let name = t
-                        .get("name")
-                        .and_then(|n| n.as_str())
-                        .ok_or_else(|| bad("every [[port]] needs a name"))?;
-                    let upper = name.to_ascii_uppercase().replace(['-', '.'], "_");
-                    if name.is_empty()
-                        || name.len() > 32
-                        || !upper.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-                    {
-                        return Err(bad(format!(
-                            "port name {name:?} must be 1-32 letters, digits, '-' or '_'"
-                        )));
-                    }
-                    for k in t.keys() {
-                        if !["name", "launch", "ready"].contains(&k.as_str()) {
-                            return Err(bad(format!("unknown key port.{k}")));
-                        }
-                    }
-                    ports.push(Port {
-                        name: name.to_string(),
-                    });
-                }
-            }
+            "concurrency" => concurrency = parse_concurrency(value)?,
+            "singletons" => singletons = parse_singletons(value)?,
+            "port" => ports = parse_ports(value)?,
             other => return Err(bad(format!("unknown key {other:?}"))),
         }
     }
@@ -167,6 +114,66 @@ pub fn read(worktree: &Path) -> Result<Option<Contract>, String> {
         singletons,
         ports,
     }))
+}
+
+fn parse_concurrency(value: &toml::Value) -> Result<Concurrency, String> {
+    match value.as_str() {
+        Some("serial") => Ok(Concurrency::Serial),
+        Some("parallel") => Ok(Concurrency::Parallel),
+        Some("disabled") => Ok(Concurrency::Disabled),
+        _ => Err(bad(
+            "concurrency must be \"serial\", \"parallel\" or \"disabled\"",
+        )),
+    }
+}
+
+fn parse_singletons(value: &toml::Value) -> Result<Vec<String>, String> {
+    let arr = value
+        .as_array()
+        .ok_or_else(|| bad("singletons must be an array of names"))?;
+    let mut singletons = Vec::with_capacity(arr.len());
+    for v in arr {
+        let s = v
+            .as_str()
+            .ok_or_else(|| bad("singletons must be an array of names"))?;
+        berth_core::validate::resource_name(s).map_err(|e| bad(format!("singletons: {e}")))?;
+        singletons.push(s.to_string());
+    }
+    Ok(singletons)
+}
+
+fn parse_ports(value: &toml::Value) -> Result<Vec<Port>, String> {
+    let arr = value
+        .as_array()
+        .ok_or_else(|| bad("port must be an array of tables ([[port]])"))?;
+    let mut ports = Vec::with_capacity(arr.len());
+    for p in arr {
+        let t = p
+            .as_table()
+            .ok_or_else(|| bad("port entries must be tables"))?;
+        let name = t
+            .get("name")
+            .and_then(|n| n.as_str())
+            .ok_or_else(|| bad("every [[port]] needs a name"))?;
+        let upper = name.to_ascii_uppercase().replace(['-', '.'], "_");
+        if name.is_empty()
+            || name.len() > 32
+            || !upper.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        {
+            return Err(bad(format!(
+                "port name {name:?} must be 1-32 letters, digits, '-' or '_'"
+            )));
+        }
+        for k in t.keys() {
+            if !["name", "launch", "ready"].contains(&k.as_str()) {
+                return Err(bad(format!("unknown key port.{k}")));
+            }
+        }
+        ports.push(Port {
+            name: name.to_string(),
+        });
+    }
+    Ok(ports)
 }
 
 /// `.git`, `HEAD`, `commondir` and loose refs are one line each.
