@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, Request, State as AxState};
-use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use berth_core::{
     validate, Class, Command, Priority, Request as CoreRequest, Resources, RunState, Snapshot,
@@ -52,6 +52,8 @@ pub struct Api {
 pub struct Caller {
     /// The user whose processes this caller may register (S3).
     pub uid: u32,
+    /// What the caller's token may do (everything without auth).
+    pub scope: Scope,
 }
 
 async fn ask<T>(
@@ -1009,18 +1011,27 @@ async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response
         .into_response())
 }
 
-/// Which scope a route needs: reads need `read`, run changes `operator`, the rest `admin`.
-fn required_scope(method: &Method, path: &str) -> Scope {
-    if path.starts_with("/v1/tokens")
-        || path.starts_with("/v1/drain")
-        || path.starts_with("/v1/reap")
-    {
-        Scope::Admin
-    } else if method == Method::GET || method == Method::HEAD {
-        Scope::Read
-    } else {
-        Scope::Operator
+/// Refuses a caller whose scope is below `need`: attached to each router of `router`
+/// (one per scope), so a route gets the scope of the router it is declared in, never
+/// one matched from its path.
+async fn require(need: Scope, req: Request, next: Next) -> Response {
+    let scope = req
+        .extensions()
+        .get::<Caller>()
+        .map_or(Scope::Read, |c| c.scope);
+    if scope < need {
+        return ApiError::new(
+            403,
+            "forbidden",
+            format!(
+                "this call needs the {} scope; the token has {}",
+                need.as_str(),
+                scope.as_str()
+            ),
+        )
+        .into_response();
     }
+    next.run(req).await
 }
 
 async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) -> Response {
@@ -1036,7 +1047,10 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
     };
     if !api.auth {
         authed();
-        req.extensions_mut().insert(Caller { uid: api.uid });
+        req.extensions_mut().insert(Caller {
+            uid: api.uid,
+            scope: Scope::Admin,
+        });
         return next.run(req).await;
     }
     let token = req
@@ -1062,21 +1076,9 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
     };
     req.extensions_mut().insert(Caller {
         uid: uid.unwrap_or(api.uid),
+        scope,
     });
     authed();
-    let need = required_scope(req.method(), req.uri().path());
-    if scope < need {
-        return ApiError::new(
-            403,
-            "forbidden",
-            format!(
-                "this call needs the {} scope; the token has {}",
-                need.as_str(),
-                scope.as_str()
-            ),
-        )
-        .into_response();
-    }
     next.run(req).await
 }
 
@@ -1092,17 +1094,31 @@ async fn method_not_allowed() -> ApiError {
     )
 }
 
+/// The API. Each scope has its own router, and a route is declared in the router of the
+/// scope it needs (reads `read`, run changes `operator`, tokens and reaping `admin`).
 pub fn router(api: Api) -> Router {
-    Router::new()
-        .route("/v1/runs", post(acquire).get(list_runs))
-        .route("/v1/runs/{id}", get(get_run).delete(delete_run))
+    let scoped = |need: Scope| axum::middleware::from_fn(move |req, next| require(need, req, next));
+    let read = Router::new()
+        .route("/v1/runs", get(list_runs))
+        .route("/v1/runs/{id}", get(get_run))
+        .route("/v1/status", get(status))
+        .route("/v1/fences/check", get(fence_check))
+        .route_layer(scoped(Scope::Read));
+    let operator = Router::new()
+        .route("/v1/runs", post(acquire))
+        .route("/v1/runs/{id}", delete(delete_run))
         .route("/v1/runs/{id}/renew", post(renew))
         .route("/v1/runs/{id}/release", post(release))
         .route("/v1/runs/{id}/processes", post(register_process))
-        .route("/v1/status", get(status))
-        .route("/v1/fences/check", get(fence_check))
+        .route_layer(scoped(Scope::Operator));
+    let admin = Router::new()
         .route("/v1/tokens", post(create_token))
         .route("/v1/reap", post(reap))
+        .route_layer(scoped(Scope::Admin));
+    Router::new()
+        .merge(read)
+        .merge(operator)
+        .merge(admin)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

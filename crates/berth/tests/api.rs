@@ -787,3 +787,74 @@ fn retention_prunes_ended_runs_in_the_background_and_never_live_ones() {
     assert!(!st.success());
     assert!(out.contains("--retain-ended-for"), "{out}");
 }
+
+/// Issue 10, item 5: every route has the scope of the router it is declared in. For
+/// each route, a token one scope short is refused with 403 naming the scope needed
+/// (before anything is read or changed), and a token of that scope gets past auth.
+/// An unknown path is 404 and a known path with another method 405, for any token.
+#[test]
+fn every_route_has_the_scope_of_its_router() {
+    let d = Daemon::start(&["--slots-max", "2"]);
+    let token = |scope: &str| {
+        let r = d.post("/v1/tokens", &json!({ "scope": scope }).to_string());
+        assert_eq!(r.status, 201, "{:?}", r.body);
+        r.body["token"].as_str().unwrap().to_string()
+    };
+    let (read, operator) = (token("read"), token("operator"));
+    let routes = [
+        ("GET", "/v1/runs", "read"),
+        ("GET", "/v1/runs/x", "read"),
+        ("GET", "/v1/status", "read"),
+        ("GET", "/v1/fences/check?run_id=x&fence=1", "read"),
+        ("POST", "/v1/runs", "operator"),
+        ("DELETE", "/v1/runs/x", "operator"),
+        ("POST", "/v1/runs/x/renew", "operator"),
+        ("POST", "/v1/runs/x/release", "operator"),
+        ("POST", "/v1/runs/x/processes", "operator"),
+        ("POST", "/v1/tokens", "admin"),
+        ("POST", "/v1/reap", "admin"),
+    ];
+    for (method, path, need) in routes {
+        let short = match need {
+            "read" => None,
+            "operator" => Some(read.as_str()),
+            _ => Some(operator.as_str()),
+        };
+        let body = (method == "POST").then_some("{}");
+        if let Some(t) = short {
+            let r = d.call_as(Some(t), method, path, body);
+            assert_eq!(
+                (r.status, r.code()),
+                (403, "forbidden"),
+                "{method} {path}: {:?}",
+                r.body
+            );
+            let message = r.body["error"]["message"].as_str().unwrap_or("");
+            assert!(
+                message.contains(&format!("needs the {need} scope")),
+                "{method} {path}: {message}"
+            );
+        }
+        let enough = match need {
+            "read" => read.as_str(),
+            "operator" => operator.as_str(),
+            _ => d.token.as_str(),
+        };
+        let r = d.call_as(Some(enough), method, path, body);
+        assert!(
+            r.status != 401 && r.status != 403,
+            "{method} {path} with a {need} token: {} {:?}",
+            r.status,
+            r.body
+        );
+    }
+    assert_eq!(
+        d.call_as(Some(&read), "GET", "/v1/nothing", None).status,
+        404
+    );
+    assert_eq!(
+        d.call_as(Some(&operator), "DELETE", "/v1/status", None)
+            .status,
+        405
+    );
+}
