@@ -179,7 +179,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     )
     .map_err(|e| anyhow::anyhow!("ledger {}: {e}", cfg.state_dir.join("ledger.db").display()))?;
     let commits_cell = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let (api, state_task) = spawn_state(&cfg, st, shared, commits_cell.clone());
+    let (api, state_done) = spawn_state(&cfg, st, shared, commits_cell.clone())?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(serve_until_stopped(
         listener,
@@ -187,7 +187,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         lock,
         fatal,
         stop_rx,
-        state_task,
+        state_done,
     ));
     let counter = commits_cell.clone();
     Ok(Running {
@@ -199,14 +199,18 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     })
 }
 
-/// Starts the state task (the one owner of the engine and the writer) and returns the
-/// API's handle to it.
+/// Starts the state task (the one owner of the engine and the writer) on a thread of
+/// its own and returns the API's handle to it, and what resolves once it has ended.
+///
+/// Its own thread, not a tokio worker: the task does blocking work (a `/proc` scan when
+/// a process registers, cgroup files, renaming workspaces), and on a worker that work
+/// would stall every connection that worker serves.
 fn spawn_state(
     cfg: &ServeConfig,
     mut st: state::State,
     shared: Arc<state::Shared>,
     commits: Arc<std::sync::atomic::AtomicU64>,
-) -> (api::Api, tokio::task::JoinHandle<()>) {
+) -> anyhow::Result<(api::Api, tokio::sync::oneshot::Receiver<()>)> {
     let (tx, rx) = mpsc::channel(INBOX_MAX);
     st.set_inbox(&tx);
     let api = api::Api {
@@ -217,11 +221,19 @@ fn spawn_state(
         uid: rustix::process::geteuid().as_raw(),
     };
     let (tick_ms, sample) = (cfg.tick_ms, cfg.sample_memory);
-    let state_task = tokio::spawn(async move {
-        let probe = CommitProbe(commits);
-        state::run(st, rx, tick_ms, sample, Some(probe)).await;
-    });
-    (api, state_task)
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("berth-state".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .build()
+                .expect("the state task's runtime");
+            let probe = CommitProbe(commits);
+            rt.block_on(state::run(st, rx, tick_ms, sample, Some(probe)));
+            let _ = done_tx.send(());
+        })?;
+    Ok((api, done_rx))
 }
 
 /// What `open_ledger` hands the rest of the start.
@@ -363,7 +375,7 @@ async fn serve_until_stopped(
     lock: private::Lock,
     fatal: Arc<Fatal>,
     stop_rx: tokio::sync::oneshot::Receiver<()>,
-    state_task: tokio::task::JoinHandle<()>,
+    state_done: tokio::sync::oneshot::Receiver<()>,
 ) -> anyhow::Result<()> {
     let _lock = lock;
     let fatal_wait = fatal.clone();
@@ -377,7 +389,10 @@ async fn serve_until_stopped(
     http::serve(listener, app, http::connection_budget(), shutdown).await;
     // The router (and every sender) is gone: the state task drains and closes
     // the writer, which makes everything acknowledged durable.
-    state_task.await?;
+    // Dropped without a word: the state thread panicked (its message is in the log).
+    if state_done.await.is_err() {
+        bail!("stopped: the state task ended unexpectedly");
+    }
     // D4: a fatal error is an error exit, with its reason (so a supervisor's
     // restart-on-failure restarts it and the log says why).
     match fatal.reason() {
