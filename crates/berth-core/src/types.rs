@@ -3,6 +3,55 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+/// One codec for the enums berth writes as words (the API, the ledger, the CLI):
+/// `as_str`, `ALL` and `FromStr` from one table, so no layer spells them its own way.
+macro_rules! words {
+    ($ty:ident { $($variant:ident => $word:literal),+ $(,)? }) => {
+        impl $ty {
+            pub const ALL: &'static [$ty] = &[$($ty::$variant),+];
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $word),+
+                }
+            }
+        }
+        impl std::str::FromStr for $ty {
+            type Err = String;
+            fn from_str(s: &str) -> Result<$ty, String> {
+                match s {
+                    $($word => Ok($ty::$variant),)+
+                    _ => Err(format!(
+                        concat!("{:?} is not a ", stringify!($ty), " (one of {})"),
+                        s,
+                        [$($word),+].join(", ")
+                    )),
+                }
+            }
+        }
+    };
+}
+
+words!(Priority { Foreground => "foreground", Background => "background" });
+words!(Class { Managed => "managed", Analysis => "analysis" });
+words!(KeyMode { Exclusive => "exclusive", Shared => "shared" });
+words!(Concurrency { Serial => "serial", Parallel => "parallel", Disabled => "disabled" });
+words!(EndCause { Released => "released", Expired => "expired" });
+words!(ConcurrencyClass {
+    Serial => "serial",
+    ParallelCandidate => "parallel_candidate",
+    ParallelSafe => "parallel_safe",
+});
+words!(RunState {
+    Queued => "queued",
+    Granted => "granted",
+    Releasing => "releasing",
+    Released => "released",
+    Expired => "expired",
+    Cancelled => "cancelled",
+    Rejected => "rejected",
+    Degraded => "degraded",
+});
+
 /// Monotonic milliseconds. The caller owns the clock; the engine only compares.
 pub type TimeMs = u64;
 /// A fencing token (L1). Strictly increasing per host, never reused.
@@ -15,12 +64,6 @@ pub enum Priority {
 }
 
 impl Priority {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Priority::Foreground => "foreground",
-            Priority::Background => "background",
-        }
-    }
     pub(crate) fn index(self) -> usize {
         match self {
             Priority::Foreground => 0,
@@ -37,28 +80,10 @@ pub enum Class {
     Analysis,
 }
 
-impl Class {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Class::Managed => "managed",
-            Class::Analysis => "analysis",
-        }
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum KeyMode {
     Exclusive,
     Shared,
-}
-
-impl KeyMode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            KeyMode::Exclusive => "exclusive",
-            KeyMode::Shared => "shared",
-        }
-    }
 }
 
 /// What a worktree's `.berth.toml` asks for (C1). Parsing the file is the server's job;
@@ -120,18 +145,6 @@ pub enum RunState {
 }
 
 impl RunState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RunState::Queued => "queued",
-            RunState::Granted => "granted",
-            RunState::Releasing => "releasing",
-            RunState::Released => "released",
-            RunState::Expired => "expired",
-            RunState::Cancelled => "cancelled",
-            RunState::Rejected => "rejected",
-            RunState::Degraded => "degraded",
-        }
-    }
     /// D3: a terminal state is never left.
     pub fn is_terminal(self) -> bool {
         matches!(
@@ -194,15 +207,7 @@ pub enum ConcurrencyClass {
     ParallelSafe,
 }
 
-impl ConcurrencyClass {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ConcurrencyClass::Serial => "serial",
-            ConcurrencyClass::ParallelCandidate => "parallel_candidate",
-            ConcurrencyClass::ParallelSafe => "parallel_safe",
-        }
-    }
-}
+impl ConcurrencyClass {}
 
 /// What the caller learns about one run.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -250,5 +255,54 @@ mod tests {
         assert_eq!(fmt_bytes((13 << 30) / 10), "1.3 GiB");
         assert_eq!(fmt_bytes(512 << 20), "512 MiB");
         assert_eq!(fmt_bytes(17), "17 B");
+    }
+}
+
+#[cfg(test)]
+mod word_tests {
+    use super::*;
+
+    fn round_trips<T>(all: &[T])
+    where
+        T: Copy + PartialEq + fmt::Debug + std::str::FromStr<Err = String>,
+        T: WordOf,
+    {
+        let mut seen = std::collections::BTreeSet::new();
+        for &v in all {
+            assert_eq!(v.word().parse::<T>(), Ok(v), "{v:?}");
+            assert!(seen.insert(v.word()), "{v:?}: its word is taken");
+        }
+        let e = "Nope".parse::<T>().unwrap_err();
+        assert!(e.contains(all[0].word()), "{e}");
+    }
+
+    trait WordOf {
+        fn word(self) -> &'static str;
+    }
+    macro_rules! word_of {
+        ($($ty:ident),+) => {$(impl WordOf for $ty { fn word(self) -> &'static str { self.as_str() } })+};
+    }
+    word_of!(
+        Priority,
+        Class,
+        KeyMode,
+        Concurrency,
+        EndCause,
+        ConcurrencyClass,
+        RunState
+    );
+
+    /// Every word parses back to its variant, no two variants share one, and anything
+    /// else is refused naming the words there are.
+    #[test]
+    fn every_word_round_trips_and_nothing_else_parses() {
+        round_trips(Priority::ALL);
+        round_trips(Class::ALL);
+        round_trips(KeyMode::ALL);
+        round_trips(Concurrency::ALL);
+        round_trips(EndCause::ALL);
+        round_trips(ConcurrencyClass::ALL);
+        round_trips(RunState::ALL);
+        assert_eq!(RunState::ALL.len(), 8);
     }
 }

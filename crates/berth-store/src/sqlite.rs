@@ -3,9 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use berth_core::{
-    Class, Concurrency, ContractInfo, EndCause, KeyMode, Priority, Request, Resources, RunState,
-};
+use berth_core::{ContractInfo, EndCause, Request, Resources};
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use crate::{
@@ -210,55 +208,9 @@ impl SqliteStore {
     }
 }
 
-fn class_str(c: Class) -> &'static str {
-    c.as_str()
-}
-
-fn parse_class(s: &str) -> Result<Class, StoreError> {
-    match s {
-        "managed" => Ok(Class::Managed),
-        "analysis" => Ok(Class::Analysis),
-        _ => Err(StoreError::Corrupt(format!("unknown class {s:?}"))),
-    }
-}
-
-fn parse_priority(s: &str) -> Result<Priority, StoreError> {
-    match s {
-        "foreground" => Ok(Priority::Foreground),
-        "background" => Ok(Priority::Background),
-        _ => Err(StoreError::Corrupt(format!("unknown priority {s:?}"))),
-    }
-}
-
-fn parse_state(s: &str) -> Result<RunState, StoreError> {
-    Ok(match s {
-        "queued" => RunState::Queued,
-        "granted" => RunState::Granted,
-        "releasing" => RunState::Releasing,
-        "released" => RunState::Released,
-        "expired" => RunState::Expired,
-        "cancelled" => RunState::Cancelled,
-        "rejected" => RunState::Rejected,
-        "degraded" => RunState::Degraded,
-        _ => return Err(StoreError::Corrupt(format!("unknown state {s:?}"))),
-    })
-}
-
-fn concurrency_str(c: Concurrency) -> &'static str {
-    match c {
-        Concurrency::Serial => "serial",
-        Concurrency::Parallel => "parallel",
-        Concurrency::Disabled => "disabled",
-    }
-}
-
-fn parse_concurrency(s: &str) -> Result<Concurrency, StoreError> {
-    Ok(match s {
-        "serial" => Concurrency::Serial,
-        "parallel" => Concurrency::Parallel,
-        "disabled" => Concurrency::Disabled,
-        _ => return Err(StoreError::Corrupt(format!("unknown concurrency {s:?}"))),
-    })
+/// A word of the ledger (a class, a state, ...) read back through the one codec.
+fn word<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, StoreError> {
+    s.parse().map_err(StoreError::Corrupt)
 }
 
 /// `k=v` pairs joined by newlines; keys and values are validated names and labels
@@ -359,7 +311,7 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         .collect();
     let contract = match os(col::CONTRACT_CONCURRENCY)? {
         Some(c) => Some(ContractInfo {
-            concurrency: parse_concurrency(&c)?,
+            concurrency: word(&c)?,
             fingerprint: os(col::CONTRACT_FINGERPRINT)?.unwrap_or_default(),
             commit: os(col::CONTRACT_COMMIT)?,
         }),
@@ -377,8 +329,8 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         request: Request {
             run_id: s(col::RUN_ID)?,
             project: s(col::PROJECT)?,
-            class: parse_class(&s(col::CLASS)?)?,
-            priority: parse_priority(&s(col::PRIORITY)?)?,
+            class: word(&s(col::CLASS)?)?,
+            priority: word(&s(col::PRIORITY)?)?,
             resources: Resources {
                 slots: u(g(col::SLOTS)?),
                 memory: u(g(col::MEMORY)?),
@@ -393,24 +345,15 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         },
         worktree: os(col::WORKTREE)?,
         labels: decode_map(&s(col::LABELS)?)?,
-        state: parse_state(&s(col::STATE)?)?,
+        state: word(&s(col::STATE)?)?,
         fence: oi(col::FENCE)?.map(u),
         queue_seq: u(g(col::QUEUE_SEQ)?),
         enqueued_ms: u(g(col::ENQUEUED_MS)?),
         deadline_ms: u(g(col::DEADLINE_MS)?),
         granted_ms: oi(col::GRANTED_MS)?.map(u),
         expires_ms: oi(col::EXPIRES_MS)?.map(u),
-        end_cause: match os(col::END_CAUSE)?.as_deref() {
-            None => None,
-            Some("released") => Some(EndCause::Released),
-            Some("expired") => Some(EndCause::Expired),
-            Some(x) => return Err(StoreError::Corrupt(format!("unknown end cause {x:?}"))),
-        },
-        primary_mode: match s(col::PRIMARY_MODE)?.as_str() {
-            "exclusive" => KeyMode::Exclusive,
-            "shared" => KeyMode::Shared,
-            x => return Err(StoreError::Corrupt(format!("unknown key mode {x:?}"))),
-        },
+        end_cause: os(col::END_CAUSE)?.as_deref().map(word).transpose()?,
+        primary_mode: word(&s(col::PRIMARY_MODE)?)?,
         workspace,
         processes: Vec::new(),
         stop_grace_ms: oi(col::STOP_GRACE_MS)?.map(u),
@@ -654,7 +597,7 @@ fn upsert_run(
         .execute(params![
             q.run_id,
             q.project,
-            class_str(q.class),
+            q.class.as_str(),
             q.priority.as_str(),
             q.resources.slots as i64,
             q.resources.memory as i64,
@@ -662,7 +605,7 @@ fn upsert_run(
             q.resources.disk as i64,
             encode_map(&q.resources.named),
             q.singletons.join(","),
-            c.map(|c| concurrency_str(c.concurrency)),
+            c.map(|c| c.concurrency.as_str()),
             c.map(|c| c.fingerprint.as_str()),
             c.and_then(|c| c.commit.as_deref()),
             q.ttl_ms as i64,
@@ -676,10 +619,7 @@ fn upsert_run(
             r.deadline_ms as i64,
             r.granted_ms.map(|x| x as i64),
             r.expires_ms.map(|x| x as i64),
-            r.end_cause.map(|c| match c {
-                EndCause::Released => "released",
-                EndCause::Expired => "expired",
-            }),
+            r.end_cause.map(EndCause::as_str),
             r.primary_mode.as_str(),
             ws.map(|w| w.path.as_str()),
             ws.map(|w| w.dev as i64),

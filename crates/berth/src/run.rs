@@ -19,6 +19,11 @@ use serde_json::{json, Value};
 use crate::client::{error_text, Client, ConnArgs};
 use crate::{EXIT_REFUSED, EXIT_TIMEOUT};
 
+/// A flag that takes one of the words of `berth_core`'s codec.
+fn words(all: impl Iterator<Item = &'static str>) -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(all)
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct ClaimArgs {
     /// Project (default: the git toplevel's directory name, else the current directory's).
@@ -26,10 +31,10 @@ pub struct ClaimArgs {
     pub project: Option<String>,
     /// `managed` runs hold the project's runtime key; `analysis` runs only read
     /// [default: managed].
-    #[arg(long, value_parser = ["managed", "analysis"])]
+    #[arg(long, value_parser = words(berth_core::Class::ALL.iter().map(|c| c.as_str())))]
     pub class: Option<String>,
     /// `background` runs wait while any foreground run waits [default: foreground].
-    #[arg(long, value_parser = ["foreground", "background"])]
+    #[arg(long, value_parser = words(berth_core::Priority::ALL.iter().map(|p| p.as_str())))]
     pub priority: Option<String>,
     /// Slots [default: 1].
     #[arg(long)]
