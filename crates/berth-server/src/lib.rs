@@ -165,6 +165,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     );
     let fatal = Arc::new(Fatal::default());
     let st = state::State::restore(
+        clock::mono_ms(),
         cfg.engine.clone(),
         opened.ledger,
         opened.same_boot,

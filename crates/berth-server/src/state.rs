@@ -207,6 +207,9 @@ pub struct Shared {
 }
 
 pub struct State {
+    /// CLOCK_MONOTONIC milliseconds, as the runtime said at the latest input (`handle`,
+    /// `tick`, `restore`): the state machine never reads the clock itself.
+    now: u64,
     engine: Engine,
     writer: Writer,
     shared: Arc<Shared>,
@@ -335,6 +338,7 @@ impl State {
     /// one reconnect window.
     #[allow(clippy::too_many_arguments)]
     pub fn restore(
+        now: u64,
         cfg: berth_core::Config,
         ledger: Ledger,
         same_boot: bool,
@@ -347,7 +351,6 @@ impl State {
         supervision: Supervision,
         diagnostics: workspace::Diagnostics,
     ) -> Result<State, String> {
-        let now = clock::mono_ms();
         restore_summary(&ledger, same_boot, ledger.last_fence);
         let mut restored = Vec::with_capacity(ledger.runs.len());
         let mut extras = HashMap::with_capacity(ledger.runs.len());
@@ -374,6 +377,7 @@ impl State {
         }
         let engine = Engine::restore(cfg, ledger.last_fence, now, restored)?;
         Ok(State {
+            now,
             engine,
             writer,
             shared,
@@ -445,7 +449,7 @@ impl State {
     /// L3/P4: a failed stop or cleanup is retried with exponential backoff, from
     /// `CLEANUP_RETRY_MS` up to `CLEANUP_RETRY_MAX_MS`.
     fn schedule_retry(&mut self, run_id: &str) {
-        let now = clock::mono_ms();
+        let now = self.now;
         let e = self
             .cleanup_retry
             .entry(run_id.to_string())
@@ -553,7 +557,7 @@ impl State {
         cmd: Command,
         touched: &mut BTreeSet<String>,
     ) -> Result<Option<RunView>, CoreError> {
-        let now = clock::mono_ms();
+        let now = self.now;
         let out = self.engine.apply(now, cmd);
         let mut queue: VecDeque<Event> = out.events.into();
         while let Some(ev) = queue.pop_front() {
@@ -907,7 +911,8 @@ fn log_impossible(id: &str, res: &Result<Option<RunView>, CoreError>) {
 
 impl State {
     /// One message from the API or a thread the task started: one method each.
-    pub fn handle(&mut self, msg: Msg) {
+    pub fn handle(&mut self, now: u64, msg: Msg) {
+        self.now = now;
         match msg {
             Msg::Acquire {
                 req,
@@ -1253,8 +1258,8 @@ impl State {
 
     /// Time passes: expiries and deadlines (L6, A8), reclaim windows (P5), cleanup
     /// retries (L3), and optionally a MemAvailable sample (A10).
-    pub fn tick(&mut self, sample: Option<u64>) {
-        let now = clock::mono_ms();
+    pub fn tick(&mut self, now: u64, sample: Option<u64>) {
+        self.now = now;
         let mut touched = BTreeSet::new();
         let _ = self.apply(Command::Tick, &mut touched);
         if let Some(mem) = sample {
@@ -1341,7 +1346,7 @@ pub async fn run(
         tokio::select! {
             msg = rx.recv() => match msg {
                 Some(m) => {
-                    st.handle(m);
+                    st.handle(clock::mono_ms(), m);
                     if let Some(p) = &probe {
                         p.0.store(st.writer_commits(), std::sync::atomic::Ordering::Relaxed);
                     }
@@ -1356,7 +1361,7 @@ pub async fn run(
                 } else {
                     None
                 };
-                st.tick(sample);
+                st.tick(now, sample);
             }
         }
     }
@@ -1427,6 +1432,7 @@ mod tests {
         let ledger = store.load(1_000).unwrap();
         let runs_dir = workspace::ensure_runs_dir(dir).unwrap();
         State::restore(
+            clock::mono_ms(),
             berth_core::Config::for_host(4, 8 << 30, 100 << 30),
             ledger,
             true,
@@ -1462,28 +1468,31 @@ mod tests {
         cpu_millis: u64,
     ) -> Result<RunInfo, ApiError> {
         let (reply, rx) = oneshot::channel();
-        st.handle(Msg::Acquire {
-            req: berth_core::Request {
-                run_id: run_id.into(),
-                project: run_id.replace(':', "-"),
-                class: berth_core::Class::Managed,
-                priority: berth_core::Priority::Foreground,
-                resources: berth_core::Resources {
-                    slots: 1,
-                    cpu_millis,
-                    ..Default::default()
+        st.handle(
+            clock::mono_ms(),
+            Msg::Acquire {
+                req: berth_core::Request {
+                    run_id: run_id.into(),
+                    project: run_id.replace(':', "-"),
+                    class: berth_core::Class::Managed,
+                    priority: berth_core::Priority::Foreground,
+                    resources: berth_core::Resources {
+                        slots: 1,
+                        cpu_millis,
+                        ..Default::default()
+                    },
+                    singletons: Vec::new(),
+                    contract: None,
+                    ttl_ms,
+                    wait_ms: 0,
                 },
-                singletons: Vec::new(),
-                contract: None,
-                ttl_ms,
-                wait_ms: 0,
+                worktree: None,
+                labels: BTreeMap::new(),
+                stop_grace_ms: None,
+                attach: false,
+                reply,
             },
-            worktree: None,
-            labels: BTreeMap::new(),
-            stop_grace_ms: None,
-            attach: false,
-            reply,
-        });
+        );
         rx.blocking_recv().unwrap()
     }
 
@@ -1511,7 +1520,7 @@ mod tests {
             let never = acquire(&mut st, "huge.3", 600_000, 1_000_000).unwrap_err();
             assert_eq!(never.code, "capacity_impossible");
             std::thread::sleep(std::time::Duration::from_millis(20));
-            st.tick(None);
+            st.tick(clock::mono_ms(), None);
             assert_eq!(
                 st.engine.view_of("exp-1").map(|v| v.state),
                 Some(RunState::Expired)
