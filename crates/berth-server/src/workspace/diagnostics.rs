@@ -247,6 +247,18 @@ impl CopyFrame {
 /// mount; links, fifos, sockets and devices are never opened. Written privately (a
 /// root-only 0600 file was copied as 0644): directories 0700, files 0600, each created
 /// with `O_EXCL | O_NOFOLLOW` under the copy's descriptor.
+/// `open_diagnostics`, with a failure said in the log: `None` when there is no
+/// diagnostics directory to use.
+fn diagnostics_dir(d: &Diagnostics, make: bool) -> Option<(OwnedFd, walk::Meta)> {
+    match open_diagnostics(d, make) {
+        Ok(x) => x,
+        Err(e) => {
+            tracing::warn!("diagnostics {}: {e}", d.dir.display());
+            None
+        }
+    }
+}
+
 pub(super) fn archive_logs(
     ws: &OwnedFd,
     on: &walk::Mount,
@@ -259,14 +271,7 @@ pub(super) fn archive_logs(
     if names.is_empty() {
         return None;
     }
-    let (diag, diag_meta) = match open_diagnostics(d, true) {
-        Ok(Some(x)) => x,
-        Ok(None) => return None,
-        Err(e) => {
-            tracing::warn!("diagnostics {}: {e}", d.dir.display());
-            return None;
-        }
-    };
+    let (diag, diag_meta) = diagnostics_dir(d, true)?;
     let diag_on = diag_meta.mount();
     let block = fs::fstatvfs(&diag)
         .map(|v| v.f_frsize)
@@ -422,14 +427,7 @@ fn copy_tree(
 /// `<name>-2`, ... when that is taken (RENAME_NOREPLACE: never over another archive),
 /// and measures it; `None` (the partial dropped) when it cannot be named.
 pub(super) fn name_archive(d: &Diagnostics, partial: &CStr, name: &str) -> Option<Archived> {
-    let (diag, diag_meta) = match open_diagnostics(d, false) {
-        Ok(Some(x)) => x,
-        Ok(None) => return None,
-        Err(e) => {
-            tracing::warn!("diagnostics {}: {e}", d.dir.display());
-            return None;
-        }
-    };
+    let (diag, diag_meta) = diagnostics_dir(d, false)?;
     let diag_on = diag_meta.mount();
     let mut named = None;
     for k in 0..16 {
@@ -554,13 +552,8 @@ fn measure(
 /// entries, the directory itself included: drops the oldest archives (names begin with
 /// their time) until both hold. Returns how many were dropped.
 pub(super) fn enforce_total(d: &Diagnostics, measured: &mut Measured) -> u64 {
-    let (diag, meta) = match open_diagnostics(d, false) {
-        Ok(Some(x)) => x,
-        Ok(None) => return 0,
-        Err(e) => {
-            tracing::warn!("diagnostics {}: {e}", d.dir.display());
-            return 0;
-        }
+    let Some((diag, meta)) = diagnostics_dir(d, false) else {
+        return 0;
     };
     let on = meta.mount();
     let mut total = walk::Usage {

@@ -511,14 +511,19 @@ impl Worker {
             return false;
         }
         self.stuck.remove(entry);
+        self.make_ready(name, ident);
+        true
+    }
+
+    /// Hands out the pooled workspace `name` from now on. Checked on its mount just
+    /// now (by `is_clean_fd`, or made here).
+    fn make_ready(&mut self, name: String, ident: Ident) {
         self.shared
             .ready
             .lock()
             .unwrap()
             .push_back(Pooled { name, ident });
-        // Checked on its mount just now (is_clean_fd or made here).
         self.mount_proven.insert(ident);
-        true
     }
 
     /// A trash entry that could not be removed stays and is retried at every rescan
@@ -634,13 +639,7 @@ impl Worker {
                 Ok((dir, ident)) => {
                     // Watched once it is complete: making it is not a change to it.
                     self.watcher.watch(&dir, ident);
-                    self.shared
-                        .ready
-                        .lock()
-                        .unwrap()
-                        .push_back(Pooled { name, ident });
-                    // Checked on its mount just now (is_clean_fd or made here).
-                    self.mount_proven.insert(ident);
+                    self.make_ready(name, ident);
                 }
                 Err(e) => {
                     tracing::warn!("workspace pool: {e}");
