@@ -39,6 +39,26 @@ impl ApiError {
     }
 }
 
+/// D4: the ledger refused a write; nothing is acknowledged.
+pub fn store_unavailable(e: &berth_store::StoreError) -> ApiError {
+    ApiError::new(
+        503,
+        "store_unavailable",
+        format!("the ledger cannot be written: {e}"),
+    )
+}
+
+/// A run the state task had just touched was gone when it answered (a bug, never
+/// expected).
+pub fn run_vanished() -> ApiError {
+    internal("run vanished")
+}
+
+/// Something berth itself could not do (a bug or the host refusing it).
+pub fn internal(what: impl Into<String>) -> ApiError {
+    ApiError::new(500, "internal", what)
+}
+
 /// S3: why a process was not registered, as the API says it.
 pub fn registration_refused(pid: i32, r: crate::register::Refusal) -> ApiError {
     use crate::register::Refusal;

@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::auth::Grant;
 use crate::clock;
-use crate::error::ApiError;
+use crate::error::{internal, run_vanished, store_unavailable as store_error, ApiError};
 use crate::workspace;
 
 /// A run as the API shows it: the engine's view plus what the server adds.
@@ -323,14 +323,6 @@ fn restore_summary(ledger: &Ledger, same_boot: bool, last_fence: u64) {
 const CLEANUP_RETRY_MS: u64 = 5_000;
 /// The longest wait between retries.
 const CLEANUP_RETRY_MAX_MS: u64 = 300_000;
-
-fn store_error(e: &StoreError) -> ApiError {
-    ApiError::new(
-        503,
-        "store_unavailable",
-        format!("the ledger cannot be written: {e}"),
-    )
-}
 
 impl State {
     /// Rebuilds the state from the ledger (P5). Times in the ledger are this boot's
@@ -828,8 +820,7 @@ impl State {
                 e.processes.push(rec);
             }
         }
-        self.info(run_id)
-            .ok_or_else(|| ApiError::new(500, "internal", "run vanished"))
+        self.info(run_id).ok_or_else(run_vanished)
     }
 }
 
@@ -1016,7 +1007,7 @@ impl State {
         }
         let value = match (res, info) {
             (Ok(_), Some(info)) => Ok(info),
-            (Ok(_), None) => Err(ApiError::new(500, "internal", "run vanished")),
+            (Ok(_), None) => Err(run_vanished()),
             (Err(e), _) => Err(e.into()),
         };
         self.commit(touched, move |r| {
@@ -1036,10 +1027,9 @@ impl State {
         }
         let mut touched = BTreeSet::new();
         let res = self.apply(cmd, &mut touched);
-        let value = res.map_err(ApiError::from).and_then(|_| {
-            self.info(&id)
-                .ok_or_else(|| ApiError::new(500, "internal", "run vanished"))
-        });
+        let value = res
+            .map_err(ApiError::from)
+            .and_then(|_| self.info(&id).ok_or_else(run_vanished));
         self.commit(touched, move |r| {
             let _ = reply.send(r.map_err(store_error).and(value));
         });
@@ -1251,7 +1241,7 @@ impl State {
                 });
             }
             Err(e) => {
-                let _ = reply.send(Err(ApiError::new(500, "internal", format!("token: {e}"))));
+                let _ = reply.send(Err(internal(format!("token: {e}"))));
             }
         }
     }
