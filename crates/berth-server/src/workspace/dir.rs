@@ -41,17 +41,23 @@ pub(super) fn mount_of(dir: &OwnedFd, path: &Path) -> Result<walk::Mount, Worksp
         .map_err(io(path, "stat"))
 }
 
+/// Opens the runs directory at `path`, with the mount every workspace in it must be on.
+fn open_runs_dir(path: &Path) -> Result<(OwnedFd, walk::Mount), WorkspaceError> {
+    let dir = fs::open(
+        path,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io(path, "open runs directory"))?;
+    let on = mount_of(&dir, path)?;
+    Ok((dir, on))
+}
+
 /// Creates `<runs_dir>/<digest>` and its subdirectories; returns its identity.
 pub fn create(runs_dir: &Path, run_id: &str) -> Result<WorkspaceIdentity, WorkspaceError> {
     let name = dir_name(run_id);
     let path = runs_dir.join(&name);
-    let parent = fs::open(
-        runs_dir,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(io(runs_dir, "open runs directory"))?;
-    let on = mount_of(&parent, runs_dir)?;
+    let (parent, on) = open_runs_dir(runs_dir)?;
     // Leftovers under our name (a crash between create and record) are removed first:
     // nothing else may live at this path.
     match walk::open_dir(&parent, name.as_str(), &on) {
@@ -107,13 +113,7 @@ pub(super) fn split<'a>(
 pub fn remove(ws: &WorkspaceIdentity) -> Result<(), WorkspaceError> {
     let path = PathBuf::from(&ws.path);
     let (parent_path, name) = split(ws, &path)?;
-    let parent = fs::open(
-        parent_path,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(io(parent_path, "open runs directory"))?;
-    let on = mount_of(&parent, parent_path)?;
+    let (parent, on) = open_runs_dir(parent_path)?;
     let Some(dir) = open_verified(&parent, name, ws, &on)? else {
         return Ok(());
     };
