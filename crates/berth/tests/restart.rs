@@ -180,7 +180,7 @@ fn berth_run_keeps_renewing_across_a_daemon_restart() {
             "-c",
             "sleep 9; exit 5",
         ])
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     d.wait_until("survivor is granted", |d| {
@@ -190,8 +190,14 @@ fn berth_run_keeps_renewing_across_a_daemon_restart() {
     d.kill9();
     std::thread::sleep(Duration::from_millis(1500));
     d.kill9_and_restart();
-    let st = child.wait().unwrap();
-    assert_eq!(st.code(), Some(5), "the child should finish normally");
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(5),
+        "the child should finish normally; berth run said: {}; the daemon logged: {}",
+        String::from_utf8_lossy(&out.stderr),
+        common::log_tail(&d.log)
+    );
     d.wait_until("survivor is released", |d| {
         d.get("/v1/runs/survivor").body["state"] == "released"
     });
