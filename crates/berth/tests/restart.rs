@@ -161,7 +161,7 @@ fn read_answer(s: &mut std::net::TcpStream) -> (u16, Value) {
 #[test]
 fn berth_run_keeps_renewing_across_a_daemon_restart() {
     let mut d = Daemon::start(&["--slots-max", "2"]);
-    let mut child = d
+    let child = d
         .cli()
         .args([
             "run",
