@@ -21,8 +21,8 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::auth::{self, Scope};
+use crate::daemon::{Msg, RunInfo, Shared};
 use crate::error::ApiError;
-use crate::state::{Msg, RunInfo, Shared};
 
 /// Largest request body accepted.
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
@@ -58,7 +58,7 @@ pub struct Caller {
 
 async fn ask<T>(
     api: &Api,
-    make: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> Msg,
+    make: impl FnOnce(crate::daemon::Reply<T>) -> Msg,
 ) -> Result<T, ApiError> {
     let (tx, rx) = oneshot::channel();
     api.tx
@@ -67,6 +67,7 @@ async fn ask<T>(
         .map_err(|_| ApiError::new(503, "shutting_down", "berth is shutting down"))?;
     rx.await
         .map_err(|_| ApiError::new(503, "shutting_down", "berth is shutting down"))?
+        .map_err(ApiError::from)
 }
 
 /// The `{id}` of a route, refused with a JSON `400` (not axum's plain text) when the

@@ -39,28 +39,13 @@ impl ApiError {
     }
 }
 
-/// D4: the ledger refused a write; nothing is acknowledged.
-pub fn store_unavailable(e: &berth_store::StoreError) -> ApiError {
-    ApiError::new(
-        503,
-        "store_unavailable",
-        format!("the ledger cannot be written: {e}"),
-    )
-}
-
-/// A run the state task had just touched was gone when it answered (a bug, never
-/// expected).
-pub fn run_vanished() -> ApiError {
-    internal("run vanished")
-}
-
 /// Something berth itself could not do (a bug or the host refusing it).
 pub fn internal(what: impl Into<String>) -> ApiError {
     ApiError::new(500, "internal", what)
 }
 
 /// S3: why a process was not registered, as the API says it.
-pub fn registration_refused(pid: i32, r: crate::register::Refusal) -> ApiError {
+fn registration_refused(pid: i32, r: crate::register::Refusal) -> ApiError {
     use crate::register::Refusal;
     match r {
         Refusal::Forbidden(why) => ApiError::new(403, "pid_forbidden", why),
@@ -79,6 +64,24 @@ pub fn registration_refused(pid: i32, r: crate::register::Refusal) -> ApiError {
             "could_not_look",
             format!("pid {pid} could not be checked ({why}); try again"),
         ),
+    }
+}
+
+/// The one place the daemon's domain errors become HTTP statuses and wire codes.
+impl From<crate::daemon::Error> for ApiError {
+    fn from(e: crate::daemon::Error) -> ApiError {
+        use crate::daemon::Error;
+        match e {
+            Error::Core(e) => e.into(),
+            Error::Registration { pid, refusal } => registration_refused(pid, refusal),
+            // D4: the ledger refused a write; nothing is acknowledged.
+            Error::Store(e) => ApiError::new(
+                503,
+                "store_unavailable",
+                format!("the ledger cannot be written: {e}"),
+            ),
+            Error::Internal(what) => internal(what),
+        }
     }
 }
 

@@ -6,13 +6,13 @@ pub mod api;
 pub mod auth;
 pub mod clock;
 pub mod contract;
+pub mod daemon;
 pub mod error;
 pub mod failpoint;
 pub mod host;
 pub mod http;
 pub mod private;
 pub mod register;
-pub mod state;
 pub mod walk;
 pub mod workspace;
 
@@ -149,7 +149,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         .await
         .with_context(|| format!("binding {}", cfg.listen))?;
     let addr = listener.local_addr()?;
-    let shared = Arc::new(state::Shared {
+    let shared = Arc::new(daemon::Shared {
         tokens: RwLock::new(opened.tokens),
         url: format!("http://{addr}"),
     });
@@ -164,19 +164,26 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         }),
     );
     let fatal = Arc::new(Fatal::default());
-    let st = state::State::restore(
-        clock::mono_ms(),
-        cfg.engine.clone(),
-        opened.ledger,
-        opened.same_boot,
-        writer,
-        shared.clone(),
-        runs_dir,
-        cfg.reconnect_window_ms,
-        fatal.clone(),
+    let host = daemon::RealHost::new(
+        &runs_dir,
+        diagnostics(&cfg),
         opened.marker,
         supervision(&cfg),
-        diagnostics(&cfg),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let how = daemon::Restore {
+        cfg: cfg.engine.clone(),
+        same_boot: opened.same_boot,
+        reconnect_window_ms: cfg.reconnect_window_ms,
+    };
+    let st = daemon::Daemon::restore(
+        clock::mono_ms(),
+        how,
+        opened.ledger,
+        writer,
+        shared.clone(),
+        fatal.clone(),
+        host,
     )
     .map_err(|e| anyhow::anyhow!("ledger {}: {e}", cfg.state_dir.join("ledger.db").display()))?;
     let commits_cell = Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -208,12 +215,12 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
 /// would stall every connection that worker serves.
 fn spawn_state(
     cfg: &ServeConfig,
-    mut st: state::State,
-    shared: Arc<state::Shared>,
+    mut st: daemon::Daemon<daemon::RealHost>,
+    shared: Arc<daemon::Shared>,
     commits: Arc<std::sync::atomic::AtomicU64>,
 ) -> anyhow::Result<(api::Api, tokio::sync::oneshot::Receiver<()>)> {
     let (tx, rx) = mpsc::channel(INBOX_MAX);
-    st.set_inbox(&tx);
+    st.host_mut().set_inbox(&tx);
     let api = api::Api {
         tx,
         shared,
@@ -231,7 +238,7 @@ fn spawn_state(
                 .build()
                 .expect("the state task's runtime");
             let probe = CommitProbe(commits);
-            rt.block_on(state::run(st, rx, tick_ms, sample, Some(probe)));
+            rt.block_on(daemon::run(st, rx, tick_ms, sample, Some(probe)));
             let _ = done_tx.send(());
         })?;
     Ok((api, done_rx))
@@ -340,8 +347,8 @@ fn known_tokens(
     Ok((tokens, Some(token)))
 }
 
-fn supervision(cfg: &ServeConfig) -> state::Supervision {
-    state::Supervision {
+fn supervision(cfg: &ServeConfig) -> daemon::Supervision {
+    daemon::Supervision {
         // One namespace per state dir: a restarted daemon finds its runs' groups
         // again (P5), another daemon never touches them.
         cgroup_base: if cfg.cgroups {

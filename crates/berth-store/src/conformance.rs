@@ -44,6 +44,10 @@ pub const CHECKS: &[(&str, Check)] = &[
         retention_forgets_old_ended_runs_only,
     ),
     ("retention_by_age", retention_by_age),
+    (
+        "a_new_run_under_an_ended_runs_id_replaces_it",
+        a_new_run_under_an_ended_runs_id_replaces_it,
+    ),
 ];
 
 /// A record with every field set to something non-default.
@@ -336,4 +340,29 @@ pub fn retention_by_age(open: Open) {
     let l = open().load(100).unwrap();
     let ids: Vec<&str> = l.runs.iter().map(|r| r.request.run_id.as_str()).collect();
     assert_eq!(ids, ["a3"]);
+}
+
+/// The engine forgets ended runs before retention deletes them, so a new run may come
+/// under the id of an ended one still in the ledger: it replaces it, processes and all,
+/// and a late write of the ended one changes nothing (D3).
+pub fn a_new_run_under_an_ended_runs_id_replaces_it(open: Open) {
+    let mut s = open();
+    let old = sample_run("again", 1, RunState::Degraded);
+    s.write(&[&batch(200, vec![old.clone()])]).unwrap();
+    let mut ended = old.clone();
+    ended.state = RunState::Released;
+    ended.end_cause = Some(EndCause::Released);
+    s.write(&[&batch(200, vec![ended.clone()])]).unwrap();
+    // D3 for the same run: its ended record stays.
+    s.write(&[&batch(200, vec![old])]).unwrap();
+    assert_eq!(open().load(10).unwrap().runs, vec![ended.clone()]);
+    let new = sample_run("again", 7, RunState::Granted);
+    assert_ne!(new.processes, ended.processes);
+    s.write(&[&batch(200, vec![new.clone()])]).unwrap();
+    assert_eq!(open().load(10).unwrap().runs, vec![new.clone()]);
+    // A late write of the old, ended run does not bring it back.
+    s.write(&[&batch(200, vec![ended])]).unwrap();
+    let l = open().load(10).unwrap();
+    assert_eq!(l.runs, vec![new]);
+    assert_eq!(l.next_queue_seq, 8);
 }

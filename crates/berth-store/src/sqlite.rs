@@ -377,8 +377,9 @@ const UPSERT: &str =
     end_cause = excluded.end_cause, primary_mode = excluded.primary_mode,
     ws_path = excluded.ws_path, ws_dev = excluded.ws_dev, ws_ino = excluded.ws_ino,
     terminal = excluded.terminal, ended_unix_ms = excluded.ended_unix_ms
-  -- D3: a terminal state is never overwritten.
-  WHERE runs.terminal = 0";
+  -- D3: a terminal state is never overwritten; nor is another run's record (a late
+  -- write of an ended run whose id a new run has taken, see replace_ended).
+  WHERE runs.terminal = 0 AND runs.queue_seq = excluded.queue_seq";
 
 impl Store for SqliteStore {
     fn load(&mut self, ended_max: usize) -> Result<Ledger, StoreError> {
@@ -500,7 +501,12 @@ impl Store for SqliteStore {
         for m in batches.iter().flat_map(|b| &b.mutations) {
             match m {
                 Mutation::Fence(f) => fence = fence.max(*f),
-                Mutation::Run(r) => upsert_run(&mut upsert, &mut add_process, r, now_ms)?,
+                Mutation::Run(r) => {
+                    if !upsert_run(&mut upsert, &mut add_process, r, now_ms)? {
+                        replace_ended(&tx, r)?;
+                        upsert_run(&mut upsert, &mut add_process, r, now_ms)?;
+                    }
+                }
                 Mutation::Token { hash, scope } => {
                     tx.prepare_cached(
                         "INSERT OR REPLACE INTO tokens (hash, scope) VALUES (?1, ?2)",
@@ -583,17 +589,39 @@ fn unix_ms() -> u64 {
 
 /// Inserts or updates one run's record (D3: not once it is terminal) and adds its
 /// processes. `now_ms` is when a run written terminal ended.
+/// A new run under the id of an ended one the engine has forgotten (but retention has
+/// not deleted yet) replaces it, processes and all. D3 still holds: the ended record
+/// of the *same* run (same queue sequence) is never overwritten. Without this, the new
+/// run's writes were dropped by D3's guard and a restart brought back the old one, its
+/// acknowledged grant lost (found by the daemon simulator).
+///
+/// Only reached when an upsert changed nothing, so it costs the hot path nothing.
+fn replace_ended(tx: &rusqlite::Transaction, r: &RunRecord) -> Result<(), StoreError> {
+    let (id, seq) = (&r.request.run_id, r.queue_seq as i64);
+    tx.prepare_cached(
+        "DELETE FROM processes WHERE run_id = ?1 AND EXISTS
+           (SELECT 1 FROM runs WHERE run_id = ?1 AND terminal = 1 AND queue_seq <> ?2)",
+    )
+    .and_then(|mut s| s.execute(params![id, seq]))
+    .map_err(write_err)?;
+    tx.prepare_cached("DELETE FROM runs WHERE run_id = ?1 AND terminal = 1 AND queue_seq <> ?2")
+        .and_then(|mut s| s.execute(params![id, seq]))
+        .map_err(write_err)?;
+    Ok(())
+}
+
+/// Writes one run record; false when D3's guard left the row as it was (it is ended).
 fn upsert_run(
     upsert: &mut rusqlite::CachedStatement,
     add_process: &mut rusqlite::CachedStatement,
     r: &RunRecord,
     now_ms: u64,
-) -> Result<(), StoreError> {
+) -> Result<bool, StoreError> {
     let q = &r.request;
     let c = q.contract.as_ref();
     let ws = r.workspace.as_ref();
     let terminal = r.state.is_terminal();
-    upsert
+    let changed = upsert
         .execute(params![
             q.run_id,
             q.project,
@@ -629,6 +657,9 @@ fn upsert_run(
             terminal.then_some(now_ms as i64),
         ])
         .map_err(write_err)?;
+    if changed == 0 {
+        return Ok(false);
+    }
     for p in &r.processes {
         add_process
             .execute(params![
@@ -639,7 +670,7 @@ fn upsert_run(
             ])
             .map_err(write_err)?;
     }
-    Ok(())
+    Ok(true)
 }
 
 /// Deletes up to `rows_max` ended runs `policy` no longer keeps, oldest first, with

@@ -1,0 +1,119 @@
+//! What the daemon keeps about a run besides the engine's view of it.
+
+use std::collections::BTreeMap;
+
+use berth_store::{ProcessRecord, RunRecord, WorkspaceIdentity};
+
+pub(super) struct Extra {
+    pub(super) worktree: Option<String>,
+    pub(super) labels: BTreeMap<String, String>,
+    pub(super) queue_seq: u64,
+    pub(super) workspace: Option<WorkspaceIdentity>,
+    pub(super) processes: Vec<ProcessRecord>,
+    /// Pids that survived SIGKILL in the last stop (the run is degraded).
+    pub(super) survivors: Vec<i32>,
+    /// The run's own grace between SIGTERM and SIGKILL (P2), if it asked for one.
+    pub(super) stop_grace_ms: Option<u64>,
+    /// Why berth ended the run at its grant (not kept in the ledger).
+    pub(super) failure: Option<String>,
+    /// Set once the run has ended and its record is durable: the digest of
+    /// (worktree, labels, stop grace), kept for the idempotent re-acquire check (L7)
+    /// instead of the values themselves (see `shrink`).
+    ended_digest: Option<[u8; 32]>,
+}
+
+/// What an acquire carries besides the engine's request, as one digest.
+fn extras_digest(
+    worktree: &Option<String>,
+    labels: &BTreeMap<String, String>,
+    stop_grace_ms: Option<u64>,
+) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let text = serde_json::to_vec(&(worktree, labels, stop_grace_ms)).unwrap_or_default();
+    Sha256::digest(&text).into()
+}
+
+impl Extra {
+    /// A new run's extras, as its acquire gave them.
+    pub(super) fn new(
+        worktree: Option<String>,
+        labels: BTreeMap<String, String>,
+        stop_grace_ms: Option<u64>,
+        queue_seq: u64,
+    ) -> Extra {
+        Extra {
+            worktree,
+            labels,
+            queue_seq,
+            workspace: None,
+            processes: Vec::new(),
+            survivors: Vec::new(),
+            stop_grace_ms,
+            failure: None,
+            ended_digest: None,
+        }
+    }
+
+    /// A run's extras as its ledger record gives them back.
+    pub(super) fn restored(r: &mut RunRecord) -> Extra {
+        let mut extra = Extra::new(
+            r.worktree.take(),
+            std::mem::take(&mut r.labels),
+            r.stop_grace_ms,
+            r.queue_seq,
+        );
+        extra.workspace = r.workspace.take();
+        extra.processes = std::mem::take(&mut r.processes);
+        if r.state.is_terminal() {
+            extra.shrink();
+        }
+        extra
+    }
+
+    /// An ended run keeps only what answering about it needs: up to 65,536 of them are
+    /// remembered, and a run's labels (up to 32 × 320 bytes), worktree path and process
+    /// list would make that a gigabyte (68,000 ended runs with large labels once took
+    /// 1 GB). The ledger keeps them all; `GET` of an ended run shows none of them.
+    pub(super) fn shrink(&mut self) {
+        self.workspace = None;
+        self.processes = Vec::new();
+        self.survivors = Vec::new();
+        // Nothing to free without labels or a worktree: no digest (hashing every
+        // ended run cost the state task time on the request path).
+        if self.ended_digest.is_some() || (self.labels.is_empty() && self.worktree.is_none()) {
+            return;
+        }
+        self.ended_digest = Some(extras_digest(
+            &self.worktree,
+            &self.labels,
+            self.stop_grace_ms,
+        ));
+        self.labels = BTreeMap::new();
+        self.worktree = None;
+    }
+
+    /// Would an acquire with these extras be a different request (L7)?
+    pub(super) fn differs(
+        &self,
+        worktree: &Option<String>,
+        labels: &BTreeMap<String, String>,
+        stop_grace_ms: Option<u64>,
+    ) -> bool {
+        match self.ended_digest {
+            Some(d) => d != extras_digest(worktree, labels, stop_grace_ms),
+            None => {
+                self.worktree != *worktree
+                    || self.labels != *labels
+                    || self.stop_grace_ms != stop_grace_ms
+            }
+        }
+    }
+}
+
+pub(super) fn proc_id(p: &ProcessRecord) -> berth_proc::ProcId {
+    berth_proc::ProcId {
+        pid: p.pid,
+        start_ticks: p.start_ticks,
+        boot_id: p.boot_id.clone(),
+    }
+}

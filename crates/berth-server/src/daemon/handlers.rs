@@ -1,0 +1,405 @@
+//! One method per message, and the tick.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use berth_core::{Command, Error as CoreError, RunState, RunView, Snapshot};
+use berth_store::{Batch, Mutation};
+use tokio::sync::{oneshot, watch};
+
+use super::extra::Extra;
+use super::{Daemon, Error, Host, Msg, ReapCounters, Reply, RunInfo};
+use crate::auth::Grant;
+
+/// A3: an acquire that never fits this host, whatever it waits for, is said in the log.
+fn log_impossible(id: &str, res: &Result<Option<RunView>, CoreError>) {
+    if let Err(CoreError::CapacityImpossible {
+        resource,
+        request,
+        max,
+    }) = res
+    {
+        tracing::info!(
+            run_id = id,
+            resource = resource.as_str(),
+            request,
+            max,
+            "acquire refused (capacity_impossible): the request exceeds what this host can ever allocate"
+        );
+    }
+}
+
+impl<H: Host> Daemon<H> {
+    /// One message from the API or a thread the daemon started: one method each.
+    pub fn handle(&mut self, now: u64, msg: Msg) {
+        self.now = now;
+        match msg {
+            Msg::Acquire {
+                req,
+                worktree,
+                labels,
+                stop_grace_ms,
+                attach,
+                reply,
+            } => self.on_acquire(
+                req,
+                Extra::new(worktree, labels, stop_grace_ms, 0),
+                attach,
+                reply,
+            ),
+            Msg::Command { cmd, reply } => self.on_command(cmd, reply),
+            Msg::Get { run_id, reply } => self.on_get(run_id, reply),
+            Msg::List {
+                limit,
+                ended,
+                reply,
+            } => self.on_list(limit, ended, reply),
+            Msg::Status { reply } => self.on_status(reply),
+            Msg::FenceCheck {
+                run_id,
+                fence,
+                reply,
+            } => self.on_fence_check(run_id, fence, reply),
+            Msg::Detach { run_id } => self.on_detach(run_id),
+            Msg::Subscribe { run_id, reply } => self.on_subscribe(run_id, reply),
+            Msg::RegisterProcess {
+                run_id,
+                fence,
+                pid,
+                uid,
+                reply,
+            } => self.on_register_process(run_id, fence, pid, uid, reply),
+            Msg::Reap { reply } => self.on_reap(reply),
+            Msg::ReapStatus { runs, reply } => self.on_reap_status(runs, reply),
+            Msg::Stopped { run_id, report } => self.on_stopped(run_id, report),
+            Msg::CreateToken { grant, reply } => self.on_create_token(grant, reply),
+        }
+    }
+
+    /// `extra` is what the acquire carries besides the engine's request (its queue
+    /// sequence is assigned here).
+    fn on_acquire(
+        &mut self,
+        req: berth_core::Request,
+        mut extra: Extra,
+        attach: bool,
+        reply: Reply<RunInfo>,
+    ) {
+        let id = req.run_id.clone();
+        if let Some(ex) = self.extras.get(&id) {
+            if ex.differs(&extra.worktree, &extra.labels, extra.stop_grace_ms) {
+                let e = CoreError::Conflict { run_id: id };
+                return self.answer(reply, Err(e.into()));
+            }
+        }
+        let is_new = self.engine.view_of(&id).is_none();
+        if is_new {
+            // Registered before the command so grants made by it find it.
+            extra.queue_seq = self.next_seq;
+            self.extras.insert(id.clone(), extra);
+        }
+        let mut touched = BTreeSet::new();
+        let res = self.apply(Command::Acquire(req), &mut touched);
+        if is_new {
+            if self.engine.view_of(&id).is_some() {
+                self.next_seq += 1;
+                touched.insert(id.clone());
+            } else {
+                self.extras.remove(&id);
+            }
+        }
+        log_impossible(&id, &res);
+        let mut info = self.info(&id);
+        // A run that expired on arrival (`wait_s = 0`) keeps the reason why.
+        if let (Ok(Some(v)), Some(i)) = (&res, info.as_mut()) {
+            if i.view.reason.is_none() {
+                i.view.reason = v.reason.clone();
+            }
+        }
+        if res.is_ok() {
+            self.unclaimed.remove(&id);
+            let queued = info
+                .as_ref()
+                .is_some_and(|i| i.view.state == RunState::Queued);
+            if attach && queued {
+                *self.attached.entry(id.clone()).or_default() += 1;
+            }
+        }
+        let value = match (res, info) {
+            (Ok(_), Some(info)) => Ok(info),
+            (Ok(_), None) => Err(Error::run_vanished()),
+            (Err(e), _) => Err(e.into()),
+        };
+        self.commit_and_answer(touched, reply, value);
+    }
+
+    fn on_command(&mut self, cmd: Command, reply: Reply<RunInfo>) {
+        let id = match &cmd {
+            Command::Cancel { run_id }
+            | Command::Renew { run_id, .. }
+            | Command::Release { run_id, .. } => run_id.clone(),
+            _ => String::new(),
+        };
+        if matches!(cmd, Command::Renew { fence: None, .. }) {
+            self.unclaimed.remove(&id);
+        }
+        let mut touched = BTreeSet::new();
+        let res = self.apply(cmd, &mut touched);
+        let value = res
+            .map_err(Error::from)
+            .and_then(|_| self.info(&id).ok_or_else(Error::run_vanished));
+        self.commit_and_answer(touched, reply, value);
+    }
+
+    fn on_get(&mut self, run_id: String, reply: Reply<RunInfo>) {
+        let v = self
+            .info(&run_id)
+            .ok_or_else(|| CoreError::NotFound { run_id }.into());
+        self.answer(reply, v);
+    }
+
+    fn on_list(&mut self, limit: usize, ended: bool, reply: Reply<Vec<RunInfo>>) {
+        let mut all: Vec<(u64, RunInfo)> = self
+            .extras
+            .iter()
+            .filter_map(|(id, e)| Some((e.queue_seq, self.info(id)?)))
+            .filter(|(_, i)| ended || !i.view.state.is_terminal())
+            .collect();
+        all.sort_by_key(|(seq, _)| *seq);
+        let v = all.into_iter().take(limit).map(|(_, i)| i).collect();
+        self.answer(reply, Ok(v));
+    }
+
+    fn on_status(&mut self, reply: Reply<(Snapshot, ReapCounters)>) {
+        let s = self.engine.snapshot();
+        let c = self.reap_counters();
+        self.answer(reply, Ok((s, c)));
+    }
+
+    fn on_fence_check(
+        &mut self,
+        run_id: String,
+        fence: u64,
+        reply: Reply<(bool, Option<RunState>)>,
+    ) {
+        let v = self.engine.view_of(&run_id);
+        let state = v.as_ref().map(|v| v.state);
+        let current = v.is_some_and(|v| v.fence == Some(fence) && v.state == RunState::Granted);
+        self.answer(reply, Ok((current, state)));
+    }
+
+    fn on_detach(&mut self, run_id: String) {
+        let left = match self.attached.get_mut(&run_id) {
+            Some(n) => {
+                *n = n.saturating_sub(1);
+                *n
+            }
+            None => return,
+        };
+        if left == 0 {
+            self.attached.remove(&run_id);
+            // A9: the waiter's client went away; it leaves the queue at once.
+            if self
+                .engine
+                .view_of(&run_id)
+                .is_some_and(|v| v.state == RunState::Queued)
+            {
+                let mut touched = BTreeSet::new();
+                let _ = self.apply(Command::Cancel { run_id }, &mut touched);
+                self.commit(touched, |_| {});
+            }
+        }
+    }
+
+    fn on_subscribe(
+        &mut self,
+        run_id: String,
+        reply: oneshot::Sender<Option<watch::Receiver<RunInfo>>>,
+    ) {
+        let rx = self.info(&run_id).map(|info| {
+            self.watchers
+                .entry(run_id)
+                .or_insert_with(|| Arc::new(watch::channel(info).0))
+                .subscribe()
+        });
+        let _ = reply.send(rx);
+    }
+
+    fn on_register_process(
+        &mut self,
+        run_id: String,
+        fence: u64,
+        pid: i32,
+        uid: u32,
+        reply: Reply<RunInfo>,
+    ) {
+        let value = self.register(&run_id, fence, pid, uid);
+        let mut touched = BTreeSet::new();
+        if value.is_ok() {
+            touched.insert(run_id);
+        }
+        self.commit_and_answer(touched, reply, value);
+    }
+
+    /// P4 on demand: every releasing or degraded run is stopped (or cleaned) again, in
+    /// run id order.
+    fn on_reap(&mut self, reply: Reply<(Vec<String>, ReapCounters)>) {
+        let mut runs: Vec<String> = self
+            .extras
+            .keys()
+            .filter(|id| {
+                matches!(
+                    self.engine.view_of(id).map(|v| v.state),
+                    Some(RunState::Releasing | RunState::Degraded)
+                )
+            })
+            .cloned()
+            .collect();
+        runs.sort();
+        let stopping = runs.iter().filter(|id| self.has_processes(id)).count();
+        tracing::info!(
+            runs = runs.len(),
+            stopping,
+            without_processes = runs.len() - stopping,
+            "reap pass: releasing and degraded runs stopped again"
+        );
+        let mut touched = BTreeSet::new();
+        for id in &runs {
+            let events = self.stop_or_clean(id);
+            self.carry_out(events, &mut touched);
+        }
+        let counters = self.reap_counters();
+        self.commit_and_answer(touched, reply, Ok((runs, counters)));
+    }
+
+    fn on_reap_status(
+        &mut self,
+        runs: Vec<String>,
+        reply: Reply<(usize, Vec<RunState>, ReapCounters)>,
+    ) {
+        let busy = runs.iter().filter(|id| self.stopping.contains(*id)).count();
+        let states = runs
+            .iter()
+            .filter_map(|id| self.engine.view_of(id).map(|v| v.state))
+            .collect();
+        let counters = self.reap_counters();
+        self.answer(reply, Ok((busy, states, counters)));
+    }
+
+    fn on_stopped(&mut self, run_id: String, report: berth_proc::StopReport) {
+        self.stopping.remove(&run_id);
+        self.counters.processes_terminated += report.terminated as u64;
+        self.counters.reused_pids_protected += report.reused_pids_protected as u64;
+        log_stopped(&run_id, &report);
+        if let Some(e) = self.extras.get_mut(&run_id) {
+            e.survivors = report.survivors.clone();
+        }
+        let mut touched = BTreeSet::new();
+        let state = self.engine.view_of(&run_id).map(|v| v.state);
+        if matches!(state, Some(RunState::Releasing | RunState::Degraded)) {
+            let ok = report.ok() && self.cleanup(&run_id);
+            let events = self.stop_done(&run_id, ok);
+            self.carry_out(events, &mut touched);
+            if !ok {
+                self.schedule_retry(&run_id);
+            }
+        }
+        self.commit(touched, |_| {});
+    }
+
+    fn on_create_token(&mut self, grant: Grant, reply: Reply<String>) {
+        match self.host.new_token() {
+            Ok(token) => {
+                let hash = crate::auth::hash_token(&token);
+                self.shared
+                    .tokens
+                    .write()
+                    .unwrap()
+                    .push((hash.clone(), grant));
+                let batch = Batch {
+                    mutations: vec![Mutation::Token {
+                        hash,
+                        scope: grant.stored(),
+                    }],
+                };
+                self.writer.submit(Some(batch), move |r| {
+                    let _ = reply.send(r.map_err(Error::store).map(|()| token));
+                });
+            }
+            Err(e) => {
+                let _ = reply.send(Err(Error::Internal(e)));
+            }
+        }
+    }
+
+    /// Time passes: expiries and deadlines (L6, A8), reclaim windows (P5), cleanup
+    /// retries (L3), and optionally a MemAvailable sample (A10).
+    pub fn tick(&mut self, now: u64, sample: Option<u64>) {
+        self.now = now;
+        let mut touched = BTreeSet::new();
+        let _ = self.apply(Command::Tick, &mut touched);
+        if let Some(mem) = sample {
+            let _ = self.apply(Command::Sample { mem_available: mem }, &mut touched);
+        }
+        let lapsed: Vec<String> = self
+            .unclaimed
+            .iter()
+            .filter(|(_, &d)| d <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in lapsed {
+            self.unclaimed.remove(&id);
+            if !self.attached.contains_key(&id) {
+                let _ = self.apply(Command::Cancel { run_id: id }, &mut touched);
+            }
+        }
+        self.retry_due_cleanups(&mut touched);
+        if !touched.is_empty() || !self.pending_stops.is_empty() {
+            self.commit(touched, |_| {});
+        }
+    }
+
+    /// L3/P4: stops and cleanups whose backoff has run out are tried again.
+    fn retry_due_cleanups(&mut self, touched: &mut BTreeSet<String>) {
+        let now = self.now;
+        let due: Vec<String> = self
+            .cleanup_retry
+            .iter()
+            .filter(|(_, (_, at))| *at <= now)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in due {
+            let state = self.engine.view_of(&id).map(|v| v.state);
+            if !matches!(state, Some(RunState::Releasing | RunState::Degraded)) {
+                self.cleanup_retry.remove(&id);
+                continue;
+            }
+            // Not again until this attempt has had its chance.
+            self.schedule_retry(&id);
+            tracing::debug!(
+                run_id = id.as_str(),
+                attempt = self.cleanup_retry.get(&id).map_or(0, |r| r.0),
+                "retrying the stop and cleanup of a run"
+            );
+            let events = self.stop_or_clean(&id);
+            self.carry_out(events, touched);
+        }
+    }
+}
+
+/// How a stop ended, for the operator (S4: could not look is never gone).
+fn log_stopped(run_id: &str, report: &berth_proc::StopReport) {
+    let (terminated, protected) = (report.terminated, report.reused_pids_protected);
+    if report.unverified {
+        tracing::warn!(run_id, terminated, reused_pids_protected = protected, survivors = ?report.survivors, "stop finished unproven: the run's processes could not be proven gone (a /proc, pidfd or cgroup read failed); the run is degraded and the stop retried");
+    } else if !report.ok() {
+        tracing::warn!(run_id, terminated, reused_pids_protected = protected, survivors = ?report.survivors, "stop finished with survivors: processes survived SIGKILL; the run is degraded");
+    } else {
+        tracing::info!(
+            run_id,
+            terminated,
+            reused_pids_protected = protected,
+            "stop finished: every process of the run is gone"
+        );
+    }
+}

@@ -1,0 +1,250 @@
+//! The daemon's one door to the machine. [`Daemon`](super::Daemon) decides; everything
+//! it needs done to files, `/proc`, cgroups, threads, randomness or the wall clock goes
+//! through [`Host`]. [`RealHost`] does it; the daemon simulator (`daemon::sim`) puts a
+//! deterministic fake in its place that can fail any of it on demand.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use berth_proc::ProcId;
+use berth_store::WorkspaceIdentity;
+use tokio::sync::mpsc;
+
+use super::Msg;
+use crate::register::{OtherRun, Refusal};
+use crate::workspace;
+
+/// A stop the daemon decided on (P2), handed over once that decision is durable.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StopOrder {
+    pub run_id: String,
+    /// The run's registered process trees, by identity (P3).
+    pub roots: Vec<ProcId>,
+    /// The run's own grace between SIGTERM and SIGKILL, if it asked for one.
+    pub grace_ms: Option<u64>,
+    /// The run may have a cgroup: it registered a process (a run gets its group with
+    /// its first one), or berth holds no record of it.
+    pub may_have_group: bool,
+}
+
+/// Where stop orders go once their commit is durable: called on the writer's thread.
+pub type StopSink = Arc<dyn Fn(StopOrder) + Send + Sync>;
+
+/// Everything [`Daemon`](super::Daemon) needs from the machine it runs on.
+///
+/// **Architecture invariant:** the daemon's state machine reaches files, `/proc`,
+/// cgroups, threads, randomness and the wall clock only through this trait, and every
+/// answer it gets back is a value it can be handed again in a simulation.
+pub trait Host {
+    /// W1: a fresh private workspace for a run that was just granted.
+    fn create_workspace(&mut self, run_id: &str) -> Result<WorkspaceIdentity, String>;
+    /// W1/L5: removes a stopping run's workspace after its identity check.
+    fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String>;
+    /// Is there a cgroup for this run (a run with no record of its own)?
+    fn has_group(&self, run_id: &str) -> bool;
+    /// Where stop orders go; the stopper behind it reports back with `Msg::Stopped`.
+    fn stop_sink(&mut self) -> StopSink;
+    /// S3: may `pid` be registered to a run by a caller acting as `uid`? Its identity.
+    fn check_process(&self, uid: u32, pid: i32, others: &[OtherRun<'_>])
+        -> Result<ProcId, Refusal>;
+    /// Moves a registered process into the run's cgroup, where the host has them.
+    fn adopt(&mut self, run_id: &str, pid: i32);
+    /// L1/S6: fences up to `last_fence` are covered by the durable marker.
+    fn cover_fence(&mut self, last_fence: u64) -> Result<(), String>;
+    /// A new API token (random).
+    fn new_token(&mut self) -> Result<String, String>;
+    /// Diagnostics archived and dropped so far: (bytes, dropped).
+    fn diagnostics(&self) -> (u64, u64);
+    /// A monotonic instant as people read it (RFC 3339).
+    fn show_time(&self, mono_ms: u64) -> String;
+    /// The daemon stops. `clean_last_fence` is the exact last fence after a clean stop.
+    fn close(&mut self, clean_last_fence: Option<u64>);
+}
+
+/// How processes are stopped (P2).
+#[derive(Clone, Debug)]
+pub struct Supervision {
+    /// Where run cgroups go, when the host allows them.
+    pub cgroup_base: Option<PathBuf>,
+    /// Between SIGTERM and SIGKILL.
+    pub grace_ms: u64,
+    /// How long SIGKILLed processes may take to vanish before the run degrades.
+    pub kill_wait_ms: u64,
+}
+
+/// The machine itself.
+pub struct RealHost {
+    workspaces: workspace::Pool,
+    /// Fences are covered by the marker before they are acknowledged (L1, S6).
+    marker: crate::private::FenceMarker,
+    supervision: Supervision,
+    /// The daemon as the registration rule sees it (S3).
+    me: crate::register::Me,
+    /// For the stopper thread to report back; weak, so it does not keep the task alive.
+    inbox: Option<mpsc::WeakSender<Msg>>,
+    /// The one thread that stops processes, started on first use.
+    stopper: Option<StopSink>,
+}
+
+impl RealHost {
+    pub fn new(
+        runs_dir: &std::path::Path,
+        diagnostics: workspace::Diagnostics,
+        marker: crate::private::FenceMarker,
+        supervision: Supervision,
+    ) -> Result<RealHost, String> {
+        Ok(RealHost {
+            workspaces: workspace::Pool::start(runs_dir, Some(diagnostics))
+                .map_err(|e| format!("workspace pool: {e}"))?,
+            marker,
+            supervision,
+            me: crate::register::Me::now(),
+            inbox: None,
+            stopper: None,
+        })
+    }
+
+    /// Gives the stopper a way to report back to the state task.
+    pub fn set_inbox(&mut self, tx: &mpsc::Sender<Msg>) {
+        self.inbox = Some(tx.downgrade());
+    }
+
+    fn group(base: &Option<PathBuf>, run_id: &str) -> Option<berth_proc::cgroup::Group> {
+        let path = base.as_ref()?.join(workspace::dir_name(run_id));
+        path.exists().then(|| berth_proc::cgroup::Group::open(path))
+    }
+}
+
+impl Host for RealHost {
+    fn create_workspace(&mut self, run_id: &str) -> Result<WorkspaceIdentity, String> {
+        self.workspaces.create(run_id).map_err(|e| e.to_string())
+    }
+
+    fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String> {
+        self.workspaces
+            .remove(ws, run_id)
+            .map_err(|e| e.to_string())
+    }
+
+    fn has_group(&self, run_id: &str) -> bool {
+        RealHost::group(&self.supervision.cgroup_base, run_id).is_some()
+    }
+
+    fn stop_sink(&mut self) -> StopSink {
+        if self.stopper.is_none() {
+            let tx = spawn_stopper(&self.supervision, self.inbox.clone());
+            let base = self.supervision.cgroup_base.clone();
+            let tx = std::sync::Mutex::new(tx);
+            self.stopper = Some(Arc::new(move |o: StopOrder| {
+                let group = if o.may_have_group {
+                    RealHost::group(&base, &o.run_id)
+                } else {
+                    None
+                };
+                let job = berth_proc::StopJob {
+                    key: o.run_id,
+                    roots: o.roots,
+                    group,
+                    grace_ms: o.grace_ms,
+                };
+                let _ = tx.lock().unwrap().send(job);
+            }));
+        }
+        self.stopper.clone().expect("set above")
+    }
+
+    fn check_process(
+        &self,
+        uid: u32,
+        pid: i32,
+        others: &[OtherRun<'_>],
+    ) -> Result<ProcId, Refusal> {
+        crate::register::check(&self.me, uid, pid, others)
+    }
+
+    fn adopt(&mut self, run_id: &str, pid: i32) {
+        if let Some(base) = &self.supervision.cgroup_base {
+            let group = berth_proc::cgroup::Group::create(base, &workspace::dir_name(run_id));
+            if let Err(e) = group.and_then(|g| g.add(pid)) {
+                tracing::warn!(
+                    run_id,
+                    pid,
+                    "cgroup: {e}; the process group is the fallback"
+                );
+            }
+        }
+    }
+
+    fn cover_fence(&mut self, last_fence: u64) -> Result<(), String> {
+        self.marker
+            .cover(last_fence)
+            .map_err(|e| format!("fence marker: {e:#}"))
+    }
+
+    fn new_token(&mut self) -> Result<String, String> {
+        crate::auth::new_token().map_err(|e| format!("token: {e}"))
+    }
+
+    fn diagnostics(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let d = &self.workspaces.diagnostics;
+        (d.bytes.load(Relaxed), d.dropped.load(Relaxed))
+    }
+
+    fn show_time(&self, mono_ms: u64) -> String {
+        crate::clock::mono_to_rfc3339(mono_ms)
+    }
+
+    fn close(&mut self, clean_last_fence: Option<u64>) {
+        // A clean stop leaves the exact last fence as the marker: the next start
+        // continues at +1 instead of skipping the rest of the reserved block.
+        if let Some(last) = clean_last_fence {
+            if let Err(e) = self.marker.write(last) {
+                tracing::warn!("fence marker: {e:#}");
+            }
+        }
+        // This daemon's cgroup namespace goes when no run group is left in it (groups
+        // of live runs stay for the next start to re-adopt; rmdir refuses then).
+        if let Some(base) = &self.supervision.cgroup_base {
+            let _ = std::fs::remove_dir(base);
+        }
+    }
+}
+
+/// The stopper thread: takes stop jobs, runs rounds while any are active (one `/proc`
+/// scan per round for all of them), reports each finished stop to the state task.
+fn spawn_stopper(
+    sup: &Supervision,
+    inbox: Option<mpsc::WeakSender<Msg>>,
+) -> std::sync::mpsc::Sender<berth_proc::StopJob> {
+    let (tx, rx) = std::sync::mpsc::channel::<berth_proc::StopJob>();
+    let (grace, kill_wait) = (sup.grace_ms, sup.kill_wait_ms);
+    std::thread::Builder::new()
+        .name("berth-stopper".into())
+        .spawn(move || {
+            let mut stopper = berth_proc::Stopper::new(grace, kill_wait);
+            loop {
+                if stopper.is_empty() {
+                    match rx.recv() {
+                        Ok(job) => stopper.add(job),
+                        Err(_) => return,
+                    }
+                }
+                while let Ok(job) = rx.try_recv() {
+                    stopper.add(job);
+                }
+                let finished = stopper.round();
+                if !stopper.is_empty() {
+                    crate::failpoint::hit("mid-stop");
+                }
+                for (run_id, report) in finished {
+                    if let Some(tx) = inbox.as_ref().and_then(|w| w.upgrade()) {
+                        let _ = tx.blocking_send(Msg::Stopped { run_id, report });
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(berth_proc::STOP_ROUND_MS));
+            }
+        })
+        .expect("spawn stopper thread");
+    tx
+}

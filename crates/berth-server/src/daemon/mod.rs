@@ -1,0 +1,679 @@
+//! The daemon's state machine: the one owner of the engine and the ledger writer.
+//!
+//! HTTP handlers talk to it only through [`Msg`]; [`Daemon::handle`] applies each
+//! message to the engine, carries out what it sets off (workspaces, stops), hands the
+//! durable effects to the writer and answers the caller once they are durable (D1).
+//! Reads also wait behind every write queued before them, so nobody ever sees state
+//! that a crash could take back.
+//!
+//! Like the engine it wraps, the daemon never reads the clock: time comes in with every
+//! message (`handle(now, msg)`, `tick(now, sample)`, `restore(now, …)`). Everything it
+//! needs done to the machine goes through [`Host`]; the thin runtime in `runtime.rs`
+//! feeds it messages and time, and `sim.rs` drives it deterministically with a fake
+//! host, failed cleanups, stops and restarts.
+
+mod extra;
+mod handlers;
+mod host;
+mod restore;
+mod runtime;
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod tests;
+
+/// Held by the tests that drive a daemon in this process: tracing caches per call site
+/// whether anyone listens, so a daemon logging on one test thread with no subscriber
+/// could hide the lines another test is capturing.
+#[cfg(test)]
+static LOGGING_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::{Arc, RwLock};
+
+use berth_core::{
+    Command, EndCause, Engine, Error as CoreError, Event, RunState, RunView, Snapshot,
+};
+use berth_store::{Batch, RunRecord, StoreError, Writer};
+use tokio::sync::{oneshot, watch};
+
+use crate::auth::Grant;
+use crate::register::Refusal;
+use crate::workspace;
+use extra::{proc_id, Extra};
+
+pub use host::{Host, RealHost, StopOrder, StopSink, Supervision};
+pub use restore::Restore;
+pub use runtime::run;
+
+/// A run as the API shows it: the engine's view plus what the server adds.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunInfo {
+    pub view: RunView,
+    pub worktree: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub workspace: Option<String>,
+    pub expires_at: Option<String>,
+    /// When it was granted (or queued, while it waits).
+    pub since: Option<String>,
+    pub env: BTreeMap<&'static str, String>,
+    /// Pids that survived the last stop (a degraded run).
+    pub survivors: Vec<i32>,
+    /// Why a granted run was ended by berth itself at once (no workspace: W1).
+    pub failure: Option<String>,
+}
+
+/// Why the daemon refused or could not do what a message asked, in the daemon's own
+/// terms. **Architecture invariant:** the daemon names no HTTP status; `crate::error`
+/// alone maps these to status codes and wire codes.
+#[derive(Debug, PartialEq)]
+pub enum Error {
+    /// The engine's rules said no (the rule and its fields are in the core error).
+    Core(CoreError),
+    /// S3: the process may not be registered to this run.
+    Registration { pid: i32, refusal: Refusal },
+    /// D4: the ledger refused the write; nothing was acknowledged.
+    Store(String),
+    /// berth itself could not do it: the host refused, or a bug.
+    Internal(String),
+}
+
+impl From<CoreError> for Error {
+    fn from(e: CoreError) -> Error {
+        Error::Core(e)
+    }
+}
+
+impl Error {
+    fn store(e: &StoreError) -> Error {
+        Error::Store(e.to_string())
+    }
+
+    /// A run the daemon had just touched was gone when it answered (a bug).
+    fn run_vanished() -> Error {
+        Error::Internal("run vanished".into())
+    }
+}
+
+pub type Reply<T> = oneshot::Sender<Result<T, Error>>;
+
+pub enum Msg {
+    Acquire {
+        req: berth_core::Request,
+        worktree: Option<String>,
+        labels: BTreeMap<String, String>,
+        stop_grace_ms: Option<u64>,
+        /// The caller keeps a connection open while it waits (A9 applies).
+        attach: bool,
+        reply: Reply<RunInfo>,
+    },
+    Command {
+        cmd: Command,
+        reply: Reply<RunInfo>,
+    },
+    Get {
+        run_id: String,
+        reply: Reply<RunInfo>,
+    },
+    List {
+        limit: usize,
+        /// Ended runs too (those still retained), not only live ones.
+        ended: bool,
+        reply: Reply<Vec<RunInfo>>,
+    },
+    Status {
+        reply: Reply<(Snapshot, ReapCounters)>,
+    },
+    FenceCheck {
+        run_id: String,
+        fence: u64,
+        reply: Reply<(bool, Option<RunState>)>,
+    },
+    /// A waiting connection went away.
+    Detach {
+        run_id: String,
+    },
+    Subscribe {
+        run_id: String,
+        reply: oneshot::Sender<Option<watch::Receiver<RunInfo>>>,
+    },
+    CreateToken {
+        grant: Grant,
+        reply: Reply<String>,
+    },
+    /// P1: a process (tree) the run's client started; recorded before it is relied on.
+    RegisterProcess {
+        run_id: String,
+        fence: u64,
+        pid: i32,
+        /// The user the caller acts for (S3).
+        uid: u32,
+        reply: Reply<RunInfo>,
+    },
+    /// A stop started for a run has finished (sent by the stopping thread).
+    Stopped {
+        run_id: String,
+        report: berth_proc::StopReport,
+    },
+    /// P4 on demand: stop and clean every run that is releasing or degraded now.
+    Reap {
+        reply: Reply<(Vec<String>, ReapCounters)>,
+    },
+    /// How the runs of a reap pass are doing.
+    ReapStatus {
+        runs: Vec<String>,
+        reply: Reply<(usize, Vec<RunState>, ReapCounters)>,
+    },
+}
+
+/// Running totals for the reaper's report.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ReapCounters {
+    pub processes_terminated: u64,
+    pub reused_pids_protected: u64,
+    pub diagnostics_bytes: u64,
+    pub diagnostics_dropped: u64,
+    /// Ended runs retention has deleted from the ledger since the daemon started.
+    pub ledger_pruned: u64,
+}
+
+pub struct Shared {
+    pub tokens: RwLock<Vec<(String, Grant)>>,
+    pub url: String,
+}
+
+pub struct Daemon<H: Host> {
+    /// CLOCK_MONOTONIC milliseconds, as the runtime said at the latest input (`handle`,
+    /// `tick`, `restore`): the state machine never reads the clock itself.
+    now: u64,
+    engine: Engine,
+    writer: Writer,
+    shared: Arc<Shared>,
+    host: H,
+    extras: HashMap<String, Extra>,
+    ended: VecDeque<String>,
+    next_seq: u64,
+    attached: HashMap<String, u32>,
+    /// Restored waiters nobody has re-attached to yet, with their reclaim deadline.
+    unclaimed: BTreeMap<String, u64>,
+    watchers: HashMap<String, Arc<watch::Sender<RunInfo>>>,
+    /// Runs whose stop or cleanup must be retried (degraded, or releasing after a
+    /// restart): (failed attempts, next try at).
+    cleanup_retry: BTreeMap<String, (u32, u64)>,
+    fatal: Arc<crate::Fatal>,
+    /// Runs whose processes are being stopped right now.
+    stopping: BTreeSet<String>,
+    counters: ReapCounters,
+    /// Stops decided in this step, handed to the host's stopper after the commit.
+    pending_stops: Vec<StopOrder>,
+}
+
+/// The first retry of a failed stop or cleanup; each next one waits twice as long.
+const CLEANUP_RETRY_MS: u64 = 5_000;
+/// The longest wait between retries.
+const CLEANUP_RETRY_MAX_MS: u64 = 300_000;
+
+impl<H: Host> Daemon<H> {
+    pub fn host_mut(&mut self) -> &mut H {
+        &mut self.host
+    }
+
+    /// P2: a stop order for the run's processes, sent once this step is durable;
+    /// `Msg::Stopped` comes back.
+    fn start_stop(&mut self, run_id: &str) {
+        if !self.stopping.insert(run_id.to_string()) {
+            return;
+        }
+        let extra = self.extras.get(run_id);
+        // Sent by the next commit, once the decision to stop is durable: a crash in
+        // between must not leave a run that the ledger says is granted with its
+        // processes already killed.
+        self.pending_stops.push(StopOrder {
+            run_id: run_id.to_string(),
+            roots: extra.map_or_else(Vec::new, |e| e.processes.iter().map(proc_id).collect()),
+            grace_ms: extra.and_then(|e| e.stop_grace_ms),
+            may_have_group: extra.is_none_or(|e| !e.processes.is_empty()),
+        });
+    }
+
+    /// L3/P4: a failed stop or cleanup is retried with exponential backoff, from
+    /// `CLEANUP_RETRY_MS` up to `CLEANUP_RETRY_MAX_MS`.
+    fn schedule_retry(&mut self, run_id: &str) {
+        let now = self.now;
+        let e = self
+            .cleanup_retry
+            .entry(run_id.to_string())
+            .or_insert((0, 0));
+        let delay = CLEANUP_RETRY_MS
+            .saturating_mul(1u64 << e.0.min(16))
+            .min(CLEANUP_RETRY_MAX_MS);
+        e.0 += 1;
+        e.1 = now + delay;
+    }
+
+    fn reap_counters(&self) -> ReapCounters {
+        let (diagnostics_bytes, diagnostics_dropped) = self.host.diagnostics();
+        ReapCounters {
+            diagnostics_bytes,
+            diagnostics_dropped,
+            ledger_pruned: self.writer.pruned(),
+            ..self.counters
+        }
+    }
+
+    /// A run berth holds no record for may still have a cgroup (a run gets its group
+    /// when its first process registers).
+    fn has_processes(&self, run_id: &str) -> bool {
+        match self.extras.get(run_id) {
+            Some(e) => !e.processes.is_empty(),
+            None => self.host.has_group(run_id),
+        }
+    }
+
+    pub fn writer_commits(&self) -> u64 {
+        self.writer.commits()
+    }
+
+    fn info(&self, run_id: &str) -> Option<RunInfo> {
+        let view = self.engine.view_of(run_id)?;
+        let extra = self.extras.get(run_id);
+        let expires_at = view.expires_at_ms.map(|t| self.host.show_time(t));
+        let ws = extra
+            .and_then(|e| e.workspace.as_ref())
+            .map(|w| w.path.clone());
+        let mut env = BTreeMap::new();
+        if view.state == RunState::Granted {
+            self.granted_env(&view, extra, expires_at.as_deref(), &mut env);
+        }
+        Some(RunInfo {
+            worktree: extra.and_then(|e| e.worktree.clone()),
+            labels: extra.map(|e| e.labels.clone()).unwrap_or_default(),
+            workspace: ws,
+            expires_at,
+            since: self.engine.since_of(run_id).map(|t| self.host.show_time(t)),
+            env,
+            survivors: extra.map(|e| e.survivors.clone()).unwrap_or_default(),
+            failure: extra.and_then(|e| e.failure.clone()),
+            view,
+        })
+    }
+
+    /// The `BERTH_*` environment of a granted run.
+    fn granted_env(
+        &self,
+        view: &RunView,
+        extra: Option<&Extra>,
+        expires_at: Option<&str>,
+        env: &mut BTreeMap<&'static str, String>,
+    ) {
+        let fence = view.fence.unwrap_or(0);
+        env.insert("BERTH_URL", self.shared.url.clone());
+        env.insert("BERTH_RUN_ID", view.run_id.clone());
+        env.insert("BERTH_FENCE", fence.to_string());
+        env.insert("BERTH_PROJECT", view.project.clone());
+        env.insert("BERTH_CLASS", view.class.as_str().to_string());
+        env.insert("BERTH_PRIORITY", view.priority.as_str().to_string());
+        if let Some(e) = expires_at {
+            env.insert("BERTH_LEASE_EXPIRES_AT", e.to_string());
+        }
+        let concurrency = match view.keys.first().map(|k| k.1) {
+            Some(berth_core::KeyMode::Shared) => "parallel",
+            _ => "serial",
+        };
+        env.insert("BERTH_CONCURRENCY", concurrency.to_string());
+        if let Some(ws) = extra.and_then(|e| e.workspace.as_ref()) {
+            workspace::env(&ws.path, env);
+        }
+        if let Some(wt) = extra.and_then(|e| e.worktree.as_ref()) {
+            env.insert("BERTH_WORKTREE", wt.clone());
+        }
+    }
+
+    fn record(&self, run_id: &str) -> Option<RunRecord> {
+        let r = self.engine.record(run_id)?;
+        let extra = self.extras.get(run_id)?;
+        let granted = r.fence.is_some();
+        Some(RunRecord {
+            request: r.request,
+            worktree: extra.worktree.clone(),
+            labels: extra.labels.clone(),
+            state: r.state,
+            fence: r.fence,
+            queue_seq: extra.queue_seq,
+            enqueued_ms: r.enqueued_at,
+            deadline_ms: r.deadline,
+            granted_ms: granted.then_some(r.granted_at),
+            expires_ms: granted.then_some(r.expires_at),
+            end_cause: r.cause,
+            primary_mode: r.primary_mode,
+            workspace: extra.workspace.clone(),
+            processes: extra.processes.clone(),
+            stop_grace_ms: extra.stop_grace_ms,
+        })
+    }
+
+    /// Applies one command and everything it sets off; records the runs it touched.
+    fn apply(
+        &mut self,
+        cmd: Command,
+        touched: &mut BTreeSet<String>,
+    ) -> Result<Option<RunView>, CoreError> {
+        let out = self.engine.apply(self.now, cmd);
+        self.carry_out(out.events, touched);
+        out.result
+    }
+
+    /// Carries out the engine's events, and the events that doing so sets off.
+    fn carry_out(&mut self, events: Vec<Event>, touched: &mut BTreeSet<String>) {
+        let mut queue: VecDeque<Event> = events.into();
+        while let Some(ev) = queue.pop_front() {
+            if let Some(run_id) = event_run(&ev) {
+                touched.insert(run_id.to_string());
+            }
+            match &ev {
+                Event::Granted {
+                    run_id,
+                    fence,
+                    expires_at_ms,
+                    ..
+                } => {
+                    let ttl_ms = expires_at_ms.saturating_sub(self.now);
+                    tracing::debug!(run_id, fence, ttl_ms, "granted");
+                    queue.extend(self.on_granted(run_id, *fence));
+                }
+                Event::StopRequested { run_id, cause } => {
+                    log_stop(&self.engine, run_id, *cause);
+                    queue.extend(self.stop_or_clean(run_id));
+                }
+                Event::Degraded { run_id } => self.on_degraded(run_id),
+                Event::Ended { run_id, state } => {
+                    tracing::debug!(run_id, state = state.as_str(), "ended");
+                    self.cleanup_retry.remove(run_id);
+                    if let Some(e) = self.extras.get_mut(run_id) {
+                        e.survivors.clear();
+                    }
+                    self.attached.remove(run_id);
+                    self.unclaimed.remove(run_id);
+                    self.ended.push_back(run_id.clone());
+                }
+                _ => {}
+            }
+        }
+        // Forget what the engine forgot (it keeps `ended_retained_max` ended runs).
+        while self.ended.len() > self.engine.config().ended_retained_max {
+            if let Some(id) = self.ended.pop_front() {
+                if self.engine.view_of(&id).is_none() {
+                    self.extras.remove(&id);
+                }
+            }
+        }
+    }
+
+    /// W1: a granted run gets its workspace, or is released in this same step (before
+    /// anything is acknowledged) and its caller told why. Returns what that sets off.
+    fn on_granted(&mut self, run_id: &str, fence: u64) -> Vec<Event> {
+        match self.host.create_workspace(run_id) {
+            Ok(ws) => {
+                if let Some(e) = self.extras.get_mut(run_id) {
+                    e.workspace = Some(ws);
+                }
+                Vec::new()
+            }
+            Err(e) => {
+                tracing::error!(run_id, "workspace: {e}; the run is released");
+                if let Some(x) = self.extras.get_mut(run_id) {
+                    x.failure = Some(format!(
+                        "the run was granted but its workspace could not be made ({e}); berth released it"
+                    ));
+                }
+                let release = Command::Release {
+                    run_id: run_id.to_string(),
+                    fence,
+                };
+                self.engine.apply(self.now, release).events
+            }
+        }
+    }
+
+    /// A run is to stop (released, expired, degraded and retried, or reaped): its
+    /// processes are stopped first (capacity stays counted until they are proven gone,
+    /// L5), or, with none, it is cleaned up at once. Returns what that sets off.
+    fn stop_or_clean(&mut self, run_id: &str) -> Vec<Event> {
+        if self.has_processes(run_id) {
+            self.start_stop(run_id);
+            return Vec::new();
+        }
+        let ok = self.cleanup(run_id);
+        self.stop_done(run_id, ok)
+    }
+
+    /// The run's processes are proven gone and its workspace removed (`ok`), or not.
+    fn stop_done(&mut self, run_id: &str, ok: bool) -> Vec<Event> {
+        let done = Command::StopDone {
+            run_id: run_id.to_string(),
+            ok,
+        };
+        self.engine.apply(self.now, done).events
+    }
+
+    fn on_degraded(&mut self, run_id: &str) {
+        self.schedule_retry(run_id);
+        let retry_in_ms = self
+            .cleanup_retry
+            .get(run_id)
+            .map_or(0, |(_, at)| at.saturating_sub(self.now));
+        tracing::warn!(
+            run_id,
+            retry_in_ms,
+            "run degraded: its stop or cleanup failed; its capacity stays counted until a retry succeeds"
+        );
+    }
+
+    /// Removes a stopping run's workspace after its identity check. False leaves the
+    /// run degraded, its capacity still counted, to be retried.
+    fn cleanup(&mut self, run_id: &str) -> bool {
+        let Some(ws) = self.extras.get(run_id).and_then(|e| e.workspace.clone()) else {
+            return true;
+        };
+        match self.host.remove_workspace(&ws, run_id) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(run_id, "cleanup failed: {e}");
+                false
+            }
+        }
+    }
+
+    /// Hands the touched runs to the writer; `then` runs once they are durable.
+    fn commit(
+        &mut self,
+        touched: BTreeSet<String>,
+        then: impl FnOnce(Result<(), &StoreError>) + Send + 'static,
+    ) {
+        let runs: Vec<RunRecord> = touched.iter().filter_map(|id| self.record(id)).collect();
+        // Their records are taken: ended runs shrink to what answering about them needs.
+        for r in &runs {
+            if r.state.is_terminal() {
+                if let Some(e) = self.extras.get_mut(&r.request.run_id) {
+                    e.shrink();
+                }
+            }
+        }
+        let notes = self.watcher_notes(&touched);
+        // L1/S6: a fence is never acknowledged above the durable marker; raising it is
+        // one fsync per `FENCE_RESERVE_BLOCK` grants.
+        if let Err(e) = self.host.cover_fence(self.engine.last_fence()) {
+            let e = StoreError::Write(e);
+            self.fatal.raise(e.to_string());
+            return then(Err(&e));
+        }
+        let granted = runs
+            .iter()
+            .any(|r| r.state == RunState::Granted && r.granted_ms.is_some());
+        let batch = Batch::runs(self.engine.last_fence(), runs);
+        let fatal = self.fatal.clone();
+        let stops = std::mem::take(&mut self.pending_stops);
+        let sink = (!stops.is_empty()).then(|| self.host.stop_sink());
+        self.writer.submit(Some(batch), move |res| {
+            if let (Ok(()), Some(sink)) = (&res, sink) {
+                stops.into_iter().for_each(|o| sink(o));
+            }
+            if granted {
+                crate::failpoint::hit("grant-committed");
+            }
+            if let Err(e) = &res {
+                // D4: never go on after the ledger refused a write.
+                fatal.raise(format!("the ledger refused a write: {e}"));
+            } else {
+                for (tx, info) in notes {
+                    let _ = tx.send(info);
+                }
+            }
+            then(res);
+        });
+    }
+
+    /// What the watchers of the touched runs are told once the commit is durable; a
+    /// watcher of a run that stopped waiting is told once and dropped.
+    fn watcher_notes(
+        &mut self,
+        touched: &BTreeSet<String>,
+    ) -> Vec<(Arc<watch::Sender<RunInfo>>, RunInfo)> {
+        let mut notes = Vec::new();
+        for id in touched {
+            if let Some(tx) = self.watchers.get(id) {
+                if let Some(info) = self.info(id) {
+                    let waiting = info.view.state == RunState::Queued;
+                    notes.push((tx.clone(), info));
+                    if !waiting {
+                        self.watchers.remove(id);
+                    }
+                }
+            }
+        }
+        notes
+    }
+
+    /// Commits the touched runs and answers `reply` with `value` once they are durable.
+    fn commit_and_answer<T: Send + 'static>(
+        &mut self,
+        touched: BTreeSet<String>,
+        reply: Reply<T>,
+        value: Result<T, Error>,
+    ) {
+        self.commit(touched, move |r| {
+            let _ = reply.send(r.map_err(Error::store).and(value));
+        });
+    }
+
+    /// Answers after everything queued before is durable.
+    fn answer<T: Send + 'static>(&self, reply: Reply<T>, value: Result<T, Error>) {
+        self.writer.submit(None, move |res| {
+            let _ = reply.send(match res {
+                Ok(()) => value,
+                Err(e) => Err(Error::store(e)),
+            });
+        });
+    }
+
+    /// P1: records a process of a granted run by identity, and moves it into the
+    /// run's cgroup where the host allows one.
+    fn register(&mut self, run_id: &str, fence: u64, pid: i32, uid: u32) -> Result<RunInfo, Error> {
+        let view = self
+            .engine
+            .view_of(run_id)
+            .ok_or_else(|| CoreError::NotFound {
+                run_id: run_id.to_string(),
+            })?;
+        if view.fence != Some(fence) {
+            return Err(CoreError::StaleFence {
+                run_id: run_id.to_string(),
+                given: Some(fence),
+                current: view.fence,
+            }
+            .into());
+        }
+        if view.state != RunState::Granted {
+            return Err(CoreError::Gone {
+                run_id: run_id.to_string(),
+                state: view.state,
+            }
+            .into());
+        }
+        // S3: the registration rule (crate::register), against every other live run
+        // with processes, in run id order.
+        let mut others: Vec<crate::register::OtherRun<'_>> = self
+            .extras
+            .iter()
+            .filter(|(id, e)| {
+                id.as_str() != run_id
+                    && !e.processes.is_empty()
+                    && self
+                        .engine
+                        .view_of(id)
+                        .is_some_and(|v| !v.state.is_terminal())
+            })
+            .map(|(id, e)| crate::register::OtherRun {
+                run_id: id,
+                roots: e.processes.iter().map(proc_id).collect(),
+            })
+            .collect();
+        others.sort_by(|a, b| a.run_id.cmp(b.run_id));
+        let id = self
+            .host
+            .check_process(uid, pid, &others)
+            .map_err(|refusal| Error::Registration { pid, refusal })?;
+        self.host.adopt(run_id, pid);
+        let rec = berth_store::ProcessRecord {
+            pid: id.pid,
+            start_ticks: id.start_ticks,
+            boot_id: id.boot_id,
+        };
+        if let Some(e) = self.extras.get_mut(run_id) {
+            if !e.processes.contains(&rec) {
+                e.processes.push(rec);
+            }
+        }
+        self.info(run_id).ok_or_else(Error::run_vanished)
+    }
+
+    pub fn close(mut self) {
+        self.writer.close();
+        let clean = self.fatal.reason().is_none();
+        self.host.close(clean.then(|| self.engine.last_fence()));
+    }
+}
+
+/// L6: one line per lease that ran out; a release is a debug line.
+fn log_stop(engine: &Engine, run_id: &str, cause: EndCause) {
+    match cause {
+        EndCause::Expired => {
+            let fence = engine.view_of(run_id).and_then(|v| v.fence);
+            tracing::info!(
+                run_id,
+                fence,
+                "lease expired: not renewed in time; the run is stopped and its claim freed once its processes are gone"
+            );
+        }
+        EndCause::Released => tracing::debug!(run_id, "released"),
+    }
+}
+
+/// The run an event is about, if it changes something the ledger records.
+fn event_run(ev: &Event) -> Option<&str> {
+    match ev {
+        Event::Granted { run_id, .. }
+        | Event::StopRequested { run_id, .. }
+        | Event::Degraded { run_id }
+        | Event::Ended { run_id, .. }
+        | Event::Queued { run_id, .. }
+        | Event::Renewed { run_id, .. }
+        | Event::QueueDeadlineExtended { run_id, .. }
+        | Event::KeyModeChanged { run_id, .. }
+        | Event::UpgradeQueued { run_id, .. }
+        | Event::UpgradeGranted { run_id, .. } => Some(run_id),
+        Event::Promoted { .. }
+        | Event::EvidenceInvalidated { .. }
+        | Event::MemoryStabilized { .. } => None,
+    }
+}

@@ -1,0 +1,137 @@
+//! P5: the daemon rebuilt from its ledger at start.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+
+use berth_core::{Engine, RestoredRun, RunState};
+use berth_store::{Ledger, RunRecord, Writer};
+
+use super::extra::Extra;
+use super::{Daemon, Host, ReapCounters, Shared};
+
+/// What a start knows besides the ledger.
+pub struct Restore {
+    pub cfg: berth_core::Config,
+    /// The ledger was written in this boot (its monotonic times still mean something).
+    pub same_boot: bool,
+    /// How long a restored waiter has to re-attach before it is cancelled (P5).
+    pub reconnect_window_ms: u64,
+}
+
+/// One line at startup: what the ledger gave back (P5). The runs still to be stopped
+/// (releasing, degraded) are named one per line at debug level.
+fn restore_summary(ledger: &Ledger, same_boot: bool) {
+    let count = |s: RunState| ledger.runs.iter().filter(|r| r.state == s).count();
+    let ended = ledger.runs.iter().filter(|r| r.state.is_terminal()).count();
+    tracing::info!(
+        granted = count(RunState::Granted),
+        queued = count(RunState::Queued),
+        releasing = count(RunState::Releasing),
+        degraded = count(RunState::Degraded),
+        ended,
+        last_fence = ledger.last_fence,
+        same_boot,
+        "restored from the ledger{}",
+        if same_boot {
+            ""
+        } else {
+            " (after a reboot: every lease is over, every waiter has one reconnect window)"
+        }
+    );
+    for r in &ledger.runs {
+        if matches!(r.state, RunState::Releasing | RunState::Degraded) {
+            tracing::debug!(
+                run_id = r.request.run_id.as_str(),
+                state = r.state.as_str(),
+                fence = r.fence,
+                "restored a run still to be stopped"
+            );
+        }
+    }
+}
+
+/// A ledger record as the engine and the daemon take it back. Times are this boot's
+/// monotonic milliseconds; after a reboot (`reboot_window` is the reconnect window)
+/// every lease is over and every waiter has one reconnect window.
+fn restored_run(mut r: RunRecord, now: u64, reboot_window: Option<u64>) -> (RestoredRun, Extra) {
+    let (mut enqueued, mut deadline, mut expires) =
+        (r.enqueued_ms, r.deadline_ms, r.expires_ms.unwrap_or(0));
+    if let Some(window) = reboot_window {
+        enqueued = enqueued.min(now);
+        deadline = now + window;
+        expires = now;
+    }
+    let extra = Extra::restored(&mut r);
+    let run = RestoredRun {
+        request: r.request,
+        state: r.state,
+        fence: r.fence,
+        enqueued_at: enqueued,
+        deadline,
+        granted_at: r.granted_ms.unwrap_or(0).min(now),
+        expires_at: expires,
+        cause: r.end_cause,
+        primary_mode: r.primary_mode,
+    };
+    (run, extra)
+}
+
+impl<H: Host> Daemon<H> {
+    /// Rebuilds the daemon from the ledger (P5). Times in the ledger are this boot's
+    /// monotonic milliseconds; after a reboot every lease is over and every waiter has
+    /// one reconnect window.
+    pub fn restore(
+        now: u64,
+        how: Restore,
+        ledger: Ledger,
+        writer: Writer,
+        shared: Arc<Shared>,
+        fatal: Arc<crate::Fatal>,
+        host: H,
+    ) -> Result<Daemon<H>, String> {
+        restore_summary(&ledger, how.same_boot);
+        let (last_fence, next_seq) = (ledger.last_fence, ledger.next_queue_seq);
+        let mut restored = Vec::with_capacity(ledger.runs.len());
+        let mut extras = HashMap::with_capacity(ledger.runs.len());
+        let mut unclaimed = BTreeMap::new();
+        let mut ended = VecDeque::new();
+        let mut cleanup_retry = BTreeMap::new();
+        let reboot_window = (!how.same_boot).then_some(how.reconnect_window_ms);
+        // Moved, not copied: a restart's peak memory is one copy of what it loads.
+        for r in ledger.runs {
+            let id = r.request.run_id.clone();
+            match r.state {
+                RunState::Queued => {
+                    unclaimed.insert(id.clone(), now + how.reconnect_window_ms);
+                }
+                RunState::Releasing | RunState::Degraded => {
+                    cleanup_retry.insert(id.clone(), (0, 0));
+                }
+                s if s.is_terminal() => ended.push_back(id.clone()),
+                _ => {}
+            }
+            let (run, extra) = restored_run(r, now, reboot_window);
+            extras.insert(id, extra);
+            restored.push(run);
+        }
+        let engine = Engine::restore(how.cfg, last_fence, now, restored)?;
+        Ok(Daemon {
+            now,
+            engine,
+            writer,
+            shared,
+            host,
+            extras,
+            ended,
+            next_seq,
+            attached: HashMap::new(),
+            unclaimed,
+            watchers: HashMap::new(),
+            cleanup_retry,
+            fatal,
+            stopping: BTreeSet::new(),
+            counters: ReapCounters::default(),
+            pending_stops: Vec::new(),
+        })
+    }
+}

@@ -1,0 +1,644 @@
+//! The daemon-level simulator: the whole [`Daemon`] (engine, extras, waiters, stops,
+//! cleanup retries, restore) driven by a seeded workload over a fake machine that fails
+//! workspace creation and removal on demand, stops processes only when the simulator
+//! says so (with survivors or an unverified look, sometimes), and survives restarts of
+//! the daemon. The ledger is real (SQLite in a temporary directory), so a restart is a
+//! real restore.
+//!
+//! After every step the daemon's invariants are checked against the machine (no
+//! granted run without its workspace, no ended run with a workspace or a living
+//! process, nothing left behind by a forgotten run, every degraded run due a retry);
+//! after a restart every run must be back as it was; at the end, with failures
+//! switched off and time run forward, nothing may be left at all. Each seed runs twice
+//! and the two traces must be equal.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+use berth_core::{Class, Command, Priority, Request, Resources, RunState};
+use berth_proc::{ProcId, StopReport};
+use berth_sim::Rng;
+use berth_store::{SqliteStore, Store, WorkspaceIdentity, Writer};
+
+use super::{Daemon, Error, Host, Msg, Restore, RunInfo, Shared, StopOrder, StopSink};
+use crate::register::{OtherRun, Refusal};
+
+/// Run ids the workload picks from: few, so runs collide, re-acquire and queue.
+const RUN_IDS_MAX: u64 = 16;
+/// Steps per seed in the default test run.
+const STEPS: usize = 300;
+/// Seeds in the default test run (`BERTH_DAEMON_SIM_SEEDS` runs more).
+const SEEDS: u64 = 12;
+
+/// The machine under the daemon, shared with the simulator so that it outlives a
+/// restart of the daemon and can be looked at.
+#[derive(Default)]
+struct Machine {
+    workspaces: BTreeMap<String, WorkspaceIdentity>,
+    next_ino: u64,
+    /// Living registered processes: pid → the run that started it.
+    alive: BTreeMap<i32, String>,
+    next_pid: i32,
+    /// Stop orders handed over (after their commit), not yet carried out.
+    orders: Vec<StopOrder>,
+    fail_create: bool,
+    fail_remove: bool,
+    tokens: u64,
+}
+
+/// How long an injected failure lasts, in steps: long enough for retries to meet it.
+const FAILURE_STEPS_MAX: u64 = 25;
+
+struct SimHost(Arc<Mutex<Machine>>);
+
+impl Host for SimHost {
+    fn create_workspace(&mut self, run_id: &str) -> Result<WorkspaceIdentity, String> {
+        let mut m = self.0.lock().unwrap();
+        if m.fail_create {
+            return Err("sim: no space left on device".into());
+        }
+        m.next_ino += 1;
+        let ws = WorkspaceIdentity {
+            path: format!("/sim/runs/{run_id}"),
+            dev: 1,
+            ino: m.next_ino,
+        };
+        let old = m.workspaces.insert(run_id.to_string(), ws.clone());
+        assert!(old.is_none(), "{run_id}: a second workspace over {old:?}");
+        Ok(ws)
+    }
+
+    fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String> {
+        let mut m = self.0.lock().unwrap();
+        if m.fail_remove {
+            return Err("sim: device busy".into());
+        }
+        match m.workspaces.get(run_id) {
+            None => Ok(()),
+            Some(have) if have != ws => Err(format!("sim: {run_id} swapped")),
+            Some(_) => {
+                m.workspaces.remove(run_id);
+                Ok(())
+            }
+        }
+    }
+
+    fn has_group(&self, _run_id: &str) -> bool {
+        false
+    }
+
+    fn stop_sink(&mut self) -> StopSink {
+        let m = self.0.clone();
+        Arc::new(move |o| m.lock().unwrap().orders.push(o))
+    }
+
+    fn check_process(
+        &self,
+        _uid: u32,
+        pid: i32,
+        others: &[OtherRun<'_>],
+    ) -> Result<ProcId, Refusal> {
+        if pid <= 1 {
+            return Err(Refusal::Forbidden(format!("pid {pid} is init")));
+        }
+        if !self.0.lock().unwrap().alive.contains_key(&pid) {
+            return Err(Refusal::NoSuchProcess);
+        }
+        if let Some(o) = others.iter().find(|o| o.roots.iter().any(|r| r.pid == pid)) {
+            return Err(Refusal::OwnedByRun {
+                run_id: o.run_id.to_string(),
+            });
+        }
+        Ok(ProcId {
+            pid,
+            start_ticks: 1,
+            boot_id: "sim".into(),
+        })
+    }
+
+    fn adopt(&mut self, _run_id: &str, _pid: i32) {}
+
+    fn cover_fence(&mut self, _last_fence: u64) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn new_token(&mut self) -> Result<String, String> {
+        let mut m = self.0.lock().unwrap();
+        m.tokens += 1;
+        Ok(format!("sim-token-{}", m.tokens))
+    }
+
+    fn diagnostics(&self) -> (u64, u64) {
+        (0, 0)
+    }
+
+    fn show_time(&self, mono_ms: u64) -> String {
+        format!("t+{mono_ms}")
+    }
+
+    fn close(&mut self, _clean_last_fence: Option<u64>) {}
+}
+
+impl<H: Host> Daemon<H> {
+    /// Waits until everything handed to the writer so far is durable and answered.
+    fn flush(&self) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.writer.submit(None, move |_| {
+            let _ = tx.send(());
+        });
+        let _ = rx.recv();
+    }
+}
+
+struct Sim {
+    dir: tempfile::TempDir,
+    machine: Arc<Mutex<Machine>>,
+    daemon: Option<Daemon<SimHost>>,
+    now: u64,
+    rng: Rng,
+    trace: Vec<String>,
+    /// Steps until which workspace creation, and removal, fail.
+    fail_until: (usize, usize),
+    step: usize,
+}
+
+fn config() -> berth_core::Config {
+    let mut cfg = berth_core::Config::for_host(4, 8 << 30, 100 << 30);
+    // Small, so that forgetting ended runs (and their extras) happens in a run.
+    cfg.ended_retained_max = 6;
+    cfg
+}
+
+impl Sim {
+    fn new(seed: u64) -> Sim {
+        let mut sim = Sim {
+            dir: tempfile::tempdir().unwrap(),
+            machine: Arc::default(),
+            daemon: None,
+            // Not zero: times in the ledger are monotonic milliseconds of a real boot.
+            now: 1_000_000,
+            rng: Rng::new(seed),
+            trace: Vec::new(),
+            fail_until: (0, 0),
+            step: 0,
+        };
+        sim.start();
+        sim
+    }
+
+    fn d(&mut self) -> &mut Daemon<SimHost> {
+        self.daemon.as_mut().expect("started")
+    }
+
+    /// Starts (or restarts) the daemon from the ledger.
+    fn start(&mut self) {
+        let mut store = SqliteStore::open_exclusive(&self.dir.path().join("ledger.db")).unwrap();
+        let ledger = store.load(config().ended_retained_max).unwrap();
+        let how = Restore {
+            cfg: config(),
+            same_boot: true,
+            reconnect_window_ms: 30_000,
+        };
+        let shared = Arc::new(Shared {
+            tokens: RwLock::new(Vec::new()),
+            url: "http://sim".into(),
+        });
+        let writer = Writer::spawn(Box::new(store), true);
+        let fatal = Arc::new(crate::Fatal::default());
+        let host = SimHost(self.machine.clone());
+        let d = Daemon::restore(self.now, how, ledger, writer, shared, fatal, host);
+        self.daemon = Some(d.expect("restore"));
+    }
+
+    /// Sends one message and returns its answer, once durable.
+    fn ask<T>(&mut self, make: impl FnOnce(super::Reply<T>) -> Msg) -> Result<T, Error> {
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let now = self.now;
+        self.d().handle(now, make(tx));
+        self.d().flush();
+        rx.try_recv().expect("answered once durable")
+    }
+
+    fn pick_run(&mut self) -> String {
+        format!("r{}", self.rng.range(0, RUN_IDS_MAX - 1))
+    }
+
+    /// Mostly a granted run (in id order, so the pick repeats), else any id.
+    fn pick_granted(&mut self) -> String {
+        let d = self.daemon.as_ref().expect("started");
+        let mut granted: Vec<&String> = d
+            .extras
+            .keys()
+            .filter(|id| {
+                d.engine
+                    .view_of(id)
+                    .is_some_and(|v| v.state == RunState::Granted)
+            })
+            .collect();
+        granted.sort();
+        if granted.is_empty() || self.rng.chance(0.25) {
+            return self.pick_run();
+        }
+        let id = self.rng.pick(&granted).to_string();
+        id
+    }
+
+    /// The run's fence as the engine has it; sometimes an older one (a stale owner).
+    fn fence_of(&mut self, run_id: &str) -> Option<u64> {
+        let f = self.d().engine.view_of(run_id).and_then(|v| v.fence)?;
+        Some(if self.rng.chance(0.15) {
+            f.saturating_sub(1)
+        } else {
+            f
+        })
+    }
+
+    fn step(&mut self, i: usize) {
+        self.step = i;
+        {
+            let mut m = self.machine.lock().unwrap();
+            m.fail_create = i < self.fail_until.0;
+            m.fail_remove = i < self.fail_until.1;
+        }
+        let line = match self.rng.range(0, 99) {
+            0..=21 => self.acquire(),
+            22..=31 => self.renew(),
+            32..=43 => self.release(),
+            44..=46 => self.cancel(),
+            47..=56 => self.register(),
+            57..=70 => self.deliver_stop(),
+            71..=86 => self.pass_time(),
+            87..=89 => self.reap(),
+            90..=92 => self.restart(),
+            _ => self.inject_failure(),
+        };
+        self.trace.push(format!("{i} {line}"));
+        if let Err(e) = self.check() {
+            panic!("step {i}: {e}\ntrace:\n{}", self.trace.join("\n"));
+        }
+    }
+
+    /// A run's request follows from its id, so that asking again is the same request
+    /// (L7) and only a forgotten id makes a new run.
+    fn acquire(&mut self) -> String {
+        let n = self.rng.range(0, RUN_IDS_MAX - 1);
+        let id = format!("r{n}");
+        let req = Request {
+            run_id: id.clone(),
+            project: format!("p{}", n % 4),
+            class: Class::Managed,
+            priority: Priority::Foreground,
+            resources: Resources {
+                slots: 1,
+                cpu_millis: (n % 4 + 1) * 500,
+                ..Default::default()
+            },
+            singletons: Vec::new(),
+            contract: None,
+            ttl_ms: (n % 5 + 1) * 10_000,
+            wait_ms: (n % 3) * 15_000,
+        };
+        let res = self.ask(|reply| Msg::Acquire {
+            req,
+            worktree: None,
+            labels: BTreeMap::new(),
+            stop_grace_ms: None,
+            attach: false,
+            reply,
+        });
+        format!("acquire {id} -> {}", outcome(&res))
+    }
+
+    fn command(&mut self, what: &str, cmd: Command) -> String {
+        let res = self.ask(|reply| Msg::Command { cmd, reply });
+        format!("{what} -> {}", outcome(&res))
+    }
+
+    fn renew(&mut self) -> String {
+        let run_id = self.pick_granted();
+        let fence = self.fence_of(&run_id);
+        let ttl_ms = Some(self.rng.range(5, 60) * 1_000);
+        let what = format!("renew {run_id} f{fence:?}");
+        self.command(
+            &what,
+            Command::Renew {
+                run_id,
+                fence,
+                ttl_ms,
+            },
+        )
+    }
+
+    fn release(&mut self) -> String {
+        let run_id = self.pick_granted();
+        let fence = self.fence_of(&run_id).unwrap_or(0);
+        let what = format!("release {run_id} f{fence}");
+        self.command(&what, Command::Release { run_id, fence })
+    }
+
+    fn cancel(&mut self) -> String {
+        let run_id = self.pick_run();
+        let what = format!("cancel {run_id}");
+        self.command(&what, Command::Cancel { run_id })
+    }
+
+    /// A run's client starts a process and registers it; sometimes it names another
+    /// run's process instead.
+    fn register(&mut self) -> String {
+        let run_id = self.pick_granted();
+        let fence = self.fence_of(&run_id).unwrap_or(0);
+        let (pid, new) = {
+            let mut m = self.machine.lock().unwrap();
+            let theirs = m.alive.keys().next().copied();
+            match theirs {
+                Some(p) if self.rng.chance(0.2) => (p, false),
+                _ => {
+                    m.next_pid += 1;
+                    let pid = 100 + m.next_pid;
+                    m.alive.insert(pid, run_id.clone());
+                    (pid, true)
+                }
+            }
+        };
+        let res = self.ask(|reply| Msg::RegisterProcess {
+            run_id: run_id.clone(),
+            fence,
+            pid,
+            uid: 1000,
+            reply,
+        });
+        if res.is_err() && new {
+            // A process berth refused to record is the client's to end; it does.
+            self.machine.lock().unwrap().alive.remove(&pid);
+        }
+        format!("register {run_id} f{fence} pid {pid} -> {}", outcome(&res))
+    }
+
+    /// The stopper finishes the oldest stop: proven gone, survivors, or could not look.
+    fn deliver_stop(&mut self) -> String {
+        let order = {
+            let mut m = self.machine.lock().unwrap();
+            if m.orders.is_empty() {
+                return "stop: none pending".into();
+            }
+            m.orders.remove(0)
+        };
+        let roll = self.rng.range(0, 9);
+        let mut report = StopReport::default();
+        let mut m = self.machine.lock().unwrap();
+        for r in &order.roots {
+            if m.alive.contains_key(&r.pid) {
+                report.terminated += 1;
+                if roll < 7 {
+                    m.alive.remove(&r.pid);
+                } else {
+                    report.survivors.push(r.pid);
+                }
+            }
+        }
+        report.unverified = roll == 9;
+        drop(m);
+        let line = format!("stopped {} {report:?}", order.run_id);
+        let now = self.now;
+        self.d().handle(
+            now,
+            Msg::Stopped {
+                run_id: order.run_id,
+                report,
+            },
+        );
+        self.d().flush();
+        line
+    }
+
+    fn pass_time(&mut self) -> String {
+        let ms = if self.rng.chance(0.1) {
+            self.rng.range(60, 400) * 1_000
+        } else {
+            self.rng.range(1, 100) * 100
+        };
+        self.now += ms;
+        let now = self.now;
+        self.d().tick(now, None);
+        self.d().flush();
+        format!("tick +{ms}ms")
+    }
+
+    fn reap(&mut self) -> String {
+        let res = self.ask(|reply| Msg::Reap { reply });
+        format!("reap -> {:?}", res.map(|(runs, _)| runs))
+    }
+
+    /// The daemon stops (cleanly: a crash loses nothing acknowledged either, and the
+    /// crash tests cover it) and starts again from its ledger. Stops in flight die with
+    /// it; their processes live on.
+    fn restart(&mut self) -> String {
+        let before = runs(self.d());
+        self.daemon.take().unwrap().close();
+        self.machine.lock().unwrap().orders.clear();
+        self.start();
+        let after = runs(self.d());
+        // Every live run comes back as it was; of the ended ones, the ledger may
+        // return a different few of the newest (by end, not by forgetting order).
+        let same = |a: &BTreeMap<String, RunRow>, b: &BTreeMap<String, RunRow>| {
+            a.iter()
+                .all(|(id, r)| b.get(id).map_or(r.0.is_terminal(), |s| s == r))
+        };
+        if !same(&before, &after) || !same(&after, &before) {
+            panic!(
+                "a restart changed the runs:\nbefore {before:?}\nafter  {after:?}\ntrace:\n{}",
+                self.trace.join("\n")
+            );
+        }
+        format!("restart ({} runs)", after.len())
+    }
+
+    /// From the next step on, workspace creation or removal fails for a while.
+    fn inject_failure(&mut self) -> String {
+        let until = self.step + 1 + self.rng.range(1, FAILURE_STEPS_MAX) as usize;
+        if self.rng.chance(0.5) {
+            self.fail_until.0 = until;
+            format!("workspace creation fails until step {until}")
+        } else {
+            self.fail_until.1 = until;
+            format!("workspace removal fails until step {until}")
+        }
+    }
+
+    /// The daemon against the machine.
+    fn check(&mut self) -> Result<(), String> {
+        let d = self.daemon.as_ref().expect("started");
+        d.engine.check_invariants()?;
+        let m = self.machine.lock().unwrap();
+        let state = |id: &str| d.engine.view_of(id).map(|v| v.state);
+        let live = |id: &str| {
+            matches!(
+                state(id),
+                Some(RunState::Granted | RunState::Releasing | RunState::Degraded)
+            )
+        };
+        for (id, ws) in &m.workspaces {
+            if !live(id) {
+                return Err(format!(
+                    "{id} is {:?} but its workspace {ws:?} is left",
+                    state(id)
+                ));
+            }
+        }
+        // L5: a run whose processes may still live keeps its claim.
+        for (pid, id) in &m.alive {
+            if !live(id) {
+                return Err(format!(
+                    "{id} is {:?} but its process {pid} lives",
+                    state(id)
+                ));
+            }
+        }
+        for (id, e) in &d.extras {
+            let v = d.engine.view_of(id);
+            let granted = v.as_ref().is_some_and(|v| v.state == RunState::Granted);
+            if granted && m.workspaces.get(id) != e.workspace.as_ref() {
+                return Err(format!("granted {id} has no workspace of its own (W1)"));
+            }
+        }
+        for id in &d.stopping {
+            if !matches!(state(id), Some(RunState::Releasing | RunState::Degraded)) {
+                return Err(format!("{id} is being stopped but is {:?}", state(id)));
+            }
+        }
+        for id in d.extras.keys() {
+            let stuck = state(id) == Some(RunState::Degraded)
+                && !d.stopping.contains(id)
+                && !d.cleanup_retry.contains_key(id);
+            if stuck {
+                return Err(format!("degraded {id} is never retried"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Failures off, every stop succeeds, time runs on: nothing may be left.
+    fn drain(&mut self) {
+        self.fail_until = (0, 0);
+        {
+            let mut m = self.machine.lock().unwrap();
+            m.fail_create = false;
+            m.fail_remove = false;
+        }
+        for round in 0..40 {
+            while !self.machine.lock().unwrap().orders.is_empty() {
+                let order = self.machine.lock().unwrap().orders.remove(0);
+                let mut m = self.machine.lock().unwrap();
+                for r in &order.roots {
+                    m.alive.remove(&r.pid);
+                }
+                drop(m);
+                let now = self.now;
+                let report = StopReport::default();
+                let run_id = order.run_id;
+                self.d().handle(now, Msg::Stopped { run_id, report });
+                self.d().flush();
+            }
+            self.now += 301_000;
+            let now = self.now;
+            self.d().tick(now, None);
+            self.d().flush();
+            self.trace.push(format!("drain {round}"));
+            self.check()
+                .unwrap_or_else(|e| panic!("drain {round}: {e}"));
+        }
+        let m = self.machine.lock().unwrap();
+        let d = self.daemon.as_ref().unwrap();
+        let left: Vec<_> = d
+            .extras
+            .keys()
+            .filter(|id| d.engine.view_of(id).is_some_and(|v| !v.state.is_terminal()))
+            .collect();
+        assert!(left.is_empty(), "runs never ended: {left:?}");
+        assert!(
+            m.workspaces.is_empty(),
+            "workspaces left: {:?}",
+            m.workspaces
+        );
+        assert!(
+            m.alive.is_empty(),
+            "registered processes left: {:?}",
+            m.alive
+        );
+    }
+}
+
+/// Every run the daemon knows, as (state, fence, workspace, processes).
+type RunRow = (RunState, Option<u64>, Option<u64>, Vec<i32>);
+
+fn runs(d: &Daemon<SimHost>) -> BTreeMap<String, RunRow> {
+    d.extras
+        .iter()
+        .filter_map(|(id, e)| {
+            let v = d.engine.view_of(id)?;
+            let pids = e.processes.iter().map(|p| p.pid).collect();
+            let ws = e.workspace.as_ref().map(|w| w.ino);
+            Some((id.clone(), (v.state, v.fence, ws, pids)))
+        })
+        .collect()
+}
+
+/// A step's answer for the trace: the run's state and fence, or the refusal's code.
+fn outcome(res: &Result<RunInfo, Error>) -> String {
+    match res {
+        Ok(i) => format!("ok {} {:?}", i.view.state.as_str(), i.view.fence),
+        Err(Error::Core(e)) => e.code().to_string(),
+        Err(e) => format!("{e:?}"),
+    }
+}
+
+fn one_seed(seed: u64) -> Vec<String> {
+    let mut sim = Sim::new(seed);
+    for i in 0..STEPS {
+        sim.step(i);
+    }
+    sim.drain();
+    let mut trace = std::mem::take(&mut sim.trace);
+    // The outcome of each step with the state it left, so a divergence shows where.
+    let end = runs(sim.d());
+    trace.push(format!("end {end:?}"));
+    sim.daemon.take().unwrap().close();
+    trace
+}
+
+#[test]
+fn the_daemon_simulation_holds_its_invariants_and_repeats_exactly() {
+    let _one = super::LOGGING_TESTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let seeds = std::env::var("BERTH_DAEMON_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(SEEDS);
+    let mut granted = 0;
+    for seed in 0..seeds {
+        let a = one_seed(seed);
+        let b = one_seed(seed);
+        if let Some(i) = (0..a.len().min(b.len())).find(|&i| a[i] != b[i]) {
+            panic!("seed {seed} diverged at line {i}:\n{}\n{}", a[i], b[i]);
+        }
+        assert_eq!(a.len(), b.len(), "seed {seed}");
+        granted += a
+            .iter()
+            .filter(|l| {
+                l.starts_with(|c: char| c.is_ascii_digit())
+                    && l.contains("acquire")
+                    && l.contains("-> ok granted")
+            })
+            .count();
+    }
+    eprintln!("daemon sim: {seeds} seeds, {granted} acquires granted at once");
+    if std::env::var("BERTH_DAEMON_SIM_TRACE").is_ok() {
+        eprintln!("{}", one_seed(0).join("\n"));
+    }
+    // The workload must reach the paths it is for, not only refusals.
+    assert!(
+        granted > seeds as usize * 10,
+        "only {granted} acquires succeeded"
+    );
+}

@@ -1,0 +1,216 @@
+//! The daemon with its real host: what an operator reads in the log.
+
+use super::*;
+use crate::clock;
+use berth_store::Writer;
+use std::sync::Mutex;
+
+/// One event as `Capture` saw it: its level, message and other fields (`Debug`
+/// form, strings as they are).
+#[derive(Clone, Debug)]
+struct Line {
+    level: tracing::Level,
+    message: String,
+    fields: BTreeMap<String, String>,
+}
+
+/// A subscriber that keeps every event (no spans are used here).
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<Line>>>);
+
+impl Capture {
+    fn lines(&self) -> Vec<Line> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+impl tracing::Subscriber for Capture {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        struct Fields(BTreeMap<String, String>);
+        impl tracing::field::Visit for Fields {
+            fn record_str(&mut self, f: &tracing::field::Field, v: &str) {
+                self.0.insert(f.name().to_string(), v.to_string());
+            }
+            fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                self.0.insert(f.name().to_string(), format!("{v:?}"));
+            }
+        }
+        let mut fields = Fields(BTreeMap::new());
+        event.record(&mut fields);
+        let mut fields = fields.0;
+        let message = fields.remove("message").unwrap_or_default();
+        self.0.lock().unwrap().push(Line {
+            level: *event.metadata().level(),
+            message,
+            fields,
+        });
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// The daemon over the state directory `dir`, as a start restores it.
+fn restore(dir: &std::path::Path) -> Daemon<RealHost> {
+    let mut store = berth_store::SqliteStore::open_exclusive(&dir.join("ledger.db")).unwrap();
+    use berth_store::Store;
+    let ledger = store.load(1_000).unwrap();
+    let runs_dir = workspace::ensure_runs_dir(dir).unwrap();
+    let host = RealHost::new(
+        &runs_dir,
+        workspace::Diagnostics {
+            dir: dir.join("diagnostics"),
+            run_bytes_max: 1 << 20,
+            total_bytes_max: 1 << 30,
+            run_entries_max: workspace::DIAGNOSTICS_RUN_ENTRIES_MAX,
+            total_entries_max: workspace::DIAGNOSTICS_TOTAL_ENTRIES_MAX,
+        },
+        crate::private::FenceMarker::open(dir).unwrap(),
+        Supervision {
+            cgroup_base: None,
+            grace_ms: 1_000,
+            kill_wait_ms: 1_000,
+        },
+    )
+    .unwrap();
+    let how = Restore {
+        cfg: berth_core::Config::for_host(4, 8 << 30, 100 << 30),
+        same_boot: true,
+        reconnect_window_ms: 30_000,
+    };
+    let shared = Arc::new(Shared {
+        tokens: RwLock::new(Vec::new()),
+        url: "http://127.0.0.1:1".into(),
+    });
+    let writer = Writer::spawn(Box::new(store), true);
+    let fatal = Arc::new(crate::Fatal::default());
+    Daemon::restore(clock::mono_ms(), how, ledger, writer, shared, fatal, host).unwrap()
+}
+
+fn acquire(
+    st: &mut Daemon<RealHost>,
+    run_id: &str,
+    ttl_ms: u64,
+    cpu_millis: u64,
+) -> Result<RunInfo, Error> {
+    let (reply, rx) = oneshot::channel();
+    st.handle(
+        clock::mono_ms(),
+        Msg::Acquire {
+            req: berth_core::Request {
+                run_id: run_id.into(),
+                project: run_id.replace(':', "-"),
+                class: berth_core::Class::Managed,
+                priority: berth_core::Priority::Foreground,
+                resources: berth_core::Resources {
+                    slots: 1,
+                    cpu_millis,
+                    ..Default::default()
+                },
+                singletons: Vec::new(),
+                contract: None,
+                ttl_ms,
+                wait_ms: 0,
+            },
+            worktree: None,
+            labels: BTreeMap::new(),
+            stop_grace_ms: None,
+            attach: false,
+            reply,
+        },
+    );
+    rx.blocking_recv().unwrap()
+}
+
+/// The one INFO line whose message starts with `prefix`.
+fn info_line(lines: &[Line], prefix: &str) -> Line {
+    let found: Vec<&Line> = lines
+        .iter()
+        .filter(|l| l.level == tracing::Level::INFO && l.message.starts_with(prefix))
+        .collect();
+    assert_eq!(found.len(), 1, "{prefix}: {lines:#?}");
+    found[0].clone()
+}
+
+/// What an operator reads: a lease that ran out and an impossible request are INFO
+/// lines naming the run; a grant is DEBUG; a restart says what it restored.
+#[test]
+fn expiry_refusal_and_restart_summary_are_logged_with_the_run_id() {
+    let _one = super::LOGGING_TESTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let cap = Capture::default();
+    tracing::subscriber::with_default(cap.clone(), || {
+        let mut st = restore(dir.path());
+        let exp = acquire(&mut st, "exp-1", 1, 100).unwrap();
+        assert_eq!(exp.view.state, RunState::Granted);
+        let keep = acquire(&mut st, "keep:2", 600_000, 100).unwrap();
+        let never = acquire(&mut st, "huge.3", 600_000, 1_000_000).unwrap_err();
+        assert!(
+            matches!(never, Error::Core(CoreError::CapacityImpossible { .. })),
+            "{never:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        st.tick(clock::mono_ms(), None);
+        assert_eq!(
+            st.engine.view_of("exp-1").map(|v| v.state),
+            Some(RunState::Expired)
+        );
+        st.close();
+        let lines = cap.lines();
+
+        let l = info_line(&lines, "lease expired");
+        assert_eq!(l.fields["run_id"], "exp-1", "{l:?}");
+        assert_eq!(l.fields["fence"], exp.view.fence.unwrap().to_string());
+        let l = info_line(&lines, "acquire refused (capacity_impossible)");
+        assert_eq!(l.fields["run_id"], "huge.3", "{l:?}");
+        assert_eq!(l.fields["resource"], "cpu_millis", "{l:?}");
+        assert_eq!(l.fields["request"], "1000000", "{l:?}");
+        // Grants are DEBUG, with the run id; nothing else about them at INFO.
+        for id in ["exp-1", "keep:2"] {
+            assert!(
+                lines.iter().any(|l| l.level == tracing::Level::DEBUG
+                    && l.message == "granted"
+                    && l.fields.get("run_id").map(String::as_str) == Some(id)),
+                "{id}: {lines:#?}"
+            );
+        }
+        assert!(!lines.iter().any(|l| l.level == tracing::Level::INFO
+            && l.fields.get("run_id").map(String::as_str) == Some("keep:2")));
+        // Every line about a run names it.
+        for l in &lines {
+            if l.level <= tracing::Level::INFO && l.message.contains("run") {
+                assert!(
+                    l.fields.contains_key("run_id") || l.message.starts_with("restored"),
+                    "{l:?}"
+                );
+            }
+        }
+
+        // The restart says what it found.
+        cap.0.lock().unwrap().clear();
+        let st = restore(dir.path());
+        let l = info_line(&cap.lines(), "restored from the ledger");
+        for (k, v) in [
+            ("granted", "1"),
+            ("queued", "0"),
+            ("releasing", "0"),
+            ("degraded", "0"),
+            ("ended", "1"),
+            ("same_boot", "true"),
+        ] {
+            assert_eq!(l.fields[k], v, "{k}: {l:?}");
+        }
+        let last: u64 = l.fields["last_fence"].parse().unwrap();
+        assert!(last >= keep.view.fence.unwrap(), "{l:?}");
+        st.close();
+    });
+}
