@@ -28,6 +28,20 @@ macro_rules! words {
                 }
             }
         }
+        /// On the wire, the same word (the API's one codec for it).
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+        impl<'de> serde::Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<$ty, D::Error> {
+                const WORDS: &[&str] = &[$($word),+];
+                let s = String::deserialize(d)?;
+                s.parse()
+                    .map_err(|_| <D::Error as serde::de::Error>::unknown_variant(&s, WORDS))
+            }
+        }
     };
 }
 

@@ -16,7 +16,6 @@ use berth_core::{
     validate, Class, Command, Priority, Request as CoreRequest, Resources, RunState, Snapshot,
 };
 use serde::de::DeserializeOwned;
-use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
@@ -150,97 +149,12 @@ async fn json_body<T: DeserializeOwned>(body: Body, empty_ok: bool) -> Result<T,
     Ok(value)
 }
 
-/// A JSON object as a map that refuses a key given twice (`serde_json` keeps the last
-/// one silently: `{"memory": 1, "memory": 999999}` would mean whatever the last says).
-#[derive(Debug, Default)]
-pub struct UniqueMap<V>(pub BTreeMap<String, V>);
-
-impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit<V>(std::marker::PhantomData<V>);
-        impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Visit<V> {
-            type Value = UniqueMap<V>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut m: A,
-            ) -> Result<Self::Value, A::Error> {
-                let mut out = BTreeMap::new();
-                while let Some(k) = m.next_key::<String>()? {
-                    if out.contains_key(&k) {
-                        return Err(serde::de::Error::custom(format!("duplicate key {k:?}")));
-                    }
-                    let v = m.next_value()?;
-                    out.insert(k, v);
-                }
-                Ok(UniqueMap(out))
-            }
-        }
-        d.deserialize_map(Visit(std::marker::PhantomData))
-    }
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum ClassWire {
-    Managed,
-    Analysis,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "lowercase")]
-enum PriorityWire {
-    Foreground,
-    Background,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct AcquireBody {
-    run_id: Option<String>,
-    project: String,
-    class: Option<ClassWire>,
-    priority: Option<PriorityWire>,
-    resources: Option<UniqueMap<u64>>,
-    singletons: Option<Vec<String>>,
-    budget: Option<Value>,
-    worktree: Option<String>,
-    ttl_s: Option<u64>,
-    wait_s: Option<u64>,
-    labels: Option<UniqueMap<String>>,
-    /// Grace between SIGTERM and SIGKILL when this run is stopped (P2).
-    stop_grace_s: Option<u64>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RenewBody {
-    fence: Option<u64>,
-    ttl_s: Option<u64>,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ReleaseBody {
-    fence: u64,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct ProcessBody {
-    fence: u64,
-    pid: i32,
-}
-
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TokenBody {
-    scope: String,
-    /// The user this token acts for when it registers processes; default: berth's own.
-    uid: Option<u32>,
-}
+use berth_client::wire::{
+    AcquireEvent, AcquireRequest as AcquireBody, Claim, ErrorDetail, FenceCheck, Key, LedgerStatus,
+    ProcessRequest as ProcessBody, ProjectStatus, Queued, ReapReport, ReaperStatus, Reason,
+    ReleaseRequest as ReleaseBody, RenewRequest as RenewBody, ResourceStatus, Run, RunList, Status,
+    TokenCreated, TokenRequest as TokenBody,
+};
 
 fn check_fence(f: u64) -> Result<u64, ApiError> {
     if f == 0 || f > FENCE_MAX {
@@ -369,14 +283,8 @@ fn build_request(api: &Api, b: AcquireBody) -> Result<(CoreRequest, Extras), Api
     let req = CoreRequest {
         run_id,
         project: b.project,
-        class: match b.class {
-            Some(ClassWire::Analysis) => Class::Analysis,
-            _ => Class::Managed,
-        },
-        priority: match b.priority {
-            Some(PriorityWire::Background) => Priority::Background,
-            _ => Priority::Foreground,
-        },
+        class: b.class.unwrap_or(Class::Managed),
+        priority: b.priority.unwrap_or(Priority::Foreground),
         resources: res,
         singletons,
         // Filled in by `read_worktree`, off the async workers.
@@ -472,109 +380,57 @@ fn singletons(singletons: Vec<String>) -> Result<Vec<String>, ApiError> {
     Ok(singletons)
 }
 
-/// A run as the API shows it, serialized straight from the state's answer (building a
-/// `Value` first cost an allocation per field on every acquire and release). Fields are
-/// in alphabetical order, as a `Value` map prints them.
-#[derive(serde::Serialize)]
-pub struct RunOut<'a> {
-    claim: ClaimOut<'a>,
-    class: &'static str,
-    env: &'a BTreeMap<&'static str, String>,
-    expires_at: &'a Option<String>,
-    fence: Option<u64>,
-    labels: &'a BTreeMap<String, String>,
-    ports: BTreeMap<(), ()>,
-    position: Option<u64>,
-    priority: &'static str,
-    project: &'a str,
-    reason: Option<ReasonOut<'a>>,
-    run_id: &'a str,
-    since: &'a Option<String>,
-    state: &'static str,
-    survivors: &'a [i32],
-    workspace: &'a Option<String>,
-    worktree: &'a Option<String>,
-}
-
-#[derive(serde::Serialize)]
-struct ClaimOut<'a> {
-    keys: Vec<KeyOut<'a>>,
-    resources: ResourcesOut<'a>,
-}
-
-#[derive(serde::Serialize)]
-struct KeyOut<'a> {
-    key: &'a str,
-    mode: &'static str,
-}
-
-#[derive(serde::Serialize)]
-struct ReasonOut<'a> {
-    code: &'a str,
-    message: &'a str,
-}
-
-/// The four built-in resources and the named ones (A13) in one map, sorted by name.
-struct ResourcesOut<'a>(&'a berth_core::Resources);
-
-impl serde::Serialize for ResourcesOut<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap;
-        let r = self.0;
-        let mut all: Vec<(&str, u64)> = vec![
-            ("cpu_millis", r.cpu_millis),
-            ("disk", r.disk),
-            ("memory", r.memory),
-            ("slots", r.slots),
-        ];
-        all.extend(r.named.iter().map(|(k, n)| (k.as_str(), *n)));
-        all.sort_by(|a, b| a.0.cmp(b.0));
-        let mut m = s.serialize_map(Some(all.len()))?;
-        for (k, n) in all {
-            m.serialize_entry(k, &n)?;
-        }
-        m.end()
-    }
-}
-
-pub fn run_out(i: &RunInfo) -> RunOut<'_> {
+/// A run as API v1 shows it.
+pub fn run_out(i: &RunInfo) -> Run {
     let v = &i.view;
-    RunOut {
-        claim: ClaimOut {
-            keys: v
-                .keys
-                .iter()
-                .map(|(k, m)| KeyOut {
-                    key: k,
-                    mode: m.as_str(),
-                })
-                .collect(),
-            resources: ResourcesOut(&v.resources),
-        },
-        class: v.class.as_str(),
-        env: &i.env,
-        expires_at: &i.expires_at,
+    let r = &v.resources;
+    let mut resources: BTreeMap<String, u64> = r.named.clone();
+    for (k, n) in [
+        ("cpu_millis", r.cpu_millis),
+        ("disk", r.disk),
+        ("memory", r.memory),
+        ("slots", r.slots),
+    ] {
+        resources.insert(k.to_string(), n);
+    }
+    let keys = v
+        .keys
+        .iter()
+        .map(|(k, m)| Key {
+            key: k.clone(),
+            mode: *m,
+        })
+        .collect();
+    Run {
+        claim: Claim { keys, resources },
+        class: v.class,
+        env: i
+            .env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect(),
+        expires_at: i.expires_at.clone(),
         fence: v.fence,
-        labels: &i.labels,
+        labels: i.labels.clone(),
         ports: BTreeMap::new(),
         position: v.position,
-        priority: v.priority.as_str(),
-        project: &v.project,
-        reason: v.reason.as_ref().map(|r| ReasonOut {
-            code: &r.code,
-            message: &r.message,
-        }),
-        run_id: &v.run_id,
-        since: &i.since,
-        state: v.state.as_str(),
-        survivors: &i.survivors,
-        workspace: &i.workspace,
-        worktree: &i.worktree,
+        priority: v.priority,
+        project: v.project.clone(),
+        reason: v.reason.as_ref().map(reason),
+        run_id: v.run_id.clone(),
+        since: i.since.clone(),
+        state: v.state,
+        survivors: i.survivors.clone(),
+        workspace: i.workspace.clone(),
+        worktree: i.worktree.clone(),
     }
 }
 
-pub fn run_json(i: &RunInfo) -> Value {
-    serde_json::to_value(run_out(i)).unwrap_or(Value::Null)
+fn reason(r: &berth_core::Reason) -> Reason {
+    Reason {
+        code: r.code.to_string(),
+        message: r.message.clone(),
+    }
 }
 
 fn ended_error(i: &RunInfo) -> ApiError {
@@ -676,20 +532,26 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     tokio::spawn(async move {
         let _guard = guard;
-        let line = |v: Value| Bytes::from(format!("{v}\n"));
         let res = wait_for_grant(&api, first, Some(&tx)).await;
         let last = match res {
-            Ok(info) => json!({"event": "granted", "lease": run_json(&info)}),
+            Ok(info) => AcquireEvent::Granted {
+                lease: Box::new(run_out(&info)),
+            },
             Err(e) => {
-                let event = if e.code == "expired" {
-                    "expired"
-                } else {
-                    "rejected"
+                let expired = e.code == "expired";
+                let error = ErrorDetail {
+                    code: e.code,
+                    message: e.message,
+                    details: e.details,
                 };
-                json!({"event": event, "error": {"code": e.code, "message": e.message, "details": e.details}})
+                if expired {
+                    AcquireEvent::Expired { error }
+                } else {
+                    AcquireEvent::Rejected { error }
+                }
             }
         };
-        let _ = tx.send(line(last)).await;
+        let _ = tx.send(ndjson_line(&last)).await;
     });
     let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
@@ -701,6 +563,13 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         .header(header::CONTENT_TYPE, "application/x-ndjson")
         .body(body)
         .expect("response"))
+}
+
+/// One event of a streamed acquire, as its line.
+fn ndjson_line(e: &AcquireEvent) -> Bytes {
+    let mut line = serde_json::to_vec(e).unwrap_or_default();
+    line.push(b'\n');
+    Bytes::from(line)
 }
 
 /// Waits until the run is granted or ends. With `lines`, reports position and reason
@@ -721,13 +590,12 @@ async fn wait_for_grant(
         if let Some(tx) = lines {
             let now = (info.view.position, info.view.reason.clone());
             if last_sent.as_ref() != Some(&now) {
-                let v = json!({
-                    "event": "queued",
-                    "run_id": info.view.run_id,
-                    "position": info.view.position,
-                    "reason": info.view.reason.as_ref().map(|r| json!({"code": r.code, "message": r.message})),
-                });
-                if tx.send(Bytes::from(format!("{v}\n"))).await.is_err() {
+                let v = AcquireEvent::Queued {
+                    run_id: info.view.run_id.clone(),
+                    position: info.view.position,
+                    reason: info.view.reason.as_ref().map(reason),
+                };
+                if tx.send(ndjson_line(&v)).await.is_err() {
                     return Err(ApiError::new(499, "client_gone", "the client went away"));
                 }
                 last_sent = Some(now);
@@ -776,7 +644,10 @@ async fn wait_for_grant(
     }
 }
 
-async fn list_runs(AxState(api): AxState<Api>, Params(q): Params) -> Result<Json<Value>, ApiError> {
+async fn list_runs(
+    AxState(api): AxState<Api>,
+    Params(q): Params,
+) -> Result<Json<RunList>, ApiError> {
     if let Some(k) = q.keys().find(|k| *k != "limit" && *k != "all") {
         return Err(ApiError::invalid(k, "is not a known query parameter"));
     }
@@ -801,9 +672,9 @@ async fn list_runs(AxState(api): AxState<Api>, Params(q): Params) -> Result<Json
         reply,
     })
     .await?;
-    Ok(Json(
-        json!({ "runs": runs.iter().map(run_json).collect::<Vec<_>>() }),
-    ))
+    Ok(Json(RunList {
+        runs: runs.iter().map(run_out).collect(),
+    }))
 }
 
 async fn get_run(
@@ -868,12 +739,12 @@ async fn register_process(
         reply,
     })
     .await?;
-    Ok((StatusCode::CREATED, Json(run_json(&info))).into_response())
+    Ok((StatusCode::CREATED, Json(run_out(&info))).into_response())
 }
 
 /// `POST /v1/reap`: one reaper pass now (P4). Waits for the stops it starts (at most
 /// the grace period plus the kill wait and a margin) and reports what it did.
-async fn reap(AxState(api): AxState<Api>, body: Body) -> Result<Json<Value>, ApiError> {
+async fn reap(AxState(api): AxState<Api>, body: Body) -> Result<Json<ReapReport>, ApiError> {
     let _: serde_json::Map<String, Value> = json_body(body, true).await?;
     let (runs, before) = ask(&api, |reply| Msg::Reap { reply }).await?;
     let deadline = tokio::time::Instant::now() + REAP_WAIT;
@@ -886,15 +757,16 @@ async fn reap(AxState(api): AxState<Api>, body: Body) -> Result<Json<Value>, Api
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    Ok(Json(json!({
-        "examined": runs.len(),
-        "reaped": states.iter().filter(|s| s.is_terminal()).count(),
-        "degraded": states.iter().filter(|s| **s == RunState::Degraded).count(),
-        "processes_terminated": after.processes_terminated - before.processes_terminated,
-        "reused_pids_protected": after.reused_pids_protected - before.reused_pids_protected,
-        "diagnostics_bytes": after.diagnostics_bytes,
-        "diagnostics_dropped": after.diagnostics_dropped,
-    })))
+    let count = |f: &dyn Fn(&RunState) -> bool| states.iter().filter(|s| f(s)).count() as u64;
+    Ok(Json(ReapReport {
+        examined: runs.len() as u64,
+        reaped: count(&|s| s.is_terminal()),
+        degraded: count(&|s| *s == RunState::Degraded),
+        processes_terminated: after.processes_terminated - before.processes_terminated,
+        reused_pids_protected: after.reused_pids_protected - before.reused_pids_protected,
+        diagnostics_bytes: after.diagnostics_bytes,
+        diagnostics_dropped: after.diagnostics_dropped,
+    }))
 }
 
 /// How long `POST /v1/reap` waits for the stops it started.
@@ -925,54 +797,74 @@ async fn delete_run(
     Ok(Json(run_out(&info)).into_response())
 }
 
-pub fn status_json(s: &Snapshot) -> Value {
-    let resources: Vec<Value> = s
+/// `GET /v1/status` from the engine's snapshot and the reaper's counters.
+pub fn status_out(s: &Snapshot, c: &crate::daemon::ReapCounters) -> Status {
+    let resources = s
         .resources
         .iter()
-        .map(|r| json!({"name": r.name, "total": r.total, "reserve": r.reserve, "allocatable": r.allocatable, "committed": r.committed, "available": r.available}))
+        .map(|r| ResourceStatus {
+            name: r.name.clone(),
+            total: r.total,
+            reserve: r.reserve,
+            allocatable: r.allocatable,
+            committed: r.committed,
+            available: r.available,
+        })
         .collect();
-    let projects: Vec<Value> = s
+    let projects = s
         .projects
         .iter()
-        .map(|p| json!({
-            "project": p.name, "active": p.active, "waiting": p.waiting, "degraded": p.degraded,
-            "concurrency": p.concurrency.as_str(),
-            "evidence": p.evidence.as_ref().map(|e| json!({"fingerprint": e.fingerprint, "commit": e.commit, "ports": e.ports, "run_id": e.run_id})),
-        }))
+        .map(|p| ProjectStatus {
+            project: p.name.clone(),
+            active: p.active.into(),
+            waiting: p.waiting.into(),
+            degraded: p.degraded.into(),
+            concurrency: p.concurrency,
+            evidence: p.evidence.as_ref().map(|e| berth_client::wire::Evidence {
+                fingerprint: e.fingerprint.clone(),
+                commit: e.commit.clone(),
+                ports: e.ports.clone(),
+                run_id: e.run_id.clone(),
+            }),
+        })
         .collect();
-    json!({
-        "resources": resources,
-        "memory_available": s.memory_available,
-        "memory_pending": s.memory_pending,
-        "slots_max": s.slots_max,
-        "effective_max_now": s.effective_max_now,
-        "min_run_blocked": s.min_run_blocked.as_ref().map(|r| json!({"code": r.code, "message": r.message})),
-        "queued": {"foreground": s.queued_foreground, "background": s.queued_background},
-        "granted": s.granted,
-        "releasing": s.releasing,
-        "degraded": s.degraded,
-        "last_fence": s.last_fence,
-        "projects": projects,
-    })
+    Status {
+        resources,
+        memory_available: s.memory_available,
+        memory_pending: s.memory_pending,
+        slots_max: s.slots_max,
+        effective_max_now: s.effective_max_now,
+        min_run_blocked: s.min_run_blocked.as_ref().map(reason),
+        queued: Queued {
+            foreground: s.queued_foreground as u64,
+            background: s.queued_background as u64,
+        },
+        granted: s.granted as u64,
+        releasing: s.releasing as u64,
+        degraded: s.degraded as u64,
+        last_fence: s.last_fence,
+        projects,
+        reaper: ReaperStatus {
+            processes_terminated: c.processes_terminated,
+            reused_pids_protected: c.reused_pids_protected,
+            diagnostics_bytes: c.diagnostics_bytes,
+            diagnostics_dropped: c.diagnostics_dropped,
+        },
+        ledger: LedgerStatus {
+            ended_runs_pruned: c.ledger_pruned,
+        },
+    }
 }
 
-async fn status(AxState(api): AxState<Api>) -> Result<Json<Value>, ApiError> {
+async fn status(AxState(api): AxState<Api>) -> Result<Json<Status>, ApiError> {
     let (s, c) = ask(&api, |reply| Msg::Status { reply }).await?;
-    let mut v = status_json(&s);
-    v["reaper"] = json!({
-        "processes_terminated": c.processes_terminated,
-        "reused_pids_protected": c.reused_pids_protected,
-        "diagnostics_bytes": c.diagnostics_bytes,
-        "diagnostics_dropped": c.diagnostics_dropped,
-    });
-    v["ledger"] = json!({ "ended_runs_pruned": c.ledger_pruned });
-    Ok(Json(v))
+    Ok(Json(status_out(&s, &c)))
 }
 
 async fn fence_check(
     AxState(api): AxState<Api>,
     Params(q): Params,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<FenceCheck>, ApiError> {
     if let Some(k) = q.keys().find(|k| *k != "fence" && *k != "run_id") {
         return Err(ApiError::invalid(k, "is not a known query parameter"));
     }
@@ -994,9 +886,12 @@ async fn fence_check(
         reply,
     })
     .await?;
-    Ok(Json(
-        json!({"run_id": run_id, "fence": fence, "current": current, "state": state.map(|s| s.as_str())}),
-    ))
+    Ok(Json(FenceCheck {
+        run_id,
+        fence,
+        current,
+        state,
+    }))
 }
 
 async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response, ApiError> {
@@ -1007,7 +902,11 @@ async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response
     let token = ask(&api, |reply| Msg::CreateToken { grant, reply }).await?;
     Ok((
         StatusCode::CREATED,
-        Json(json!({"token": token, "scope": scope.as_str(), "uid": b.uid.unwrap_or(api.uid)})),
+        Json(TokenCreated {
+            token,
+            scope: scope.as_str().to_string(),
+            uid: b.uid.unwrap_or(api.uid),
+        }),
     )
         .into_response())
 }

@@ -130,7 +130,13 @@ impl From<CoreError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let body = json!({ "error": { "code": self.code, "message": self.message, "details": self.details } });
+        let body = berth_client::wire::ErrorBody {
+            error: berth_client::wire::ErrorDetail {
+                code: self.code,
+                message: self.message,
+                details: self.details,
+            },
+        };
         (status, axum::Json(body)).into_response()
     }
 }

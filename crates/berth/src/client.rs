@@ -6,7 +6,13 @@ use std::time::Duration;
 use anyhow::Context;
 
 use crate::EXIT_REFUSED;
+use berth_client::wire::{
+    AcquireRequest, ErrorBody, ErrorDetail, ReapReport, ReleaseRequest, RenewRequest, RunList,
+    Status,
+};
 use clap::Args;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 #[derive(Args, Clone, Debug)]
@@ -93,9 +99,43 @@ pub struct Client {
     no_token: Option<String>,
 }
 
+/// An answer: its status and body as sent (printed as is with `--json`), read into
+/// API v1's types with [`Reply::parse`] and [`Reply::error`].
 pub struct Reply {
     pub status: u16,
     pub body: Value,
+}
+
+impl Reply {
+    /// The body as the API type `T`.
+    pub fn parse<T: DeserializeOwned>(&self) -> anyhow::Result<T> {
+        T::deserialize(&self.body).with_context(|| {
+            format!(
+                "berth answered {} with a body that is not API v1",
+                self.status
+            )
+        })
+    }
+
+    /// The refusal in the body (or the body itself as the message, if it is not one).
+    pub fn error(&self) -> ErrorDetail {
+        error_of(&self.body)
+    }
+}
+
+/// The refusal in an error body (or the body itself as the message, if it is not one).
+pub fn error_of(body: &Value) -> ErrorDetail {
+    match ErrorBody::deserialize(body) {
+        Ok(b) => b.error,
+        Err(_) => ErrorDetail {
+            code: "error".into(),
+            message: match body {
+                Value::String(s) => s.clone(),
+                v => v.to_string(),
+            },
+            details: Value::Null,
+        },
+    }
 }
 
 impl Client {
@@ -141,11 +181,11 @@ impl Client {
     }
 
     /// One request with a JSON reply. Connection failures are `Err`.
-    pub fn call(
+    pub fn call<B: Serialize>(
         &self,
         method: &str,
         path: &str,
-        body: Option<&Value>,
+        body: Option<&B>,
     ) -> Result<Reply, ureq::Error> {
         let url = format!("{}{}", self.url, path);
         let resp = match method {
@@ -171,7 +211,8 @@ impl Client {
                 if let Some(a) = self.auth() {
                     r = r.header("Authorization", &a);
                 }
-                r.send(body.map(|b| b.to_string()).unwrap_or_else(|| "{}".into()))?
+                let text = body.and_then(|b| serde_json::to_string(b).ok());
+                r.send(text.unwrap_or_else(|| "{}".into()))?
             }
         };
         let status = resp.status().as_u16();
@@ -184,8 +225,9 @@ impl Client {
     /// A 401 without a token says which file was tried.
     pub fn explain_401(&self, status: u16, body: &mut Value) {
         if let (401, Some(why)) = (status, &self.no_token) {
-            if let Some(m) = body["error"]["message"].as_str() {
-                body["error"]["message"] = format!("{m} ({why})").into();
+            if let Ok(mut b) = ErrorBody::deserialize(&*body) {
+                b.error.message = format!("{} ({why})", b.error.message);
+                *body = serde_json::to_value(b).unwrap_or_default();
             }
         }
     }
@@ -202,7 +244,7 @@ impl Client {
     /// `POST /v1/runs` as a stream of JSON lines.
     pub fn acquire_stream(
         &self,
-        body: &Value,
+        body: &AcquireRequest,
     ) -> Result<(u16, Box<dyn std::io::BufRead + Send>), ureq::Error> {
         let mut r = self
             .agent
@@ -212,7 +254,7 @@ impl Client {
         if let Some(a) = self.auth() {
             r = r.header("Authorization", &a);
         }
-        let resp = r.send(body.to_string())?;
+        let resp = r.send(serde_json::to_string(body).unwrap_or_default())?;
         let status = resp.status().as_u16();
         let reader = resp.into_body().into_reader();
         Ok((status, Box::new(std::io::BufReader::new(reader))))
@@ -220,22 +262,20 @@ impl Client {
 }
 
 pub fn error_text(body: &Value) -> String {
-    match body.get("error") {
-        Some(e) => format!(
-            "{}: {}",
-            e.get("code").and_then(Value::as_str).unwrap_or("error"),
-            e.get("message").and_then(Value::as_str).unwrap_or("")
-        ),
-        None => body.to_string(),
-    }
+    let e = error_of(body);
+    format!("{}: {}", e.code, e.message)
 }
 
 /// A reply for scripts (`--json`) or people; 0 for success, 1 for an error reply.
-fn print_reply(r: &Reply, json: bool, human: impl Fn(&Value) -> String) -> anyhow::Result<u8> {
+fn print_reply<T: DeserializeOwned>(
+    r: &Reply,
+    json: bool,
+    human: impl Fn(&T) -> String,
+) -> anyhow::Result<u8> {
     if json {
         println!("{}", serde_json::to_string_pretty(&r.body)?);
     } else if r.status < 300 {
-        println!("{}", human(&r.body));
+        println!("{}", human(&r.parse()?));
     } else {
         eprintln!("berth: {}", error_text(&r.body));
     }
@@ -244,74 +284,73 @@ fn print_reply(r: &Reply, json: bool, human: impl Fn(&Value) -> String) -> anyho
 
 pub fn status_main(a: StatusArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a.conn)?;
-    let r = match c.call("GET", "/v1/status", None) {
+    let r = match c.call::<()>("GET", "/v1/status", None) {
         Ok(r) => r,
         Err(e) => return Ok(c.unreachable(&e)),
     };
     if r.status >= 300 || a.conn.json {
-        return print_reply(&r, a.conn.json, |_| String::new());
+        return print_reply(&r, a.conn.json, |_: &Value| String::new());
     }
-    let s = &r.body;
+    let s: Status = r.parse()?;
     println!("berth at {}", c.url);
-    println!(
-        "  {:<12} {:>12} {:>12} {:>12} {:>12}",
-        "resource", "committed", "allocatable", "total", "reserve"
-    );
-    for res in s["resources"].as_array().into_iter().flatten() {
-        let name = res["name"].as_str().unwrap_or("");
-        let f = |v: &Value| {
-            let n = v.as_u64().unwrap_or(0);
-            match name {
-                "memory" | "disk" => berth_core::fmt_bytes(n),
-                "cpu_millis" => format!("{} cpu", crate::show::cpus(n)),
-                _ => n.to_string(),
-            }
-        };
-        println!(
-            "  {:<12} {:>12} {:>12} {:>12} {:>12}",
-            if name == "cpu_millis" { "cpu" } else { name },
-            f(&res["committed"]),
-            f(&res["allocatable"]),
-            f(&res["total"]),
-            f(&res["reserve"])
-        );
-    }
-    if let Some(m) = s["memory_available"].as_u64() {
+    print_resources(&s);
+    if let Some(m) = s.memory_available {
         println!(
             "  host memory available {} (granted but not yet in use {})",
             berth_core::fmt_bytes(m),
-            berth_core::fmt_bytes(s["memory_pending"].as_u64().unwrap_or(0))
+            berth_core::fmt_bytes(s.memory_pending)
         );
     }
     println!(
         "  runs: {} granted, {} degraded; queued {} foreground, {} background; at most {} at once (now {})",
-        s["granted"], s["degraded"], s["queued"]["foreground"], s["queued"]["background"], s["slots_max"], s["effective_max_now"]
+        s.granted, s.degraded, s.queued.foreground, s.queued.background, s.slots_max, s.effective_max_now
     );
-    if let Some(r) = s["min_run_blocked"].as_object() {
-        println!(
-            "  a default-size run cannot start now: {}",
-            r["message"].as_str().unwrap_or("")
-        );
+    if let Some(r) = &s.min_run_blocked {
+        println!("  a default-size run cannot start now: {}", r.message);
     }
-    let reaper = &s["reaper"];
+    let reaper = &s.reaper;
     println!(
         "  reaper: {} processes terminated, {} reused pids left alone, diagnostics {} ({} archives dropped)",
-        reaper["processes_terminated"],
-        reaper["reused_pids_protected"],
-        berth_core::fmt_bytes(reaper["diagnostics_bytes"].as_u64().unwrap_or(0)),
-        reaper["diagnostics_dropped"]
+        reaper.processes_terminated,
+        reaper.reused_pids_protected,
+        berth_core::fmt_bytes(reaper.diagnostics_bytes),
+        reaper.diagnostics_dropped
     );
-    for p in s["projects"].as_array().into_iter().flatten() {
+    for p in &s.projects {
         println!(
             "  project {:<24} {} active, {} waiting, {} degraded ({})",
-            p["project"].as_str().unwrap_or(""),
-            p["active"],
-            p["waiting"],
-            p["degraded"],
-            p["concurrency"].as_str().unwrap_or("")
+            p.project,
+            p.active,
+            p.waiting,
+            p.degraded,
+            p.concurrency.as_str()
         );
     }
     Ok(0)
+}
+
+/// The status table of resources.
+fn print_resources(s: &Status) {
+    println!(
+        "  {:<12} {:>12} {:>12} {:>12} {:>12}",
+        "resource", "committed", "allocatable", "total", "reserve"
+    );
+    for res in &s.resources {
+        let name = res.name.as_str();
+        let f = |n: u64| match name {
+            "memory" | "disk" => berth_core::fmt_bytes(n),
+            "cpu_millis" => format!("{} cpu", crate::show::cpus(n)),
+            _ => n.to_string(),
+        };
+        println!(
+            "  {:<12} {:>12} {:>12} {:>12} {:>12}",
+            if name == "cpu_millis" { "cpu" } else { name },
+            f(res.committed),
+            f(res.allocatable),
+            f(res.total),
+            f(res.reserve)
+        );
+    }
 }
 
 pub fn runs_main(a: RunsArgs) -> anyhow::Result<u8> {
@@ -321,44 +360,41 @@ pub fn runs_main(a: RunsArgs) -> anyhow::Result<u8> {
     } else {
         "/v1/runs"
     };
-    let r = match c.call("GET", path, None) {
+    let r = match c.call::<()>("GET", path, None) {
         Ok(r) => r,
         Err(e) => return Ok(c.unreachable(&e)),
     };
     if r.status >= 300 || a.conn.json {
-        return print_reply(&r, a.conn.json, |_| String::new());
+        return print_reply(&r, a.conn.json, |_: &Value| String::new());
     }
+    let list: RunList = r.parse()?;
     println!(
         "{:<20} {:<16} {:<9} {:>7} {:>6} {:>4} {:<12} {:<34} reason",
         "run", "project", "state", "age", "fence", "pos", "expires", "claim"
     );
-    for run in r.body["runs"].as_array().into_iter().flatten() {
+    for run in &list.runs {
         // How long it has been granted (or waiting).
-        let age = run["since"]
-            .as_str()
+        let age = run
+            .since
+            .as_deref()
             .and_then(crate::show::parse_utc)
             .map(|t| crate::show::duration((crate::show::now_s() - t).max(0) as u64))
             .unwrap_or_default();
+        let num = |n: Option<u64>| n.map(|f| f.to_string()).unwrap_or_default();
         println!(
             "{:<20} {:<16} {:<9} {:>7} {:>6} {:>4} {:<12} {:<34} {}",
-            run["run_id"].as_str().unwrap_or(""),
-            run["project"].as_str().unwrap_or(""),
-            run["state"].as_str().unwrap_or(""),
+            run.run_id,
+            run.project,
+            run.state.as_str(),
             age,
-            run["fence"]
-                .as_u64()
-                .map(|f| f.to_string())
-                .unwrap_or_default(),
-            run["position"]
-                .as_u64()
-                .map(|f| f.to_string())
-                .unwrap_or_default(),
-            run["expires_at"]
-                .as_str()
+            num(run.fence),
+            num(run.position),
+            run.expires_at
+                .as_deref()
                 .and_then(crate::show::relative)
                 .unwrap_or_default(),
-            crate::show::claim(&run["claim"]["resources"]),
-            run["reason"]["message"].as_str().unwrap_or("")
+            crate::show::claim(&run.claim.resources),
+            run.reason.as_ref().map_or("", |r| r.message.as_str())
         );
     }
     Ok(0)
@@ -366,13 +402,10 @@ pub fn runs_main(a: RunsArgs) -> anyhow::Result<u8> {
 
 pub fn renew_main(a: RenewArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a.conn)?;
-    let mut body = serde_json::json!({});
-    if let Some(f) = a.fence {
-        body["fence"] = f.into();
-    }
-    if let Some(t) = a.ttl {
-        body["ttl_s"] = (t / 1000).max(1).into();
-    }
+    let body = RenewRequest {
+        fence: a.fence,
+        ttl_s: a.ttl.map(|t| (t / 1000).max(1)),
+    };
     match c.call("POST", &format!("/v1/runs/{}/renew", a.run_id), Some(&body)) {
         Ok(r) => print_reply(&r, a.conn.json, crate::show::run_line),
         Err(e) => Ok(c.unreachable(&e)),
@@ -381,7 +414,7 @@ pub fn renew_main(a: RenewArgs) -> anyhow::Result<u8> {
 
 pub fn release_main(a: ReleaseArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a.conn)?;
-    let body = serde_json::json!({ "fence": a.fence });
+    let body = ReleaseRequest { fence: a.fence };
     match c.call(
         "POST",
         &format!("/v1/runs/{}/release", a.run_id),
@@ -394,11 +427,11 @@ pub fn release_main(a: ReleaseArgs) -> anyhow::Result<u8> {
 
 pub fn reap_main(a: ConnArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a)?;
-    match c.call("POST", "/v1/reap", Some(&serde_json::json!({}))) {
-        Ok(r) => print_reply(&r, a.json, |b| {
+    match c.call::<()>("POST", "/v1/reap", None) {
+        Ok(r) => print_reply(&r, a.json, |b: &ReapReport| {
             format!(
                 "reaped {} of {} runs being released ({} degraded); {} processes terminated, {} reused pids left alone",
-                b["reaped"], b["examined"], b["degraded"], b["processes_terminated"], b["reused_pids_protected"]
+                b.reaped, b.examined, b.degraded, b.processes_terminated, b.reused_pids_protected
             )
         }),
         Err(e) => Ok(c.unreachable(&e)),

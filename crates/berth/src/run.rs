@@ -12,11 +12,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
+use berth_client::wire::{
+    AcquireEvent, AcquireRequest, ErrorDetail, ProcessRequest, ReleaseRequest, RenewRequest, Run,
+    UniqueMap,
+};
 use berth_core::validate;
+use berth_core::RunState;
 use clap::Args;
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use crate::client::{error_text, Client, ConnArgs};
+use crate::client::{error_of, error_text, Client, ConnArgs};
 use crate::{EXIT_REFUSED, EXIT_TIMEOUT};
 
 /// A flag that takes one of the words of `berth_core`'s codec.
@@ -112,19 +117,17 @@ fn random_id() -> String {
 }
 
 /// The acquire body. The run id is chosen here, so a retry re-attaches (L7).
-fn acquire_body(c: &ClaimArgs) -> anyhow::Result<Value> {
-    let mut resources = serde_json::Map::new();
-    if let Some(v) = c.slots {
-        resources.insert("slots".into(), v.into());
-    }
-    if let Some(v) = c.memory {
-        resources.insert("memory".into(), v.into());
-    }
-    if let Some(v) = c.cpus {
-        resources.insert("cpu_millis".into(), v.into());
-    }
-    if let Some(v) = c.disk {
-        resources.insert("disk".into(), v.into());
+fn acquire_body(c: &ClaimArgs) -> anyhow::Result<AcquireRequest> {
+    let mut resources = BTreeMap::new();
+    for (k, v) in [
+        ("slots", c.slots),
+        ("memory", c.memory),
+        ("cpu_millis", c.cpus),
+        ("disk", c.disk),
+    ] {
+        if let Some(v) = v {
+            resources.insert(k.to_string(), v);
+        }
     }
     for r in &c.resources {
         let (n, v) = r
@@ -133,49 +136,51 @@ fn acquire_body(c: &ClaimArgs) -> anyhow::Result<Value> {
         let v: u64 = v
             .parse()
             .map_err(|_| anyhow!("--resource {r:?}: COUNT must be a whole number"))?;
-        resources.insert(n.into(), v.into());
+        resources.insert(n.into(), v);
     }
-    let mut body = json!({
-        "run_id": c.run_id.clone().unwrap_or_else(random_id),
-        "project": c.project.clone().unwrap_or_else(default_project),
-    });
-    if !resources.is_empty() {
-        body["resources"] = Value::Object(resources);
-    }
-    if let Some(v) = &c.class {
-        body["class"] = v.clone().into();
-    }
-    if let Some(v) = &c.priority {
-        body["priority"] = v.clone().into();
-    }
-    if !c.singletons.is_empty() {
-        body["singletons"] = c.singletons.clone().into();
-    }
-    if let Some(w) = &c.worktree {
-        let abs =
-            std::fs::canonicalize(w).map_err(|e| anyhow!("--worktree {}: {e}", w.display()))?;
-        body["worktree"] = abs.to_string_lossy().into_owned().into();
-    }
-    if let Some(t) = c.ttl {
-        body["ttl_s"] = (t / 1000).max(1).into();
-    }
-    if let Some(w) = c.wait {
-        body["wait_s"] = (w / 1000).into();
-    }
-    Ok(body)
+    let worktree = match &c.worktree {
+        Some(w) => Some(
+            std::fs::canonicalize(w)
+                .map_err(|e| anyhow!("--worktree {}: {e}", w.display()))?
+                .to_string_lossy()
+                .into_owned(),
+        ),
+        None => None,
+    };
+    Ok(AcquireRequest {
+        run_id: Some(c.run_id.clone().unwrap_or_else(random_id)),
+        project: c.project.clone().unwrap_or_else(default_project),
+        class: c
+            .class
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(|e| anyhow!("--class: {e}"))?,
+        priority: c
+            .priority
+            .as_deref()
+            .map(str::parse)
+            .transpose()
+            .map_err(|e| anyhow!("--priority: {e}"))?,
+        resources: (!resources.is_empty()).then_some(UniqueMap(resources)),
+        singletons: (!c.singletons.is_empty()).then(|| c.singletons.clone()),
+        worktree,
+        ttl_s: c.ttl.map(|t| (t / 1000).max(1)),
+        wait_s: c.wait.map(|w| w / 1000),
+        ..Default::default()
+    })
 }
 
 enum Admission {
-    Granted(Value),
+    Granted(Box<Run>),
     /// Exit code and message.
     Refused(u8, String),
 }
 
 /// Maps a refusal to the CLI's exit code: 75 for an admission timeout, 69 otherwise.
-fn refusal(err: &Value) -> (u8, String) {
-    let code = err["code"].as_str().unwrap_or("");
-    let msg = format!("{}: {}", code, err["message"].as_str().unwrap_or(""));
-    if code == "expired" {
+fn refusal(err: &ErrorDetail) -> (u8, String) {
+    let msg = format!("{}: {}", err.code, err.message);
+    if err.code == "expired" {
         (EXIT_TIMEOUT, msg)
     } else {
         (EXIT_REFUSED, msg)
@@ -245,14 +250,19 @@ fn draw(text: &str, started: Instant) {
     let _ = std::io::stderr().flush();
 }
 
-fn wait_for_lease(client: &Client, body: &Value, wait_ms: u64) -> Admission {
+fn wait_for_lease(client: &Client, body: &AcquireRequest, wait_ms: u64) -> Admission {
     let line = WaitLine::new();
     let admission = wait_for_lease_with(client, body, wait_ms, &line);
     line.done();
     admission
 }
 
-fn wait_for_lease_with(client: &Client, body: &Value, wait_ms: u64, line: &WaitLine) -> Admission {
+fn wait_for_lease_with(
+    client: &Client,
+    body: &AcquireRequest,
+    wait_ms: u64,
+    line: &WaitLine,
+) -> Admission {
     let started = Instant::now();
     let give_up = started + Duration::from_millis(wait_ms) + RECONNECT_FOR;
     let mut last_ok = Instant::now();
@@ -266,21 +276,22 @@ fn wait_for_lease_with(client: &Client, body: &Value, wait_ms: u64, line: &WaitL
                 last_ok = Instant::now();
                 for l in reader.lines() {
                     let Ok(l) = l else { break };
-                    let Ok(v) = serde_json::from_str::<Value>(&l) else {
+                    let Ok(event) = serde_json::from_str::<AcquireEvent>(&l) else {
                         continue;
                     };
-                    match v["event"].as_str() {
-                        Some("queued") => line.queued(format!(
+                    match event {
+                        AcquireEvent::Queued {
+                            position, reason, ..
+                        } => line.queued(format!(
                             "position {}, {}",
-                            v["position"],
-                            v["reason"]["message"].as_str().unwrap_or("")
+                            position.map_or("?".into(), |p| p.to_string()),
+                            reason.map(|r| r.message).unwrap_or_default()
                         )),
-                        Some("granted") => return Admission::Granted(v["lease"].clone()),
-                        Some(_) => {
-                            let (code, msg) = refusal(&v["error"]);
+                        AcquireEvent::Granted { lease } => return Admission::Granted(lease),
+                        AcquireEvent::Expired { error } | AcquireEvent::Rejected { error } => {
+                            let (code, msg) = refusal(&error);
                             return Admission::Refused(code, msg);
                         }
-                        None => {}
                     }
                 }
                 // The stream broke without an answer: the daemon went away. Re-post the
@@ -290,13 +301,13 @@ fn wait_for_lease_with(client: &Client, body: &Value, wait_ms: u64, line: &WaitL
                 ever_reached = true;
                 let mut text = String::new();
                 let _ = std::io::Read::read_to_string(&mut reader, &mut text);
-                let mut v: Value = serde_json::from_str(&text)
-                    .unwrap_or(json!({"error": {"code": "error", "message": text}}));
+                let mut v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
                 client.explain_401(status, &mut v);
-                if status == 503 && v["error"]["code"] == "shutting_down" {
+                let error = error_of(&v);
+                if status == 503 && error.code == "shutting_down" {
                     // fall through to retry
                 } else {
-                    let (code, msg) = refusal(&v["error"]);
+                    let (code, msg) = refusal(&error);
                     return Admission::Refused(
                         if status == 410 { code } else { EXIT_REFUSED },
                         msg,
@@ -337,11 +348,11 @@ pub fn acquire_main(a: AcquireArgs) -> anyhow::Result<u8> {
     if a.claim.conn.json {
         println!("{}", serde_json::to_string_pretty(&r.body)?);
     } else if r.status < 300 {
-        println!("{}", crate::show::run_line(&r.body));
+        println!("{}", crate::show::run_line(&r.parse()?));
     }
     Ok(match r.status {
         200..=299 => 0,
-        410 if r.body["error"]["code"] == "expired" => EXIT_TIMEOUT,
+        410 if r.error().code == "expired" => EXIT_TIMEOUT,
         _ => {
             eprintln!("berth: {}", error_text(&r.body));
             EXIT_REFUSED
@@ -361,7 +372,7 @@ fn signal_group(pgid: i32, sig: rustix::process::Signal) {
 pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
     let client = Arc::new(Client::new(&a.claim.conn)?);
     let body = acquire_body(&a.claim)?;
-    let run_id = body["run_id"].as_str().unwrap_or_default().to_string();
+    let run_id = body.run_id.clone().unwrap_or_default();
     let wait_ms = a.claim.wait.unwrap_or(1_800_000);
     let lease = match wait_for_lease(&client, &body, wait_ms) {
         Admission::Granted(l) => l,
@@ -370,9 +381,8 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
             return Ok(code);
         }
     };
-    let fence = lease["fence"].as_u64().unwrap_or(0);
-    let env: BTreeMap<String, String> =
-        serde_json::from_value(lease["env"].clone()).unwrap_or_default();
+    let fence = lease.fence.unwrap_or(0);
+    let env: BTreeMap<String, String> = lease.env;
     let ttl_ms = a.claim.ttl.unwrap_or(300_000).max(1000);
 
     // A terminal on stdin, with berth run in its foreground: CMD gets the terminal (see
@@ -591,11 +601,11 @@ fn spawn_renewer(
             let c = client.clone();
             let id = run_id.clone();
             let r = tokio::task::spawn_blocking(move || {
-                c.call(
-                    "POST",
-                    &format!("/v1/runs/{id}/renew"),
-                    Some(&json!({ "fence": fence })),
-                )
+                let body = RenewRequest {
+                    fence: Some(fence),
+                    ttl_s: None,
+                };
+                c.call("POST", &format!("/v1/runs/{id}/renew"), Some(&body))
             })
             .await;
             match r {
@@ -822,7 +832,7 @@ async fn register(
         let c = client.clone();
         let id = run_id.to_string();
         let r = tokio::task::spawn_blocking(move || {
-            let body = json!({ "fence": fence, "pid": pid });
+            let body = ProcessRequest { fence, pid };
             c.call("POST", &format!("/v1/runs/{id}/processes"), Some(&body))
         })
         .await;
@@ -856,17 +866,14 @@ async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), S
         let c = client.clone();
         let id = run_id.to_string();
         let r = tokio::task::spawn_blocking(move || {
-            c.call(
-                "POST",
-                &format!("/v1/runs/{id}/release"),
-                Some(&json!({ "fence": fence })),
-            )
+            let body = ReleaseRequest { fence };
+            c.call("POST", &format!("/v1/runs/{id}/release"), Some(&body))
         })
         .await;
         match r {
             Ok(Ok(reply)) if reply.status < 300 => {
-                return match reply.body["state"].as_str() {
-                    Some("expired") => Err("it expired before CMD ended".into()),
+                return match reply.parse::<Run>().map(|r| r.state) {
+                    Ok(RunState::Expired) => Err("it expired before CMD ended".into()),
                     _ => Ok(()),
                 };
             }

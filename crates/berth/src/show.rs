@@ -4,7 +4,9 @@
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use serde_json::Value;
+use std::collections::BTreeMap;
+
+use berth_client::wire::Run;
 
 /// `4m12s`, `1h02m`, `12s`, `3d04h`.
 pub fn duration(secs: u64) -> String {
@@ -62,12 +64,9 @@ pub fn clock() -> String {
 }
 
 /// A claim as people read it: `1 slot, 2.1 GiB, 0.5 cpu, 10 GiB disk, gpu 1`.
-pub fn claim(resources: &Value) -> String {
-    let Some(m) = resources.as_object() else {
-        return String::new();
-    };
+pub fn claim(m: &BTreeMap<String, u64>) -> String {
     const FIXED: [&str; 4] = ["slots", "memory", "cpu_millis", "disk"];
-    let n = |k: &str| m.get(k).and_then(Value::as_u64);
+    let n = |k: &str| m.get(k).copied();
     let mut parts = Vec::new();
     if let Some(v) = n("slots") {
         parts.push(format!("{v} slot{}", if v == 1 { "" } else { "s" }));
@@ -82,7 +81,7 @@ pub fn claim(resources: &Value) -> String {
         parts.push(format!("{} disk", berth_core::fmt_bytes(v)));
     }
     for (k, v) in m.iter().filter(|(k, _)| !FIXED.contains(&k.as_str())) {
-        parts.push(format!("{k} {}", v.as_u64().unwrap_or(0)));
+        parts.push(format!("{k} {v}"));
     }
     parts.join(", ")
 }
@@ -94,31 +93,31 @@ pub fn cpus(millis: u64) -> String {
 }
 
 /// One line about a run, as the lease commands print it.
-pub fn run_line(run: &Value) -> String {
+pub fn run_line(run: &Run) -> String {
     let mut out = format!(
         "run {} ({}): {}",
-        run["run_id"].as_str().unwrap_or("?"),
-        run["project"].as_str().unwrap_or("?"),
-        run["state"].as_str().unwrap_or("?")
+        run.run_id,
+        run.project,
+        run.state.as_str()
     );
-    if let Some(f) = run["fence"].as_u64() {
+    if let Some(f) = run.fence {
         out.push_str(&format!(", fence {f}"));
     }
-    if let Some(p) = run["position"].as_u64() {
+    if let Some(p) = run.position {
         out.push_str(&format!(", position {p}"));
     }
-    if let Some(e) = run["expires_at"].as_str().and_then(relative) {
+    if let Some(e) = run.expires_at.as_deref().and_then(relative) {
         out.push_str(&format!(", expires {e}"));
     }
-    let c = claim(&run["claim"]["resources"]);
+    let c = claim(&run.claim.resources);
     if !c.is_empty() {
         out.push_str(&format!("; claims {c}"));
     }
-    if let Some(w) = run["workspace"].as_str() {
+    if let Some(w) = &run.workspace {
         out.push_str(&format!("; workspace {w}"));
     }
-    if let Some(r) = run["reason"]["message"].as_str() {
-        out.push_str(&format!("; {r}"));
+    if let Some(r) = &run.reason {
+        out.push_str(&format!("; {}", r.message));
     }
     out
 }
@@ -141,7 +140,11 @@ mod tests {
         assert_eq!(cpus(500), "0.5");
         assert_eq!(cpus(2000), "2");
         assert_eq!(
-            claim(&serde_json::json!({"slots": 1, "memory": 1u64 << 30, "cpu_millis": 250})),
+            claim(&BTreeMap::from([
+                ("slots".to_string(), 1),
+                ("memory".to_string(), 1u64 << 30),
+                ("cpu_millis".to_string(), 250)
+            ])),
             "1 slot, 1 GiB, 0.25 cpu"
         );
     }

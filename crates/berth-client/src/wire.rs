@@ -1,0 +1,370 @@
+//! The API's request and response bodies: the one vocabulary the daemon answers in,
+//! the CLI speaks, and a Rust orchestrator can depend on.
+//!
+//! **Architecture invariant:** a JSON field of API v1 is named in exactly one place,
+//! here. The daemon serializes these types and parses its requests into them; the CLI
+//! and [`Client`](crate::Client) do the reverse. Classes, priorities, states and key
+//! modes are `berth_core`'s words, which carry their own codec.
+
+use std::collections::BTreeMap;
+
+use berth_core::{Class, ConcurrencyClass, KeyMode, Priority, RunState};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+/// A JSON object whose keys must each appear once: a request that names a resource or
+/// label twice is refused, not silently read as its last value.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct UniqueMap<V>(pub BTreeMap<String, V>);
+
+impl<V: Serialize> Serialize for UniqueMap<V> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.0.serialize(s)
+    }
+}
+
+impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit<V>(std::marker::PhantomData<V>);
+        impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Visit<V> {
+            type Value = UniqueMap<V>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut a: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut m = BTreeMap::new();
+                while let Some((k, v)) = a.next_entry::<String, V>()? {
+                    if m.contains_key(&k) {
+                        return Err(serde::de::Error::custom(format!("{k:?} appears twice")));
+                    }
+                    m.insert(k, v);
+                }
+                Ok(UniqueMap(m))
+            }
+        }
+        d.deserialize_map(Visit(std::marker::PhantomData))
+    }
+}
+
+/// `POST /v1/runs`: ask for a berth.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AcquireRequest {
+    /// A retry with the same id re-attaches to the same run (L7); default: a new id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    pub project: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<Class>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+    /// `slots`, `memory`, `cpu_millis`, `disk` and named resources (A13).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<UniqueMap<u64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub singletons: Option<Vec<String>>,
+    /// Refused until experiment budgets exist.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worktree: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_s: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_s: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<UniqueMap<String>>,
+    /// Grace between SIGTERM and SIGKILL when this run is stopped (P2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_grace_s: Option<u64>,
+}
+
+/// `POST /v1/runs/{id}/renew`: a lease (with its fence) or a waiter (without).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RenewRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fence: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_s: Option<u64>,
+}
+
+/// `POST /v1/runs/{id}/release`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReleaseRequest {
+    pub fence: u64,
+}
+
+/// `POST /v1/runs/{id}/processes`: a process tree the run's client started (P1).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ProcessRequest {
+    pub fence: u64,
+    pub pid: i32,
+}
+
+/// `POST /v1/tokens`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenRequest {
+    /// `read`, `operator` or `admin`.
+    pub scope: String,
+    /// The user this token acts for when it registers processes; default: berth's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+}
+
+/// Why a run waits or was refused, in words a person can act on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reason {
+    pub code: String,
+    pub message: String,
+}
+
+/// A key the run holds and how.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Key {
+    pub key: String,
+    pub mode: KeyMode,
+}
+
+/// What a run claims: its resources (built-in and named, by name) and keys.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Claim {
+    pub keys: Vec<Key>,
+    pub resources: BTreeMap<String, u64>,
+}
+
+/// A run: what every run route answers. Fields are in alphabetical order, as a JSON
+/// object prints them.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Run {
+    pub claim: Claim,
+    pub class: Class,
+    /// The `BERTH_*` environment of a granted run (empty otherwise).
+    pub env: BTreeMap<String, String>,
+    /// RFC 3339; a lease only.
+    pub expires_at: Option<String>,
+    pub fence: Option<u64>,
+    pub labels: BTreeMap<String, String>,
+    pub ports: BTreeMap<String, u16>,
+    /// In the queue, 1-based; a waiter only.
+    pub position: Option<u64>,
+    pub priority: Priority,
+    pub project: String,
+    pub reason: Option<Reason>,
+    pub run_id: String,
+    /// RFC 3339: when it was granted (or queued, while it waits).
+    pub since: Option<String>,
+    pub state: RunState,
+    /// Pids that survived the last stop (a degraded run).
+    pub survivors: Vec<i32>,
+    pub workspace: Option<String>,
+    pub worktree: Option<String>,
+}
+
+/// `GET /v1/runs`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunList {
+    pub runs: Vec<Run>,
+}
+
+/// One line of a streamed acquire (`Accept: application/x-ndjson`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "lowercase")]
+pub enum AcquireEvent {
+    /// The run waits; sent whenever its position or reason changes.
+    Queued {
+        run_id: String,
+        position: Option<u64>,
+        reason: Option<Reason>,
+    },
+    Granted {
+        lease: Box<Run>,
+    },
+    /// Its wait ran out.
+    Expired {
+        error: ErrorDetail,
+    },
+    /// It ended without a grant for any other reason.
+    Rejected {
+        error: ErrorDetail,
+    },
+}
+
+/// Every refusal: `{"error": {"code", "message", "details"}}` with a stable code.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub code: String,
+    pub message: String,
+    #[serde(default)]
+    pub details: Value,
+}
+
+/// A resource of the host as admission sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResourceStatus {
+    pub name: String,
+    pub total: u64,
+    pub reserve: u64,
+    pub allocatable: u64,
+    pub committed: u64,
+    pub available: u64,
+}
+
+/// Promotion evidence a project's parallel runs rest on (D1).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Evidence {
+    pub fingerprint: String,
+    pub commit: Option<String>,
+    pub ports: Vec<String>,
+    pub run_id: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProjectStatus {
+    pub project: String,
+    pub active: u64,
+    pub waiting: u64,
+    pub degraded: u64,
+    pub concurrency: ConcurrencyClass,
+    pub evidence: Option<Evidence>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Queued {
+    pub foreground: u64,
+    pub background: u64,
+}
+
+/// What the reaper has done since the daemon started (P4).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReaperStatus {
+    pub processes_terminated: u64,
+    pub reused_pids_protected: u64,
+    pub diagnostics_bytes: u64,
+    pub diagnostics_dropped: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerStatus {
+    /// Ended runs retention has deleted since the daemon started.
+    pub ended_runs_pruned: u64,
+}
+
+/// `GET /v1/status`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    pub resources: Vec<ResourceStatus>,
+    pub memory_available: Option<u64>,
+    pub memory_pending: u64,
+    pub slots_max: u64,
+    pub effective_max_now: u64,
+    pub min_run_blocked: Option<Reason>,
+    pub queued: Queued,
+    pub granted: u64,
+    pub releasing: u64,
+    pub degraded: u64,
+    pub last_fence: u64,
+    pub projects: Vec<ProjectStatus>,
+    pub reaper: ReaperStatus,
+    pub ledger: LedgerStatus,
+}
+
+/// `POST /v1/reap`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReapReport {
+    pub examined: u64,
+    pub reaped: u64,
+    pub degraded: u64,
+    pub processes_terminated: u64,
+    pub reused_pids_protected: u64,
+    pub diagnostics_bytes: u64,
+    pub diagnostics_dropped: u64,
+}
+
+/// `GET /v1/fence-check`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FenceCheck {
+    pub run_id: String,
+    pub fence: u64,
+    /// The fence is the run's and the run holds its lease.
+    pub current: bool,
+    pub state: Option<RunState>,
+}
+
+/// `POST /v1/tokens`: the token is shown once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenCreated {
+    pub token: String,
+    pub scope: String,
+    pub uid: u32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn words_and_maps_refuse_what_is_not_api_v1() {
+        let ok: AcquireRequest =
+            serde_json::from_str(r#"{"project":"p","class":"analysis","priority":"background"}"#)
+                .unwrap();
+        assert_eq!(ok.class, Some(Class::Analysis));
+        assert_eq!(ok.priority, Some(Priority::Background));
+        let e = serde_json::from_str::<AcquireRequest>(r#"{"project":"p","class":"gold"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("unknown variant `gold`, expected `managed` or `analysis`"),
+            "{e}"
+        );
+        let e = serde_json::from_str::<AcquireRequest>(
+            r#"{"project":"p","resources":{"memory":1,"memory":9}}"#,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("\"memory\" appears twice"), "{e}");
+        let e = serde_json::from_str::<AcquireRequest>(r#"{"project":"p","colour":"red"}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field `colour`"), "{e}");
+        // What a client sends is exactly what it set: no nulls for what it left out.
+        let sent = serde_json::to_string(&AcquireRequest {
+            project: "p".into(),
+            ttl_s: Some(5),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(sent, r#"{"project":"p","ttl_s":5}"#);
+    }
+
+    #[test]
+    fn stream_events_are_tagged_by_event() {
+        let q = AcquireEvent::Queued {
+            run_id: "r".into(),
+            position: Some(2),
+            reason: None,
+        };
+        let line = serde_json::to_string(&q).unwrap();
+        assert_eq!(
+            line,
+            r#"{"event":"queued","run_id":"r","position":2,"reason":null}"#
+        );
+        assert_eq!(serde_json::from_str::<AcquireEvent>(&line).unwrap(), q);
+        let e: AcquireEvent = serde_json::from_str(
+            r#"{"event":"expired","error":{"code":"expired","message":"waited 5s"}}"#,
+        )
+        .unwrap();
+        assert!(matches!(e, AcquireEvent::Expired { error } if error.details.is_null()));
+    }
+}
