@@ -143,6 +143,20 @@ struct Load {
     grant_ms: Mutex<Vec<f64>>,
 }
 
+/// The load generator's acquire body, written by hand: the client shares the machine's
+/// cores with the daemon, so it spends as little as it can per request. A unit test
+/// keeps it what API v1's `AcquireRequest` says.
+fn acquire_body(c: usize, id: &str) -> String {
+    format!(
+        r#"{{"run_id":"{id}","project":"bench-{c}","resources":{{"memory":1048576,"cpu_millis":1,"disk":0}}}}"#
+    )
+}
+
+/// The release body, by hand like `acquire_body`.
+fn release_body(fence: u64) -> String {
+    format!(r#"{{"fence":{fence}}}"#)
+}
+
 /// One client: acquire -> release lifecycles until `stop`.
 async fn client(c: usize, load: Arc<Load>) {
     let (url, token) = (load.url.as_str(), load.auth.as_str());
@@ -153,9 +167,7 @@ async fn client(c: usize, load: Arc<Load>) {
     while !stop.load(Ordering::Relaxed) {
         i += 1;
         let id = format!("c{c}-{i}");
-        let body = format!(
-            r#"{{"run_id":"{id}","project":"bench-{c}","resources":{{"memory":1048576,"cpu_millis":1,"disk":0}}}}"#
-        );
+        let body = acquire_body(c, &id);
         let t = Instant::now();
         let Some((status, resp)) = conn.post("/v1/runs", token, &body).await else {
             errors.fetch_add(1, Ordering::Relaxed);
@@ -171,7 +183,7 @@ async fn client(c: usize, load: Arc<Load>) {
             continue;
         }
         let fence = field_u64(&resp, "\"fence\":").unwrap_or(0);
-        let release = format!(r#"{{"fence":{fence}}}"#);
+        let release = release_body(fence);
         match conn
             .post(&format!("/v1/runs/{id}/release"), token, &release)
             .await
@@ -247,4 +259,22 @@ fn field_u64(json: &str, key: &str) -> Option<u64> {
         .take_while(|c| c.is_ascii_digit())
         .collect();
     digits.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use berth_client::wire::{AcquireRequest, ReleaseRequest};
+
+    #[test]
+    fn the_hand_written_bodies_are_api_v1() {
+        let a: AcquireRequest = serde_json::from_str(&super::acquire_body(3, "c3-9")).unwrap();
+        assert_eq!(a.run_id.as_deref(), Some("c3-9"));
+        assert_eq!(a.project, "bench-3");
+        assert_eq!(a.resources.unwrap().0["memory"], 1 << 20);
+        let r: ReleaseRequest = serde_json::from_str(&super::release_body(42)).unwrap();
+        assert_eq!(r.fence, 42);
+        // The answer's fence is found where the server writes it.
+        let run = r#"{"claim":{"keys":[],"resources":{}},"fence":17,"labels":{}}"#;
+        assert_eq!(super::field_u64(run, "\"fence\":"), Some(17));
+    }
 }

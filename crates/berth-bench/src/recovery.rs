@@ -7,7 +7,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::json;
+use berth_client::wire::{AcquireRequest, ProcessRequest, Run, Status, UniqueMap};
 
 pub fn main(runs: usize) {
     let dir = tempfile::tempdir().unwrap();
@@ -32,16 +32,24 @@ pub fn main(runs: usize) {
     let mut children: Vec<Child> = Vec::new();
     for i in 0..runs {
         let id = format!("rec-{i}");
-        let body = json!({"run_id": id, "project": format!("p{i}"), "ttl_s": ttl_s,
-            "resources": {"memory": 1 << 20, "cpu_millis": 1, "disk": 0}});
+        let resources = [("memory", 1 << 20), ("cpu_millis", 1), ("disk", 0)];
+        let body = AcquireRequest {
+            run_id: Some(id.clone()),
+            project: format!("p{i}"),
+            ttl_s: Some(ttl_s),
+            resources: Some(UniqueMap(
+                resources.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            )),
+            ..Default::default()
+        };
         let r = agent
             .post(format!("{url}/v1/runs"))
             .header("Authorization", &auth)
-            .send(body.to_string())
+            .send_json(&body)
             .unwrap();
-        let v: serde_json::Value = r.into_body().read_json().unwrap();
-        let fence = v["fence"].as_u64().expect("granted");
-        let ws = v["workspace"].as_str().unwrap().to_string();
+        let v: Run = r.into_body().read_json().unwrap();
+        let fence = v.fence.expect("granted");
+        let ws = v.workspace.expect("a workspace");
         std::fs::write(format!("{ws}/logs/run.log"), vec![b'l'; 3 * 1024]).unwrap();
         // A small tree: a shell with a child.
         let child = Command::new("sh")
@@ -50,11 +58,14 @@ pub fn main(runs: usize) {
             .stdout(Stdio::null())
             .spawn()
             .unwrap();
-        let reg = json!({"fence": fence, "pid": child.id()});
+        let reg = ProcessRequest {
+            fence,
+            pid: child.id() as i32,
+        };
         agent
             .post(format!("{url}/v1/runs/{id}/processes"))
             .header("Authorization", &auth)
-            .send(reg.to_string())
+            .send_json(&reg)
             .unwrap();
         children.push(child);
     }
@@ -80,7 +91,7 @@ pub fn main(runs: usize) {
     let runs_dir = dir.path().join("runs");
     let diag_dir = dir.path().join("diagnostics");
     let (reap, status) = loop {
-        let s: serde_json::Value = agent
+        let s: Status = agent
             .get(format!("{url}/v1/status"))
             .header("Authorization", &auth)
             .call()
@@ -88,9 +99,7 @@ pub fn main(runs: usize) {
             .into_body()
             .read_json()
             .unwrap();
-        let live = s["granted"].as_u64().unwrap_or(1)
-            + s["releasing"].as_u64().unwrap_or(1)
-            + s["degraded"].as_u64().unwrap_or(1);
+        let live = s.granted + s.releasing + s.degraded;
         children.retain_mut(|c| !matches!(c.try_wait(), Ok(Some(_))));
         let workspaces = std::fs::read_dir(&runs_dir)
             .map(|rd| {
@@ -117,8 +126,8 @@ pub fn main(runs: usize) {
     println!(
         "{{\"runs\":{runs},\"reap_seconds\":{:.2},\"processes_terminated\":{},\"diagnostics_bytes\":{},\"startup_to_serving_ms\":{}}}",
         reap.as_secs_f64(),
-        status["reaper"]["processes_terminated"],
-        status["reaper"]["diagnostics_bytes"],
+        status.reaper.processes_terminated,
+        status.reaper.diagnostics_bytes,
         serving.as_millis()
     );
 }

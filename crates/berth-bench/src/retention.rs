@@ -71,7 +71,7 @@ fn start(state_dir: &Path) -> Started {
     }
 }
 
-fn status(url: &str) -> Option<serde_json::Value> {
+fn status(url: &str) -> Option<berth_client::wire::Status> {
     let r = ureq::get(format!("{url}/v1/status")).call().ok()?;
     r.into_body().read_json().ok()
 }
@@ -161,12 +161,12 @@ pub fn main(runs: u64) {
         let q = Instant::now();
         let s = status(&hist.url).expect("status");
         latency_max_ms = latency_max_ms.max(q.elapsed().as_secs_f64() * 1e3);
-        if s["ledger"]["ended_runs_pruned"].as_u64().unwrap_or(0) >= to_prune {
+        if s.ledger.ended_runs_pruned >= to_prune {
             break;
         }
         assert!(
             t.elapsed() < Duration::from_secs(600),
-            "retention stalled: {s}"
+            "retention stalled: {s:?}"
         );
         std::thread::sleep(Duration::from_millis(20));
     }

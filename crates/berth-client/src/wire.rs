@@ -292,7 +292,7 @@ pub struct ReapReport {
     pub diagnostics_dropped: u64,
 }
 
-/// `GET /v1/fence-check`.
+/// `GET /v1/fences/check?run_id=…&fence=…`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FenceCheck {
     pub run_id: String,

@@ -87,7 +87,7 @@ pub enum Error {
 }
 
 impl Error {
-    /// The stable snake_case code of SPEC section 12.
+    /// The stable snake_case code (docs/contract.md lists them).
     pub fn code(&self) -> &'static str {
         match self {
             Error::Invalid { .. } => "invalid",

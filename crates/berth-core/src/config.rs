@@ -54,7 +54,7 @@ pub struct Config {
 }
 
 impl Config {
-    /// Defaults from SPEC.md section 12, for a host with these totals.
+    /// The contract's defaults (docs/contract.md), for a host with these totals.
     pub fn for_host(cpus: u64, memory_total: u64, disk_total: u64) -> Config {
         Config {
             slots_max: (cpus / 2).clamp(1, 8),
@@ -86,7 +86,7 @@ impl Config {
     }
 
     /// Shrinks the *default* request to what this host can ever allocate, so that a
-    /// plain `berth run` works on a small host (SPEC's 2000 cpu millis do not fit a
+    /// plain `berth run` works on a small host (the contract's 2000 cpu millis do not fit a
     /// 2-cpu machine with its 1000-milli reserve). Explicit requests are never changed;
     /// they are refused as impossible (A3) when they cannot fit.
     pub fn fit_default_request(&mut self) {

@@ -1,4 +1,4 @@
-//! Syntax rules for names (SPEC section 2) and the unit parsers (section 12).
+//! Syntax rules for names and the unit parsers (docs/contract.md).
 //! Pure functions; each error names the rule it broke.
 
 fn id_like(s: &str, max_len: usize, extra: &[u8]) -> Result<(), String> {

@@ -1,5 +1,5 @@
 //! berth-proc: knowing exactly which processes belong to a run, and stopping exactly
-//! those (SPEC section 7).
+//! those (docs/contract.md, processes).
 //!
 //! - [`ProcId`]: a process is (pid, start time, boot id), never a pid alone (P1).
 //!   [`signal`] opens a pidfd, re-checks the start time through it, and only then

@@ -1,6 +1,6 @@
-//! berth-server: `berth serve`. One task owns the engine and the ledger writer
-//! ([`state`]); HTTP handlers ([`api`]) send it commands; timers drive expiry and
-//! memory sampling. See ARCHITECTURE.md.
+//! berth-server: `berth serve`. The daemon's state machine ([`daemon`]) owns the engine
+//! and the ledger writer on a thread of its own; HTTP handlers ([`api`]) send it
+//! messages; its runtime feeds it the clock and memory samples. See ARCHITECTURE.md.
 
 pub mod api;
 pub mod auth;
@@ -13,6 +13,7 @@ pub mod host;
 pub mod http;
 pub mod private;
 pub mod register;
+pub mod request;
 pub mod walk;
 pub mod workspace;
 
@@ -78,7 +79,7 @@ impl Fatal {
     }
 }
 
-/// Messages in flight to the state task at most; handlers wait beyond it.
+/// Messages in flight to the daemon at most; handlers wait beyond it.
 pub const INBOX_MAX: usize = 16_384;
 
 /// A running daemon: its address and a way to stop it.
@@ -207,7 +208,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
     })
 }
 
-/// Starts the state task (the one owner of the engine and the writer) on a thread of
+/// Starts the daemon (the one owner of the engine and the writer) on a thread of
 /// its own and returns the API's handle to it, and what resolves once it has ended.
 ///
 /// Its own thread, not a tokio worker: the task does blocking work (a `/proc` scan when
@@ -236,7 +237,7 @@ fn spawn_state(
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_time()
                 .build()
-                .expect("the state task's runtime");
+                .expect("the daemon's runtime");
             let probe = CommitProbe(commits);
             rt.block_on(daemon::run(st, rx, tick_ms, sample, Some(probe)));
             let _ = done_tx.send(());
@@ -375,7 +376,7 @@ fn diagnostics(cfg: &ServeConfig) -> workspace::Diagnostics {
     }
 }
 
-/// Serves until asked to stop, a signal or a fatal error; then lets the state task
+/// Serves until asked to stop, a signal or a fatal error; then lets the daemon
 /// drain (every acknowledged change durable) and says why it stopped.
 async fn serve_until_stopped(
     listener: tokio::net::TcpListener,
@@ -395,11 +396,11 @@ async fn serve_until_stopped(
         }
     };
     http::serve(listener, app, http::connection_budget(), shutdown).await;
-    // The router (and every sender) is gone: the state task drains and closes
+    // The router (and every sender) is gone: the daemon drains and closes
     // the writer, which makes everything acknowledged durable.
     // Dropped without a word: the state thread panicked (its message is in the log).
     if state_done.await.is_err() {
-        bail!("stopped: the state task ended unexpectedly");
+        bail!("stopped: the daemon ended unexpectedly");
     }
     // D4: a fatal error is an error exit, with its reason (so a supervisor's
     // restart-on-failure restarts it and the log says why).

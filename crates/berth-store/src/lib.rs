@@ -147,8 +147,8 @@ pub struct Retention {
     pub ended_age_ms: u64,
 }
 
-/// The most ended runs one prune deletes: bounds how long it holds the ledger (about a
-/// millisecond), so commits never wait long behind it.
+/// The most ended runs one prune deletes: bounds how long it holds the ledger (a few
+/// milliseconds), so commits never wait long behind it.
 pub const PRUNE_ROWS_MAX: usize = 500;
 /// How often the writer prunes while the ledger has nothing left to prune: often
 /// enough that steady churn (every lifecycle eventually deletes one row) is pruned in

@@ -11,7 +11,7 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, Parser, Subcommand};
 
-/// Exit codes (SPEC section 12).
+/// Exit codes (docs/contract.md).
 pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_REFUSED: u8 = 69;
 pub const EXIT_TIMEOUT: u8 = 75;

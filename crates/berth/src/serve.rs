@@ -1,5 +1,5 @@
 //! `berth serve`: flags (each also a `BERTH_*` variable) over `berth.toml` over the
-//! host's own figures and SPEC defaults.
+//! host's own figures and the contract's defaults (docs/contract.md).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -70,7 +70,7 @@ impl Extra {
         extra
     }
 
-    /// An ended run keeps only what answering about it needs: up to 65,536 of them are
+    /// An ended run keeps only what answering about it needs: up to `ended_retained_max` (10,000 by default) of them are
     /// remembered, and a run's labels (up to 32 × 320 bytes), worktree path and process
     /// list would make that a gigabyte (68,000 ended runs with large labels once took
     /// 1 GB). The ledger keeps them all; `GET` of an ended run shows none of them.
@@ -79,7 +79,7 @@ impl Extra {
         self.processes = Vec::new();
         self.survivors = Vec::new();
         // Nothing to free without labels or a worktree: no digest (hashing every
-        // ended run cost the state task time on the request path).
+        // ended run cost the daemon time on the request path).
         if self.ended_digest.is_some() || (self.labels.is_empty() && self.worktree.is_none()) {
             return;
         }

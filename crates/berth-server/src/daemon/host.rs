@@ -104,7 +104,7 @@ impl RealHost {
         })
     }
 
-    /// Gives the stopper a way to report back to the state task.
+    /// Gives the stopper a way to report back to the daemon.
     pub fn set_inbox(&mut self, tx: &mpsc::Sender<Msg>) {
         self.inbox = Some(tx.downgrade());
     }
@@ -212,7 +212,7 @@ impl Host for RealHost {
 }
 
 /// The stopper thread: takes stop jobs, runs rounds while any are active (one `/proc`
-/// scan per round for all of them), reports each finished stop to the state task.
+/// scan per round for all of them), reports each finished stop to the daemon.
 fn spawn_stopper(
     sup: &Supervision,
     inbox: Option<mpsc::WeakSender<Msg>>,

@@ -12,7 +12,7 @@ pub(super) const RUN_SEP: char = '@';
 /// Bytes of a run id as a name part at most (the longest valid run id).
 pub(super) const RUN_ID_NAME_MAX: usize = 128;
 
-/// The run id as a part of a file name. A valid run id already is one (SPEC 2:
+/// The run id as a part of a file name. A valid run id already is one (the id rule,
 /// `[A-Za-z0-9][A-Za-z0-9._:-]{0,127}`: no `/`, no NUL, never `.` or `..`, a letter or
 /// digit first, at most 128 bytes) and is kept exactly. Anything else (never expected:
 /// the engine refuses invalid run ids) has every other character replaced by `_`, is cut

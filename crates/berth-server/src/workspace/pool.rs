@@ -39,7 +39,7 @@ pub struct Pool {
     pub diagnostics: Arc<DiagnosticsCounters>,
 }
 
-/// What the state task and the pool thread share.
+/// What the daemon and the pool thread share.
 #[derive(Default)]
 pub(super) struct Shared {
     /// Proven clean, in `runs/.pool`, ready to hand out.

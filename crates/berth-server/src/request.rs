@@ -1,0 +1,246 @@
+//! One home for validating API requests: every rule a request body, path or query
+//! value must meet before the daemon sees it, each refusal a `400` naming the field and
+//! the rule. The limits that are the engine's (ttl, wait, resources) come from its
+//! `Config`, never from numbers here; the ones named here are the API's own.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use berth_client::wire::AcquireRequest as AcquireBody;
+use berth_core::{validate, Class, Config, Priority, Request as CoreRequest, Resources};
+
+use serde_json::json;
+
+use crate::auth;
+use crate::error::ApiError;
+
+/// Labels per run, and their sizes.
+pub const LABELS_MAX: usize = 32;
+pub const LABEL_KEY_BYTES_MAX: usize = 64;
+pub const LABEL_VALUE_BYTES_MAX: usize = 256;
+/// Largest fence a client may send: JSON's safe integers (G5).
+pub const FENCE_MAX: u64 = (1 << 53) - 1;
+
+pub fn check_fence(f: u64) -> Result<u64, ApiError> {
+    if f == 0 || f > FENCE_MAX {
+        return Err(ApiError::invalid(
+            "fence",
+            format!("must be a positive integer at most {FENCE_MAX}"),
+        ));
+    }
+    Ok(f)
+}
+
+pub fn check_run_id(id: &str) -> Result<(), ApiError> {
+    validate::run_id(id).map_err(|e| ApiError::invalid("run_id", e))
+}
+
+/// A generated run id: 64 random bits, hex.
+fn new_run_id() -> String {
+    let t = auth::new_token().unwrap_or_else(|_| format!("berth_{:016x}", crate::clock::mono_ms()));
+    format!("r-{}", &t["berth_".len().."berth_".len() + 16])
+}
+
+/// Longest stop grace a run may ask for.
+pub const STOP_GRACE_S_MAX: u64 = 3_600;
+
+/// The server-side parts of an acquire: (worktree, labels, stop grace).
+pub type Extras = (Option<String>, BTreeMap<String, String>, Option<u64>);
+
+/// Longest worktree path accepted.
+pub const WORKTREE_BYTES_MAX: usize = 4096;
+/// How long reading a worktree's contract may take. The worktree is the caller's: a
+/// hung network file system or a FUSE mount that never answers must cost the caller a
+/// `503`, never an async worker of the daemon (S1).
+const WORKTREE_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Reads the worktree's contract (C1) on a blocking thread, within
+/// `WORKTREE_READ_TIMEOUT`, and folds it into the request.
+pub async fn read_worktree(req: &mut CoreRequest, worktree: &str) -> Result<(), ApiError> {
+    let wt = std::path::PathBuf::from(worktree);
+    let read = tokio::task::spawn_blocking(move || {
+        // `metadata` follows links on purpose: a worktree may be reached through one;
+        // what must never be followed or blocked on is the contract file itself.
+        match std::fs::metadata(&wt) {
+            Ok(m) if m.is_dir() => {}
+            _ => {
+                return Err(ApiError::invalid(
+                    "worktree",
+                    "must be an existing directory",
+                ))
+            }
+        }
+        crate::contract::read(&wt).map_err(|e| ApiError::invalid("worktree", e))
+    });
+    let contract = match tokio::time::timeout(WORKTREE_READ_TIMEOUT, read).await {
+        Ok(Ok(r)) => r?,
+        Ok(Err(_)) => {
+            return Err(ApiError::new(
+                500,
+                "internal",
+                "reading the worktree failed",
+            ))
+        }
+        Err(_) => {
+            return Err(ApiError::new(
+                503,
+                "worktree_unavailable",
+                format!(
+                    "worktree: its contract could not be read within {} s",
+                    WORKTREE_READ_TIMEOUT.as_secs()
+                ),
+            )
+            .with(json!({"field": "worktree"})))
+        }
+    };
+    if let Some(c) = contract {
+        if req.class == Class::Managed {
+            req.singletons.extend(c.singletons);
+        }
+        req.contract = Some(c.info);
+    }
+    Ok(())
+}
+
+/// Turns an acquire body into the engine's request (without touching the file system:
+/// the worktree's contract is read by `read_worktree`).
+pub fn build_request(cfg: &Config, b: AcquireBody) -> Result<(CoreRequest, Extras), ApiError> {
+    if b.stop_grace_s.is_some_and(|g| g > STOP_GRACE_S_MAX) {
+        return Err(ApiError::invalid(
+            "stop_grace_s",
+            format!("must be between 0 and {STOP_GRACE_S_MAX}"),
+        ));
+    }
+    let run_id = match b.run_id {
+        Some(id) => {
+            check_run_id(&id)?;
+            id
+        }
+        None => new_run_id(),
+    };
+    validate::project(&b.project).map_err(|e| ApiError::invalid("project", e))?;
+    if b.budget.is_some() {
+        return Err(ApiError::invalid(
+            "budget",
+            "budgets are not supported by this berth yet",
+        ));
+    }
+    let ttl_s = ttl_s(cfg, b.ttl_s.unwrap_or(cfg.ttl_ms_default / 1000))?;
+    let wait_s = b.wait_s.unwrap_or(cfg.wait_ms_default / 1000);
+    let wait_s_max = cfg.wait_ms_max / 1000;
+    if wait_s > wait_s_max {
+        return Err(ApiError::invalid(
+            "wait_s",
+            format!("must be between 0 and {wait_s_max}"),
+        ));
+    }
+    let res = resources(cfg, b.resources.unwrap_or_default().0)?;
+    let labels = labels(b.labels.unwrap_or_default().0)?;
+    let singletons = singletons(b.singletons.unwrap_or_default())?;
+    if let Some(wt) = &b.worktree {
+        if !std::path::Path::new(wt).is_absolute() || wt.len() > WORKTREE_BYTES_MAX {
+            return Err(ApiError::invalid(
+                "worktree",
+                format!("must be an absolute path of at most {WORKTREE_BYTES_MAX} bytes"),
+            ));
+        }
+    }
+    let req = CoreRequest {
+        run_id,
+        project: b.project,
+        class: b.class.unwrap_or(Class::Managed),
+        priority: b.priority.unwrap_or(Priority::Foreground),
+        resources: res,
+        singletons,
+        // Filled in by `read_worktree`, off the async workers.
+        contract: None,
+        ttl_ms: ttl_s * 1000,
+        wait_ms: wait_s * 1000,
+    };
+    Ok((req, (b.worktree, labels, b.stop_grace_s.map(|g| g * 1000))))
+}
+
+/// A lease's ttl in seconds, within the engine's `ttl_ms_max` (the one limit).
+pub fn ttl_s(cfg: &berth_core::Config, ttl_s: u64) -> Result<u64, ApiError> {
+    let max = cfg.ttl_ms_max / 1000;
+    if ttl_s == 0 || ttl_s > max {
+        return Err(ApiError::invalid(
+            "ttl_s",
+            format!("must be between 1 and {max}"),
+        ));
+    }
+    Ok(ttl_s)
+}
+
+/// The resources asked for, over the host's defaults; named ones must be declared.
+fn resources(
+    cfg: &berth_core::Config,
+    asked: BTreeMap<String, u64>,
+) -> Result<Resources, ApiError> {
+    let d = &cfg.default_request;
+    let mut res = Resources {
+        slots: d.slots,
+        memory: d.memory,
+        cpu_millis: d.cpu_millis,
+        disk: d.disk,
+        named: BTreeMap::new(),
+    };
+    for (k, v) in asked {
+        match k.as_str() {
+            "slots" => res.slots = v,
+            "memory" => res.memory = v,
+            "cpu_millis" => res.cpu_millis = v,
+            "disk" => res.disk = v,
+            name => {
+                if !cfg.named.iter().any(|(n, _)| n == name) {
+                    return Err(ApiError::invalid(
+                        &format!("resources.{name}"),
+                        "is not a resource this host declares",
+                    ));
+                }
+                res.named.insert(name.to_string(), v);
+            }
+        }
+    }
+    if res.slots == 0 {
+        return Err(ApiError::invalid("resources.slots", "must be at least 1"));
+    }
+    Ok(res)
+}
+
+fn labels(labels: BTreeMap<String, String>) -> Result<BTreeMap<String, String>, ApiError> {
+    if labels.len() > LABELS_MAX {
+        return Err(ApiError::invalid(
+            "labels",
+            format!("at most {LABELS_MAX} entries"),
+        ));
+    }
+    for (k, v) in &labels {
+        if k.is_empty() || k.len() > LABEL_KEY_BYTES_MAX || k.chars().any(char::is_control) {
+            return Err(ApiError::invalid(
+                "labels",
+                format!("keys must be 1 to {LABEL_KEY_BYTES_MAX} bytes without control characters"),
+            ));
+        }
+        if v.len() > LABEL_VALUE_BYTES_MAX || v.chars().any(char::is_control) {
+            return Err(ApiError::invalid(
+                &format!("labels.{k}"),
+                format!("must be at most {LABEL_VALUE_BYTES_MAX} bytes without control characters"),
+            ));
+        }
+    }
+    Ok(labels)
+}
+
+fn singletons(singletons: Vec<String>) -> Result<Vec<String>, ApiError> {
+    if singletons.len() > berth_core::SINGLETONS_MAX {
+        return Err(ApiError::invalid(
+            "singletons",
+            format!("at most {} entries", berth_core::SINGLETONS_MAX),
+        ));
+    }
+    for s in &singletons {
+        validate::resource_name(s).map_err(|e| ApiError::invalid("singletons", e))?;
+    }
+    Ok(singletons)
+}
