@@ -1,18 +1,17 @@
 //! The runtime contract, `<worktree>/.berth.toml` (C1), read at acquire time so the whole
 //! claim is known before the run queues (A1).
 
+pub mod ports;
+
 use std::path::Path;
 
 use berth_core::{Concurrency, ContractInfo};
 use sha2::{Digest, Sha256};
 
+pub use ports::Port;
+
 /// Upper bound on the file: a contract is a few lines.
 pub const CONTRACT_BYTES_MAX: u64 = 64 * 1024;
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Port {
-    pub name: String,
-}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Contract {
@@ -143,37 +142,7 @@ fn parse_singletons(value: &toml::Value) -> Result<Vec<String>, String> {
 }
 
 fn parse_ports(value: &toml::Value) -> Result<Vec<Port>, String> {
-    let arr = value
-        .as_array()
-        .ok_or_else(|| bad("port must be an array of tables ([[port]])"))?;
-    let mut ports = Vec::with_capacity(arr.len());
-    for p in arr {
-        let t = p
-            .as_table()
-            .ok_or_else(|| bad("port entries must be tables"))?;
-        let name = t
-            .get("name")
-            .and_then(|n| n.as_str())
-            .ok_or_else(|| bad("every [[port]] needs a name"))?;
-        let upper = name.to_ascii_uppercase().replace(['-', '.'], "_");
-        if name.is_empty()
-            || name.len() > 32
-            || !upper.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
-        {
-            return Err(bad(format!(
-                "port name {name:?} must be 1-32 letters, digits, '-' or '_'"
-            )));
-        }
-        for k in t.keys() {
-            if !["name", "launch", "ready"].contains(&k.as_str()) {
-                return Err(bad(format!("unknown key port.{k}")));
-            }
-        }
-        ports.push(Port {
-            name: name.to_string(),
-        });
-    }
-    Ok(ports)
+    ports::parse(value).map_err(bad)
 }
 
 /// `.git`, `HEAD`, `commondir` and loose refs are one line each.
@@ -248,17 +217,20 @@ mod tests {
         assert_eq!(read(wt.path()).unwrap(), None);
         std::fs::write(
             wt.path().join(".berth.toml"),
-            "concurrency = \"parallel\"\nsingletons = [\"postgres\"]\n[[port]]\nname = \"web\"\n",
+            "concurrency = \"parallel\"\nsingletons = [\"postgres\"]\n[[port]]\nname = \"web\"\nlaunch = { command = \"srv\" }\n",
         )
         .unwrap();
         let c = read(wt.path()).unwrap().unwrap();
         assert_eq!(c.info.concurrency, Concurrency::Parallel);
         assert_eq!(c.singletons, vec!["postgres"]);
-        assert_eq!(c.ports, vec![Port { name: "web".into() }]);
+        assert_eq!(c.ports.len(), 1);
+        assert_eq!(c.ports[0].name, "web");
+        assert_eq!(c.ports[0].launch.command, "srv");
+        assert_eq!(c.ports[0].ready.probe, ports::Probe::Tcp);
         // Comments and spacing do not change the fingerprint; content does.
         std::fs::write(
             wt.path().join(".berth.toml"),
-            "# hi\nsingletons = [ \"postgres\" ]\nconcurrency   = \"parallel\"\n\n[[port]]\nname = \"web\"\n",
+            "# hi\nsingletons = [ \"postgres\" ]\nconcurrency   = \"parallel\"\n\n[[port]]\nname = \"web\"\nlaunch.command = \"srv\"\n",
         )
         .unwrap();
         assert_eq!(
@@ -281,6 +253,106 @@ mod tests {
             let e = read(wt.path()).unwrap_err();
             assert!(e.starts_with("worktree .berth.toml:"), "{e}");
         }
+    }
+
+    /// Every port field is parsed; a table of malformed contracts is each refused with
+    /// the field named.
+    #[test]
+    fn port_entries_are_parsed_and_every_malformed_field_is_named() {
+        let wt = tempfile::tempdir().unwrap();
+        let write = |text: &str| std::fs::write(wt.path().join(".berth.toml"), text).unwrap();
+        write(
+            r#"concurrency = "parallel"
+[[port]]
+name = "web"
+launch = { command = "python3", args = ["-m", "http.server"], cwd = "site", env = { MODE = "dev" } }
+ready = { http = "/health", expect_status = 204, timeout_s = 30, interval_ms = 100 }
+build = { command = "make", args = ["assets"], timeout_s = 120 }
+[[port]]
+name = "db_2"
+launch = { command = "pg" }
+ready = { tcp = true }
+"#,
+        );
+        let c = read(wt.path()).unwrap().unwrap();
+        let web = &c.ports[0];
+        assert_eq!(web.launch.args, ["-m", "http.server"]);
+        assert_eq!(web.launch.cwd.as_deref(), Some("site"));
+        assert_eq!(web.launch.env["MODE"], "dev");
+        assert_eq!(
+            web.ready.probe,
+            ports::Probe::Http {
+                path: "/health".into(),
+                expect_status: 204
+            }
+        );
+        assert_eq!((web.ready.timeout_ms, web.ready.interval_ms), (30_000, 100));
+        let b = web.build.as_ref().unwrap();
+        assert_eq!((b.command.as_str(), b.timeout_ms), ("make", 120_000));
+        assert_eq!(c.ports[1].ready.probe, ports::Probe::Tcp);
+        assert_eq!(c.ports[1].ready.timeout_ms, 60_000);
+
+        let l = "launch = { command = \"x\" }";
+        let cases: Vec<(String, &str)> = vec![
+            ("port = 1".into(), "port: must be an array"),
+            ("port = [1]".into(), "port[0]: must be a table"),
+            (format!("[[port]]\n{l}"), "port[0].name: is required"),
+            (format!("[[port]]\nname = \"Web\"\n{l}"), "port[0].name: must match"),
+            (format!("[[port]]\nname = \"9a\"\n{l}"), "port[0].name: must match"),
+            (format!("[[port]]\nname = \"w-b\"\n{l}"), "port[0].name: must match"),
+            (format!("[[port]]\nname = \"{}\"\n{l}", "a".repeat(33)), "port[0].name: must be at most 32"),
+            (format!("[[port]]\nname = \"w\"\n{l}\n[[port]]\nname = \"w\"\n{l}"), "port[1].name: \"w\" is declared twice"),
+            ("[[port]]\nname = \"w\"".into(), "port[0].launch: is required"),
+            ("[[port]]\nname = \"w\"\nlaunch = \"srv\"".into(), "port[0].launch: must be a table"),
+            ("[[port]]\nname = \"w\"\nlaunch = {}".into(), "port[0].launch.command: is required"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"\" }".into(), "port[0].launch.command: is required"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"x\", args = \"-v\" }".into(), "port[0].launch.args: must be an array"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"x\", args = [1] }".into(), "port[0].launch.args: must be an array"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"x\", cwd = \"../up\" }".into(), "port[0].launch.cwd: must be relative"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"x\", cwd = \"/etc\" }".into(), "port[0].launch.cwd: must be relative"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"x\", cwd = \"a/../../b\" }".into(), "port[0].launch.cwd: must be relative"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"x\", env = { lower = \"1\" } }".into(), "port[0].launch.env.lower: must be a variable name"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"x\", env = { BERTH_FENCE = \"1\" } }".into(), "port[0].launch.env.BERTH_FENCE: must be a variable name"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"x\", env = { A = 1 } }".into(), "port[0].launch.env.A: must be a string"),
+            ("[[port]]\nname = \"w\"\nlaunch = { command = \"x\", shell = true }".into(), "port[0].launch.shell: is not a known key"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nready = {{}}"), "port[0].ready.http: give"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nready = {{ http = \"health\" }}"), "port[0].ready.http: must be a path"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nready = {{ http = \"/a b\" }}"), "port[0].ready.http: must be a path"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nready = {{ http = \"/\", tcp = true }}"), "port[0].ready.http: give http or tcp, not both"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nready = {{ tcp = false }}"), "port[0].ready.tcp: must be true"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nready = {{ http = \"/\", expect_status = 99 }}"), "port[0].ready.expect_status: must be an integer from 100 to 599"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nready = {{ tcp = true, timeout_s = 0 }}"), "port[0].ready.timeout_s: must be an integer from 1 to 600"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nready = {{ tcp = true, interval_ms = 5 }}"), "port[0].ready.interval_ms: must be an integer from 50 to 10000"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nbuild = {{ args = [] }}"), "port[0].build.command: is required"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nbuild = {{ command = \"m\", timeout_s = 99999 }}"), "port[0].build.timeout_s: must be an integer from 1 to 3600"),
+            (format!("[[port]]\nname = \"w\"\n{l}\nhealth = 1"), "port[0].health: is not a known key"),
+        ];
+        assert!(cases.len() >= 20);
+        for (text, want) in &cases {
+            write(text);
+            let e = read(wt.path()).unwrap_err();
+            assert!(
+                e.starts_with("worktree .berth.toml: ") && e.contains(want),
+                "{text:?}: wanted {want:?}, got {e:?}"
+            );
+        }
+    }
+
+    /// A `.berth.toml` that is a link (say, to a file outside the worktree) is refused,
+    /// never followed.
+    #[test]
+    fn a_linked_contract_is_refused() {
+        let wt = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(
+            outside.path().join("c.toml"),
+            "concurrency = \"parallel\"\n",
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(outside.path().join("c.toml"), wt.path().join(".berth.toml"))
+            .unwrap();
+        let e = read(wt.path()).unwrap_err();
+        assert!(e.contains("must be a regular file, not a link"), "{e}");
     }
 
     #[test]
