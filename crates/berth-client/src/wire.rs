@@ -228,6 +228,8 @@ pub struct Evidence {
     pub commit: Option<String>,
     pub ports: Vec<String>,
     pub run_id: String,
+    /// RFC 3339: when the project was promoted.
+    pub at: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -308,6 +310,47 @@ pub struct TokenCreated {
     pub token: String,
     pub scope: String,
     pub uid: u32,
+}
+
+/// `POST /v1/runs/{id}/runtime` (C7): start the run's runtime under its fence.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeRequest {
+    pub fence: u64,
+}
+
+/// One step of a runtime start, as the stream (`Accept: application/x-ndjson`) and the
+/// answer's `events` report it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum RuntimeEvent {
+    /// A port's `build` command runs.
+    Building { port: String },
+    /// A port's command was started (and recorded as the run's process, P1).
+    Launched { port: String, number: u16, pid: i32 },
+    /// A port answered its probe.
+    Ready { port: String },
+    /// A port could not be started: its build or command failed, it exited, or it
+    /// never answered. The run stays granted so it can be fixed and tried again.
+    Failed {
+        port: String,
+        why: String,
+        /// The last lines the port's command wrote (at most 20).
+        log_tail: Vec<String>,
+    },
+    /// Every port is ready; `promoted` if this proved the project parallel (C3).
+    Done {
+        ports: BTreeMap<String, u16>,
+        promoted: bool,
+    },
+}
+
+/// The answer to a runtime start that is not streamed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RuntimeStarted {
+    pub ports: BTreeMap<String, u16>,
+    pub promoted: bool,
+    pub events: Vec<RuntimeEvent>,
 }
 
 #[cfg(test)]

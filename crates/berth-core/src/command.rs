@@ -35,6 +35,9 @@ pub enum Command {
         fence: Fence,
         ports: Vec<String>,
     },
+    /// C4: the run's runtime failed to start. If it held the runtime key on the
+    /// project's evidence (shared), that evidence is no longer trusted.
+    RuntimeFailed { run_id: String, fence: Fence },
     /// C4: the run's contract or commit changed under it.
     Demote {
         run_id: String,

@@ -401,6 +401,9 @@ impl Engine {
                 fingerprint,
                 commit,
             } => self.demote(&run_id, fence, fingerprint, commit, &mut ev),
+            Command::RuntimeFailed { run_id, fence } => {
+                self.runtime_failed(&run_id, fence, &mut ev)
+            }
         };
         // Every command ends with a bounded admission pass: whatever it changed may let
         // someone in, and passes on ticks rotate the window through a deep queue (A6).
@@ -1124,6 +1127,33 @@ impl Engine {
             });
         }
         Ok(Some(self.view(s)))
+    }
+
+    /// C4: a shared holder whose runtime failed to start proves the evidence wrong; a
+    /// serial (exclusive) holder's failure says nothing about running in parallel.
+    fn runtime_failed(
+        &mut self,
+        run_id: &str,
+        fence: Fence,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        let s = self.granted_with_fence(run_id, fence)?;
+        let run = self.run(s);
+        if run.req.class == Class::Managed && run.keys[0].1 == KeyMode::Shared {
+            let p = run.project;
+            self.invalidate_evidence(p, run_id, ev);
+        }
+        Ok(Some(self.view(s)))
+    }
+
+    /// P5: the promotion evidence the ledger kept, per project, after `restore`.
+    pub fn restore_evidence(&mut self, evidence: Vec<(String, Evidence)>) -> Result<(), String> {
+        for (project, e) in evidence {
+            let p = self.intern_project(&project);
+            self.project_mut(p).evidence = Some(e);
+        }
+        self.check_invariants()
+            .map_err(|m| format!("restored evidence is inconsistent: {m}"))
     }
 
     fn invalidate_evidence(&mut self, p: ProjectId, by_run: &str, ev: &mut Vec<Event>) {

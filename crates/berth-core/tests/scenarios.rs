@@ -246,6 +246,10 @@ pub fn run_script(script: &str) -> String {
                     .map(|v| v.split(',').map(str::to_string).collect())
                     .unwrap_or_default(),
             },
+            "runtime-failed" => Command::RuntimeFailed {
+                run_id: id(),
+                fence: fence().expect("fence"),
+            },
             "demote" => {
                 let c = contract(&format!(
                     "parallel:{}",

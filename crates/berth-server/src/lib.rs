@@ -14,6 +14,7 @@ pub mod http;
 pub mod private;
 pub mod register;
 pub mod request;
+pub mod runtime;
 pub mod walk;
 pub mod workspace;
 
@@ -50,6 +51,31 @@ pub struct ServeConfig {
     /// Ended runs older than this are deleted from the ledger (and the newest
     /// `engine.ended_retained_max` are all that is kept in any case).
     pub retain_ended_for_ms: u64,
+    /// The ports runs' `[[port]]` entries are given from (W3), inclusive.
+    pub port_range: (u16, u16),
+}
+
+/// Where runs' ports come from unless configured: a thousand ports above the usual
+/// ephemeral range's floor on many systems and below Linux's (32768-60999 is above).
+pub const PORT_RANGE_DEFAULT: (u16, u16) = (41_000, 41_999);
+/// The named resource that counts ports: a run's `[[port]]` entries claim it, so a run
+/// waits for ports like for any other resource (A1), with reason `capacity.ports`.
+pub const PORTS_RESOURCE: &str = "ports";
+
+/// Counts the port range as the engine's `ports` resource. A `ports` resource of the
+/// operator's own is refused: berth counts it from the range.
+fn count_ports(cfg: &mut ServeConfig) -> anyhow::Result<()> {
+    let (lo, hi) = cfg.port_range;
+    if lo == 0 || lo > hi {
+        bail!("port range {lo}-{hi}: must be LOW-HIGH with 0 < LOW <= HIGH");
+    }
+    if cfg.engine.named.iter().any(|(n, _)| n == PORTS_RESOURCE) {
+        bail!("resource {PORTS_RESOURCE:?} is berth's own (the port range counts it); name yours differently");
+    }
+    cfg.engine
+        .named
+        .push((PORTS_RESOURCE.to_string(), (hi - lo) as u64 + 1));
+    Ok(())
 }
 
 /// How long ended runs stay in the ledger by default: a week of history to look back
@@ -129,7 +155,8 @@ fn used(
 }
 
 /// Starts the daemon on the current tokio runtime and returns once it is serving.
-pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
+pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
+    count_ports(&mut cfg)?;
     if cfg.insecure_no_auth && !is_loopback(&cfg.listen) {
         bail!(
             "--insecure-no-auth is only allowed with a loopback listen address, not {}",
@@ -176,6 +203,7 @@ pub async fn start(cfg: ServeConfig) -> anyhow::Result<Running> {
         cfg: cfg.engine.clone(),
         same_boot: opened.same_boot,
         reconnect_window_ms: cfg.reconnect_window_ms,
+        port_range: cfg.port_range,
     };
     let st = daemon::Daemon::restore(
         clock::mono_ms(),
@@ -458,6 +486,7 @@ mod tests {
             diagnostics_total_bytes_max: 1 << 30,
             init_ledger: false,
             retain_ended_for_ms: RETAIN_ENDED_FOR_MS_DEFAULT,
+            port_range: PORT_RANGE_DEFAULT,
         };
         let running = start(cfg).await.unwrap();
         assert!(base.is_dir(), "{} while serving", base.display());

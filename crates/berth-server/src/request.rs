@@ -55,8 +55,8 @@ pub const WORKTREE_BYTES_MAX: usize = 4096;
 const WORKTREE_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Reads the worktree's contract (C1) on a blocking thread, within
-/// `WORKTREE_READ_TIMEOUT`, and folds it into the request.
-pub async fn read_worktree(req: &mut CoreRequest, worktree: &str) -> Result<(), ApiError> {
+/// `WORKTREE_READ_TIMEOUT`: `None` when it has none.
+pub async fn read_contract(worktree: &str) -> Result<Option<crate::contract::Contract>, ApiError> {
     let wt = std::path::PathBuf::from(worktree);
     let read = tokio::task::spawn_blocking(move || {
         // `metadata` follows links on purpose: a worktree may be reached through one;
@@ -72,34 +72,45 @@ pub async fn read_worktree(req: &mut CoreRequest, worktree: &str) -> Result<(), 
         }
         crate::contract::read(&wt).map_err(|e| ApiError::invalid("worktree", e))
     });
-    let contract = match tokio::time::timeout(WORKTREE_READ_TIMEOUT, read).await {
-        Ok(Ok(r)) => r?,
-        Ok(Err(_)) => {
-            return Err(ApiError::new(
-                500,
-                "internal",
-                "reading the worktree failed",
-            ))
-        }
-        Err(_) => {
-            return Err(ApiError::new(
-                503,
-                "worktree_unavailable",
-                format!(
-                    "worktree: its contract could not be read within {} s",
-                    WORKTREE_READ_TIMEOUT.as_secs()
-                ),
-            )
-            .with(json!({"field": "worktree"})))
-        }
-    };
+    match tokio::time::timeout(WORKTREE_READ_TIMEOUT, read).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(ApiError::new(
+            500,
+            "internal",
+            "reading the worktree failed",
+        )),
+        Err(_) => Err(ApiError::new(
+            503,
+            "worktree_unavailable",
+            format!(
+                "worktree: its contract could not be read within {} s",
+                WORKTREE_READ_TIMEOUT.as_secs()
+            ),
+        )
+        .with(json!({"field": "worktree"}))),
+    }
+}
+
+/// Reads the worktree's contract (C1) on a blocking thread, within
+/// `WORKTREE_READ_TIMEOUT`, and folds it into the request. Returns the names of the
+/// ports a managed run declares: they are part of its claim (the `ports` resource, A1)
+/// and numbered at grant (W3). Analysis runs get none: they may not listen (C6).
+pub async fn read_worktree(req: &mut CoreRequest, worktree: &str) -> Result<Vec<String>, ApiError> {
+    let contract = read_contract(worktree).await?;
+    let mut ports = Vec::new();
     if let Some(c) = contract {
         if req.class == Class::Managed {
             req.singletons.extend(c.singletons);
+            ports = c.ports.into_iter().map(|p| p.name).collect::<Vec<_>>();
+            if !ports.is_empty() {
+                req.resources
+                    .named
+                    .insert(crate::PORTS_RESOURCE.to_string(), ports.len() as u64);
+            }
         }
         req.contract = Some(c.info);
     }
-    Ok(())
+    Ok(ports)
 }
 
 /// Turns an acquire body into the engine's request (without touching the file system:
@@ -191,6 +202,12 @@ fn resources(
             "memory" => res.memory = v,
             "cpu_millis" => res.cpu_millis = v,
             "disk" => res.disk = v,
+            crate::PORTS_RESOURCE => {
+                return Err(ApiError::invalid(
+                    "resources.ports",
+                    "is counted by berth from the worktree contract's [[port]] entries",
+                ))
+            }
             name => {
                 if !cfg.named.iter().any(|(n, _)| n == name) {
                     return Err(ApiError::invalid(

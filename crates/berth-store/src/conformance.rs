@@ -48,6 +48,14 @@ pub const CHECKS: &[(&str, Check)] = &[
         "a_new_run_under_an_ended_runs_id_replaces_it",
         a_new_run_under_an_ended_runs_id_replaces_it,
     ),
+    (
+        "ports_live_with_their_run_and_go_when_it_ends",
+        ports_live_with_their_run_and_go_when_it_ends,
+    ),
+    (
+        "evidence_is_kept_replaced_and_removed",
+        evidence_is_kept_replaced_and_removed,
+    ),
 ];
 
 /// A record with every field set to something non-default.
@@ -115,6 +123,13 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
             vec![]
         },
         stop_grace_ms: Some(2_500 + seq),
+        // Declared while it lives (numbers once granted); an ended run holds none.
+        ports: if state.is_terminal() {
+            vec![]
+        } else {
+            let n = |p: u16| if granted { p + seq as u16 } else { 0 };
+            vec![("api".into(), n(41_100)), ("web".into(), n(41_000))]
+        },
     }
 }
 
@@ -160,6 +175,8 @@ pub fn updates_apply_and_terminal_states_stick(open: Open) {
     let mut late = r.clone();
     late.state = RunState::Granted;
     s.write(&[&batch(5, vec![late])]).unwrap();
+    // An ended run holds no ports (W3).
+    ended.ports.clear();
     assert_eq!(open().load(10).unwrap().runs, vec![ended]);
 }
 
@@ -353,6 +370,7 @@ pub fn a_new_run_under_an_ended_runs_id_replaces_it(open: Open) {
     ended.state = RunState::Released;
     ended.end_cause = Some(EndCause::Released);
     s.write(&[&batch(200, vec![ended.clone()])]).unwrap();
+    ended.ports.clear();
     // D3 for the same run: its ended record stays.
     s.write(&[&batch(200, vec![old])]).unwrap();
     assert_eq!(open().load(10).unwrap().runs, vec![ended.clone()]);
@@ -365,4 +383,65 @@ pub fn a_new_run_under_an_ended_runs_id_replaces_it(open: Open) {
     let l = open().load(10).unwrap();
     assert_eq!(l.runs, vec![new]);
     assert_eq!(l.next_queue_seq, 8);
+}
+
+/// W3: a run's ports are declared while it waits, numbered once granted, and gone from
+/// the ledger once it has ended (so a restart never holds an ended run's port).
+pub fn ports_live_with_their_run_and_go_when_it_ends(open: Open) {
+    let mut s = open();
+    let queued = sample_run("p1", 1, RunState::Queued);
+    assert_eq!(queued.ports, [("api".into(), 0), ("web".into(), 0)]);
+    s.write(&[&batch(200, vec![queued])]).unwrap();
+    let mut granted = sample_run("p1", 1, RunState::Granted);
+    granted.ports = vec![("api".into(), 41_101), ("web".into(), 41_001)];
+    s.write(&[&batch(200, vec![granted.clone()])]).unwrap();
+    assert_eq!(open().load(10).unwrap().runs, vec![granted.clone()]);
+    let mut ended = granted.clone();
+    ended.state = RunState::Released;
+    ended.end_cause = Some(EndCause::Released);
+    s.write(&[&batch(200, vec![ended])]).unwrap();
+    let l = open().load(10).unwrap();
+    assert_eq!(l.runs.len(), 1);
+    assert!(l.runs[0].ports.is_empty(), "{:?}", l.runs[0].ports);
+}
+
+/// C3/C4: a project's promotion evidence survives a reopen, a newer proof replaces it,
+/// and an invalidation removes it; other projects' evidence is untouched.
+pub fn evidence_is_kept_replaced_and_removed(open: Open) {
+    let ev = |fp: &str, run: &str| berth_core::Evidence {
+        fingerprint: fp.into(),
+        commit: Some("c0ffee".into()),
+        ports: vec!["web".into(), "api".into()],
+        at_ms: 12_345,
+        run_id: run.into(),
+    };
+    let put = |project: &str, e: Option<berth_core::Evidence>| Batch {
+        mutations: vec![Mutation::Evidence {
+            project: project.into(),
+            evidence: e,
+        }],
+    };
+    let mut s = open();
+    s.write(&[
+        &put("web", Some(ev("fp1", "r1"))),
+        &put("api", Some(ev("fp9", "r9"))),
+    ])
+    .unwrap();
+    assert_eq!(
+        open().load(10).unwrap().evidence,
+        vec![
+            ("api".into(), ev("fp9", "r9")),
+            ("web".into(), ev("fp1", "r1"))
+        ]
+    );
+    s.write(&[&put("web", Some(ev("fp2", "r2")))]).unwrap();
+    s.write(&[&put("api", None)]).unwrap();
+    let mut no_commit = ev("fp3", "r3");
+    no_commit.commit = None;
+    no_commit.ports = vec![];
+    s.write(&[&put("db", Some(no_commit.clone()))]).unwrap();
+    assert_eq!(
+        open().load(10).unwrap().evidence,
+        vec![("db".into(), no_commit), ("web".into(), ev("fp2", "r2"))]
+    );
 }

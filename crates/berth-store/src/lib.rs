@@ -91,6 +91,9 @@ pub struct RunRecord {
     pub processes: Vec<ProcessRecord>,
     /// The run's own grace between SIGTERM and SIGKILL, if it asked for one.
     pub stop_grace_ms: Option<u64>,
+    /// The ports its contract declares, by name, with the number allocated at grant
+    /// (0 until then) (W3). Kept while the run lives; gone once it has ended.
+    pub ports: Vec<(String, u16)>,
 }
 
 /// One durable change. Closed on purpose: every store must handle every arm, and each
@@ -108,6 +111,12 @@ pub enum Mutation {
     Run(RunRecord),
     /// A token, by the hash of its secret, and what it grants.
     Token { hash: String, scope: String },
+    /// C3/C4: a project's promotion evidence, written when a run proves it and
+    /// removed (`None`) when it is invalidated.
+    Evidence {
+        project: String,
+        evidence: Option<berth_core::Evidence>,
+    },
 }
 
 /// One command's durable effects: written whole or not at all.
@@ -168,6 +177,8 @@ pub struct Ledger {
     pub runs: Vec<RunRecord>,
     pub next_queue_seq: u64,
     pub tokens: Vec<(String, String)>,
+    /// Promotion evidence by project (C3), as last written.
+    pub evidence: Vec<(String, berth_core::Evidence)>,
 }
 
 pub trait Store: Send + 'static {

@@ -104,6 +104,23 @@ const MIGRATIONS: &[&str] = &[
      UPDATE runs SET ended_unix_ms = CAST(unixepoch('subsec') * 1000 AS INTEGER)
        WHERE terminal = 1;
      INSERT INTO meta (key, value) VALUES ('queue_seq_floor', '0');",
+    // 5: ports a live run declares and holds (W3); deleted when the run ends, so the
+    // table only ever holds live runs.
+    "CREATE TABLE ports (
+        run_id TEXT NOT NULL,
+        name TEXT NOT NULL,
+        port INTEGER NOT NULL,
+        PRIMARY KEY (run_id, name)
+     ) STRICT;",
+    // 6: promotion evidence per project (C3): what a run proved, until invalidated.
+    "CREATE TABLE evidence (
+        project TEXT PRIMARY KEY,
+        fingerprint TEXT NOT NULL,
+        git_commit TEXT,
+        ports TEXT NOT NULL,
+        at_ms INTEGER NOT NULL,
+        run_id TEXT NOT NULL
+     ) STRICT;",
 ];
 
 pub struct SqliteStore {
@@ -356,6 +373,7 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         primary_mode: word(&s(col::PRIMARY_MODE)?)?,
         workspace,
         processes: Vec::new(),
+        ports: Vec::new(),
         stop_grace_ms: oi(col::STOP_GRACE_MS)?.map(u),
     })
 }
@@ -447,6 +465,7 @@ impl Store for SqliteStore {
                 }
             }
         }
+        load_ports(&self.conn, &mut runs)?;
         // Two index lookups (not a scan of every row), and never below what pruned runs
         // had reached.
         let next_queue_seq: i64 = self
@@ -480,6 +499,7 @@ impl Store for SqliteStore {
             }
         }
         Ok(Ledger {
+            evidence: load_evidence(&self.conn)?,
             last_fence,
             boot_id,
             runs,
@@ -504,8 +524,14 @@ impl Store for SqliteStore {
                 Mutation::Run(r) => {
                     if !upsert_run(&mut upsert, &mut add_process, r, now_ms)? {
                         replace_ended(&tx, r)?;
-                        upsert_run(&mut upsert, &mut add_process, r, now_ms)?;
+                        if !upsert_run(&mut upsert, &mut add_process, r, now_ms)? {
+                            continue;
+                        }
                     }
+                    write_ports(&tx, r)?;
+                }
+                Mutation::Evidence { project, evidence } => {
+                    write_evidence(&tx, project, evidence.as_ref())?
                 }
                 Mutation::Token { hash, scope } => {
                     tx.prepare_cached(
@@ -604,9 +630,122 @@ fn replace_ended(tx: &rusqlite::Transaction, r: &RunRecord) -> Result<(), StoreE
     )
     .and_then(|mut s| s.execute(params![id, seq]))
     .map_err(write_err)?;
+    tx.prepare_cached(
+        "DELETE FROM ports WHERE run_id = ?1 AND EXISTS
+           (SELECT 1 FROM runs WHERE run_id = ?1 AND terminal = 1 AND queue_seq <> ?2)",
+    )
+    .and_then(|mut s| s.execute(params![id, seq]))
+    .map_err(write_err)?;
     tx.prepare_cached("DELETE FROM runs WHERE run_id = ?1 AND terminal = 1 AND queue_seq <> ?2")
         .and_then(|mut s| s.execute(params![id, seq]))
         .map_err(write_err)?;
+    Ok(())
+}
+
+/// C3/C4: a project's evidence replaced, or deleted when invalidated.
+fn write_evidence(
+    tx: &rusqlite::Transaction,
+    project: &str,
+    e: Option<&berth_core::Evidence>,
+) -> Result<(), StoreError> {
+    let Some(e) = e else {
+        tx.prepare_cached("DELETE FROM evidence WHERE project = ?1")
+            .and_then(|mut s| s.execute(params![project]))
+            .map_err(write_err)?;
+        return Ok(());
+    };
+    tx.prepare_cached(
+        "INSERT OR REPLACE INTO evidence (project, fingerprint, git_commit, ports, at_ms, run_id)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![
+            project,
+            e.fingerprint,
+            e.commit,
+            e.ports.join(","),
+            e.at_ms as i64,
+            e.run_id
+        ])
+    })
+    .map_err(write_err)?;
+    Ok(())
+}
+
+fn load_evidence(
+    conn: &rusqlite::Connection,
+) -> Result<Vec<(String, berth_core::Evidence)>, StoreError> {
+    let mut stmt = conn
+        .prepare(
+            "SELECT project, fingerprint, git_commit, ports, at_ms, run_id FROM evidence
+             ORDER BY project",
+        )
+        .map_err(corrupt)?;
+    let mut rows = stmt.query([]).map_err(corrupt)?;
+    let mut out = Vec::new();
+    while let Some(row) = rows.next().map_err(corrupt)? {
+        let ports: String = row.get(3).map_err(corrupt)?;
+        let e = berth_core::Evidence {
+            fingerprint: row.get(1).map_err(corrupt)?,
+            commit: row.get(2).map_err(corrupt)?,
+            ports: ports
+                .split(',')
+                .filter(|p| !p.is_empty())
+                .map(str::to_string)
+                .collect(),
+            at_ms: row.get::<_, i64>(4).map_err(corrupt)?.max(0) as u64,
+            run_id: row.get(5).map_err(corrupt)?,
+        };
+        out.push((row.get(0).map_err(corrupt)?, e));
+    }
+    Ok(out)
+}
+
+/// The ports of the live runs (the table holds no others).
+fn load_ports(conn: &rusqlite::Connection, runs: &mut [RunRecord]) -> Result<(), StoreError> {
+    let index: std::collections::HashMap<String, usize> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.request.run_id.clone(), i))
+        .collect();
+    let mut stmt = conn
+        .prepare("SELECT run_id, name, port FROM ports ORDER BY run_id, name")
+        .map_err(corrupt)?;
+    let mut rows = stmt.query([]).map_err(corrupt)?;
+    while let Some(row) = rows.next().map_err(corrupt)? {
+        let run_id: String = row.get(0).map_err(corrupt)?;
+        let port: i64 = row.get(2).map_err(corrupt)?;
+        let port = u16::try_from(port)
+            .map_err(|_| StoreError::Corrupt(format!("run {run_id}: port {port}")))?;
+        match index.get(&run_id) {
+            Some(&i) if !runs[i].state.is_terminal() => {
+                runs[i].ports.push((row.get(1).map_err(corrupt)?, port));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// A live run's ports are written with it; an ended run's are deleted (W3).
+fn write_ports(tx: &rusqlite::Transaction, r: &RunRecord) -> Result<(), StoreError> {
+    if r.ports.is_empty() {
+        return Ok(());
+    }
+    let id = &r.request.run_id;
+    if r.state.is_terminal() {
+        tx.prepare_cached("DELETE FROM ports WHERE run_id = ?1")
+            .and_then(|mut s| s.execute(params![id]))
+            .map_err(write_err)?;
+        return Ok(());
+    }
+    let mut put = tx
+        .prepare_cached("INSERT OR REPLACE INTO ports (run_id, name, port) VALUES (?1, ?2, ?3)")
+        .map_err(write_err)?;
+    for (name, port) in &r.ports {
+        put.execute(params![id, name, *port as i64])
+            .map_err(write_err)?;
+    }
     Ok(())
 }
 

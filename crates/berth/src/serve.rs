@@ -10,7 +10,9 @@ use berth_core::validate::{parse_duration_ms, parse_size};
 use clap::Args;
 use serde::Deserialize;
 
-use crate::args::{cpus_to_millis, parse_cpus, parse_duration, parse_size as parse_size_arg};
+use crate::args::{
+    cpus_to_millis, parse_cpus, parse_duration, parse_port_range, parse_size as parse_size_arg,
+};
 
 #[derive(Args, Debug, Default)]
 pub struct ServeArgs {
@@ -91,6 +93,9 @@ pub struct ServeArgs {
     /// Ended runs older than this are deleted from the ledger [default: 7d].
     #[arg(long, env = "BERTH_RETAIN_ENDED_FOR", value_parser = parse_duration)]
     pub retain_ended_for: Option<u64>,
+    /// Ports for runs' `[[port]]` entries, LOW-HIGH inclusive [default: 41000-41999].
+    #[arg(long, env = "BERTH_PORT_RANGE", value_parser = parse_port_range)]
+    pub port_range: Option<(u16, u16)>,
     /// Start a new ledger although this state dir was used before and its ledger is
     /// missing or empty (fences still continue above the fence marker).
     #[arg(long, env = "BERTH_INIT_LEDGER")]
@@ -123,6 +128,7 @@ struct FileConfig {
     default_memory: Option<String>,
     retain_ended: Option<usize>,
     retain_ended_for: Option<String>,
+    port_range: Option<String>,
 }
 
 /// What a run asks for when it names no CPUs: half a CPU. A coding agent mostly waits
@@ -202,6 +208,13 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             .retain_ended_for
             .or(duration("retain_ended_for", file.retain_ended_for)?)
             .unwrap_or(berth_server::RETAIN_ENDED_FOR_MS_DEFAULT),
+        port_range: match (a.port_range, &file.port_range) {
+            (Some(r), _) => r,
+            (None, Some(r)) => {
+                parse_port_range(r).map_err(|e| anyhow!("berth.toml port_range: {e}"))?
+            }
+            (None, None) => berth_server::PORT_RANGE_DEFAULT,
+        },
     })
 }
 

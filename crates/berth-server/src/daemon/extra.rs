@@ -16,6 +16,9 @@ pub(super) struct Extra {
     pub(super) stop_grace_ms: Option<u64>,
     /// Why berth ended the run at its grant (not kept in the ledger).
     pub(super) failure: Option<String>,
+    /// The ports its contract declares, by name, with the number held (0 until it is
+    /// granted) (W3).
+    pub(super) ports: Vec<(String, u16)>,
     /// Set once the run has ended and its record is durable: the digest of
     /// (worktree, labels, stop grace), kept for the idempotent re-acquire check (L7)
     /// instead of the values themselves (see `shrink`).
@@ -42,6 +45,7 @@ impl Extra {
         queue_seq: u64,
     ) -> Extra {
         Extra {
+            ports: Vec::new(),
             worktree,
             labels,
             queue_seq,
@@ -64,6 +68,7 @@ impl Extra {
         );
         extra.workspace = r.workspace.take();
         extra.processes = std::mem::take(&mut r.processes);
+        extra.ports = std::mem::take(&mut r.ports);
         if r.state.is_terminal() {
             extra.shrink();
         }
@@ -77,6 +82,7 @@ impl Extra {
     pub(super) fn shrink(&mut self) {
         self.workspace = None;
         self.processes = Vec::new();
+        self.ports = Vec::new();
         self.survivors = Vec::new();
         // Nothing to free without labels or a worktree: no digest (hashing every
         // ended run cost the daemon time on the request path).

@@ -39,14 +39,14 @@ impl<H: Host> Daemon<H> {
                 worktree,
                 labels,
                 stop_grace_ms,
+                ports,
                 attach,
                 reply,
-            } => self.on_acquire(
-                req,
-                Extra::new(worktree, labels, stop_grace_ms, 0),
-                attach,
-                reply,
-            ),
+            } => {
+                let mut extra = Extra::new(worktree, labels, stop_grace_ms, 0);
+                extra.ports = ports.into_iter().map(|p| (p, 0)).collect();
+                self.on_acquire(req, extra, attach, reply)
+            }
             Msg::Command { cmd, reply } => self.on_command(cmd, reply),
             Msg::Get { run_id, reply } => self.on_get(run_id, reply),
             Msg::List {
@@ -73,6 +73,24 @@ impl<H: Host> Daemon<H> {
             Msg::ReapStatus { runs, reply } => self.on_reap_status(runs, reply),
             Msg::Stopped { run_id, report } => self.on_stopped(run_id, report),
             Msg::CreateToken { grant, reply } => self.on_create_token(grant, reply),
+            Msg::RuntimePlan {
+                run_id,
+                fence,
+                reply,
+            } => self.on_runtime_plan(run_id, fence, reply),
+            Msg::RuntimeReady {
+                run_id,
+                fence,
+                ports,
+                reply,
+            } => self.on_runtime_ready(run_id, fence, ports, reply),
+            Msg::RuntimeFailed { run_id, fence } => self.on_runtime_failed(run_id, fence),
+            Msg::ContractChanged {
+                run_id,
+                fence,
+                contract,
+                reply,
+            } => self.on_contract_changed(run_id, fence, contract, reply),
         }
     }
 
@@ -354,7 +372,10 @@ impl<H: Host> Daemon<H> {
             }
         }
         self.retry_due_cleanups(&mut touched);
-        if !touched.is_empty() || !self.pending_stops.is_empty() {
+        if !touched.is_empty()
+            || !self.pending_stops.is_empty()
+            || !self.pending_mutations.is_empty()
+        {
             self.commit(touched, |_| {});
         }
     }

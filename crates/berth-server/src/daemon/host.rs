@@ -47,8 +47,13 @@ pub trait Host {
     /// S3: may `pid` be registered to a run by a caller acting as `uid`? Its identity.
     fn check_process(&self, uid: u32, pid: i32, others: &[OtherRun<'_>])
         -> Result<ProcId, Refusal>;
+    /// W3: is something outside berth using this port (a bind test fails)?
+    fn port_in_use(&self, port: u16) -> bool;
     /// Moves a registered process into the run's cgroup, where the host has them.
     fn adopt(&mut self, run_id: &str, pid: i32);
+    /// C7: makes the run's cgroup (where the host has them) and names its
+    /// `cgroup.procs`, for a process berth launches to join before it runs anything.
+    fn prepare_group(&mut self, run_id: &str) -> Option<PathBuf>;
     /// L1/S6: fences up to `last_fence` are covered by the durable marker.
     fn cover_fence(&mut self, last_fence: u64) -> Result<(), String>;
     /// A new API token (random).
@@ -162,6 +167,13 @@ impl Host for RealHost {
         crate::register::check(&self.me, uid, pid, others)
     }
 
+    fn port_in_use(&self, port: u16) -> bool {
+        // The wildcard address: it fails if anything listens on the port at any
+        // address. std sets SO_REUSEADDR, so a closed connection's TIME_WAIT does not
+        // count as use.
+        std::net::TcpListener::bind(("0.0.0.0", port)).is_err()
+    }
+
     fn adopt(&mut self, run_id: &str, pid: i32) {
         if let Some(base) = &self.supervision.cgroup_base {
             let group = berth_proc::cgroup::Group::create(base, &workspace::dir_name(run_id));
@@ -171,6 +183,17 @@ impl Host for RealHost {
                     pid,
                     "cgroup: {e}; the process group is the fallback"
                 );
+            }
+        }
+    }
+
+    fn prepare_group(&mut self, run_id: &str) -> Option<PathBuf> {
+        let base = self.supervision.cgroup_base.as_ref()?;
+        match berth_proc::cgroup::Group::create(base, &workspace::dir_name(run_id)) {
+            Ok(g) => Some(g.path.join("cgroup.procs")),
+            Err(e) => {
+                tracing::warn!(run_id, "cgroup: {e}; the process group is the fallback");
+                None
             }
         }
     }

@@ -15,8 +15,10 @@
 mod extra;
 mod handlers;
 mod host;
+mod ports;
 mod restore;
 mod runtime;
+mod runtimes;
 #[cfg(test)]
 mod sim;
 #[cfg(test)]
@@ -28,6 +30,7 @@ mod tests;
 #[cfg(test)]
 static LOGGING_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, RwLock};
 
@@ -41,10 +44,12 @@ use crate::auth::Grant;
 use crate::register::Refusal;
 use crate::workspace;
 use extra::{proc_id, Extra};
+use ports::PortBroker;
 
 pub use host::{Host, RealHost, StopOrder, StopSink, Supervision};
 pub use restore::Restore;
 pub use runtime::run;
+pub use runtimes::RuntimePlan;
 
 /// A run as the API shows it: the engine's view plus what the server adds.
 #[derive(Clone, Debug, PartialEq)]
@@ -56,7 +61,10 @@ pub struct RunInfo {
     pub expires_at: Option<String>,
     /// When it was granted (or queued, while it waits).
     pub since: Option<String>,
-    pub env: BTreeMap<&'static str, String>,
+    /// `BERTH_*` (and `TMPDIR`) of a granted run.
+    pub env: BTreeMap<Cow<'static, str>, String>,
+    /// The ports a granted run holds, by name (W3).
+    pub ports: BTreeMap<String, u16>,
     /// Pids that survived the last stop (a degraded run).
     pub survivors: Vec<i32>,
     /// Why a granted run was ended by berth itself at once (no workspace: W1).
@@ -103,6 +111,8 @@ pub enum Msg {
         worktree: Option<String>,
         labels: BTreeMap<String, String>,
         stop_grace_ms: Option<u64>,
+        /// The names of the ports its contract declares (W3).
+        ports: Vec<String>,
         /// The caller keeps a connection open while it waits (A9 applies).
         attach: bool,
         reply: Reply<RunInfo>,
@@ -164,6 +174,31 @@ pub enum Msg {
         runs: Vec<String>,
         reply: Reply<(usize, Vec<RunState>, ReapCounters)>,
     },
+    /// C7: what starting a granted run's runtime needs (its lease, contract, group).
+    RuntimePlan {
+        run_id: String,
+        fence: u64,
+        reply: Reply<RuntimePlan>,
+    },
+    /// C3: every declared port answered its probe; true if that promoted the project.
+    RuntimeReady {
+        run_id: String,
+        fence: u64,
+        ports: Vec<String>,
+        reply: Reply<bool>,
+    },
+    /// C4: the run's runtime failed to start.
+    RuntimeFailed {
+        run_id: String,
+        fence: u64,
+    },
+    /// C4: the worktree's contract or commit is no longer the run's.
+    ContractChanged {
+        run_id: String,
+        fence: u64,
+        contract: berth_core::ContractInfo,
+        reply: Reply<RunInfo>,
+    },
 }
 
 /// Running totals for the reaper's report.
@@ -206,6 +241,11 @@ pub struct Daemon<H: Host> {
     counters: ReapCounters,
     /// Stops decided in this step, handed to the host's stopper after the commit.
     pending_stops: Vec<StopOrder>,
+    /// Which ports live runs hold (W3).
+    ports: PortBroker,
+    /// Durable changes besides runs that this step set off (promotion evidence),
+    /// written with its commit.
+    pending_mutations: Vec<berth_store::Mutation>,
 }
 
 /// The first retry of a failed stop or cleanup; each next one waits twice as long.
@@ -285,7 +325,14 @@ impl<H: Host> Daemon<H> {
         if view.state == RunState::Granted {
             self.granted_env(&view, extra, expires_at.as_deref(), &mut env);
         }
+        let ports = match (view.state, extra) {
+            (RunState::Granted, Some(e)) => {
+                e.ports.iter().filter(|(_, p)| *p != 0).cloned().collect()
+            }
+            _ => BTreeMap::new(),
+        };
         Some(RunInfo {
+            ports,
             worktree: extra.and_then(|e| e.worktree.clone()),
             labels: extra.map(|e| e.labels.clone()).unwrap_or_default(),
             workspace: ws,
@@ -304,28 +351,38 @@ impl<H: Host> Daemon<H> {
         view: &RunView,
         extra: Option<&Extra>,
         expires_at: Option<&str>,
-        env: &mut BTreeMap<&'static str, String>,
+        env: &mut BTreeMap<Cow<'static, str>, String>,
     ) {
         let fence = view.fence.unwrap_or(0);
-        env.insert("BERTH_URL", self.shared.url.clone());
-        env.insert("BERTH_RUN_ID", view.run_id.clone());
-        env.insert("BERTH_FENCE", fence.to_string());
-        env.insert("BERTH_PROJECT", view.project.clone());
-        env.insert("BERTH_CLASS", view.class.as_str().to_string());
-        env.insert("BERTH_PRIORITY", view.priority.as_str().to_string());
+        let mut put = |k: &'static str, v: String| env.insert(k.into(), v);
+        put("BERTH_URL", self.shared.url.clone());
+        put("BERTH_RUN_ID", view.run_id.clone());
+        put("BERTH_FENCE", fence.to_string());
+        put("BERTH_PROJECT", view.project.clone());
+        put("BERTH_CLASS", view.class.as_str().to_string());
+        put("BERTH_PRIORITY", view.priority.as_str().to_string());
         if let Some(e) = expires_at {
-            env.insert("BERTH_LEASE_EXPIRES_AT", e.to_string());
+            put("BERTH_LEASE_EXPIRES_AT", e.to_string());
         }
         let concurrency = match view.keys.first().map(|k| k.1) {
             Some(berth_core::KeyMode::Shared) => "parallel",
             _ => "serial",
         };
-        env.insert("BERTH_CONCURRENCY", concurrency.to_string());
+        put("BERTH_CONCURRENCY", concurrency.to_string());
+        if let Some(wt) = extra.and_then(|e| e.worktree.as_ref()) {
+            put("BERTH_WORKTREE", wt.clone());
+        }
         if let Some(ws) = extra.and_then(|e| e.workspace.as_ref()) {
             workspace::env(&ws.path, env);
         }
-        if let Some(wt) = extra.and_then(|e| e.worktree.as_ref()) {
-            env.insert("BERTH_WORKTREE", wt.clone());
+        // W3: each port as a number and as a URL on loopback.
+        for (name, port) in extra.iter().flat_map(|e| &e.ports) {
+            let name = name.to_ascii_uppercase();
+            env.insert(format!("BERTH_PORT_{name}").into(), port.to_string());
+            env.insert(
+                format!("BERTH_URL_{name}").into(),
+                format!("http://127.0.0.1:{port}"),
+            );
         }
     }
 
@@ -349,6 +406,7 @@ impl<H: Host> Daemon<H> {
             workspace: extra.workspace.clone(),
             processes: extra.processes.clone(),
             stop_grace_ms: extra.stop_grace_ms,
+            ports: extra.ports.clone(),
         })
     }
 
@@ -386,11 +444,35 @@ impl<H: Host> Daemon<H> {
                     queue.extend(self.stop_or_clean(run_id));
                 }
                 Event::Degraded { run_id } => self.on_degraded(run_id),
+                // C3/C4: evidence is durable with the step that proved or disproved it.
+                Event::Promoted { project, evidence } => {
+                    tracing::info!(project, run_id = evidence.run_id.as_str(), "project promoted: its runtime was proven on every declared port; runs with the same contract and commit now run side by side");
+                    self.pending_mutations
+                        .push(berth_store::Mutation::Evidence {
+                            project: project.clone(),
+                            evidence: Some(evidence.clone()),
+                        });
+                }
+                Event::EvidenceInvalidated { project, by_run } => {
+                    tracing::info!(
+                        project,
+                        run_id = by_run.as_str(),
+                        "promotion evidence invalidated: the project's runs are serial again"
+                    );
+                    self.pending_mutations
+                        .push(berth_store::Mutation::Evidence {
+                            project: project.clone(),
+                            evidence: None,
+                        });
+                }
                 Event::Ended { run_id, state } => {
                     tracing::debug!(run_id, state = state.as_str(), "ended");
                     self.cleanup_retry.remove(run_id);
                     if let Some(e) = self.extras.get_mut(run_id) {
                         e.survivors.clear();
+                        // W3: its processes are gone; its ports come back.
+                        let held: Vec<u16> = e.ports.iter().map(|(_, p)| *p).collect();
+                        self.ports.release(run_id, &held);
                     }
                     self.attached.remove(run_id);
                     self.unclaimed.remove(run_id);
@@ -412,6 +494,9 @@ impl<H: Host> Daemon<H> {
     /// W1: a granted run gets its workspace, or is released in this same step (before
     /// anything is acknowledged) and its caller told why. Returns what that sets off.
     fn on_granted(&mut self, run_id: &str, fence: u64) -> Vec<Event> {
+        if let Err(e) = self.allocate_ports(run_id) {
+            return self.release_at_grant(run_id, fence, e);
+        }
         match self.host.create_workspace(run_id) {
             Ok(ws) => {
                 if let Some(e) = self.extras.get_mut(run_id) {
@@ -419,20 +504,51 @@ impl<H: Host> Daemon<H> {
                 }
                 Vec::new()
             }
-            Err(e) => {
-                tracing::error!(run_id, "workspace: {e}; the run is released");
-                if let Some(x) = self.extras.get_mut(run_id) {
-                    x.failure = Some(format!(
-                        "the run was granted but its workspace could not be made ({e}); berth released it"
-                    ));
-                }
-                let release = Command::Release {
-                    run_id: run_id.to_string(),
-                    fence,
-                };
-                self.engine.apply(self.now, release).events
-            }
+            Err(e) => self.release_at_grant(
+                run_id,
+                fence,
+                format!("its workspace could not be made ({e})"),
+            ),
         }
+    }
+
+    /// W1/W3: a grant berth cannot furnish is released in the same step, before
+    /// anything is acknowledged, and its caller told why.
+    fn release_at_grant(&mut self, run_id: &str, fence: u64, why: String) -> Vec<Event> {
+        tracing::error!(run_id, "{why}; the run is released");
+        if let Some(x) = self.extras.get_mut(run_id) {
+            x.failure = Some(format!("the run was granted but {why}; berth released it"));
+        }
+        let release = Command::Release {
+            run_id: run_id.to_string(),
+            fence,
+        };
+        self.engine.apply(self.now, release).events
+    }
+
+    /// W3: numbers for the ports a granted run declares, each verified free (a bind
+    /// test by the host) and held by no live run.
+    fn allocate_ports(&mut self, run_id: &str) -> Result<(), String> {
+        let Some(e) = self.extras.get_mut(run_id) else {
+            return Ok(());
+        };
+        if e.ports.is_empty() {
+            return Ok(());
+        }
+        let host = &self.host;
+        let got = self
+            .ports
+            .allocate(run_id, e.ports.len(), |p| host.port_in_use(p))
+            .ok_or_else(|| {
+                format!(
+                    "its {} port(s) could not be allocated: the range's free ports are in use outside berth",
+                    e.ports.len()
+                )
+            })?;
+        for ((_, p), n) in e.ports.iter_mut().zip(got) {
+            *p = n;
+        }
+        Ok(())
     }
 
     /// A run is to stop (released, expired, degraded and retried, or reaped): its
@@ -510,7 +626,10 @@ impl<H: Host> Daemon<H> {
         let granted = runs
             .iter()
             .any(|r| r.state == RunState::Granted && r.granted_ms.is_some());
-        let batch = Batch::runs(self.engine.last_fence(), runs);
+        let mut batch = Batch::runs(self.engine.last_fence(), runs);
+        for m in std::mem::take(&mut self.pending_mutations) {
+            batch.push(m);
+        }
         let fatal = self.fatal.clone();
         let stops = std::mem::take(&mut self.pending_stops);
         let sink = (!stops.is_empty()).then(|| self.host.stop_sink());

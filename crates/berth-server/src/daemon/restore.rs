@@ -16,6 +16,8 @@ pub struct Restore {
     pub same_boot: bool,
     /// How long a restored waiter has to re-attach before it is cancelled (P5).
     pub reconnect_window_ms: u64,
+    /// Where runs' ports come from (W3).
+    pub port_range: (u16, u16),
 }
 
 /// One line at startup: what the ledger gave back (P5). The runs still to be stopped
@@ -91,12 +93,14 @@ impl<H: Host> Daemon<H> {
     ) -> Result<Daemon<H>, String> {
         restore_summary(&ledger, how.same_boot);
         let (last_fence, next_seq) = (ledger.last_fence, ledger.next_queue_seq);
+        let ledger_evidence = ledger.evidence;
         let mut restored = Vec::with_capacity(ledger.runs.len());
         let mut extras = HashMap::with_capacity(ledger.runs.len());
         let mut unclaimed = BTreeMap::new();
         let mut ended = VecDeque::new();
         let mut cleanup_retry = BTreeMap::new();
         let reboot_window = (!how.same_boot).then_some(how.reconnect_window_ms);
+        let mut ports = super::PortBroker::new(how.port_range);
         // Moved, not copied: a restart's peak memory is one copy of what it loads.
         for r in ledger.runs {
             let id = r.request.run_id.clone();
@@ -111,10 +115,16 @@ impl<H: Host> Daemon<H> {
                 _ => {}
             }
             let (run, extra) = restored_run(r, now, reboot_window);
+            if !run.state.is_terminal() {
+                for (_, p) in extra.ports.iter().filter(|(_, p)| *p != 0) {
+                    ports.hold(*p, &id);
+                }
+            }
             extras.insert(id, extra);
             restored.push(run);
         }
-        let engine = Engine::restore(how.cfg, last_fence, now, restored)?;
+        let mut engine = Engine::restore(how.cfg, last_fence, now, restored)?;
+        engine.restore_evidence(ledger_evidence)?;
         Ok(Daemon {
             now,
             engine,
@@ -132,6 +142,8 @@ impl<H: Host> Daemon<H> {
             stopping: BTreeSet::new(),
             counters: ReapCounters::default(),
             pending_stops: Vec::new(),
+            ports,
+            pending_mutations: Vec::new(),
         })
     }
 }

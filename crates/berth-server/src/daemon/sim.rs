@@ -29,6 +29,8 @@ const RUN_IDS_MAX: u64 = 16;
 const STEPS: usize = 300;
 /// Seeds in the default test run (`BERTH_DAEMON_SIM_SEEDS` runs more).
 const SEEDS: u64 = 12;
+/// The ports runs are given from: small, so that they run out.
+const PORT_RANGE: (u16, u16) = (41_000, 41_005);
 
 /// The machine under the daemon, shared with the simulator so that it outlives a
 /// restart of the daemon and can be looked at.
@@ -116,7 +118,15 @@ impl Host for SimHost {
         })
     }
 
+    fn port_in_use(&self, _port: u16) -> bool {
+        false
+    }
+
     fn adopt(&mut self, _run_id: &str, _pid: i32) {}
+
+    fn prepare_group(&mut self, _run_id: &str) -> Option<std::path::PathBuf> {
+        None
+    }
 
     fn cover_fence(&mut self, _last_fence: u64) -> Result<(), String> {
         Ok(())
@@ -164,6 +174,11 @@ struct Sim {
 
 fn config() -> berth_core::Config {
     let mut cfg = berth_core::Config::for_host(4, 8 << 30, 100 << 30);
+    // W3: a range of six ports, so runs wait for ports too.
+    cfg.named = vec![(
+        "ports".into(),
+        PORT_RANGE.1 as u64 - PORT_RANGE.0 as u64 + 1,
+    )];
     // Small, so that forgetting ended runs (and their extras) happens in a run.
     cfg.ended_retained_max = 6;
     cfg
@@ -198,6 +213,7 @@ impl Sim {
             cfg: config(),
             same_boot: true,
             reconnect_window_ms: 30_000,
+            port_range: PORT_RANGE,
         };
         let shared = Arc::new(Shared {
             tokens: RwLock::new(Vec::new()),
@@ -283,6 +299,15 @@ impl Sim {
     fn acquire(&mut self) -> String {
         let n = self.rng.range(0, RUN_IDS_MAX - 1);
         let id = format!("r{n}");
+        // Some runs declare ports (W3): one, two or none, by id.
+        let ports: Vec<String> = ["web", "api"][..(n % 3) as usize]
+            .iter()
+            .map(|p| p.to_string())
+            .collect();
+        let mut named = BTreeMap::new();
+        if !ports.is_empty() {
+            named.insert("ports".to_string(), ports.len() as u64);
+        }
         let req = Request {
             run_id: id.clone(),
             project: format!("p{}", n % 4),
@@ -291,6 +316,7 @@ impl Sim {
             resources: Resources {
                 slots: 1,
                 cpu_millis: (n % 4 + 1) * 500,
+                named,
                 ..Default::default()
             },
             singletons: Vec::new(),
@@ -303,6 +329,7 @@ impl Sim {
             worktree: None,
             labels: BTreeMap::new(),
             stop_grace_ms: None,
+            ports,
             attach: false,
             reply,
         });
@@ -499,6 +526,33 @@ impl Sim {
             let granted = v.as_ref().is_some_and(|v| v.state == RunState::Granted);
             if granted && m.workspaces.get(id) != e.workspace.as_ref() {
                 return Err(format!("granted {id} has no workspace of its own (W1)"));
+            }
+        }
+        // W3: every live run holds its own ports, numbered once granted; the broker
+        // holds nobody else's.
+        let mut seen = BTreeMap::new();
+        for (id, e) in &d.extras {
+            for (name, p) in &e.ports {
+                if state(id) == Some(RunState::Granted) && *p == 0 {
+                    return Err(format!("granted {id} has no number for port {name}"));
+                }
+                if *p != 0 && live(id) {
+                    if let Some(other) = seen.insert(*p, id.clone()) {
+                        return Err(format!("port {p} is held by {other} and {id}"));
+                    }
+                    if d.ports.holder(*p) != Some(id.as_str()) {
+                        return Err(format!("{id}'s port {p} is not held for it"));
+                    }
+                }
+            }
+        }
+        for p in PORT_RANGE.0..=PORT_RANGE.1 {
+            if let Some(h) = d.ports.holder(p) {
+                if seen.get(&p) != Some(&h.to_string()) {
+                    return Err(format!(
+                        "port {p} is held for {h}, which is not live with it"
+                    ));
+                }
             }
         }
         for id in &d.stopping {

@@ -41,12 +41,12 @@ pub const SUBDIRS: [&str; 5] = {
 /// The variables that locate the workspace at `path` for its run: `BERTH_WORKSPACE`,
 /// one per subdirectory, and `TMPDIR` (the run's own `tmp`, so tools that honour it
 /// never share the host's).
-pub fn env(path: &str, env: &mut BTreeMap<&'static str, String>) {
-    env.insert("BERTH_WORKSPACE", path.to_string());
+pub fn env(path: &str, env: &mut BTreeMap<std::borrow::Cow<'static, str>, String>) {
+    env.insert("BERTH_WORKSPACE".into(), path.to_string());
     for (dir, var) in SUBDIR_ENV {
-        env.insert(var, format!("{path}/{dir}"));
+        env.insert(var.into(), format!("{path}/{dir}"));
     }
-    env.insert("TMPDIR", format!("{path}/tmp"));
+    env.insert("TMPDIR".into(), format!("{path}/tmp"));
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -18,6 +18,8 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
+mod runtime;
+
 use crate::auth::{self, Scope};
 use crate::daemon::{Msg, RunInfo, Shared};
 use crate::error::ApiError;
@@ -182,7 +184,7 @@ pub fn run_out(i: &RunInfo) -> Run {
         expires_at: i.expires_at.clone(),
         fence: v.fence,
         labels: i.labels.clone(),
-        ports: BTreeMap::new(),
+        ports: i.ports.clone(),
         position: v.position,
         priority: v.priority,
         project: v.project.clone(),
@@ -264,9 +266,10 @@ async fn acquire(AxState(api): AxState<Api>, headers: HeaderMap, body: Body) -> 
 async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let b: berth_client::wire::AcquireRequest = json_body(body, false).await?;
     let (mut req, (worktree, labels, stop_grace_ms)) = build_request(&api.cfg, b)?;
-    if let Some(wt) = &worktree {
-        read_worktree(&mut req, wt).await?;
-    }
+    let ports = match &worktree {
+        Some(wt) => read_worktree(&mut req, wt).await?,
+        None => Vec::new(),
+    };
     let stream = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
@@ -285,6 +288,7 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         worktree,
         labels,
         stop_grace_ms,
+        ports,
         attach: waits,
         reply,
     })
@@ -595,6 +599,7 @@ pub fn status_out(s: &Snapshot, c: &crate::daemon::ReapCounters) -> Status {
                 commit: e.commit.clone(),
                 ports: e.ports.clone(),
                 run_id: e.run_id.clone(),
+                at: crate::clock::mono_to_rfc3339(e.at_ms),
             }),
         })
         .collect();
@@ -780,6 +785,7 @@ pub fn router(api: Api) -> Router {
         .route("/v1/runs/{id}/renew", post(renew))
         .route("/v1/runs/{id}/release", post(release))
         .route("/v1/runs/{id}/processes", post(register_process))
+        .route("/v1/runs/{id}/runtime", post(runtime::start_runtime))
         .route_layer(scoped(Scope::Operator));
     let admin = Router::new()
         .route("/v1/tokens", post(create_token))

@@ -1,0 +1,123 @@
+//! The daemon's side of starting a run's runtime (C7): what a start needs, and what
+//! its outcome means for the project (promotion, C3; invalidation and demotion, C4).
+//! Launching and probing happen outside the daemon (`crate::runtime`), which reports
+//! back with these messages.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use berth_core::{Class, Command, ContractInfo, Error as CoreError, RunState};
+
+use super::{Daemon, Error, Host, Reply, RunInfo};
+
+/// What starting a granted run's runtime needs.
+#[derive(Clone, Debug)]
+pub struct RuntimePlan {
+    pub info: RunInfo,
+    /// The contract the run was admitted with (its fingerprint and commit).
+    pub contract: Option<ContractInfo>,
+    /// The run's cgroup's `cgroup.procs`, made ready: a launched process moves itself
+    /// there before it executes anything (so even a double fork stays in the group).
+    pub group_procs: Option<PathBuf>,
+}
+
+impl<H: Host> Daemon<H> {
+    /// The run must be granted with this fence, managed (C6: analysis runs may not
+    /// listen) and have a worktree contract.
+    fn runtime_run(&self, run_id: &str, fence: u64) -> Result<RunInfo, Error> {
+        let info = self.info(run_id).ok_or_else(|| CoreError::NotFound {
+            run_id: run_id.to_string(),
+        })?;
+        let v = &info.view;
+        if v.fence != Some(fence) {
+            return Err(CoreError::StaleFence {
+                run_id: run_id.to_string(),
+                given: Some(fence),
+                current: v.fence,
+            }
+            .into());
+        }
+        if v.state != RunState::Granted {
+            return Err(CoreError::Gone {
+                run_id: run_id.to_string(),
+                state: v.state,
+            }
+            .into());
+        }
+        if v.class != Class::Managed {
+            return Err(CoreError::NotEligible {
+                run_id: run_id.to_string(),
+                why: "an analysis run may not start a runtime: it may not listen (C6)".into(),
+            }
+            .into());
+        }
+        Ok(info)
+    }
+
+    pub(super) fn on_runtime_plan(
+        &mut self,
+        run_id: String,
+        fence: u64,
+        reply: Reply<RuntimePlan>,
+    ) {
+        let plan = self.runtime_run(&run_id, fence).map(|info| RuntimePlan {
+            contract: self.engine.record(&run_id).and_then(|r| r.request.contract),
+            group_procs: self.host.prepare_group(&run_id),
+            info,
+        });
+        self.answer(reply, plan);
+    }
+
+    /// C3: every port answered. A parallel-eligible run proves its project; any other
+    /// (a serial contract, a background run) simply has its runtime up.
+    pub(super) fn on_runtime_ready(
+        &mut self,
+        run_id: String,
+        fence: u64,
+        ports: Vec<String>,
+        reply: Reply<bool>,
+    ) {
+        let mut touched = BTreeSet::new();
+        let cmd = Command::Promote {
+            run_id,
+            fence,
+            ports,
+        };
+        let value = match self.apply(cmd, &mut touched) {
+            Ok(_) => Ok(true),
+            Err(CoreError::NotEligible { .. }) => Ok(false),
+            Err(e) => Err(e.into()),
+        };
+        self.commit_and_answer(touched, reply, value);
+    }
+
+    /// C4: a failed start by a run riding the evidence invalidates it.
+    pub(super) fn on_runtime_failed(&mut self, run_id: String, fence: u64) {
+        let mut touched = BTreeSet::new();
+        let _ = self.apply(Command::RuntimeFailed { run_id, fence }, &mut touched);
+        self.commit(touched, |_| {});
+    }
+
+    /// C4: the worktree moved on under the run: it queues for the runtime key alone
+    /// before giving up a shared hold, and stale evidence is invalidated.
+    pub(super) fn on_contract_changed(
+        &mut self,
+        run_id: String,
+        fence: u64,
+        contract: ContractInfo,
+        reply: Reply<RunInfo>,
+    ) {
+        let mut touched = BTreeSet::new();
+        let cmd = Command::Demote {
+            run_id: run_id.clone(),
+            fence,
+            fingerprint: contract.fingerprint,
+            commit: contract.commit,
+        };
+        let value = self
+            .apply(cmd, &mut touched)
+            .map_err(Error::from)
+            .and_then(|_| self.info(&run_id).ok_or_else(Error::run_vanished));
+        self.commit_and_answer(touched, reply, value);
+    }
+}

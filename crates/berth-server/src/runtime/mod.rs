@@ -1,0 +1,206 @@
+//! C7: starting a run's runtime. For each `[[port]]` of the worktree's contract: its
+//! `build` (once), then its command, launched by berth in the worktree with the run's
+//! environment, recorded as the run's process before anything relies on it (P1) and
+//! stopped with the run; its output goes to the run's `logs/<port>.log` (capped); then
+//! its ready probe. Progress is reported as [`RuntimeEvent`]s.
+//!
+//! This runs on the async workers, never in the daemon: it only waits (on processes,
+//! pipes and sockets) and talks to the daemon through messages.
+
+mod launch;
+mod probe;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use berth_client::wire::RuntimeEvent;
+use tokio::sync::mpsc;
+
+use crate::contract::{Contract, Port};
+use crate::daemon::{Msg, RuntimePlan};
+
+pub use launch::{Launched, LOG_BYTES_MAX, LOG_TAIL_LINES};
+
+/// Why a start failed, and where.
+#[derive(Debug)]
+pub struct Failure {
+    pub port: String,
+    pub why: String,
+    pub log_tail: Vec<String>,
+}
+
+impl Failure {
+    fn new(port: &Port, why: impl Into<String>, log_tail: Vec<String>) -> Failure {
+        Failure {
+            port: port.name.clone(),
+            why: why.into(),
+            log_tail,
+        }
+    }
+
+    pub fn event(&self) -> RuntimeEvent {
+        RuntimeEvent::Failed {
+            port: self.port.clone(),
+            why: self.why.clone(),
+            log_tail: self.log_tail.clone(),
+        }
+    }
+}
+
+/// Everything a start needs besides the daemon.
+pub struct Start<'a> {
+    pub plan: &'a RuntimePlan,
+    pub contract: &'a Contract,
+    pub worktree: &'a Path,
+    pub fence: u64,
+    /// The daemon's inbox, for registrations (P1).
+    pub daemon: &'a mpsc::Sender<Msg>,
+    /// The uid the daemon registers its own launches for.
+    pub uid: u32,
+}
+
+/// Builds, launches and probes every port in declaration order; stops what it
+/// launched if any port fails. Returns the ready ports by name.
+pub async fn start(
+    s: &Start<'_>,
+    events: &mpsc::UnboundedSender<RuntimeEvent>,
+) -> Result<BTreeMap<String, u16>, Failure> {
+    let mut launched: Vec<Launched> = Vec::new();
+    let result = launch_all(s, events, &mut launched).await;
+    if result.is_err() {
+        // The run stays granted to be fixed and tried again: nothing of this attempt
+        // may keep holding its ports.
+        for l in &mut launched {
+            l.kill().await;
+        }
+    } else {
+        // Reaped when they exit (berth stops them with the run).
+        for l in launched {
+            l.detach();
+        }
+    }
+    result
+}
+
+async fn launch_all(
+    s: &Start<'_>,
+    events: &mpsc::UnboundedSender<RuntimeEvent>,
+    launched: &mut Vec<Launched>,
+) -> Result<BTreeMap<String, u16>, Failure> {
+    let mut ready = BTreeMap::new();
+    for port in &s.contract.ports {
+        let number = *s.plan.info.ports.get(&port.name).ok_or_else(|| {
+            Failure::new(
+                port,
+                "no port number was allocated for it (the contract changed since the grant?)",
+                vec![],
+            )
+        })?;
+        let cwd = launch_dir(s.worktree, port)?;
+        let env = environment(s, port, number);
+        let logs = logs_dir(s.plan)?;
+        if let Some(b) = &port.build {
+            let _ = events.send(RuntimeEvent::Building {
+                port: port.name.clone(),
+            });
+            launch::build(port, b, &cwd, &env, &logs, s.plan.group_procs.as_deref()).await?;
+        }
+        let l = launch::spawn(port, &cwd, &env, &logs, s.plan.group_procs.as_deref())?;
+        let pid = l.pid;
+        launched.push(l);
+        register(s, pid).await.map_err(|why| {
+            Failure::new(
+                port,
+                format!("its process could not be recorded as the run's: {why}"),
+                vec![],
+            )
+        })?;
+        let _ = events.send(RuntimeEvent::Launched {
+            port: port.name.clone(),
+            number,
+            pid,
+        });
+        let l = launched.last_mut().expect("pushed");
+        probe::until_ready(port, number, l).await?;
+        let _ = events.send(RuntimeEvent::Ready {
+            port: port.name.clone(),
+        });
+        ready.insert(port.name.clone(), number);
+    }
+    Ok(ready)
+}
+
+/// P1: the launched process is the run's before anything relies on it.
+async fn register(s: &Start<'_>, pid: i32) -> Result<(), String> {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    let msg = Msg::RegisterProcess {
+        run_id: s.plan.info.view.run_id.clone(),
+        fence: s.fence,
+        pid,
+        uid: s.uid,
+        reply,
+    };
+    s.daemon
+        .send(msg)
+        .await
+        .map_err(|_| "berth is shutting down".to_string())?;
+    match rx.await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(crate::error::ApiError::from(e).message),
+        Err(_) => Err("berth is shutting down".into()),
+    }
+}
+
+/// The port's working directory: the worktree, or a directory inside it that no link
+/// leads out of (C1: `cwd` never escapes the worktree).
+fn launch_dir(worktree: &Path, port: &Port) -> Result<PathBuf, Failure> {
+    let root = worktree
+        .canonicalize()
+        .map_err(|e| Failure::new(port, format!("the worktree cannot be opened: {e}"), vec![]))?;
+    let Some(rel) = &port.launch.cwd else {
+        return Ok(root);
+    };
+    let dir = root
+        .join(rel)
+        .canonicalize()
+        .map_err(|e| Failure::new(port, format!("launch.cwd {rel:?}: {e}"), vec![]))?;
+    if !dir.starts_with(&root) || !dir.is_dir() {
+        return Err(Failure::new(
+            port,
+            format!("launch.cwd {rel:?} leads out of the worktree (through a link) or is not a directory"),
+            vec![],
+        ));
+    }
+    Ok(dir)
+}
+
+/// The run's environment, its ports, `PORT` (the convention most servers read), and
+/// the port's own variables.
+fn environment(s: &Start<'_>, port: &Port, number: u16) -> BTreeMap<String, String> {
+    let mut env: BTreeMap<String, String> = s
+        .plan
+        .info
+        .env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    env.insert("PORT".into(), number.to_string());
+    env.extend(port.launch.env.clone());
+    env
+}
+
+fn logs_dir(plan: &RuntimePlan) -> Result<PathBuf, Failure> {
+    plan.info
+        .workspace
+        .as_ref()
+        .map(|w| Path::new(w).join("logs"))
+        .ok_or_else(|| Failure {
+            port: String::new(),
+            why: "the run has no workspace".into(),
+            log_tail: vec![],
+        })
+}
+
+/// How long a stopped attempt's processes get between SIGTERM and SIGKILL.
+const KILL_GRACE: Duration = Duration::from_millis(500);

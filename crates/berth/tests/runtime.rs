@@ -1,0 +1,228 @@
+//! C7, C3, C4 against the real daemon with real servers (`python3 -m http.server`):
+//! a run starts its project's runtime through berth, which launches, records and
+//! probes each port; the first proof promotes a parallel project, so a second run
+//! queued behind the first is granted beside it; a changed contract makes runs serial
+//! again; a port that never gets ready fails with its log and promotes nothing.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Daemon;
+use serde_json::{json, Value};
+
+const COMMIT_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+
+/// A git-like worktree at `COMMIT_A` whose contract is `contract`.
+fn worktree(contract: &str) -> tempfile::TempDir {
+    let wt = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(wt.path().join(".git")).unwrap();
+    std::fs::write(wt.path().join(".git/HEAD"), format!("{COMMIT_A}\n")).unwrap();
+    std::fs::write(wt.path().join(".berth.toml"), contract).unwrap();
+    wt
+}
+
+/// A parallel project whose one port is a real HTTP server on `$PORT`.
+const WEB: &str = r#"concurrency = "parallel"
+[[port]]
+name = "web"
+launch = { command = "sh", args = ["-c", "echo serving on $PORT; exec python3 -m http.server --bind 127.0.0.1 $PORT"] }
+ready = { http = "/", expect_status = 200, timeout_s = 30, interval_ms = 100 }
+"#;
+
+fn range(n: u16) -> String {
+    let lo = 46_000 + (std::process::id() % 40) as u16 * 100;
+    format!("{lo}-{}", lo + n - 1)
+}
+
+fn acquire(id: &str, wt: &std::path::Path, wait_s: u64) -> String {
+    json!({"run_id": id, "project": "shop", "worktree": wt, "wait_s": wait_s, "ttl_s": 300,
+           "resources": {"cpu_millis": 10, "memory": 1 << 20, "disk": 0}})
+    .to_string()
+}
+
+fn start_runtime(d: &Daemon, id: &str, fence: u64) -> common::Resp {
+    d.post(
+        &format!("/v1/runs/{id}/runtime"),
+        &json!({ "fence": fence }).to_string(),
+    )
+}
+
+/// `GET /` on the port answers 200 (the server berth launched is really there).
+fn serves(port: u64) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port as u16)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    let _ = s.write_all(b"GET / HTTP/1.0\r\n\r\n");
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.0 200")
+}
+
+fn project(d: &Daemon) -> Value {
+    let s = d.get("/v1/status").body;
+    s["projects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["project"] == "shop")
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+#[test]
+fn a_proven_runtime_promotes_the_project_and_a_queued_run_joins_it_until_the_contract_changes() {
+    let r = range(10);
+    let mut d = Daemon::start(&["--slots-max", "4", "--port-range", &r]);
+    let wt = worktree(WEB);
+    let a1 = d.post("/v1/runs", &acquire("a1", wt.path(), 0));
+    assert_eq!(a1.status, 201, "{}", a1.body);
+    let f1 = a1.body["fence"].as_u64().unwrap();
+    // The second run of the project waits: the project is serial until proven.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let berth = berth_client::Client::new(&d.url, Some(d.token.clone())).unwrap();
+    let body: berth_client::wire::AcquireRequest =
+        serde_json::from_str(&acquire("a2", wt.path(), 60)).unwrap();
+    let a2 = rt.spawn(async move { berth.acquire(&body).await });
+    d.wait_until("a2 waits for the runtime key", |d| {
+        d.get("/v1/runs/a2").body["reason"]["code"]
+            .as_str()
+            .is_some_and(|c| c.starts_with("key."))
+    });
+    assert_eq!(project(&d)["concurrency"], "parallel_candidate");
+
+    let started = start_runtime(&d, "a1", f1);
+    assert_eq!(started.status, 200, "{}", started.body);
+    assert_eq!(started.body["promoted"], true, "{}", started.body);
+    let p1 = started.body["ports"]["web"].as_u64().unwrap();
+    assert_eq!(Some(p1), a1.body["ports"]["web"].as_u64());
+    let kinds: Vec<&str> = started.body["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["event"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["launched", "ready", "done"]);
+    assert!(serves(p1), "nothing serves on {p1}");
+    // The output went to the run's logs/.
+    let ws = a1.body["workspace"].as_str().unwrap();
+    let log = std::fs::read_to_string(format!("{ws}/logs/web.log")).unwrap();
+    assert!(log.contains(&format!("serving on {p1}")), "{log}");
+
+    // Promoted: a2, already queued, is granted beside a1, on its own port.
+    let a2 = rt
+        .block_on(a2)
+        .unwrap()
+        .expect("a2 granted after the promotion");
+    assert_eq!(d.get("/v1/runs/a1").body["state"], "granted");
+    let p2 = a2.ports["web"] as u64;
+    assert_ne!(p1, p2);
+    let s2 = start_runtime(&d, "a2", a2.fence.unwrap());
+    assert_eq!(s2.status, 200, "{}", s2.body);
+    assert!(serves(p1) && serves(p2), "both serve, on {p1} and {p2}");
+    let p = project(&d);
+    assert_eq!(p["concurrency"], "parallel_safe", "{p}");
+    assert_eq!(p["evidence"]["commit"], COMMIT_A, "{p}");
+    assert_eq!(p["evidence"]["ports"], json!(["web"]), "{p}");
+
+    // The evidence and the port allocations survive a kill -9.
+    d.kill9_and_restart();
+    let p = project(&d);
+    assert_eq!(p["evidence"]["commit"], COMMIT_A, "after restart: {p}");
+    assert_eq!(d.get("/v1/runs/a1").body["ports"]["web"].as_u64(), Some(p1));
+
+    // Released, a run's server is stopped with it (P1: berth launched it).
+    let rel = d.post("/v1/runs/a1/release", &json!({ "fence": f1 }).to_string());
+    assert_eq!(rel.status, 200, "{}", rel.body);
+    d.wait_until("a1's server is gone", |_| !serves(p1));
+
+    // C4: the contract changes (a new commit): the next run is serial again and the
+    // evidence is gone.
+    std::fs::write(wt.path().join(".git/HEAD"), format!("{}\n", "b".repeat(40))).unwrap();
+    let a3 = d.post("/v1/runs", &acquire("a3", wt.path(), 0));
+    assert_eq!(
+        a3.status, 410,
+        "a3 may not join a2's shared hold: {}",
+        a3.body
+    );
+    assert_eq!(project(&d)["evidence"], Value::Null, "{}", project(&d));
+    // a2, started on the old commit, is told its contract changed.
+    let again = start_runtime(&d, "a2", a2.fence.unwrap());
+    assert_eq!(again.status, 409, "{}", again.body);
+    assert_eq!(again.body["error"]["code"], "contract_changed");
+}
+
+#[test]
+fn a_port_that_never_gets_ready_fails_with_its_log_tail_and_promotes_nothing() {
+    let r = range(10);
+    let r = {
+        // Another range than the first test's, so the two may run at once.
+        let (lo, _) = r.split_once('-').unwrap();
+        let lo: u16 = lo.parse::<u16>().unwrap() + 50;
+        format!("{lo}-{}", lo + 9)
+    };
+    let d = Daemon::start(&["--slots-max", "4", "--port-range", &r]);
+    let wt = worktree(
+        r#"concurrency = "parallel"
+[[port]]
+name = "web"
+launch = { command = "sh", args = ["-c", "echo warming up; echo 'no config found' >&2; exec sleep 60"] }
+ready = { tcp = true, timeout_s = 1, interval_ms = 100 }
+"#,
+    );
+    let a = d.post("/v1/runs", &acquire("slow", wt.path(), 0));
+    assert_eq!(a.status, 201, "{}", a.body);
+    let f = a.body["fence"].as_u64().unwrap();
+    let t = std::time::Instant::now();
+    let s = start_runtime(&d, "slow", f);
+    assert_eq!(s.status, 422, "{}", s.body);
+    assert_eq!(s.body["error"]["code"], "runtime_failed");
+    let tail = s.body["error"]["details"]["log_tail"].to_string();
+    assert!(
+        tail.contains("no config found") && tail.contains("warming up"),
+        "{}",
+        s.body
+    );
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    // Nothing was promoted, the run stays granted, and what it launched is gone.
+    assert_eq!(project(&d)["evidence"], Value::Null);
+    assert_eq!(d.get("/v1/runs/slow").body["state"], "granted");
+    let pid = s.body["error"]["details"]["events"][0]["pid"]
+        .as_i64()
+        .unwrap();
+    d.wait_until("the failed attempt's process is gone", |_| {
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    });
+
+    // A command that exits at once fails with its status, at once.
+    std::fs::write(
+        wt.path().join(".berth.toml"),
+        "[[port]]\nname = \"web\"\nlaunch = { command = \"sh\", args = [\"-c\", \"echo bad flag >&2; exit 3\"] }\n",
+    )
+    .unwrap();
+    // Another project: "slow" still holds shop's runtime key.
+    let body = acquire("quick", wt.path(), 0).replace("\"shop\"", "\"shop2\"");
+    let b = d.post("/v1/runs", &body);
+    assert_eq!(b.status, 201, "{}", b.body);
+    let s = start_runtime(&d, "quick", b.body["fence"].as_u64().unwrap());
+    assert_eq!(s.status, 422, "{}", s.body);
+    let msg = s.body["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("exit 3"), "{msg}");
+    assert!(s.body["error"]["details"]["log_tail"]
+        .to_string()
+        .contains("bad flag"));
+
+    // An analysis run may not start a runtime (C6), and a stale fence is refused.
+    let an = d.post(
+        "/v1/runs",
+        &json!({"run_id": "an", "project": "shop", "class": "analysis", "worktree": wt.path(),
+                "resources": {"cpu_millis": 10, "memory": 1 << 20, "disk": 0}})
+        .to_string(),
+    );
+    assert_eq!(an.status, 201, "{}", an.body);
+    let s = start_runtime(&d, "an", an.body["fence"].as_u64().unwrap());
+    assert_eq!(s.status, 409, "{}", s.body);
+    let s = start_runtime(&d, "quick", 1);
+    assert_eq!(s.body["error"]["code"], "stale_fence", "{}", s.body);
+}
