@@ -149,6 +149,10 @@ pub struct Run {
     pub env: BTreeMap<String, String>,
     /// RFC 3339; a lease only.
     pub expires_at: Option<String>,
+    /// Why berth itself ended the run (no workspace or ports at its grant, W1/W3; a
+    /// listener opened by an analysis run, C6).
+    #[serde(default)]
+    pub failure: Option<String>,
     pub fence: Option<u64>,
     pub labels: BTreeMap<String, String>,
     pub ports: BTreeMap<String, u16>,

@@ -16,6 +16,7 @@
 //! ancestors ([`is_kernel_thread`], [`ancestors_of`], [`is_protected`]).
 
 pub mod cgroup;
+pub mod net;
 mod stop;
 #[doc(hidden)]
 pub mod testing;

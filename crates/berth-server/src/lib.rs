@@ -11,6 +11,7 @@ pub mod error;
 pub mod failpoint;
 pub mod host;
 pub mod http;
+pub mod listen;
 pub mod private;
 pub mod register;
 pub mod request;

@@ -851,10 +851,15 @@ async fn register(
             Ok(Err(e)) => format!("cannot reach berth at {}: {e}", client.url),
             Err(e) => e.to_string(),
         };
-        if Instant::now() + pause > give_up {
+        // Keep trying for the whole window: a daemon that restarts (P5) between the
+        // grant and the registration comes back within it. (This gave up at the first
+        // pause that would overshoot the window, after half of it: regression test
+        // restart.rs::berth_run_keeps_renewing_across_a_daemon_restart.)
+        let now = Instant::now();
+        if now >= give_up {
             return Err((EXIT_TIMEOUT, last));
         }
-        tokio::time::sleep(pause).await;
+        tokio::time::sleep(pause.min(give_up - now)).await;
         pause = (pause * 2).min(Duration::from_secs(2));
     }
 }
@@ -872,8 +877,15 @@ async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), S
         .await;
         match r {
             Ok(Ok(reply)) if reply.status < 300 => {
-                return match reply.parse::<Run>().map(|r| r.state) {
-                    Ok(RunState::Expired) => Err("it expired before CMD ended".into()),
+                return match reply.parse::<Run>() {
+                    Ok(r) if r.state == RunState::Expired => {
+                        Err("it expired before CMD ended".into())
+                    }
+                    // berth ended it itself, and says why (e.g. an analysis run that
+                    // listened, C6).
+                    Ok(Run {
+                        failure: Some(why), ..
+                    }) => Err(why),
                     _ => Ok(()),
                 };
             }

@@ -182,6 +182,7 @@ pub fn run_out(i: &RunInfo) -> Run {
             .map(|(k, v)| (k.to_string(), v.clone()))
             .collect(),
         expires_at: i.expires_at.clone(),
+        failure: i.failure.clone(),
         fence: v.fence,
         labels: i.labels.clone(),
         ports: i.ports.clone(),

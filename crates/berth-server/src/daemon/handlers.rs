@@ -85,6 +85,9 @@ impl<H: Host> Daemon<H> {
                 reply,
             } => self.on_runtime_ready(run_id, fence, ports, reply),
             Msg::RuntimeFailed { run_id, fence } => self.on_runtime_failed(run_id, fence),
+            Msg::ListenerViolation { run_id, violation } => {
+                self.on_listener_violation(run_id, violation)
+            }
             Msg::ContractChanged {
                 run_id,
                 fence,

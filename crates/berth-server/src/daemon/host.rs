@@ -30,6 +30,15 @@ pub struct StopOrder {
 /// Where stop orders go once their commit is durable: called on the writer's thread.
 pub type StopSink = Arc<dyn Fn(StopOrder) + Send + Sync>;
 
+/// C6: an analysis run under watch for listeners: its registered roots, and the
+/// listening sockets its processes already held when they were registered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ListenWatch {
+    pub run_id: String,
+    pub roots: Vec<ProcId>,
+    pub baseline: std::collections::BTreeSet<u64>,
+}
+
 /// Everything [`Daemon`](super::Daemon) needs from the machine it runs on.
 ///
 /// **Architecture invariant:** the daemon's state machine reaches files, `/proc`,
@@ -51,6 +60,11 @@ pub trait Host {
     fn port_in_use(&self, port: u16) -> bool;
     /// Moves a registered process into the run's cgroup, where the host has them.
     fn adopt(&mut self, run_id: &str, pid: i32);
+    /// C6: the listening sockets (by inode) the processes of these roots hold now.
+    fn listeners_of(&self, roots: &[ProcId]) -> std::collections::BTreeSet<u64>;
+    /// C6: the analysis runs to watch from now on (the whole set, replacing the last);
+    /// a new listener is reported with `Msg::ListenerViolation`.
+    fn watch_listeners(&mut self, watched: Vec<ListenWatch>);
     /// C7: makes the run's cgroup (where the host has them) and names its
     /// `cgroup.procs`, for a process berth launches to join before it runs anything.
     fn prepare_group(&mut self, run_id: &str) -> Option<PathBuf>;
@@ -89,6 +103,8 @@ pub struct RealHost {
     inbox: Option<mpsc::WeakSender<Msg>>,
     /// The one thread that stops processes, started on first use.
     stopper: Option<StopSink>,
+    /// The one thread that watches analysis runs for listeners, started on first use.
+    listen_watch: Option<std::sync::mpsc::Sender<Vec<ListenWatch>>>,
 }
 
 impl RealHost {
@@ -106,6 +122,7 @@ impl RealHost {
             me: crate::register::Me::now(),
             inbox: None,
             stopper: None,
+            listen_watch: None,
         })
     }
 
@@ -184,6 +201,20 @@ impl Host for RealHost {
                     "cgroup: {e}; the process group is the fallback"
                 );
             }
+        }
+    }
+
+    fn listeners_of(&self, roots: &[ProcId]) -> std::collections::BTreeSet<u64> {
+        crate::listen::listeners_of(roots, &[]).unwrap_or_default()
+    }
+
+    fn watch_listeners(&mut self, watched: Vec<ListenWatch>) {
+        if self.listen_watch.is_none() {
+            let base = self.supervision.cgroup_base.clone();
+            self.listen_watch = Some(crate::listen::spawn_watcher(base, self.inbox.clone()));
+        }
+        if let Some(tx) = &self.listen_watch {
+            let _ = tx.send(watched);
         }
     }
 

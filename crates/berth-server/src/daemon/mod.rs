@@ -46,7 +46,7 @@ use crate::workspace;
 use extra::{proc_id, Extra};
 use ports::PortBroker;
 
-pub use host::{Host, RealHost, StopOrder, StopSink, Supervision};
+pub use host::{Host, ListenWatch, RealHost, StopOrder, StopSink, Supervision};
 pub use restore::Restore;
 pub use runtime::run;
 pub use runtimes::RuntimePlan;
@@ -192,6 +192,11 @@ pub enum Msg {
         run_id: String,
         fence: u64,
     },
+    /// C6: an analysis run opened a listener (sent by the watcher thread).
+    ListenerViolation {
+        run_id: String,
+        violation: crate::listen::Violation,
+    },
     /// C4: the worktree's contract or commit is no longer the run's.
     ContractChanged {
         run_id: String,
@@ -246,6 +251,8 @@ pub struct Daemon<H: Host> {
     /// Durable changes besides runs that this step set off (promotion evidence),
     /// written with its commit.
     pending_mutations: Vec<berth_store::Mutation>,
+    /// C6: analysis runs with processes, and the listeners those held when registered.
+    listen_watched: BTreeMap<String, BTreeSet<u64>>,
 }
 
 /// The first retry of a failed stop or cleanup; each next one waits twice as long.
@@ -473,6 +480,9 @@ impl<H: Host> Daemon<H> {
                         // W3: its processes are gone; its ports come back.
                         let held: Vec<u16> = e.ports.iter().map(|(_, p)| *p).collect();
                         self.ports.release(run_id, &held);
+                    }
+                    if self.listen_watched.remove(run_id).is_some() {
+                        self.send_listen_watch();
                     }
                     self.attached.remove(run_id);
                     self.unclaimed.remove(run_id);
@@ -753,7 +763,43 @@ impl<H: Host> Daemon<H> {
                 e.processes.push(rec);
             }
         }
+        if view.class == berth_core::Class::Analysis {
+            self.watch_analysis_run(run_id);
+        }
         self.info(run_id).ok_or_else(Error::run_vanished)
+    }
+
+    /// C6: an analysis run with processes is watched for listeners; what its processes
+    /// hold when registered is its baseline.
+    fn watch_analysis_run(&mut self, run_id: &str) {
+        let roots: Vec<berth_proc::ProcId> = self
+            .extras
+            .get(run_id)
+            .map(|e| e.processes.iter().map(proc_id).collect())
+            .unwrap_or_default();
+        let now = self.host.listeners_of(&roots);
+        self.listen_watched
+            .entry(run_id.to_string())
+            .or_default()
+            .extend(now);
+        self.send_listen_watch();
+    }
+
+    fn send_listen_watch(&mut self) {
+        let watched = self
+            .listen_watched
+            .iter()
+            .map(|(id, baseline)| ListenWatch {
+                run_id: id.clone(),
+                roots: self
+                    .extras
+                    .get(id)
+                    .map(|e| e.processes.iter().map(proc_id).collect())
+                    .unwrap_or_default(),
+                baseline: baseline.clone(),
+            })
+            .collect();
+        self.host.watch_listeners(watched);
     }
 
     pub fn close(mut self) {

@@ -144,6 +144,7 @@ impl<H: Host> Daemon<H> {
             pending_stops: Vec::new(),
             ports,
             pending_mutations: Vec::new(),
+            listen_watched: BTreeMap::new(),
         })
     }
 }

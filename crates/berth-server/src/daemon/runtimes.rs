@@ -98,6 +98,35 @@ impl<H: Host> Daemon<H> {
         self.commit(touched, |_| {});
     }
 
+    /// C6: an analysis run opened a listener: it is stopped, and says why.
+    pub(super) fn on_listener_violation(&mut self, run_id: String, v: crate::listen::Violation) {
+        let Some(fence) = self
+            .engine
+            .view_of(&run_id)
+            .filter(|v| v.state == RunState::Granted)
+            .and_then(|v| v.fence)
+        else {
+            return;
+        };
+        let why = format!(
+            "analysis_listener_violation: pid {} ({}) listened on port {}; an analysis run may not listen (C6)",
+            v.pid, v.cmdline, v.port
+        );
+        tracing::warn!(
+            run_id = run_id.as_str(),
+            pid = v.pid,
+            port = v.port,
+            cmdline = v.cmdline.as_str(),
+            "analysis run stopped: it opened a listener"
+        );
+        if let Some(e) = self.extras.get_mut(&run_id) {
+            e.failure = Some(why);
+        }
+        let mut touched = BTreeSet::new();
+        let _ = self.apply(Command::Release { run_id, fence }, &mut touched);
+        self.commit(touched, |_| {});
+    }
+
     /// C4: the worktree moved on under the run: it queues for the runtime key alone
     /// before giving up a shared hold, and stale evidence is invalidated.
     pub(super) fn on_contract_changed(

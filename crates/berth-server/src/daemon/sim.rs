@@ -128,6 +128,12 @@ impl Host for SimHost {
         None
     }
 
+    fn listeners_of(&self, _roots: &[ProcId]) -> std::collections::BTreeSet<u64> {
+        Default::default()
+    }
+
+    fn watch_listeners(&mut self, _watched: Vec<super::ListenWatch>) {}
+
     fn cover_fence(&mut self, _last_fence: u64) -> Result<(), String> {
         Ok(())
     }
