@@ -7,8 +7,7 @@ use anyhow::Context;
 
 use crate::EXIT_REFUSED;
 use berth_client::wire::{
-    AcquireRequest, ErrorBody, ErrorDetail, ReapReport, ReleaseRequest, RenewRequest, RunList,
-    Status,
+    ErrorBody, ErrorDetail, ReapReport, ReleaseRequest, RenewRequest, RunList, Status,
 };
 use clap::Args;
 use serde::de::DeserializeOwned;
@@ -241,14 +240,16 @@ impl Client {
         EXIT_REFUSED
     }
 
-    /// `POST /v1/runs` as a stream of JSON lines.
-    pub fn acquire_stream(
+    /// A POST answered as a stream of JSON lines (an acquire that waits, a runtime
+    /// start).
+    pub fn post_stream(
         &self,
-        body: &AcquireRequest,
+        path: &str,
+        body: &impl Serialize,
     ) -> Result<(u16, Box<dyn std::io::BufRead + Send>), ureq::Error> {
         let mut r = self
             .agent
-            .post(format!("{}/v1/runs", self.url))
+            .post(format!("{}{path}", self.url))
             .header("Content-Type", "application/json")
             .header("Accept", "application/x-ndjson");
         if let Some(a) = self.auth() {
@@ -317,8 +318,20 @@ pub fn status_main(a: StatusArgs) -> anyhow::Result<u8> {
         reaper.diagnostics_dropped
     );
     for p in &s.projects {
+        // C3: how it runs, and the proof it runs in parallel on.
+        let proof = p.evidence.as_ref().map_or(String::new(), |e| {
+            let commit = e.commit.as_deref().map_or("no commit".into(), |c| {
+                format!("commit {}", &c[..c.len().min(12)])
+            });
+            let when = crate::show::relative(&e.at).unwrap_or_else(|| e.at.clone());
+            format!(
+                "; proven by {} {when} on {commit}, ports {}",
+                e.run_id,
+                e.ports.join(",")
+            )
+        });
         println!(
-            "  project {:<24} {} active, {} waiting, {} degraded ({})",
+            "  project {:<24} {} active, {} waiting, {} degraded ({}{proof})",
             p.project,
             p.active,
             p.waiting,

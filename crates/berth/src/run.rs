@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::anyhow;
 use berth_client::wire::{
     AcquireEvent, AcquireRequest, ErrorDetail, ProcessRequest, ReleaseRequest, RenewRequest, Run,
-    UniqueMap,
+    RuntimeEvent, RuntimeRequest, UniqueMap,
 };
 use berth_core::validate;
 use berth_core::RunState;
@@ -82,6 +82,10 @@ pub struct ClaimArgs {
 pub struct RunArgs {
     #[command(flatten)]
     pub claim: ClaimArgs,
+    /// Start the project's runtime (the worktree contract's [[port]] commands, each
+    /// until its ready probe answers) before CMD; CMD finds each at BERTH_URL_<NAME>.
+    #[arg(long)]
+    pub runtime: bool,
     /// The command to run, after `--`.
     #[arg(last = true, required = true)]
     pub cmd: Vec<String>,
@@ -187,6 +191,65 @@ fn refusal(err: &ErrorDetail) -> (u8, String) {
     }
 }
 
+/// `--runtime` (C7): starts the project's runtime under the lease, its progress on one
+/// live line. Err: the exit code (69) and what failed, with the port's last lines.
+fn start_runtime(client: &Client, run_id: &str, fence: u64) -> Result<(), (u8, String)> {
+    let line = WaitLine::new("runtime");
+    let result = start_runtime_with(client, run_id, fence, &line);
+    line.done();
+    result
+}
+
+fn start_runtime_with(
+    client: &Client,
+    run_id: &str,
+    fence: u64,
+    line: &WaitLine,
+) -> Result<(), (u8, String)> {
+    let path = format!("/v1/runs/{run_id}/runtime");
+    let body = RuntimeRequest { fence };
+    let unreachable = |e: ureq::Error| {
+        (
+            EXIT_REFUSED,
+            format!("cannot reach berth at {}: {e}", client.url),
+        )
+    };
+    let (status, reader) = client.post_stream(&path, &body).map_err(unreachable)?;
+    if status != 200 {
+        let mut text = String::new();
+        let mut reader = reader;
+        let _ = std::io::Read::read_to_string(&mut reader, &mut text);
+        let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+        return Err((EXIT_REFUSED, error_text(&v)));
+    }
+    for l in reader.lines() {
+        let Ok(l) = l else { break };
+        let Ok(event) = serde_json::from_str::<RuntimeEvent>(&l) else {
+            continue;
+        };
+        match event {
+            RuntimeEvent::Building { port } => line.queued(format!("building {port}")),
+            RuntimeEvent::Launched { port, number, .. } => {
+                line.queued(format!("launched {port} on {number}"))
+            }
+            RuntimeEvent::Ready { port } => line.queued(format!("ready {port}")),
+            RuntimeEvent::Done { .. } => return Ok(()),
+            RuntimeEvent::Failed {
+                port,
+                why,
+                log_tail,
+            } => {
+                let tail: String = log_tail.iter().map(|l| format!("\n  | {l}")).collect();
+                return Err((EXIT_REFUSED, format!("failed {port}: {why}{tail}")));
+            }
+        }
+    }
+    Err((
+        EXIT_REFUSED,
+        "the runtime start ended without an answer".into(),
+    ))
+}
+
 /// How long `berth run` keeps trying to reach a daemon that is restarting.
 const RECONNECT_FOR: Duration = Duration::from_secs(30);
 
@@ -195,15 +258,18 @@ const RECONNECT_FOR: Duration = Duration::from_secs(30);
 /// event, for logs.
 struct WaitLine {
     tty: bool,
+    /// What the line is about: `waiting` (admission) or `runtime` (its start).
+    what: &'static str,
     started: Instant,
     /// The daemon's last word (position and reason); `None` once admitted or refused.
     text: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl WaitLine {
-    fn new() -> WaitLine {
+    fn new(what: &'static str) -> WaitLine {
         let w = WaitLine {
             tty: std::io::stderr().is_terminal(),
+            what,
             started: Instant::now(),
             text: Arc::new(std::sync::Mutex::new(None)),
         };
@@ -212,7 +278,7 @@ impl WaitLine {
             std::thread::spawn(move || loop {
                 std::thread::sleep(Duration::from_secs(1));
                 match &*text.lock().unwrap() {
-                    Some(t) => draw(t, started),
+                    Some(t) => draw(what, t, started),
                     None => return,
                 }
             });
@@ -222,11 +288,12 @@ impl WaitLine {
 
     fn queued(&self, text: String) {
         if self.tty {
-            draw(&text, self.started);
+            draw(self.what, &text, self.started);
         } else {
             eprintln!(
-                "{} berth: waiting: {text}, {}",
+                "{} berth: {}: {text}, {}",
                 crate::show::clock(),
+                self.what,
                 crate::show::duration(self.started.elapsed().as_secs())
             );
         }
@@ -242,16 +309,16 @@ impl WaitLine {
     }
 }
 
-fn draw(text: &str, started: Instant) {
+fn draw(what: &str, text: &str, started: Instant) {
     eprint!(
-        "\r\x1b[Kberth: waiting: {text}, {}",
+        "\r\x1b[Kberth: {what}: {text}, {}",
         crate::show::duration(started.elapsed().as_secs())
     );
     let _ = std::io::stderr().flush();
 }
 
 fn wait_for_lease(client: &Client, body: &AcquireRequest, wait_ms: u64) -> Admission {
-    let line = WaitLine::new();
+    let line = WaitLine::new("waiting");
     let admission = wait_for_lease_with(client, body, wait_ms, &line);
     line.done();
     admission
@@ -270,7 +337,7 @@ fn wait_for_lease_with(
     // for one that was reached and went away (a restart, P5).
     let mut ever_reached = false;
     loop {
-        match client.acquire_stream(body) {
+        match client.post_stream("/v1/runs", body) {
             Ok((200, reader)) => {
                 ever_reached = true;
                 last_ok = Instant::now();
@@ -384,6 +451,16 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
     let fence = lease.fence.unwrap_or(0);
     let env: BTreeMap<String, String> = lease.env;
     let ttl_ms = a.claim.ttl.unwrap_or(300_000).max(1000);
+    if a.runtime {
+        if let Err((code, why)) = start_runtime(&client, &run_id, fence) {
+            eprintln!("berth: run {run_id}: the runtime did not start: {why}");
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let _ = rt.block_on(release(&client, &run_id, fence));
+            return Ok(code);
+        }
+    }
 
     // A terminal on stdin, with berth run in its foreground: CMD gets the terminal (see
     // `Tty`). Terminal stops are blocked first, in every thread to come: berth run

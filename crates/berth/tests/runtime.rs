@@ -226,3 +226,83 @@ ready = { tcp = true, timeout_s = 1, interval_ms = 100 }
     let s = start_runtime(&d, "quick", 1);
     assert_eq!(s.body["error"]["code"], "stale_fence", "{}", s.body);
 }
+
+/// `berth run --runtime` starts the servers before CMD, which finds them at
+/// `BERTH_URL_<NAME>`; a port command that double-forks its server out of its
+/// session is still stopped with the run (the cgroup it joined before it ran).
+#[test]
+fn berth_run_runtime_serves_cmd_and_a_double_forked_server_is_stopped_with_the_run() {
+    let cgroups = berth_proc::testing::cgroups(
+        "berth_run_runtime_serves_cmd_and_a_double_forked_server_is_stopped_with_the_run",
+    );
+    let r = range(10);
+    let r = {
+        let (lo, _) = r.split_once('-').unwrap();
+        let lo: u16 = lo.parse::<u16>().unwrap() + 20;
+        format!("{lo}-{}", lo + 9)
+    };
+    let d = Daemon::start(&["--slots-max", "4", "--port-range", &r]);
+    let wt = worktree(
+        r#"[[port]]
+name = "web"
+launch = { command = "sh", args = ["-c", "(setsid python3 -m http.server --bind 127.0.0.1 $PORT >/dev/null 2>&1 &); exec sleep 120"] }
+ready = { http = "/", timeout_s = 30, interval_ms = 100 }
+"#,
+    );
+    let fetch = "import os,urllib.request\nu=os.environ['BERTH_URL_WEB']\nprint(u.rsplit(':',1)[1]); print(urllib.request.urlopen(u).status)";
+    let out = d
+        .cli()
+        .args([
+            "run",
+            "--runtime",
+            "--project",
+            "dbl",
+            "--run-id",
+            "dbl",
+            "--cpus",
+            "0.1",
+        ])
+        .arg("--worktree")
+        .arg(wt.path())
+        .args(["--", "python3", "-c", fetch])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "berth run said: {said}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut lines = stdout.lines();
+    let port: u64 = lines.next().unwrap().parse().unwrap();
+    assert_eq!(lines.next(), Some("200"), "{stdout}");
+    d.wait_until("dbl is released", |d| {
+        d.get("/v1/runs/dbl").body["state"] == "released"
+    });
+    if cgroups {
+        d.wait_until("the double-forked server is stopped with the run", |_| {
+            !serves(port)
+        });
+    }
+    // A runtime that fails keeps CMD from starting, with the port's last lines.
+    std::fs::write(
+        wt.path().join(".berth.toml"),
+        "[[port]]\nname = \"web\"\nlaunch = { command = \"sh\", args = [\"-c\", \"echo missing module >&2; exit 2\"] }\n",
+    )
+    .unwrap();
+    let marker = wt.path().join("cmd-ran");
+    let out = d
+        .cli()
+        .args(["run", "--runtime", "--project", "dbl2", "--cpus", "0.1"])
+        .arg("--worktree")
+        .arg(wt.path())
+        .arg("--")
+        .args(["touch"])
+        .arg(&marker)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(69), "{said}");
+    assert!(
+        said.contains("exit 2") && said.contains("missing module"),
+        "{said}"
+    );
+    assert!(!marker.exists(), "CMD ran although its runtime failed");
+}

@@ -109,13 +109,18 @@ async fn launch_all(
         let l = launch::spawn(port, &cwd, &env, &logs, s.plan.group_procs.as_deref())?;
         let pid = l.pid;
         launched.push(l);
-        register(s, pid).await.map_err(|why| {
-            Failure::new(
-                port,
-                format!("its process could not be recorded as the run's: {why}"),
-                vec![],
-            )
-        })?;
+        if let Err(why) = register(s, pid).await {
+            let l = launched.last_mut().expect("pushed");
+            // A command that exits at once is gone before it can be recorded: what
+            // matters then is how it ended and what it said.
+            if let Some(status) = l.exited() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let why = format!("{} before it was ready", launch::describe(status));
+                return Err(Failure::new(port, why, l.tail_lines()));
+            }
+            let why = format!("its process could not be recorded as the run's: {why}");
+            return Err(Failure::new(port, why, l.tail_lines()));
+        }
         let _ = events.send(RuntimeEvent::Launched {
             port: port.name.clone(),
             number,
