@@ -138,8 +138,13 @@ pub async fn build(
         ready: port.ready.clone(),
         build: None,
     };
-    let mut l = spawn(&as_port, cwd, env, logs, group_procs)
-        .map_err(|f| Failure::new(port, format!("build: {}", f.why), f.log_tail))?;
+    let (cwd, env, logs) = (cwd.to_path_buf(), env.clone(), logs.to_path_buf());
+    let group = group_procs.map(Path::to_path_buf);
+    let mut l = super::off_worker(port, move || {
+        spawn(&as_port, &cwd, &env, &logs, group.as_deref())
+    })
+    .await
+    .map_err(|f| Failure::new(port, format!("build: {}", f.why), f.log_tail))?;
     let limit = Duration::from_millis(b.timeout_ms);
     match tokio::time::timeout(limit, l.child.wait()).await {
         Ok(Ok(s)) if s.success() => Ok(()),

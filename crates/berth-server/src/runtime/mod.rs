@@ -97,7 +97,11 @@ async fn launch_all(
                 vec![],
             )
         })?;
-        let cwd = launch_dir(s.worktree, port)?;
+        let cwd = off_worker(port, {
+            let (wt, port) = (s.worktree.to_path_buf(), port.clone());
+            move || launch_dir(&wt, &port)
+        })
+        .await?;
         let env = environment(s, port, number);
         let logs = logs_dir(s.plan)?;
         if let Some(b) = &port.build {
@@ -106,7 +110,12 @@ async fn launch_all(
             });
             launch::build(port, b, &cwd, &env, &logs, s.plan.group_procs.as_deref()).await?;
         }
-        let l = launch::spawn(port, &cwd, &env, &logs, s.plan.group_procs.as_deref())?;
+        let l = off_worker(port, {
+            let (port, cwd, env, logs) = (port.clone(), cwd.clone(), env.clone(), logs.clone());
+            let group = s.plan.group_procs.clone();
+            move || launch::spawn(&port, &cwd, &env, &logs, group.as_deref())
+        })
+        .await?;
         let pid = l.pid;
         launched.push(l);
         if let Err(why) = register(s, pid).await {
@@ -134,6 +143,30 @@ async fn launch_all(
         ready.insert(port.name.clone(), number);
     }
     Ok(ready)
+}
+
+/// How long resolving a port's directory or starting its command may take: both touch
+/// the worktree (the caller's path), so a hung file system costs the start a failure,
+/// never an async worker (S1).
+const WORKTREE_OP_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Runs `f` on a blocking thread, within `WORKTREE_OP_TIMEOUT`.
+async fn off_worker<T: Send + 'static>(
+    port: &Port,
+    f: impl FnOnce() -> Result<T, Failure> + Send + 'static,
+) -> Result<T, Failure> {
+    match tokio::time::timeout(WORKTREE_OP_TIMEOUT, tokio::task::spawn_blocking(f)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(Failure::new(port, "launching it panicked", vec![])),
+        Err(_) => Err(Failure::new(
+            port,
+            format!(
+                "its worktree did not answer within {} s",
+                WORKTREE_OP_TIMEOUT.as_secs()
+            ),
+            vec![],
+        )),
+    }
 }
 
 /// P1: the launched process is the run's before anything relies on it.
