@@ -323,7 +323,7 @@ pub fn status_main(a: StatusArgs) -> anyhow::Result<u8> {
             let commit = e.commit.as_deref().map_or("no commit".into(), |c| {
                 format!("commit {}", &c[..c.len().min(12)])
             });
-            let when = crate::show::relative(&e.at).unwrap_or_else(|| e.at.clone());
+            let when = crate::show::ago(&e.at).unwrap_or_else(|| e.at.clone());
             format!(
                 "; proven by {} {when} on {commit}, ports {}",
                 e.run_id,

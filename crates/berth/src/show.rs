@@ -57,6 +57,13 @@ pub fn relative(utc: &str) -> Option<String> {
     })
 }
 
+/// `4m12s ago` for a time in the past (a time a clock step puts in the future is "0s
+/// ago").
+pub fn ago(utc: &str) -> Option<String> {
+    let delta = (now_s() - parse_utc(utc)?).max(0);
+    Some(format!("{} ago", duration(delta as u64)))
+}
+
 /// The time of day, UTC, for plain lines: `00:20:03Z`.
 pub fn clock() -> String {
     let s = now_s().rem_euclid(86_400);
