@@ -269,3 +269,66 @@ async fn copy_out(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::ports::{Command, Probe, Ready};
+
+    fn port(name: &str, script: &str) -> Port {
+        Port {
+            name: name.into(),
+            launch: Command {
+                command: "sh".into(),
+                args: vec!["-c".into(), script.into()],
+                cwd: None,
+                env: BTreeMap::new(),
+            },
+            ready: Ready {
+                probe: Probe::Tcp,
+                timeout_ms: 1_000,
+                interval_ms: 100,
+            },
+            build: None,
+        }
+    }
+
+    /// A chatty command's log stops at `LOG_BYTES_MAX`; the tail still has its last
+    /// words.
+    #[tokio::test]
+    async fn the_log_is_capped_and_the_tail_kept() {
+        let logs = tempfile::tempdir().unwrap();
+        let p = port(
+            "web",
+            "head -c 9000000 /dev/zero | tr '\\0' x; echo; echo last words",
+        );
+        let mut l = spawn(&p, logs.path(), &BTreeMap::new(), logs.path(), None).unwrap();
+        let status = l.child.wait().await.unwrap();
+        assert!(status.success());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let size = std::fs::metadata(logs.path().join("web.log"))
+            .unwrap()
+            .len();
+        assert_eq!(size, LOG_BYTES_MAX);
+        assert_eq!(
+            l.tail_lines().last().map(String::as_str),
+            Some("last words")
+        );
+    }
+
+    /// A link the run planted at its log's name is never followed (the run could
+    /// point it at any file berth's user may write).
+    #[tokio::test]
+    async fn a_planted_link_at_the_log_is_refused() {
+        let logs = tempfile::tempdir().unwrap();
+        let victim = logs.path().join("victim");
+        std::fs::write(&victim, "keep me").unwrap();
+        std::os::unix::fs::symlink(&victim, logs.path().join("web.log")).unwrap();
+        let p = port("web", "echo overwritten");
+        let err = spawn(&p, logs.path(), &BTreeMap::new(), logs.path(), None)
+            .err()
+            .expect("refused");
+        assert!(err.why.starts_with("its log file"), "{}", err.why);
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
+    }
+}
