@@ -167,7 +167,7 @@ fn a_port_that_never_gets_ready_fails_with_its_log_tail_and_promotes_nothing() {
         r#"concurrency = "parallel"
 [[port]]
 name = "web"
-launch = { command = "sh", args = ["-c", "echo warming up; echo 'no config found' >&2; exec sleep 60"] }
+launch = { command = "sh", args = ["-c", "test -f config && exec python3 -m http.server --bind 127.0.0.1 $PORT; echo warming up; echo 'no config found' >&2; exec sleep 60"] }
 ready = { tcp = true, timeout_s = 1, interval_ms = 100 }
 "#,
     );
@@ -194,6 +194,14 @@ ready = { tcp = true, timeout_s = 1, interval_ms = 100 }
     d.wait_until("the failed attempt's process is gone", |_| {
         !std::path::Path::new(&format!("/proc/{pid}")).exists()
     });
+    // The agent fixes its worktree (not the contract, not the commit) and tries again,
+    // under the same lease and on the same port: this time it is ready, and proves the
+    // project.
+    std::fs::write(wt.path().join("config"), "ok").unwrap();
+    let retry = start_runtime(&d, "slow", f);
+    assert_eq!(retry.status, 200, "{}", retry.body);
+    assert_eq!(retry.body["ports"], a.body["ports"]);
+    assert_eq!(retry.body["promoted"], true);
 
     // A command that exits at once fails with its status, at once.
     std::fs::write(
@@ -225,6 +233,20 @@ ready = { tcp = true, timeout_s = 1, interval_ms = 100 }
     assert_eq!(s.status, 409, "{}", s.body);
     let s = start_runtime(&d, "quick", 1);
     assert_eq!(s.body["error"]["code"], "stale_fence", "{}", s.body);
+    // A token that acts for another user may not get berth to run commands (as
+    // berth's own user) from a worktree: refused before anything is read or launched.
+    let t = d.post("/v1/tokens", r#"{"scope":"operator","uid":65534}"#);
+    assert_eq!(t.status, 201, "{}", t.body);
+    let other = t.body["token"].as_str().unwrap().to_string();
+    let fence = b.body["fence"].as_u64().unwrap();
+    let s = d.call_as(
+        Some(&other),
+        "POST",
+        "/v1/runs/quick/runtime",
+        Some(&json!({ "fence": fence }).to_string()),
+    );
+    assert_eq!(s.status, 403, "{}", s.body);
+    assert_eq!(s.body["error"]["code"], "runtime_forbidden");
 }
 
 /// `berth run --runtime` starts the servers before CMD, which finds them at

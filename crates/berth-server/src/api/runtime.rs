@@ -17,11 +17,13 @@ use crate::request::{check_fence, check_run_id, read_contract};
 
 pub async fn start_runtime(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<super::Caller>,
     RunIdPath(id): RunIdPath,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     check_run_id(&id)?;
+    may_start(&api, &caller)?;
     let b: RuntimeRequest = json_body(body, false).await?;
     let fence = check_fence(b.fence)?;
     let run_id = id.clone();
@@ -72,6 +74,32 @@ pub async fn start_runtime(
     while let Ok(e) = rx.try_recv() {
         events.push(e);
     }
+    answer(outcome, events, run_id)
+}
+
+/// berth launches a runtime's commands as its own user. A token that acts for another
+/// user (S3) must not get berth's user (root, perhaps) to run commands from a worktree
+/// it controls.
+fn may_start(api: &Api, caller: &super::Caller) -> Result<(), ApiError> {
+    if caller.uid == api.uid {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        403,
+        "runtime_forbidden",
+        format!(
+            "berth runs a runtime's commands as its own user (uid {}); this token acts for uid {}",
+            api.uid, caller.uid
+        ),
+    ))
+}
+
+/// The JSON answer of a start that is not streamed.
+fn answer(
+    outcome: Result<(std::collections::BTreeMap<String, u16>, bool), ApiError>,
+    events: Vec<RuntimeEvent>,
+    run_id: String,
+) -> Result<Response, ApiError> {
     match outcome {
         Ok((ports, promoted)) => Ok(Json(RuntimeStarted {
             ports,
