@@ -30,8 +30,10 @@ launch = { command = "sh", args = ["-c", "echo serving on $PORT; exec python3 -m
 ready = { http = "/", expect_status = 200, timeout_s = 30, interval_ms = 100 }
 "#;
 
-fn range(n: u16) -> String {
-    let lo = 46_000 + (std::process::id() % 40) as u16 * 100;
+/// `n` ports at `offset` in this test binary's block of 100 (chosen by its pid), so
+/// the tests here, and other test binaries, never share a range.
+fn range(offset: u16, n: u16) -> String {
+    let lo = 46_000 + (std::process::id() % 40) as u16 * 100 + offset;
     format!("{lo}-{}", lo + n - 1)
 }
 
@@ -73,7 +75,7 @@ fn project(d: &Daemon) -> Value {
 
 #[test]
 fn a_proven_runtime_promotes_the_project_and_a_queued_run_joins_it_until_the_contract_changes() {
-    let r = range(10);
+    let r = range(0, 10);
     let mut d = Daemon::start(&["--slots-max", "4", "--port-range", &r]);
     let wt = worktree(WEB);
     let a1 = d.post("/v1/runs", &acquire("a1", wt.path(), 0));
@@ -155,13 +157,7 @@ fn a_proven_runtime_promotes_the_project_and_a_queued_run_joins_it_until_the_con
 
 #[test]
 fn a_port_that_never_gets_ready_fails_with_its_log_tail_and_promotes_nothing() {
-    let r = range(10);
-    let r = {
-        // Another range than the first test's, so the two may run at once.
-        let (lo, _) = r.split_once('-').unwrap();
-        let lo: u16 = lo.parse::<u16>().unwrap() + 50;
-        format!("{lo}-{}", lo + 9)
-    };
+    let r = range(50, 10);
     let d = Daemon::start(&["--slots-max", "4", "--port-range", &r]);
     let wt = worktree(
         r#"concurrency = "parallel"
@@ -257,12 +253,7 @@ fn berth_run_runtime_serves_cmd_and_a_double_forked_server_is_stopped_with_the_r
     let cgroups = berth_proc::testing::cgroups(
         "berth_run_runtime_serves_cmd_and_a_double_forked_server_is_stopped_with_the_run",
     );
-    let r = range(10);
-    let r = {
-        let (lo, _) = r.split_once('-').unwrap();
-        let lo: u16 = lo.parse::<u16>().unwrap() + 20;
-        format!("{lo}-{}", lo + 9)
-    };
+    let r = range(20, 10);
     let d = Daemon::start(&["--slots-max", "4", "--port-range", &r]);
     let wt = worktree(
         r#"[[port]]

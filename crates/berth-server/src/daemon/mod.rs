@@ -705,9 +705,8 @@ impl<H: Host> Daemon<H> {
         });
     }
 
-    /// P1: records a process of a granted run by identity, and moves it into the
-    /// run's cgroup where the host allows one.
-    fn register(&mut self, run_id: &str, fence: u64, pid: i32, uid: u32) -> Result<RunInfo, Error> {
+    /// The run, granted under exactly this fence (L2), or the refusal that says why not.
+    fn granted_view(&self, run_id: &str, fence: u64) -> Result<RunView, Error> {
         let view = self
             .engine
             .view_of(run_id)
@@ -729,6 +728,13 @@ impl<H: Host> Daemon<H> {
             }
             .into());
         }
+        Ok(view)
+    }
+
+    /// P1: records a process of a granted run by identity, and moves it into the
+    /// run's cgroup where the host allows one.
+    fn register(&mut self, run_id: &str, fence: u64, pid: i32, uid: u32) -> Result<RunInfo, Error> {
+        let view = self.granted_view(run_id, fence)?;
         // S3: the registration rule (crate::register), against every other live run
         // with processes, in run id order.
         let mut others: Vec<crate::register::OtherRun<'_>> = self

@@ -25,33 +25,15 @@ impl<H: Host> Daemon<H> {
     /// The run must be granted with this fence, managed (C6: analysis runs may not
     /// listen) and have a worktree contract.
     fn runtime_run(&self, run_id: &str, fence: u64) -> Result<RunInfo, Error> {
-        let info = self.info(run_id).ok_or_else(|| CoreError::NotFound {
-            run_id: run_id.to_string(),
-        })?;
-        let v = &info.view;
-        if v.fence != Some(fence) {
-            return Err(CoreError::StaleFence {
-                run_id: run_id.to_string(),
-                given: Some(fence),
-                current: v.fence,
-            }
-            .into());
-        }
-        if v.state != RunState::Granted {
-            return Err(CoreError::Gone {
-                run_id: run_id.to_string(),
-                state: v.state,
-            }
-            .into());
-        }
-        if v.class != Class::Managed {
+        let view = self.granted_view(run_id, fence)?;
+        if view.class != Class::Managed {
             return Err(CoreError::NotEligible {
                 run_id: run_id.to_string(),
                 why: "an analysis run may not start a runtime: it may not listen (C6)".into(),
             }
             .into());
         }
-        Ok(info)
+        self.info(run_id).ok_or_else(Error::run_vanished)
     }
 
     pub(super) fn on_runtime_plan(
