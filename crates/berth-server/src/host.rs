@@ -34,6 +34,13 @@ pub fn disk_total(path: &Path) -> u64 {
         .unwrap_or(0)
 }
 
+/// The kernel's ephemeral port range (`net.ipv4.ip_local_port_range`), if readable.
+pub fn ephemeral_ports() -> Option<(u16, u16)> {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").ok()?;
+    let mut it = text.split_whitespace().map(|p| p.parse::<u16>().ok());
+    Some((it.next()??, it.next()??))
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

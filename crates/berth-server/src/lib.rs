@@ -56,9 +56,12 @@ pub struct ServeConfig {
     pub port_range: (u16, u16),
 }
 
-/// Where runs' ports come from unless configured: a thousand ports above the usual
-/// ephemeral range's floor on many systems and below Linux's (32768-60999 is above).
-pub const PORT_RANGE_DEFAULT: (u16, u16) = (41_000, 41_999);
+/// Where runs' ports come from unless configured: a thousand ports below Linux's
+/// ephemeral range (`ip_local_port_range`, 32768-60999 by default), from which the
+/// kernel picks the local port of every outgoing connection: a port there is in use
+/// whenever a connection happens to hold it (the bind test then skips it), and a
+/// run's server could not count on it.
+pub const PORT_RANGE_DEFAULT: (u16, u16) = (30_000, 30_999);
 /// The named resource that counts ports: a run's `[[port]]` entries claim it, so a run
 /// waits for ports like for any other resource (A1), with reason `capacity.ports`.
 pub const PORTS_RESOURCE: &str = "ports";
@@ -76,6 +79,11 @@ fn count_ports(cfg: &mut ServeConfig) -> anyhow::Result<()> {
     cfg.engine
         .named
         .push((PORTS_RESOURCE.to_string(), (hi - lo) as u64 + 1));
+    if let Some((elo, ehi)) = host::ephemeral_ports() {
+        if lo <= ehi && elo <= hi {
+            tracing::warn!("port range {lo}-{hi} overlaps the kernel's ephemeral ports {elo}-{ehi} (net.ipv4.ip_local_port_range): outgoing connections take ports from it, and runs get fewer; choose a range outside it");
+        }
+    }
     Ok(())
 }
 

@@ -31,9 +31,9 @@ pub fn cpus_to_millis(v: f64) -> Result<u64, String> {
     Ok((v * 1000.0).round() as u64)
 }
 
-/// A port range, `LOW-HIGH` inclusive: `41000-41999`.
+/// A port range, `LOW-HIGH` inclusive: `30000-30999`.
 pub fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
-    let bad = || format!("{s:?} is not a port range like 41000-41999 (1 <= LOW <= HIGH <= 65535)");
+    let bad = || format!("{s:?} is not a port range like 30000-30999 (1 <= LOW <= HIGH <= 65535)");
     let (lo, hi) = s.split_once('-').ok_or_else(bad)?;
     let (lo, hi): (u16, u16) = (
         lo.trim().parse().map_err(|_| bad())?,

@@ -93,7 +93,7 @@ pub struct ServeArgs {
     /// Ended runs older than this are deleted from the ledger [default: 7d].
     #[arg(long, env = "BERTH_RETAIN_ENDED_FOR", value_parser = parse_duration)]
     pub retain_ended_for: Option<u64>,
-    /// Ports for runs' `[[port]]` entries, LOW-HIGH inclusive [default: 41000-41999].
+    /// Ports for runs' `[[port]]` entries, LOW-HIGH inclusive [default: 30000-30999].
     #[arg(long, env = "BERTH_PORT_RANGE", value_parser = parse_port_range)]
     pub port_range: Option<(u16, u16)>,
     /// Start a new ledger although this state dir was used before and its ledger is

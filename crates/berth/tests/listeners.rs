@@ -99,3 +99,41 @@ fn an_analysis_run_that_listens_is_stopped_and_one_that_connects_out_is_not() {
         serde_json::Value::Null
     );
 }
+
+/// An analysis run that lived through a restart of the daemon is still watched: it
+/// listens only after the restart, and is stopped all the same.
+#[test]
+fn an_analysis_run_is_watched_again_after_a_daemon_restart() {
+    let mut d = Daemon::start(&["--slots-max", "4"]);
+    let late = "import socket,time
+time.sleep(3)
+s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen()
+print(s.getsockname()[1], flush=True)
+time.sleep(30)";
+    let child = d
+        .cli()
+        .args([
+            "run",
+            "--project",
+            "a",
+            "--run-id",
+            "late",
+            "--class",
+            "analysis",
+        ])
+        .args(["--cpus", "0.1", "--ttl", "20s", "--", "python3", "-c", late])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    d.wait_until("late's command is registered", |d| {
+        d.get("/v1/runs/late").body["state"] == "granted"
+    });
+    // Registered: berth run records CMD right after the grant.
+    std::thread::sleep(Duration::from_millis(500));
+    d.kill9_and_restart();
+    let out = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "berth run said: {said}");
+    assert!(said.contains("analysis_listener_violation"), "{said}");
+}

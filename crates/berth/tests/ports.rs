@@ -23,19 +23,6 @@ fn worktree(ports: &[&str]) -> tempfile::TempDir {
     wt
 }
 
-/// A range of `n` ports that nothing on this host listens on now (a bind test each),
-/// chosen by this test's pid so parallel test binaries do not share one.
-fn free_range(n: u16) -> (u16, u16) {
-    let mut lo = 43_000 + (std::process::id() % 40) as u16 * 500;
-    loop {
-        let busy = (lo..lo + n).find(|&p| std::net::TcpListener::bind(("0.0.0.0", p)).is_err());
-        match busy {
-            Some(p) => lo = p + 1,
-            None => return (lo, lo + n - 1),
-        }
-    }
-}
-
 fn acquire(id: &str, wt: &std::path::Path, wait_s: u64) -> String {
     json!({"run_id": id, "project": id, "worktree": wt, "wait_s": wait_s, "ttl_s": 300,
            "resources": {"cpu_millis": 1, "memory": 1 << 20, "disk": 0}})
@@ -67,7 +54,7 @@ fn granted_ports(d: &Daemon) -> (usize, BTreeSet<u16>) {
 
 #[test]
 fn two_hundred_acquires_in_a_150_port_range_never_share_a_port_and_wait_for_ports() {
-    let (lo, hi) = free_range(150);
+    let (lo, hi) = common::run_ports(0, 150);
     let range = format!("{lo}-{hi}");
     let d = Daemon::start(&["--slots-max", "400", "--port-range", &range]);
     let wt = worktree(&["web"]);
@@ -134,7 +121,7 @@ fn two_hundred_acquires_in_a_150_port_range_never_share_a_port_and_wait_for_port
 
 #[test]
 fn a_lease_carries_its_ports_in_json_and_environment_and_keeps_them_across_kill_9() {
-    let (lo, hi) = free_range(4);
+    let (lo, hi) = common::run_ports(200, 4);
     let range = format!("{lo}-{hi}");
     let mut d = Daemon::start(&["--slots-max", "8", "--port-range", &range]);
     // Something outside berth listens on the first port of the range: it is skipped.

@@ -30,11 +30,10 @@ launch = { command = "sh", args = ["-c", "echo serving on $PORT; exec python3 -m
 ready = { http = "/", expect_status = 200, timeout_s = 30, interval_ms = 100 }
 "#;
 
-/// `n` ports at `offset` in this test binary's block of 100 (chosen by its pid), so
-/// the tests here, and other test binaries, never share a range.
+/// `n` ports at `offset` in this test binary's block (the tests here never share one).
 fn range(offset: u16, n: u16) -> String {
-    let lo = 46_000 + (std::process::id() % 40) as u16 * 100 + offset;
-    format!("{lo}-{}", lo + n - 1)
+    let (lo, hi) = common::run_ports(offset, n);
+    format!("{lo}-{hi}")
 }
 
 fn acquire(id: &str, wt: &std::path::Path, wait_s: u64) -> String {

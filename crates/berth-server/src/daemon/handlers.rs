@@ -357,6 +357,11 @@ impl<H: Host> Daemon<H> {
     /// retries (L3), and optionally a MemAvailable sample (A10).
     pub fn tick(&mut self, now: u64, sample: Option<u64>) {
         self.now = now;
+        // C6: analysis runs that lived through a restart are watched again; what
+        // their processes hold now is their baseline.
+        for id in std::mem::take(&mut self.rewatch) {
+            self.watch_analysis_run(&id);
+        }
         let mut touched = BTreeSet::new();
         let _ = self.apply(Command::Tick, &mut touched);
         if let Some(mem) = sample {

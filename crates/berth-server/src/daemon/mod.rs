@@ -253,6 +253,9 @@ pub struct Daemon<H: Host> {
     pending_mutations: Vec<berth_store::Mutation>,
     /// C6: analysis runs with processes, and the listeners those held when registered.
     listen_watched: BTreeMap<String, BTreeSet<u64>>,
+    /// C6: restored analysis runs with processes, watched again from the first tick
+    /// (once the runtime has given the host its inbox).
+    rewatch: Vec<String>,
 }
 
 /// The first retry of a failed stop or cleanup; each next one waits twice as long.
@@ -777,7 +780,7 @@ impl<H: Host> Daemon<H> {
 
     /// C6: an analysis run with processes is watched for listeners; what its processes
     /// hold when registered is its baseline.
-    fn watch_analysis_run(&mut self, run_id: &str) {
+    pub(super) fn watch_analysis_run(&mut self, run_id: &str) {
         let roots: Vec<berth_proc::ProcId> = self
             .extras
             .get(run_id)

@@ -101,6 +101,7 @@ impl<H: Host> Daemon<H> {
         let mut cleanup_retry = BTreeMap::new();
         let reboot_window = (!how.same_boot).then_some(how.reconnect_window_ms);
         let mut ports = super::PortBroker::new(how.port_range);
+        let mut rewatch = Vec::new();
         // Moved, not copied: a restart's peak memory is one copy of what it loads.
         for r in ledger.runs {
             let id = r.request.run_id.clone();
@@ -115,6 +116,10 @@ impl<H: Host> Daemon<H> {
                 _ => {}
             }
             let (run, extra) = restored_run(r, now, reboot_window);
+            let analysis = run.request.class == berth_core::Class::Analysis;
+            if analysis && !run.state.is_terminal() && !extra.processes.is_empty() {
+                rewatch.push(id.clone());
+            }
             if !run.state.is_terminal() {
                 for (_, p) in extra.ports.iter().filter(|(_, p)| *p != 0) {
                     ports.hold(*p, &id);
@@ -145,6 +150,7 @@ impl<H: Host> Daemon<H> {
             ports,
             pending_mutations: Vec::new(),
             listen_watched: BTreeMap::new(),
+            rewatch,
         })
     }
 }

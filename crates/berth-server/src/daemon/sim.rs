@@ -30,7 +30,7 @@ const STEPS: usize = 300;
 /// Seeds in the default test run (`BERTH_DAEMON_SIM_SEEDS` runs more).
 const SEEDS: u64 = 12;
 /// The ports runs are given from: small, so that they run out.
-const PORT_RANGE: (u16, u16) = (41_000, 41_005);
+const PORT_RANGE: (u16, u16) = (30_000, 30_005);
 
 /// The machine under the daemon, shared with the simulator so that it outlives a
 /// restart of the daemon and can be looked at.

@@ -84,7 +84,7 @@ fn restore(dir: &std::path::Path) -> Daemon<RealHost> {
         cfg: berth_core::Config::for_host(4, 8 << 30, 100 << 30),
         same_boot: true,
         reconnect_window_ms: 30_000,
-        port_range: (41_000, 41_999),
+        port_range: (30_000, 30_999),
     };
     let shared = Arc::new(Shared {
         tokens: RwLock::new(Vec::new()),

@@ -12,15 +12,27 @@ use serde_json::Value;
 
 pub const BERTH: &str = env!("CARGO_BIN_EXE_berth");
 
+/// A `--port-range` of `n` ports for runs, at `offset` in this test binary's block of
+/// 300 in 26000-31999: below the kernel's ephemeral range (an outgoing connection
+/// never takes one of them), apart from test daemons' own ports, and apart from the
+/// ranges of the binary's other tests (by `offset`).
+#[allow(dead_code)] // Not every test binary gives runs ports.
+pub fn run_ports(offset: u16, n: u16) -> (u16, u16) {
+    assert!(offset + n <= 300, "a test binary's block is 300 ports");
+    let lo = 26_000 + (std::process::id() % 20) as u16 * 300 + offset;
+    (lo, lo + n - 1)
+}
+
 /// A port for a test daemon, free now and below the kernel's ephemeral range
 /// (`ip_local_port_range`, 32768 and up by default). A port from `bind(:0)` came from
 /// that range, and while its daemon was starting or down for a restart, an outgoing
 /// connection of another test could take it ("Address already in use"). Each test
-/// binary (one runs at a time) counts through its own block of 100 ports.
+/// binary (one runs at a time) counts through its own block of 100 ports, in
+/// 20000-25999; 26000-32767 is for the port ranges runs get (`run_ports`).
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU16, Ordering};
     static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 20_000 + (std::process::id() % 120) as u16 * 100;
+    let base = 20_000 + (std::process::id() % 60) as u16 * 100;
     for _ in 0..100 {
         let port = base + NEXT.fetch_add(1, Ordering::Relaxed) % 100;
         if TcpListener::bind(("127.0.0.1", port)).is_ok() {
