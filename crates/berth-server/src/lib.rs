@@ -265,6 +265,7 @@ fn spawn_state(
         auth: !cfg.insecure_no_auth,
         cfg: Arc::new(cfg.engine.clone()),
         uid: rustix::process::geteuid().as_raw(),
+        starting: Arc::default(),
     };
     let (tick_ms, sample) = (cfg.tick_ms, cfg.sample_memory);
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();

@@ -170,7 +170,15 @@ ready = { tcp = true, timeout_s = 1, interval_ms = 100 }
     assert_eq!(a.status, 201, "{}", a.body);
     let f = a.body["fence"].as_u64().unwrap();
     let t = std::time::Instant::now();
-    let s = start_runtime(&d, "slow", f);
+    // One start per run at a time: a second one while the first runs is refused.
+    let s = std::thread::scope(|sc| {
+        let first = sc.spawn(|| start_runtime(&d, "slow", f));
+        std::thread::sleep(Duration::from_millis(300));
+        let second = start_runtime(&d, "slow", f);
+        assert_eq!(second.status, 409, "{}", second.body);
+        assert_eq!(second.body["error"]["code"], "runtime_starting");
+        first.join().unwrap()
+    });
     assert_eq!(s.status, 422, "{}", s.body);
     assert_eq!(s.body["error"]["code"], "runtime_failed");
     let tail = s.body["error"]["details"]["log_tail"].to_string();

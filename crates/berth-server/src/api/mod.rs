@@ -40,6 +40,8 @@ pub struct Api {
     pub cfg: Arc<berth_core::Config>,
     /// The daemon's own uid: who the admin token (and no-auth mode) acts for.
     pub uid: u32,
+    /// Runs whose runtime is being started now: one start per run at a time (C7).
+    pub starting: Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
 }
 
 /// Who is calling: put into each request by `authenticate`.

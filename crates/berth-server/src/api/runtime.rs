@@ -24,6 +24,7 @@ pub async fn start_runtime(
 ) -> Result<Response, ApiError> {
     check_run_id(&id)?;
     may_start(&api, &caller)?;
+    let guard = Starting::take(&api, &id)?;
     let b: RuntimeRequest = json_body(body, false).await?;
     let fence = check_fence(b.fence)?;
     let run_id = id.clone();
@@ -43,6 +44,8 @@ pub async fn start_runtime(
     // Its own task: a client that goes away mid-start does not leave half-launched,
     // unrecorded processes behind; the start finishes (or fails and cleans up) anyway.
     let task = tokio::spawn(async move {
+        // Held until the start has finished, whether or not its client is still there.
+        let _guard = guard;
         let start = crate::runtime::Start {
             plan: &plan,
             contract: &contract,
@@ -75,6 +78,37 @@ pub async fn start_runtime(
         events.push(e);
     }
     answer(outcome, events, run_id)
+}
+
+/// C7: one runtime start per run at a time: a second one (a retry while the first
+/// still runs, or a flood of them) would launch the same ports again.
+struct Starting {
+    set: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    run_id: String,
+}
+
+impl Starting {
+    fn take(api: &Api, run_id: &str) -> Result<Starting, ApiError> {
+        let mut set = api.starting.lock().unwrap_or_else(|e| e.into_inner());
+        if !set.insert(run_id.to_string()) {
+            return Err(ApiError::new(
+                409,
+                "runtime_starting",
+                format!("run {run_id}: its runtime is being started already; wait for that start to finish"),
+            ));
+        }
+        Ok(Starting {
+            set: api.starting.clone(),
+            run_id: run_id.to_string(),
+        })
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        let mut set = self.set.lock().unwrap_or_else(|e| e.into_inner());
+        set.remove(&self.run_id);
+    }
 }
 
 /// berth launches a runtime's commands as its own user. A token that acts for another
