@@ -127,6 +127,21 @@ impl Client {
             .await
     }
 
+    /// `POST /v1/runs/{id}/runtime` (C7): starts the run's runtime (each port's build,
+    /// command and ready probe) and answers once every port is ready, or with the
+    /// failing port's last lines (`Error::Refused`, code `runtime_failed`). Waits up
+    /// to `within` beyond the usual call timeout (builds and probes take their time).
+    pub async fn start_runtime(
+        &self,
+        run_id: &str,
+        fence: u64,
+        within: Duration,
+    ) -> Result<RuntimeStarted, Error> {
+        let path = format!("/v1/runs/{run_id}/runtime");
+        let body = RuntimeRequest { fence };
+        self.call(Method::POST, &path, Some(&body), within).await
+    }
+
     /// `GET /v1/status`.
     pub async fn status(&self) -> Result<Status, Error> {
         self.call(Method::GET, "/v1/status", None::<&()>, Duration::ZERO)

@@ -7,6 +7,7 @@ use berth_client::wire::{AcquireRequest, RenewRequest, UniqueMap};
 use berth_client::{Client, Error};
 use berth_core::{Class, RunState};
 use common::Daemon;
+use std::time::Duration;
 
 fn request(id: &str) -> AcquireRequest {
     AcquireRequest {
@@ -66,6 +67,12 @@ fn the_async_client_acquires_renews_lists_and_releases_through_the_shared_types(
         let check = berth.fence_check("c1", fence).await.unwrap();
         assert!(check.current);
 
+        // A run without a worktree has no runtime to start: a typed refusal.
+        let rt = berth
+            .start_runtime("c1", fence, Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert_eq!(rt.code(), Some("no_contract"), "{rt}");
         // A stale owner is refused with the rule's code, and nothing changes.
         let stale = berth.release("c1", fence + 1).await.unwrap_err();
         assert_eq!(stale.code(), Some("stale_fence"), "{stale}");
