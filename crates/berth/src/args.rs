@@ -44,3 +44,24 @@ pub fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
     }
     Ok((lo, hi))
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn port_ranges_are_low_dash_high() {
+        assert_eq!(super::parse_port_range("30000-30999"), Ok((30_000, 30_999)));
+        assert_eq!(super::parse_port_range("80-80"), Ok((80, 80)));
+        for bad in [
+            "",
+            "30000",
+            "5-3",
+            "0-10",
+            "1-70000",
+            "a-b",
+            "30000-30999-31000",
+        ] {
+            let e = super::parse_port_range(bad).unwrap_err();
+            assert!(e.contains("is not a port range like"), "{bad}: {e}");
+        }
+    }
+}

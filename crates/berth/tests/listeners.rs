@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::Daemon;
@@ -14,23 +14,35 @@ s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen()
 print(s.getsockname()[1], flush=True)
 time.sleep(30)";
 
+trait AnalysisRun {
+    /// `berth run` of an analysis run (`--cpus 0.1`) whose command is a python script.
+    fn analysis_run(&self, project: &str, id: &str, more: &[&str], script: &str) -> Command;
+}
+
+impl AnalysisRun for Daemon {
+    fn analysis_run(&self, project: &str, id: &str, more: &[&str], script: &str) -> Command {
+        let mut c = self.cli();
+        c.args([
+            "run",
+            "--project",
+            project,
+            "--run-id",
+            id,
+            "--class",
+            "analysis",
+        ])
+        .args(["--cpus", "0.1"])
+        .args(more)
+        .args(["--", "python3", "-c", script]);
+        c
+    }
+}
+
 #[test]
 fn an_analysis_run_that_listens_is_stopped_and_one_that_connects_out_is_not() {
     let d = Daemon::start(&["--slots-max", "4"]);
     let mut child = d
-        .cli()
-        .args([
-            "run",
-            "--project",
-            "a",
-            "--run-id",
-            "lis",
-            "--class",
-            "analysis",
-            "--cpus",
-            "0.1",
-        ])
-        .args(["--", "python3", "-c", LISTENS])
+        .analysis_run("a", "lis", &[], LISTENS)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -72,19 +84,7 @@ fn an_analysis_run_that_listens_is_stopped_and_one_that_connects_out_is_not() {
         d.port
     );
     let out = d
-        .cli()
-        .args([
-            "run",
-            "--project",
-            "b",
-            "--run-id",
-            "out",
-            "--class",
-            "analysis",
-            "--cpus",
-            "0.1",
-        ])
-        .args(["--", "python3", "-c", &connects])
+        .analysis_run("b", "out", &[], &connects)
         .stderr(Stdio::piped())
         .output()
         .unwrap();
@@ -111,17 +111,7 @@ s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen()
 print(s.getsockname()[1], flush=True)
 time.sleep(30)";
     let child = d
-        .cli()
-        .args([
-            "run",
-            "--project",
-            "a",
-            "--run-id",
-            "late",
-            "--class",
-            "analysis",
-        ])
-        .args(["--cpus", "0.1", "--ttl", "20s", "--", "python3", "-c", late])
+        .analysis_run("a", "late", &["--ttl", "20s"], late)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()

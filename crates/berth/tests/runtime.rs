@@ -236,6 +236,21 @@ ready = { tcp = true, timeout_s = 1, interval_ms = 100 }
     assert_eq!(s.status, 409, "{}", s.body);
     let s = start_runtime(&d, "quick", 1);
     assert_eq!(s.body["error"]["code"], "stale_fence", "{}", s.body);
+    // Malformed bodies are refused by name, changing nothing.
+    for (body, field) in [
+        (r#"{"fence":"one"}"#, "fence"),
+        (r#"{"fence":1,"ports":["web"]}"#, "ports"),
+        (r#"{}"#, "body"),
+        (r#"{"fence":0}"#, "fence"),
+    ] {
+        let s = d.post("/v1/runs/quick/runtime", body);
+        assert_eq!(s.status, 400, "{body}: {}", s.body);
+        let named = s.body["error"]["details"]["field"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(named.starts_with(field), "{body}: {}", s.body);
+    }
+    assert_eq!(d.get("/v1/runs/quick").body["state"], "granted");
     // A token that acts for another user may not get berth to run commands (as
     // berth's own user) from a worktree: refused before anything is read or launched.
     let t = d.post("/v1/tokens", r#"{"scope":"operator","uid":65534}"#);
@@ -255,6 +270,17 @@ ready = { tcp = true, timeout_s = 1, interval_ms = 100 }
 /// `berth run --runtime` starts the servers before CMD, which finds them at
 /// `BERTH_URL_<NAME>`; a port command that double-forks its server out of its
 /// session is still stopped with the run (the cgroup it joined before it ran).
+/// A bad `--port-range` stops `berth serve` at start with the flag's rule.
+#[test]
+fn a_bad_port_range_is_refused_at_start() {
+    let d = Daemon::unstarted(&[]);
+    for bad in ["5-3", "30000"] {
+        let (status, said) = d.start_fails(&["--port-range", bad]);
+        assert!(!status.success());
+        assert!(said.contains("is not a port range like"), "{bad}: {said}");
+    }
+}
+
 #[test]
 fn berth_run_runtime_serves_cmd_and_a_double_forked_server_is_stopped_with_the_run() {
     let cgroups = berth_proc::testing::cgroups(

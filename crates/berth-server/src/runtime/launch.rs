@@ -331,4 +331,25 @@ mod tests {
         assert!(err.why.starts_with("its log file"), "{}", err.why);
         assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep me");
     }
+
+    /// A FIFO planted at the log's name is refused at once, never waited on.
+    #[tokio::test]
+    async fn a_planted_fifo_at_the_log_is_refused_without_blocking() {
+        let logs = tempfile::tempdir().unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            logs.path().join("web.log").as_path(),
+            rustix::fs::FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let p = port("web", "echo hi");
+        let t = std::time::Instant::now();
+        let err = spawn(&p, logs.path(), &BTreeMap::new(), logs.path(), None)
+            .err()
+            .expect("refused");
+        assert!(err.why.starts_with("its log file"), "{}", err.why);
+        assert!(t.elapsed() < Duration::from_secs(2));
+    }
 }

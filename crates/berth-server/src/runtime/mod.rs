@@ -242,3 +242,42 @@ fn logs_dir(plan: &RuntimePlan) -> Result<PathBuf, Failure> {
 
 /// How long a stopped attempt's processes get between SIGTERM and SIGKILL.
 const KILL_GRACE: Duration = Duration::from_millis(500);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::contract::ports::{Command, Probe, Ready};
+
+    fn port_in(cwd: &str) -> Port {
+        Port {
+            name: "web".into(),
+            launch: Command {
+                command: "true".into(),
+                args: vec![],
+                cwd: Some(cwd.into()),
+                env: BTreeMap::new(),
+            },
+            ready: Ready {
+                probe: Probe::Tcp,
+                timeout_ms: 1_000,
+                interval_ms: 100,
+            },
+            build: None,
+        }
+    }
+
+    /// C1: `cwd` never leaves the worktree, not even through a link the worktree holds.
+    #[test]
+    fn a_cwd_that_leads_out_through_a_link_is_refused() {
+        let wt = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::create_dir(wt.path().join("site")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), wt.path().join("escape")).unwrap();
+        let inside = launch_dir(wt.path(), &port_in("site")).unwrap();
+        assert_eq!(inside, wt.path().canonicalize().unwrap().join("site"));
+        let f = launch_dir(wt.path(), &port_in("escape")).unwrap_err();
+        assert!(f.why.contains("leads out of the worktree"), "{}", f.why);
+        let f = launch_dir(wt.path(), &port_in("missing")).unwrap_err();
+        assert!(f.why.starts_with("launch.cwd \"missing\""), "{}", f.why);
+    }
+}
