@@ -415,3 +415,32 @@ mod tests {
         assert!(matches!(e, AcquireEvent::Expired { error } if error.details.is_null()));
     }
 }
+
+/// One journal entry (D5): a line of `GET /v1/journal` and of its export, and the data
+/// of each event of `GET /v1/events`. Every state change berth makes is one entry,
+/// written in the same transaction as the change; `seq` has no gaps.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JournalEntry {
+    pub seq: u64,
+    /// RFC 3339: when berth made the change.
+    pub at: String,
+    /// What happened: `queued`, `granted`, `renewed`, `released`, `expired`,
+    /// `stop_started`, `survivors`, `degraded`, `reaped`, `ended`, `refused`,
+    /// `token_created`, `process_registered`, `promoted`, ...
+    pub kind: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub project: Option<String>,
+    /// The change's own fields (they depend on `kind`).
+    #[serde(default)]
+    pub data: Value,
+}
+
+/// The last event of a stream berth cut off (a consumer too far behind): resume with
+/// `Last-Event-ID: last_seq`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StreamCutoff {
+    pub reason: String,
+    pub last_seq: u64,
+}

@@ -1735,6 +1735,12 @@ impl Engine {
         })
     }
 
+    /// The run's project, if berth still remembers the run (cheap: no view is built).
+    pub fn project_of(&self, run_id: &str) -> Option<&str> {
+        let s = *self.by_id.get(run_id)?;
+        Some(self.run(s).req.project.as_str())
+    }
+
     /// The run's current view, if berth still remembers it.
     pub fn view_of(&self, run_id: &str) -> Option<RunView> {
         self.by_id.get(run_id).map(|&s| self.view(s))

@@ -11,7 +11,9 @@ pub mod error;
 pub mod failpoint;
 pub mod host;
 pub mod http;
+pub mod journal;
 pub mod listen;
+pub mod metrics;
 pub mod private;
 pub mod register;
 pub mod request;
@@ -189,17 +191,9 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
     let shared = Arc::new(daemon::Shared {
         tokens: RwLock::new(opened.tokens),
         url: format!("http://{addr}"),
+        ..Default::default()
     });
-    // Retention: ended runs past the count the engine remembers, or older than the
-    // configured age, are pruned in the background.
-    let writer = Writer::spawn_retaining(
-        Box::new(opened.store),
-        cfg.group_commit,
-        Some(berth_store::Retention {
-            ended_max: cfg.engine.ended_retained_max,
-            ended_age_ms: cfg.retain_ended_for_ms,
-        }),
-    );
+    let writer = spawn_writer(&cfg, opened.store, &shared);
     let fatal = Arc::new(Fatal::default());
     let host = daemon::RealHost::new(
         &runs_dir,
@@ -243,6 +237,24 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
         task,
         commits: Arc::new(move || counter.load(std::sync::atomic::Ordering::Relaxed)),
     })
+}
+
+/// The ledger's writer. Retention: ended runs past the count the engine remembers, or
+/// older than the configured age, are pruned in the background (and the journal with
+/// them); each commit is timed for `/metrics`.
+fn spawn_writer(cfg: &ServeConfig, store: SqliteStore, shared: &Arc<daemon::Shared>) -> Writer {
+    let observed = shared.clone();
+    Writer::spawn_observed(
+        Box::new(store),
+        cfg.group_commit,
+        Some(berth_store::Retention {
+            ended_max: cfg.engine.ended_retained_max,
+            ended_age_ms: cfg.retain_ended_for_ms,
+        }),
+        Some(Arc::new(move |took, batches| {
+            observed.metrics.committed(took, batches)
+        })),
+    )
 }
 
 /// Starts the daemon (the one owner of the engine and the writer) on a thread of

@@ -9,7 +9,8 @@ use berth_core::{
 };
 
 use crate::{
-    Batch, Mutation, ProcessRecord, Retention, RunRecord, Store, WorkspaceIdentity, Writer,
+    Batch, JournalEntry, Mutation, ProcessRecord, Retention, RunRecord, Store, WorkspaceIdentity,
+    Writer,
 };
 
 pub type Open<'a> = &'a dyn Fn() -> Box<dyn Store>;
@@ -55,6 +56,14 @@ pub const CHECKS: &[(&str, Check)] = &[
     (
         "evidence_is_kept_replaced_and_removed",
         evidence_is_kept_replaced_and_removed,
+    ),
+    (
+        "journal_is_written_with_its_change_and_read_in_order",
+        journal_is_written_with_its_change_and_read_in_order,
+    ),
+    (
+        "journal_retention_keeps_the_newest_entries",
+        journal_retention_keeps_the_newest_entries,
     ),
 ];
 
@@ -444,4 +453,78 @@ pub fn evidence_is_kept_replaced_and_removed(open: Open) {
         open().load(10).unwrap().evidence,
         vec![("db".into(), no_commit), ("web".into(), ev("fp2", "r2"))]
     );
+}
+
+fn entry(seq: u64, run_id: &str) -> JournalEntry {
+    JournalEntry {
+        seq,
+        kind: "granted".into(),
+        run_id: Some(run_id.into()),
+        project: seq.is_multiple_of(2).then(|| "Acme/Web".into()),
+        line: format!("{{\"seq\":{seq},\"note\":\"é\\n\"}}"),
+    }
+}
+
+/// D5: entries are written in the transaction of their change, survive a reopen byte
+/// for byte, read back in order from any point, and give the last number to go on from.
+pub fn journal_is_written_with_its_change_and_read_in_order(open: Open) {
+    let mut b = batch(200, vec![sample_run("j1", 1, RunState::Granted)]);
+    for seq in 1..=5 {
+        b.push(Mutation::Journal(entry(seq, "j1")));
+    }
+    open().write(&[&b]).unwrap();
+    let mut s = open();
+    assert_eq!(s.load(10).unwrap().journal_last, 5);
+    assert_eq!(s.journal_first().unwrap(), 1);
+    let all = s.journal(0, 100).unwrap();
+    assert_eq!(all, (1..=5).map(|q| entry(q, "j1")).collect::<Vec<_>>());
+    let tail = s.journal(3, 100).unwrap();
+    assert_eq!(tail.iter().map(|e| e.seq).collect::<Vec<_>>(), [4, 5]);
+    assert_eq!(s.journal(1, 2).unwrap().len(), 2);
+    assert!(s.journal(5, 100).unwrap().is_empty());
+    // A batch that fails writes none of its entries (the run row's fence is fine; the
+    // duplicate sequence number is what a store must refuse).
+    let mut dup = batch(201, vec![sample_run("j2", 2, RunState::Queued)]);
+    dup.push(Mutation::Journal(entry(6, "j2")));
+    dup.push(Mutation::Journal(entry(3, "j2")));
+    assert!(open().write(&[&dup]).is_err());
+    let l = open().load(10).unwrap();
+    assert_eq!(l.journal_last, 5);
+    assert_eq!(
+        l.runs.len(),
+        1,
+        "the refused batch's run was not written either"
+    );
+}
+
+/// D5: the journal follows the ledger's retention: by count (per kept run) and by age,
+/// oldest first, and never its newest entry (numbering resumes after it).
+pub fn journal_retention_keeps_the_newest_entries(open: Open) {
+    let mut s = open();
+    let written_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let per_run = crate::JOURNAL_ENTRIES_PER_RUN as u64;
+    let mut b = Batch::default();
+    for seq in 1..=3 * per_run {
+        b.push(Mutation::Journal(entry(seq, "k")));
+    }
+    s.write(&[&b]).unwrap();
+    let two_runs = Retention {
+        ended_max: 2,
+        ended_age_ms: 86_400_000,
+    };
+    s.prune(&two_runs, written_ms, 1_000).unwrap();
+    assert_eq!(s.journal_first().unwrap(), per_run + 1);
+    assert_eq!(s.journal(0, 1_000).unwrap().len() as u64, 2 * per_run);
+    // Everything is too old: all but the newest entry go.
+    s.prune(&two_runs, written_ms + 2 * 86_400_000, 1_000)
+        .unwrap();
+    let left = open().journal(0, 1_000).unwrap();
+    assert_eq!(
+        left.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        [3 * per_run]
+    );
+    assert_eq!(open().load(10).unwrap().journal_last, 3 * per_run);
 }

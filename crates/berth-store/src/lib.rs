@@ -117,7 +117,31 @@ pub enum Mutation {
         project: String,
         evidence: Option<berth_core::Evidence>,
     },
+    /// D5: one journal entry, written in the same transaction as the change it
+    /// describes, so the journal and the state never disagree after a crash.
+    Journal(JournalEntry),
 }
+
+/// One entry of the journal (D5). `line` is the whole entry as its reader gets it (a
+/// JSON object, rendered once by the server): the store keeps the bytes, so an export
+/// of the same prefix is always the same bytes. `seq` is gap-free: the daemon numbers
+/// entries from the ledger's last one, and a write that fails stops the daemon (D4).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JournalEntry {
+    pub seq: u64,
+    pub kind: String,
+    pub run_id: Option<String>,
+    pub project: Option<String>,
+    pub line: String,
+}
+
+/// The most journal entries one read returns: bounds the time a read holds the ledger
+/// thread (about a millisecond), in front of the commits waiting behind it.
+pub const JOURNAL_READ_MAX: usize = 1_000;
+/// How many journal entries retention keeps per ended run it keeps: a lifecycle is
+/// about six entries (queued, granted, renewed, released, ended, ...), so the journal
+/// covers at least the runs the ledger still remembers.
+pub const JOURNAL_ENTRIES_PER_RUN: usize = 16;
 
 /// One command's durable effects: written whole or not at all.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -179,6 +203,9 @@ pub struct Ledger {
     pub tokens: Vec<(String, String)>,
     /// Promotion evidence by project (C3), as last written.
     pub evidence: Vec<(String, berth_core::Evidence)>,
+    /// The journal's last sequence number (0: empty). Retention never deletes the
+    /// last entry, so numbering continues after a restart without a repeat.
+    pub journal_last: u64,
 }
 
 pub trait Store: Send + 'static {
@@ -196,14 +223,25 @@ pub trait Store: Send + 'static {
         now_unix_ms: u64,
         rows_max: usize,
     ) -> Result<usize, StoreError>;
+    /// Journal entries after `after`, in order, at most `limit` (and `JOURNAL_READ_MAX`).
+    fn journal(&mut self, after: u64, limit: usize) -> Result<Vec<JournalEntry>, StoreError>;
+    /// The first journal entry retention has kept (0: empty).
+    fn journal_first(&mut self) -> Result<u64, StoreError>;
 }
 
 type Done = Box<dyn FnOnce(Result<(), &StoreError>) + Send>;
+type Read = Box<dyn FnOnce(&mut dyn Store) + Send>;
 
 struct Job {
     batch: Option<Batch>,
+    /// A read of the ledger, made after every write submitted before it is durable.
+    read: Option<Read>,
     done: Done,
 }
+
+/// Told of each commit: how long the transaction took (fsync included) and how many
+/// batches it carried. For metrics; it runs on the writer thread, so it must be quick.
+pub type CommitObserver = Arc<dyn Fn(Duration, usize) + Send + Sync>;
 
 /// Owns a store on its own thread; commits waiting batches together (group commit).
 /// `done` callbacks run on the writer thread after the commit, in submission order.
@@ -231,6 +269,7 @@ struct Committer {
     /// The last commit carried several batches: the next one waits a little for more.
     contended: bool,
     prune_at: Instant,
+    observer: Option<CommitObserver>,
 }
 
 impl Committer {
@@ -290,9 +329,13 @@ impl Committer {
                 .iter()
                 .filter_map(|&i| jobs[i].batch.as_ref())
                 .collect();
+            let started = Instant::now();
             match self.store.write(&batches) {
                 Ok(()) => {
                     self.commits.fetch_add(1, Ordering::Relaxed);
+                    if let Some(observe) = &self.observer {
+                        observe(started.elapsed(), batches.len());
+                    }
                 }
                 Err(e) if e.is_fatal() => self.failed = Some(e),
                 Err(e) if writes.len() == 1 => refused[writes[0]] = Some(e),
@@ -314,6 +357,9 @@ impl Committer {
             }
         }
         for (job, refused) in jobs.into_iter().zip(refused) {
+            if let Some(read) = job.read {
+                read(&mut *self.store);
+            }
             (job.done)(match (&self.failed, &refused) {
                 (Some(e), _) | (None, Some(e)) => Err(e),
                 (None, None) => Ok(()),
@@ -365,6 +411,16 @@ impl Writer {
         group: bool,
         retention: Option<Retention>,
     ) -> Writer {
+        Writer::spawn_observed(store, group, retention, None)
+    }
+
+    /// Like [`Writer::spawn_retaining`], and `observer` is told of every commit.
+    pub fn spawn_observed(
+        store: Box<dyn Store>,
+        group: bool,
+        retention: Option<Retention>,
+        observer: Option<CommitObserver>,
+    ) -> Writer {
         let (tx, rx) = mpsc::channel::<Job>();
         let commits = Arc::new(AtomicU64::new(0));
         let pruned = Arc::new(AtomicU64::new(0));
@@ -378,6 +434,7 @@ impl Writer {
             contended: false,
             // The first prune soon after start: a backlog starts draining at once.
             prune_at: Instant::now() + Duration::from_millis(PRUNE_BACKLOG_PAUSE_MS),
+            observer,
         };
         let thread = std::thread::Builder::new()
             .name("berth-ledger".into())
@@ -399,10 +456,19 @@ impl Writer {
     ) {
         let job = Job {
             batch,
+            read: None,
             done: Box::new(done),
         };
         if let Err(mpsc::SendError(job)) = self.tx.send(job) {
             (job.done)(Err(&StoreError::Stopped));
+        }
+    }
+
+    /// A handle that reads the ledger on the writer thread (the daemon's connection is
+    /// the only one: it holds SQLite's exclusive lock, S5).
+    pub fn reader(&self) -> LedgerReader {
+        LedgerReader {
+            tx: self.tx.clone(),
         }
     }
 
@@ -422,6 +488,38 @@ impl Writer {
         drop(std::mem::replace(&mut self.tx, tx));
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+}
+
+/// Reads the ledger between commits, on the writer thread. Each read sees every write
+/// submitted before it, durable. Clone it freely; it never blocks its caller.
+#[derive(Clone)]
+pub struct LedgerReader {
+    tx: mpsc::Sender<Job>,
+}
+
+impl LedgerReader {
+    /// Runs `f` on the store; `done` gets its result, or `Stopped` if the writer is gone.
+    pub fn read<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn Store) -> Result<T, StoreError> + Send + 'static,
+        done: impl FnOnce(Result<T, StoreError>) + Send + 'static,
+    ) {
+        let slot: Arc<std::sync::Mutex<Option<Result<T, StoreError>>>> = Default::default();
+        let out = slot.clone();
+        let job = Job {
+            batch: None,
+            read: Some(Box::new(move |store: &mut dyn Store| {
+                *out.lock().unwrap_or_else(|p| p.into_inner()) = Some(f(store));
+            })),
+            done: Box::new(move |_| {
+                let got = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+                done(got.unwrap_or(Err(StoreError::Stopped)));
+            }),
+        };
+        if let Err(mpsc::SendError(job)) = self.tx.send(job) {
+            (job.done)(Err(&StoreError::Stopped));
         }
     }
 }
@@ -466,6 +564,12 @@ mod tests {
             Ok(())
         }
         fn prune(&mut self, _: &Retention, _: u64, _: usize) -> Result<usize, StoreError> {
+            Ok(0)
+        }
+        fn journal(&mut self, _: u64, _: usize) -> Result<Vec<JournalEntry>, StoreError> {
+            Ok(Vec::new())
+        }
+        fn journal_first(&mut self) -> Result<u64, StoreError> {
             Ok(0)
         }
     }

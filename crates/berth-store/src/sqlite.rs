@@ -7,8 +7,8 @@ use berth_core::{ContractInfo, EndCause, Request, Resources};
 use rusqlite::{params, Connection, OptionalExtension, Row};
 
 use crate::{
-    Batch, Ledger, Mutation, ProcessRecord, Retention, RunRecord, Store, StoreError,
-    WorkspaceIdentity,
+    Batch, JournalEntry, Ledger, Mutation, ProcessRecord, Retention, RunRecord, Store, StoreError,
+    WorkspaceIdentity, JOURNAL_ENTRIES_PER_RUN, JOURNAL_READ_MAX,
 };
 
 /// The most pages in use (not free) a ledger may have for its integrity check to run
@@ -120,6 +120,16 @@ const MIGRATIONS: &[&str] = &[
         ports TEXT NOT NULL,
         at_ms INTEGER NOT NULL,
         run_id TEXT NOT NULL
+     ) STRICT;",
+    // 7: the journal (D5): every state change, in order, with the entry's bytes as
+    // readers get them. `written_unix_ms` is for retention by age.
+    "CREATE TABLE journal (
+        seq INTEGER PRIMARY KEY,
+        kind TEXT NOT NULL,
+        run_id TEXT,
+        project TEXT,
+        line TEXT NOT NULL,
+        written_unix_ms INTEGER NOT NULL
      ) STRICT;",
 ];
 
@@ -498,7 +508,14 @@ impl Store for SqliteStore {
                 )));
             }
         }
+        let journal_last: i64 = self
+            .conn
+            .query_row("SELECT COALESCE(MAX(seq), 0) FROM journal", [], |r| {
+                r.get(0)
+            })
+            .map_err(corrupt)?;
         Ok(Ledger {
+            journal_last: journal_last as u64,
             evidence: load_evidence(&self.conn)?,
             last_fence,
             boot_id,
@@ -532,6 +549,23 @@ impl Store for SqliteStore {
                 }
                 Mutation::Evidence { project, evidence } => {
                     write_evidence(&tx, project, evidence.as_ref())?
+                }
+                Mutation::Journal(e) => {
+                    tx.prepare_cached(
+                        "INSERT INTO journal (seq, kind, run_id, project, line, written_unix_ms)
+                         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                    )
+                    .and_then(|mut s| {
+                        s.execute(params![
+                            e.seq as i64,
+                            e.kind,
+                            e.run_id,
+                            e.project,
+                            e.line,
+                            now_ms as i64
+                        ])
+                    })
+                    .map_err(write_err)?;
                 }
                 Mutation::Token { hash, scope } => {
                     tx.prepare_cached(
@@ -570,6 +604,41 @@ impl Store for SqliteStore {
             .execute_batch("PRAGMA synchronous=FULL;")
             .map_err(write_err)?;
         result
+    }
+
+    fn journal(&mut self, after: u64, limit: usize) -> Result<Vec<JournalEntry>, StoreError> {
+        let limit = limit.min(JOURNAL_READ_MAX);
+        let mut stmt = self
+            .conn
+            .prepare_cached(
+                "SELECT seq, kind, run_id, project, line FROM journal
+                 WHERE seq > ?1 ORDER BY seq LIMIT ?2",
+            )
+            .map_err(corrupt)?;
+        let mut rows = stmt
+            .query(params![after.min(i64::MAX as u64) as i64, limit as i64])
+            .map_err(corrupt)?;
+        let mut out = Vec::new();
+        while let Some(row) = rows.next().map_err(corrupt)? {
+            out.push(JournalEntry {
+                seq: u(row.get(0).map_err(corrupt)?),
+                kind: row.get(1).map_err(corrupt)?,
+                run_id: row.get(2).map_err(corrupt)?,
+                project: row.get(3).map_err(corrupt)?,
+                line: row.get(4).map_err(corrupt)?,
+            });
+        }
+        Ok(out)
+    }
+
+    fn journal_first(&mut self) -> Result<u64, StoreError> {
+        let first: i64 = self
+            .conn
+            .query_row("SELECT COALESCE(MIN(seq), 0) FROM journal", [], |r| {
+                r.get(0)
+            })
+            .map_err(corrupt)?;
+        Ok(u(first))
     }
 
     fn set_boot_id(&mut self, boot_id: &str) -> Result<(), StoreError> {
@@ -874,8 +943,41 @@ fn prune_in(
         "DELETE FROM runs WHERE run_id IN (SELECT run_id FROM temp.doomed)",
     )?
     .execute([])?;
+    // A lifecycle writes about six entries but one run row: the journal's share of a
+    // prune is four times the runs', so it keeps pace with the same churn.
+    prune_journal(tx, policy, cutoff, rows_max.saturating_mul(4))?;
     tx.prepare_cached("SELECT COUNT(*), COALESCE(MAX(queue_seq) + 1, 0) FROM temp.doomed")?
         .query_row([], |r| {
             Ok((r.get::<_, i64>(0)? as usize, r.get::<_, i64>(1)? as u64))
         })
+}
+
+/// D5: the journal follows the ledger's retention. Entries older than the age limit go,
+/// and so do all but the newest `JOURNAL_ENTRIES_PER_RUN × ended_max`, oldest first, at
+/// most `rows_max` per prune. The newest entry is never deleted, so numbering resumes
+/// after it at the next start.
+fn prune_journal(
+    tx: &rusqlite::Transaction,
+    policy: &Retention,
+    cutoff_unix_ms: u64,
+    rows_max: usize,
+) -> rusqlite::Result<usize> {
+    let keep = policy
+        .ended_max
+        .max(1)
+        .saturating_mul(JOURNAL_ENTRIES_PER_RUN)
+        .min(i64::MAX as usize) as i64;
+    tx.prepare_cached(
+        // Only the `rows_max` oldest are looked at (entries are written in order, so
+        // their ages rise with seq): a prune costs what it deletes, not a table scan.
+        "DELETE FROM journal WHERE seq IN (
+           SELECT seq FROM (SELECT seq, written_unix_ms FROM journal ORDER BY seq LIMIT ?3)
+           WHERE seq < (SELECT MAX(seq) FROM journal)
+             AND (seq <= (SELECT MAX(seq) FROM journal) - ?1 OR written_unix_ms < ?2))",
+    )?
+    .execute(params![
+        keep,
+        cutoff_unix_ms.min(i64::MAX as u64) as i64,
+        rows_max as i64
+    ])
 }

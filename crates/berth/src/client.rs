@@ -262,6 +262,40 @@ impl Client {
     }
 }
 
+impl Client {
+    /// A GET answered with lines (the journal, an event stream), read as it comes.
+    /// `headers` are sent besides the token; the answer's headers come back by name.
+    pub fn get_stream(
+        &self,
+        path: &str,
+        headers: &[(&str, String)],
+    ) -> Result<Streamed, ureq::Error> {
+        let mut r = self.agent.get(format!("{}{path}", self.url));
+        if let Some(a) = self.auth() {
+            r = r.header("Authorization", &a);
+        }
+        for (k, v) in headers {
+            r = r.header(*k, v);
+        }
+        let resp = r.call()?;
+        let status = resp.status().as_u16();
+        let head = resp.headers().clone();
+        let reader = resp.into_body().into_reader();
+        Ok(Streamed {
+            status,
+            headers: head,
+            body: Box::new(std::io::BufReader::new(reader)),
+        })
+    }
+}
+
+/// An answer read as a stream.
+pub struct Streamed {
+    pub status: u16,
+    pub headers: ureq::http::HeaderMap,
+    pub body: Box<dyn std::io::BufRead + Send>,
+}
+
 pub fn error_text(body: &Value) -> String {
     let e = error_of(body);
     format!("{}: {}", e.code, e.message)

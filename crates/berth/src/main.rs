@@ -3,6 +3,7 @@
 
 mod args;
 mod client;
+mod events;
 mod run;
 mod serve;
 mod show;
@@ -45,6 +46,8 @@ enum Cmd {
     Release(client::ReleaseArgs),
     /// Run one reaper pass now and print its report.
     Reap(client::ConnArgs),
+    /// Print the journal's recent events; with --follow, every new one as it happens.
+    Events(events::EventsArgs),
     /// Print a completion script for a shell, e.g. `berth completions bash >
     /// /etc/bash_completion.d/berth`.
     Completions {
@@ -70,6 +73,7 @@ fn main() -> ExitCode {
         Cmd::Renew(a) => client::renew_main(a),
         Cmd::Release(a) => client::release_main(a),
         Cmd::Reap(a) => client::reap_main(a),
+        Cmd::Events(a) => events::events_main(a),
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
             Ok(0)

@@ -18,6 +18,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
+mod observe;
 mod runtime;
 
 use crate::auth::{self, Scope};
@@ -723,6 +724,13 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
             m.authed.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     };
+    if api.auth
+        && req.method() == axum::http::Method::GET
+        && PUBLIC_PATHS.contains(&req.uri().path())
+    {
+        // No caller, so no scope: these routes are in no scoped router.
+        return next.run(req).await;
+    }
     if !api.auth {
         authed();
         req.extensions_mut().insert(Caller {
@@ -781,7 +789,12 @@ pub fn router(api: Api) -> Router {
         .route("/v1/runs/{id}", get(get_run))
         .route("/v1/status", get(status))
         .route("/v1/fences/check", get(fence_check))
+        .route("/v1/journal", get(observe::journal))
+        .route("/v1/journal/export", get(observe::export))
+        .route("/v1/events", get(observe::events))
+        .route("/metrics", get(observe::metrics))
         .route_layer(scoped(Scope::Read));
+    let public = Router::new().route("/", get(observe::dashboard));
     let operator = Router::new()
         .route("/v1/runs", post(acquire))
         .route("/v1/runs/{id}", delete(delete_run))
@@ -798,13 +811,53 @@ pub fn router(api: Api) -> Router {
         .merge(read)
         .merge(operator)
         .merge(admin)
+        .merge(public)
+        .route_layer(axum::middleware::from_fn(mark_route))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             api.clone(),
             authenticate,
         ))
+        .layer(axum::middleware::from_fn_with_state(
+            api.clone(),
+            count_request,
+        ))
         // Outermost: an oversized head is refused before anything else reads it.
         .layer(axum::middleware::from_fn(crate::http::limits))
         .with_state(api)
+}
+
+/// Paths anyone may GET without a token: the dashboard page (static; it holds no data
+/// and asks the API with the user's token) and the API's description.
+const PUBLIC_PATHS: &[&str] = &["/", "/v1/openapi.json"];
+
+/// The route a request matched, carried out on its response for `count_request`.
+#[derive(Clone)]
+struct RouteName(String);
+
+async fn mark_route(req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .map(|m| m.as_str().to_string());
+    let mut res = next.run(req).await;
+    if let Some(r) = route {
+        res.extensions_mut().insert(RouteName(r));
+    }
+    res
+}
+
+/// `berth_http_requests_total{route, method, status}`: every answer, refusals too.
+async fn count_request(AxState(api): AxState<Api>, req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let res = next.run(req).await;
+    let route = res
+        .extensions()
+        .get::<RouteName>()
+        .map_or("unmatched", |r| r.0.as_str());
+    api.shared
+        .metrics
+        .http(route, method.as_str(), res.status().as_u16());
+    res
 }

@@ -4,7 +4,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use berth_core::{Command, Error as CoreError, RunState, RunView, Snapshot};
-use berth_store::{Batch, Mutation};
+use berth_store::Mutation;
 use tokio::sync::{oneshot, watch};
 
 use super::extra::Extra;
@@ -149,9 +149,19 @@ impl<H: Host> Daemon<H> {
         let value = match (res, info) {
             (Ok(_), Some(info)) => Ok(info),
             (Ok(_), None) => Err(Error::run_vanished()),
-            (Err(e), _) => Err(e.into()),
+            (Err(e), _) => {
+                self.journal_refusal(&id, &e);
+                Err(e.into())
+            }
         };
         self.commit_and_answer(touched, reply, value);
+    }
+
+    /// D5: an acquire the engine refused (nothing changed but the refusal itself).
+    fn journal_refusal(&mut self, run_id: &str, e: &CoreError) {
+        let api = crate::error::ApiError::from(e.clone());
+        let data = serde_json::json!({"code": api.code, "message": api.message});
+        self.journal_entry("refused", Some(run_id.to_string()), None, data);
     }
 
     fn on_command(&mut self, cmd: Command, reply: Reply<RunInfo>) {
@@ -257,6 +267,11 @@ impl<H: Host> Daemon<H> {
         let value = self.register(&run_id, fence, pid, uid);
         let mut touched = BTreeSet::new();
         if value.is_ok() {
+            self.journal(
+                "process_registered",
+                &run_id,
+                serde_json::json!({"pid": pid}),
+            );
             touched.insert(run_id);
         }
         self.commit_and_answer(touched, reply, value);
@@ -286,6 +301,8 @@ impl<H: Host> Daemon<H> {
         );
         let mut touched = BTreeSet::new();
         for id in &runs {
+            let state = self.engine.view_of(id).map(|v| v.state.as_str());
+            self.journal("reaped", id, serde_json::json!({"state": state}));
             let events = self.stop_or_clean(id);
             self.carry_out(events, &mut touched);
         }
@@ -315,6 +332,10 @@ impl<H: Host> Daemon<H> {
         if let Some(e) = self.extras.get_mut(&run_id) {
             e.survivors = report.survivors.clone();
         }
+        if !report.survivors.is_empty() {
+            let data = serde_json::json!({"pids": report.survivors});
+            self.journal("survivors", &run_id, data);
+        }
         let mut touched = BTreeSet::new();
         let state = self.engine.view_of(&run_id).map(|v| v.state);
         if matches!(state, Some(RunState::Releasing | RunState::Degraded)) {
@@ -337,13 +358,12 @@ impl<H: Host> Daemon<H> {
                     .write()
                     .unwrap()
                     .push((hash.clone(), grant));
-                let batch = Batch {
-                    mutations: vec![Mutation::Token {
-                        hash,
-                        scope: grant.stored(),
-                    }],
-                };
-                self.writer.submit(Some(batch), move |r| {
+                // The token's scope and user, never its secret or its hash.
+                let data = serde_json::json!({"scope": grant.scope.as_str(), "uid": grant.uid});
+                self.journal_entry("token_created", None, None, data);
+                let scope = grant.stored();
+                self.pending_mutations.push(Mutation::Token { hash, scope });
+                self.commit(BTreeSet::new(), move |r| {
                     let _ = reply.send(r.map_err(Error::store).map(|()| token));
                 });
             }

@@ -15,6 +15,7 @@
 mod extra;
 mod handlers;
 mod host;
+mod journal;
 mod ports;
 mod restore;
 mod runtime;
@@ -217,9 +218,13 @@ pub struct ReapCounters {
     pub ledger_pruned: u64,
 }
 
+#[derive(Default)]
 pub struct Shared {
     pub tokens: RwLock<Vec<(String, Grant)>>,
     pub url: String,
+    /// D5: the journal's readers (the daemon publishes each durable entry).
+    pub journal: crate::journal::Journal,
+    pub metrics: crate::metrics::Metrics,
 }
 
 pub struct Daemon<H: Host> {
@@ -256,6 +261,8 @@ pub struct Daemon<H: Host> {
     /// C6: restored analysis runs with processes, watched again from the first tick
     /// (once the runtime has given the host its inbox).
     rewatch: Vec<String>,
+    /// D5: the next journal entry's sequence number (the ledger's last + 1).
+    journal_next: u64,
 }
 
 /// The first retry of a failed stop or cleanup; each next one waits twice as long.
@@ -274,6 +281,10 @@ impl<H: Host> Daemon<H> {
         if !self.stopping.insert(run_id.to_string()) {
             return;
         }
+        let extra = self.extras.get(run_id);
+        let pids: Vec<i32> =
+            extra.map_or_else(Vec::new, |e| e.processes.iter().map(|p| p.pid).collect());
+        self.journal("stop_started", run_id, serde_json::json!({"pids": pids}));
         let extra = self.extras.get(run_id);
         // Sent by the next commit, once the decision to stop is durable: a crash in
         // between must not leave a run that the ledger says is granted with its
@@ -438,6 +449,7 @@ impl<H: Host> Daemon<H> {
             if let Some(run_id) = event_run(&ev) {
                 touched.insert(run_id.to_string());
             }
+            self.journal_event(&ev);
             match &ev {
                 Event::Granted {
                     run_id,
@@ -640,9 +652,14 @@ impl<H: Host> Daemon<H> {
             .iter()
             .any(|r| r.state == RunState::Granted && r.granted_ms.is_some());
         let mut batch = Batch::runs(self.engine.last_fence(), runs);
+        let mut journal = Vec::new();
         for m in std::mem::take(&mut self.pending_mutations) {
+            if let berth_store::Mutation::Journal(e) = &m {
+                journal.push(e.clone());
+            }
             batch.push(m);
         }
+        let shared = self.shared.clone();
         let fatal = self.fatal.clone();
         let stops = std::mem::take(&mut self.pending_stops);
         let sink = (!stops.is_empty()).then(|| self.host.stop_sink());
@@ -657,6 +674,10 @@ impl<H: Host> Daemon<H> {
                 // D4: never go on after the ledger refused a write.
                 fatal.raise(format!("the ledger refused a write: {e}"));
             } else {
+                // D5: readers see an entry only once its change is durable.
+                if !journal.is_empty() {
+                    shared.journal.publish(journal);
+                }
                 for (tx, info) in notes {
                     let _ = tx.send(info);
                 }

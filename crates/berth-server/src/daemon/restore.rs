@@ -94,6 +94,8 @@ impl<H: Host> Daemon<H> {
         restore_summary(&ledger, how.same_boot);
         let (last_fence, next_seq) = (ledger.last_fence, ledger.next_queue_seq);
         let ledger_evidence = ledger.evidence;
+        shared.journal.start(ledger.journal_last, writer.reader());
+        let journal_next = ledger.journal_last + 1;
         let mut restored = Vec::with_capacity(ledger.runs.len());
         let mut extras = HashMap::with_capacity(ledger.runs.len());
         let mut unclaimed = BTreeMap::new();
@@ -151,6 +153,7 @@ impl<H: Host> Daemon<H> {
             pending_mutations: Vec::new(),
             listen_watched: BTreeMap::new(),
             rewatch,
+            journal_next,
         })
     }
 }

@@ -224,6 +224,7 @@ impl Sim {
         let shared = Arc::new(Shared {
             tokens: RwLock::new(Vec::new()),
             url: "http://sim".into(),
+            ..Default::default()
         });
         let writer = Writer::spawn(Box::new(store), true);
         let fatal = Arc::new(crate::Fatal::default());

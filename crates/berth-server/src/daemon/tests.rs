@@ -89,6 +89,7 @@ fn restore(dir: &std::path::Path) -> Daemon<RealHost> {
     let shared = Arc::new(Shared {
         tokens: RwLock::new(Vec::new()),
         url: "http://127.0.0.1:1".into(),
+        ..Default::default()
     });
     let writer = Writer::spawn(Box::new(store), true);
     let fatal = Arc::new(crate::Fatal::default());

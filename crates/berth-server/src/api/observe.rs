@@ -1,0 +1,359 @@
+//! Seeing what berth does: the journal (`/v1/journal`, its export), the live event
+//! stream (`/v1/events`), Prometheus metrics (`/metrics`) and the dashboard (`/`).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State as AxState;
+use axum::http::{header, HeaderMap, HeaderValue};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use berth_store::JournalEntry;
+use sha2::{Digest, Sha256};
+use tokio::sync::{broadcast, mpsc};
+
+use super::{ask, Api, Params};
+use crate::daemon::Msg;
+use crate::error::ApiError;
+use crate::journal::{Filter, Journal};
+
+/// Entries one `GET /v1/journal` returns at most (the ledger's read bound).
+pub const JOURNAL_LIMIT_MAX: usize = berth_store::JOURNAL_READ_MAX;
+/// Entries one export holds at most: built in memory to give its digest in a header
+/// (~300 bytes each: ~75 MiB). Retention keeps 16 per remembered run, 160,000 at the
+/// default, so a default ledger always exports whole.
+pub const JOURNAL_EXPORT_MAX: u64 = 262_144;
+/// Events buffered for one stream; past it the stream's reader waits, and once it is
+/// `SUBSCRIBER_LAG_MAX` entries behind the journal it is cut off.
+const STREAM_BUFFER: usize = 64;
+/// A comment this often keeps proxies from closing an idle stream.
+const HEARTBEAT: Duration = Duration::from_secs(15);
+/// A `kind` filter's names, at most.
+const KINDS_MAX: usize = 32;
+
+fn number(params: &Params, field: &str) -> Result<Option<u64>, ApiError> {
+    params
+        .0
+        .get(field)
+        .map(|v| {
+            v.parse::<u64>()
+                .map_err(|_| ApiError::invalid(field, "must be a non-negative integer"))
+        })
+        .transpose()
+}
+
+fn store_unavailable(e: berth_store::StoreError) -> ApiError {
+    ApiError::new(
+        503,
+        "store_unavailable",
+        format!("the journal could not be read: {e}"),
+    )
+}
+
+fn ndjson(entries: &[Arc<JournalEntry>], out: &mut Vec<u8>) {
+    for e in entries {
+        out.extend_from_slice(e.line.as_bytes());
+        out.push(b'\n');
+    }
+}
+
+/// `GET /v1/journal?after=SEQ&limit=N`: entries after `after` (0: from the first kept),
+/// as ndjson, at most `limit` (default and maximum 1000).
+pub async fn journal(AxState(api): AxState<Api>, params: Params) -> Result<Response, ApiError> {
+    let after = number(&params, "after")?.unwrap_or(0);
+    let limit = number(&params, "limit")?.unwrap_or(JOURNAL_LIMIT_MAX as u64);
+    if limit == 0 || limit > JOURNAL_LIMIT_MAX as u64 {
+        return Err(ApiError::invalid(
+            "limit",
+            format!("must be from 1 to {JOURNAL_LIMIT_MAX}"),
+        ));
+    }
+    let j = &api.shared.journal;
+    let last = j.last();
+    let got = j
+        .read(after, limit as usize)
+        .await
+        .map_err(store_unavailable)?;
+    let mut body = Vec::new();
+    ndjson(&got, &mut body);
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/x-ndjson".to_string()),
+            (
+                header::HeaderName::from_static("x-berth-journal-last"),
+                last.to_string(),
+            ),
+        ],
+        body,
+    )
+        .into_response())
+}
+
+/// `GET /v1/journal/export?through=SEQ`: every kept entry from the first through
+/// `through` (default: the last), as ndjson, with the SHA-256 of exactly those bytes
+/// in `X-Berth-Journal-Sha256`. Entries are stored as they were first rendered, so the
+/// same prefix always gives the same bytes and the same digest.
+pub async fn export(AxState(api): AxState<Api>, params: Params) -> Result<Response, ApiError> {
+    let j = &api.shared.journal;
+    let last = j.last();
+    let through = number(&params, "through")?.unwrap_or(last);
+    if through > last {
+        return Err(ApiError::invalid(
+            "through",
+            format!("is past the journal's last entry ({last})"),
+        ));
+    }
+    let first = j.first().await.map_err(store_unavailable)?;
+    if first > 0 && through >= first && through - first + 1 > JOURNAL_EXPORT_MAX {
+        return Err(ApiError::invalid(
+            "through",
+            format!(
+                "an export holds at most {JOURNAL_EXPORT_MAX} entries; the first kept is {first}"
+            ),
+        ));
+    }
+    let mut body = Vec::new();
+    let mut after = first.saturating_sub(1);
+    while after < through {
+        let want = (through - after).min(JOURNAL_LIMIT_MAX as u64) as usize;
+        let got = j.read(after, want).await.map_err(store_unavailable)?;
+        let Some(end) = got.last().map(|e| e.seq) else {
+            break;
+        };
+        ndjson(&got, &mut body);
+        after = end;
+    }
+    let digest = Sha256::digest(&body);
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    let h = |n: &'static str| header::HeaderName::from_static(n);
+    Ok((
+        [
+            (header::CONTENT_TYPE, "application/x-ndjson".to_string()),
+            (h("x-berth-journal-sha256"), hex),
+            (h("x-berth-journal-first"), first.min(through).to_string()),
+            (h("x-berth-journal-through"), through.min(after).to_string()),
+        ],
+        body,
+    )
+        .into_response())
+}
+
+/// What a stream is asked for: the filter, and where to start.
+fn stream_request(
+    params: &Params,
+    headers: &HeaderMap,
+    last: u64,
+) -> Result<(Filter, u64), ApiError> {
+    let run = params.0.get("run").cloned();
+    if let Some(r) = &run {
+        crate::request::check_run_id(r).map_err(|e| ApiError::invalid("run", e.message))?;
+    }
+    let project = params.0.get("project").cloned();
+    let kinds: Vec<String> = params
+        .0
+        .get("kind")
+        .map(|k| {
+            k.split(',')
+                .map(str::trim)
+                .filter(|k| !k.is_empty())
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default();
+    if kinds.len() > KINDS_MAX || kinds.iter().any(|k| k.len() > 64) {
+        return Err(ApiError::invalid(
+            "kind",
+            format!("at most {KINDS_MAX} comma-separated kinds of up to 64 characters"),
+        ));
+    }
+    // Resume after the last event seen; else after `after`; else from now.
+    let after = match headers.get("last-event-id") {
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .ok_or_else(|| ApiError::invalid("Last-Event-ID", "must be a sequence number"))?,
+        None => number(params, "after")?.unwrap_or(last),
+    };
+    if after > last {
+        return Err(ApiError::invalid(
+            "Last-Event-ID",
+            format!("is past the journal's last entry ({last})"),
+        ));
+    }
+    Ok((
+        Filter {
+            run,
+            project,
+            kinds,
+        },
+        after,
+    ))
+}
+
+/// `GET /v1/events`: the journal as server-sent events (`id:` = sequence number),
+/// resuming after `Last-Event-ID` (or `?after=`) without a gap or a duplicate, filtered
+/// by `run`, `project` and `kind` (comma-separated). A reader too far behind is sent
+/// one last `cutoff` event and closed; it resumes by id.
+pub async fn events(
+    AxState(api): AxState<Api>,
+    headers: HeaderMap,
+    params: Params,
+) -> Result<Response, ApiError> {
+    let (filter, after) = stream_request(&params, &headers, api.shared.journal.last())?;
+    let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+    let shared = api.shared.clone();
+    shared.metrics.subscriber(true);
+    tokio::spawn(async move {
+        pump(&shared.journal, filter, after, tx).await;
+        shared.metrics.subscriber(false);
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
+    });
+    let mut res = Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(HEARTBEAT).text("heartbeat"))
+        .into_response();
+    // Proxies must pass events on as they come.
+    res.headers_mut()
+        .insert("x-accel-buffering", HeaderValue::from_static("no"));
+    Ok(res)
+}
+
+fn sse(e: &JournalEntry) -> SseEvent {
+    SseEvent::default()
+        .id(e.seq.to_string())
+        .event(e.kind.as_str())
+        .data(e.line.as_str())
+}
+
+/// Sends `filter`'s entries after `after` to `tx`: first what is already written, then
+/// live ones as they become durable, until the reader goes away or falls too far behind.
+async fn pump(journal: &Journal, filter: Filter, mut after: u64, tx: mpsc::Sender<SseEvent>) {
+    // Subscribed before catching up, so nothing falls between the two.
+    let mut live = journal.subscribe();
+    if catch_up(journal, &filter, &mut after, u64::MAX, &tx)
+        .await
+        .is_err()
+    {
+        return;
+    }
+    loop {
+        let got = tokio::select! {
+            _ = tx.closed() => return,
+            got = live.recv() => got,
+        };
+        match got {
+            Ok(e) if e.seq <= after => continue,
+            Ok(e) => {
+                // Entries published before we subscribed but after the catch-up read.
+                if catch_up(journal, &filter, &mut after, e.seq - 1, &tx)
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                after = e.seq;
+                if filter.admits(&e) && tx.send(sse(&e)).await.is_err() {
+                    return;
+                }
+            }
+            Err(broadcast::error::RecvError::Lagged(missed)) => {
+                let cut = berth_client::wire::StreamCutoff {
+                    reason: format!(
+                        "this stream fell more than {} entries behind the journal ({missed} missed); resume with Last-Event-ID: {after}",
+                        crate::journal::SUBSCRIBER_LAG_MAX
+                    ),
+                    last_seq: after,
+                };
+                let data = serde_json::to_string(&cut).unwrap_or_default();
+                let _ = tx
+                    .send(SseEvent::default().event("cutoff").data(data))
+                    .await;
+                return;
+            }
+            Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}
+
+/// Sends the written entries after `*after` up to `through`, advancing `*after`.
+async fn catch_up(
+    journal: &Journal,
+    filter: &Filter,
+    after: &mut u64,
+    through: u64,
+    tx: &mpsc::Sender<SseEvent>,
+) -> Result<(), ()> {
+    while *after < through {
+        let got = journal
+            .read(*after, JOURNAL_LIMIT_MAX)
+            .await
+            .map_err(|_| ())?;
+        if got.is_empty() {
+            return Ok(());
+        }
+        for e in got.iter().take_while(|e| e.seq <= through) {
+            *after = e.seq;
+            if filter.admits(e) {
+                tx.send(sse(e)).await.map_err(|_| ())?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `GET /metrics`: Prometheus' text format.
+pub async fn metrics(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
+    let (snap, _) = ask(&api, |reply| Msg::Status { reply }).await?;
+    let waiting = ask(&api, |reply| Msg::List {
+        limit: super::LIST_MAX,
+        ended: false,
+        reply,
+    })
+    .await?;
+    let mut scrape = crate::metrics::Scrape {
+        foreground: snap.queued_foreground as u64,
+        background: snap.queued_background as u64,
+        ..Default::default()
+    };
+    for r in waiting
+        .iter()
+        .filter(|r| r.view.state == berth_core::RunState::Queued)
+    {
+        let code = r.view.reason.as_ref().map_or("none", |r| r.code.as_str());
+        *scrape.reasons.entry(code.to_string()).or_default() += 1;
+    }
+    scrape.resources = super::status_out(&snap, &Default::default()).resources;
+    let text = api.shared.metrics.render(&scrape);
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response())
+}
+
+/// The dashboard: one static page, embedded in the binary. It holds no data and no
+/// token; it asks the API with the token the user gives it (kept in session storage).
+const DASHBOARD: &str = include_str!("../dashboard/index.html");
+
+pub async fn dashboard() -> Response {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            // Its own inline script and style, calls to this origin, nothing else.
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+            ),
+            (header::REFERRER_POLICY, "no-referrer"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        DASHBOARD,
+    )
+        .into_response()
+}

@@ -1,0 +1,220 @@
+//! The journal's readers (D5): the recent entries in memory, the rest from the ledger,
+//! and a live feed for streams.
+//!
+//! The daemon writes every entry into the ledger in the transaction of its change and,
+//! once that commit is durable, publishes it here (on the ledger thread, in commit
+//! order, so entries arrive here in sequence order without gaps). Readers never wait
+//! for the daemon: recent entries come from a ring in memory, older ones from the
+//! ledger between commits, and live ones from a broadcast channel whose sender never
+//! blocks, so a slow reader never slows admission: it falls behind, is told so in a
+//! last event and may resume by sequence number.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use berth_store::{JournalEntry, LedgerReader, StoreError, JOURNAL_READ_MAX};
+use tokio::sync::{broadcast, oneshot};
+
+/// Recent entries kept in memory, so resuming readers and `GET /v1/journal` rarely
+/// reach the ledger thread (~300 bytes each: ~2.5 MiB).
+pub const JOURNAL_RING_MAX: usize = 8_192;
+/// How far a live reader may fall behind (entries) before it is cut off. The channel
+/// is one ring shared by every reader, so this bounds memory whatever they do.
+pub const SUBSCRIBER_LAG_MAX: usize = 4_096;
+
+struct Ring {
+    /// Consecutive entries, the newest last.
+    entries: VecDeque<Arc<JournalEntry>>,
+    /// The last entry published (or restored from the ledger at start).
+    last: u64,
+}
+
+pub struct Journal {
+    ring: Mutex<Ring>,
+    live: broadcast::Sender<Arc<JournalEntry>>,
+    ledger: OnceLock<LedgerReader>,
+}
+
+impl Default for Journal {
+    fn default() -> Journal {
+        Journal {
+            ring: Mutex::new(Ring {
+                entries: VecDeque::new(),
+                last: 0,
+            }),
+            live: broadcast::channel(SUBSCRIBER_LAG_MAX).0,
+            ledger: OnceLock::new(),
+        }
+    }
+}
+
+impl Journal {
+    /// At start: the ledger's last entry, and how to read older ones.
+    pub fn start(&self, last: u64, ledger: LedgerReader) {
+        let mut ring = self.lock();
+        ring.entries.clear();
+        ring.last = last;
+        let _ = self.ledger.set(ledger);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Ring> {
+        self.ring.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Durable entries, in sequence order (called once their commit is durable).
+    pub fn publish(&self, entries: Vec<JournalEntry>) {
+        let mut ring = self.lock();
+        for e in entries {
+            debug_assert_eq!(e.seq, ring.last + 1, "journal entries arrive in order");
+            ring.last = e.seq;
+            let e = Arc::new(e);
+            if ring.entries.len() == JOURNAL_RING_MAX {
+                ring.entries.pop_front();
+            }
+            ring.entries.push_back(e.clone());
+            // Never blocks: a reader that is too far behind finds out at its next read.
+            let _ = self.live.send(e);
+        }
+    }
+
+    /// The last durable entry's sequence number.
+    pub fn last(&self) -> u64 {
+        self.lock().last
+    }
+
+    /// Live entries from now on. Subscribe before reading what came before, then skip
+    /// what was already read: nothing falls between the two.
+    pub fn subscribe(&self) -> broadcast::Receiver<Arc<JournalEntry>> {
+        self.live.subscribe()
+    }
+
+    /// Entries after `after`, in order, at most `limit` (and `JOURNAL_READ_MAX`).
+    pub async fn read(
+        &self,
+        after: u64,
+        limit: usize,
+    ) -> Result<Vec<Arc<JournalEntry>>, StoreError> {
+        let limit = limit.min(JOURNAL_READ_MAX);
+        {
+            let ring = self.lock();
+            if after >= ring.last || limit == 0 {
+                return Ok(Vec::new());
+            }
+            if let Some(front) = ring.entries.front() {
+                if after + 1 >= front.seq {
+                    let skip = (after + 1 - front.seq) as usize;
+                    return Ok(ring
+                        .entries
+                        .iter()
+                        .skip(skip)
+                        .take(limit)
+                        .cloned()
+                        .collect());
+                }
+            }
+        }
+        let got = self.ask_ledger(move |s| s.journal(after, limit)).await?;
+        Ok(got.into_iter().map(Arc::new).collect())
+    }
+
+    /// The first entry retention has kept (0: none).
+    pub async fn first(&self) -> Result<u64, StoreError> {
+        self.ask_ledger(|s| s.journal_first()).await
+    }
+
+    async fn ask_ledger<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn berth_store::Store) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let Some(ledger) = self.ledger.get() else {
+            return Err(StoreError::Stopped);
+        };
+        let (tx, rx) = oneshot::channel();
+        ledger.read(f, move |r| {
+            let _ = tx.send(r);
+        });
+        rx.await.unwrap_or(Err(StoreError::Stopped))
+    }
+}
+
+/// What a reader wants: entries of one run, one project, some kinds (all if empty).
+#[derive(Clone, Debug, Default)]
+pub struct Filter {
+    pub run: Option<String>,
+    pub project: Option<String>,
+    pub kinds: Vec<String>,
+}
+
+impl Filter {
+    pub fn admits(&self, e: &JournalEntry) -> bool {
+        self.run
+            .as_ref()
+            .is_none_or(|r| e.run_id.as_ref() == Some(r))
+            && self
+                .project
+                .as_ref()
+                .is_none_or(|p| e.project.as_ref() == Some(p))
+            && (self.kinds.is_empty() || self.kinds.contains(&e.kind))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(seq: u64) -> JournalEntry {
+        JournalEntry {
+            seq,
+            kind: if seq.is_multiple_of(2) {
+                "granted"
+            } else {
+                "queued"
+            }
+            .into(),
+            run_id: Some(format!("r{}", seq % 3)),
+            project: None,
+            line: format!("{{\"seq\":{seq}}}"),
+        }
+    }
+
+    /// Readers get consecutive entries from the ring, across its wrap-around, and a
+    /// subscriber that falls more than `SUBSCRIBER_LAG_MAX` behind learns it did.
+    #[tokio::test]
+    async fn the_ring_serves_recent_entries_and_a_lagging_subscriber_is_told() {
+        let j = Journal::default();
+        let mut slow = j.subscribe();
+        let n = (JOURNAL_RING_MAX + 10) as u64;
+        j.publish((1..=n).map(entry).collect());
+        assert_eq!(j.last(), n);
+        let got = j.read(n - 5, 100).await.unwrap();
+        assert_eq!(
+            got.iter().map(|e| e.seq).collect::<Vec<_>>(),
+            (n - 4..=n).collect::<Vec<_>>()
+        );
+        assert!(j.read(n, 100).await.unwrap().is_empty());
+        let oldest_in_ring = n - JOURNAL_RING_MAX as u64 + 1;
+        assert_eq!(
+            j.read(oldest_in_ring - 1, 1).await.unwrap()[0].seq,
+            oldest_in_ring
+        );
+        // Older than the ring, with no ledger: the read says so rather than skipping.
+        assert!(j.read(1, 10).await.is_err());
+        assert!(matches!(
+            slow.recv().await,
+            Err(broadcast::error::RecvError::Lagged(_))
+        ));
+    }
+
+    #[test]
+    fn filters_match_run_project_and_kind() {
+        let f = Filter {
+            run: Some("r1".into()),
+            project: None,
+            kinds: vec!["queued".into()],
+        };
+        assert!(f.admits(&entry(1)));
+        assert!(!f.admits(&entry(4)), "r1 but granted");
+        assert!(!f.admits(&entry(3)), "queued but r0");
+        assert!(Filter::default().admits(&entry(2)));
+    }
+}

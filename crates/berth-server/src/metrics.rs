@@ -1,0 +1,289 @@
+//! `GET /metrics`: what berth does, in Prometheus' text format.
+//!
+//! Counters move where things happen (the daemon counts each journal entry as it makes
+//! it, the ledger thread times each commit, the HTTP layer counts each answer); gauges
+//! of the queue and of capacity are read from the engine's snapshot at each scrape, so
+//! they are never stale and cost nothing between scrapes.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabel {
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CodeLabel {
+    code: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PriorityLabel {
+    priority: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResourceLabel {
+    resource: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HttpLabels {
+    route: String,
+    method: String,
+    status: u16,
+}
+
+/// Every metric berth exports, registered once at start.
+pub struct Metrics {
+    registry: Registry,
+    journal: Family<KindLabel, Counter>,
+    grants: Counter,
+    releases: Counter,
+    expiries: Counter,
+    reaps: Counter,
+    degraded: Counter,
+    refusals: Family<CodeLabel, Counter>,
+    queue_depth: Family<PriorityLabel, Gauge>,
+    queue_reasons: Family<ReasonLabel, Gauge>,
+    capacity_total: Family<ResourceLabel, Gauge>,
+    capacity_committed: Family<ResourceLabel, Gauge>,
+    capacity_available: Family<ResourceLabel, Gauge>,
+    commit_seconds: Histogram,
+    commit_batches: Histogram,
+    http: Family<HttpLabels, Counter>,
+    subscribers: Gauge,
+    subscribers_now: AtomicU64,
+    /// One scrape at a time sets the gauges it renders.
+    rendering: std::sync::Mutex<()>,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        let mut m = Metrics {
+            registry: Registry::with_prefix("berth"),
+            journal: Family::default(),
+            grants: Counter::default(),
+            releases: Counter::default(),
+            expiries: Counter::default(),
+            reaps: Counter::default(),
+            degraded: Counter::default(),
+            refusals: Family::default(),
+            queue_depth: Family::default(),
+            queue_reasons: Family::default(),
+            capacity_total: Family::default(),
+            capacity_committed: Family::default(),
+            capacity_available: Family::default(),
+            // 50 µs to ~1.6 s: an fsync here is ~0.2 ms, a stalled disk seconds.
+            commit_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
+            // 1 to 4096 batches (GROUP_MAX).
+            commit_batches: Histogram::new(exponential_buckets(1.0, 2.0, 13)),
+            http: Family::default(),
+            subscribers: Gauge::default(),
+            subscribers_now: AtomicU64::new(0),
+            rendering: std::sync::Mutex::new(()),
+        };
+        m.register();
+        m
+    }
+}
+
+impl Metrics {
+    fn register(&mut self) {
+        let r = &mut self.registry;
+        r.register(
+            "journal_entries",
+            "Journal entries written, by kind",
+            self.journal.clone(),
+        );
+        r.register("grants", "Runs granted", self.grants.clone());
+        r.register(
+            "releases",
+            "Runs released by their owner",
+            self.releases.clone(),
+        );
+        r.register(
+            "expiries",
+            "Leases that expired (L6)",
+            self.expiries.clone(),
+        );
+        r.register(
+            "reaps",
+            "Runs the reaper stopped or cleaned again (P4)",
+            self.reaps.clone(),
+        );
+        r.register(
+            "degraded",
+            "Times a run degraded: its stop or cleanup failed (L3)",
+            self.degraded.clone(),
+        );
+        r.register(
+            "refusals",
+            "Acquires refused, by error code",
+            self.refusals.clone(),
+        );
+        r.register(
+            "queue_depth",
+            "Runs waiting, by priority",
+            self.queue_depth.clone(),
+        );
+        r.register(
+            "queue_waiters_by_reason",
+            "Runs waiting, by the code of the reason they wait (A11)",
+            self.queue_reasons.clone(),
+        );
+        r.register(
+            "capacity_total",
+            "Each resource's total (bytes, CPU millis or a count)",
+            self.capacity_total.clone(),
+        );
+        r.register(
+            "capacity_committed",
+            "Each resource's amount held by live runs",
+            self.capacity_committed.clone(),
+        );
+        r.register(
+            "capacity_available",
+            "Each resource's amount admission may still grant",
+            self.capacity_available.clone(),
+        );
+        r.register(
+            "ledger_commit_seconds",
+            "Time of each ledger transaction, fsync included",
+            self.commit_seconds.clone(),
+        );
+        r.register(
+            "ledger_commit_batches",
+            "Batches (requests' changes) each ledger transaction carried (group commit)",
+            self.commit_batches.clone(),
+        );
+        r.register(
+            "http_requests",
+            "HTTP requests answered, by route, method and status",
+            self.http.clone(),
+        );
+        r.register(
+            "sse_subscribers",
+            "Event streams (GET /v1/events) open now",
+            self.subscribers.clone(),
+        );
+    }
+
+    /// One journal entry made (`code`: a refusal's error code).
+    pub fn journaled(&self, kind: &str, code: Option<&str>) {
+        self.journal
+            .get_or_create(&KindLabel { kind: kind.into() })
+            .inc();
+        match kind {
+            "granted" => self.grants.inc(),
+            "released" => self.releases.inc(),
+            "expired" => self.expiries.inc(),
+            "reaped" => self.reaps.inc(),
+            "degraded" => self.degraded.inc(),
+            "refused" => self
+                .refusals
+                .get_or_create(&CodeLabel {
+                    code: code.unwrap_or("unknown").into(),
+                })
+                .inc(),
+            _ => 0,
+        };
+    }
+
+    /// A ledger transaction committed (called on the ledger thread).
+    pub fn committed(&self, took: Duration, batches: usize) {
+        self.commit_seconds.observe(took.as_secs_f64());
+        self.commit_batches.observe(batches as f64);
+    }
+
+    pub fn http(&self, route: &str, method: &str, status: u16) {
+        self.http
+            .get_or_create(&HttpLabels {
+                route: route.into(),
+                method: method.into(),
+                status,
+            })
+            .inc();
+    }
+
+    /// An event stream opened (+1) or closed (-1).
+    pub fn subscriber(&self, opened: bool) {
+        let n = if opened {
+            self.subscribers_now.fetch_add(1, Ordering::Relaxed) + 1
+        } else {
+            self.subscribers_now.fetch_sub(1, Ordering::Relaxed) - 1
+        };
+        self.subscribers.set(n as i64);
+    }
+
+    /// The registry in text format, with the gauges set from this scrape's figures.
+    pub fn render(&self, now: &Scrape) -> String {
+        let _one = self.rendering.lock().unwrap_or_else(|p| p.into_inner());
+        self.queue_depth.clear();
+        for (priority, n) in [
+            ("foreground", now.foreground),
+            ("background", now.background),
+        ] {
+            self.queue_depth
+                .get_or_create(&PriorityLabel {
+                    priority: priority.into(),
+                })
+                .set(n as i64);
+        }
+        self.queue_reasons.clear();
+        for (reason, n) in &now.reasons {
+            self.queue_reasons
+                .get_or_create(&ReasonLabel {
+                    reason: reason.clone(),
+                })
+                .set(*n as i64);
+        }
+        for f in [
+            &self.capacity_total,
+            &self.capacity_committed,
+            &self.capacity_available,
+        ] {
+            f.clear();
+        }
+        for r in &now.resources {
+            let l = ResourceLabel {
+                resource: r.name.clone(),
+            };
+            let clamp = |v: u64| v.min(i64::MAX as u64) as i64;
+            self.capacity_total.get_or_create(&l).set(clamp(r.total));
+            self.capacity_committed
+                .get_or_create(&l)
+                .set(clamp(r.committed));
+            self.capacity_available
+                .get_or_create(&l)
+                .set(clamp(r.available));
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// A scrape's figures from the engine.
+#[derive(Debug, Default)]
+pub struct Scrape {
+    pub foreground: u64,
+    pub background: u64,
+    /// Waiters by reason code.
+    pub reasons: std::collections::BTreeMap<String, u64>,
+    pub resources: Vec<berth_client::wire::ResourceStatus>,
+}
