@@ -389,12 +389,22 @@ async fn wait_for_grant(
                 })
                 .await;
             rx = r.await.ok().flatten();
-            if rx.is_none() {
-                return Err(ApiError::new(
-                    503,
-                    "shutting_down",
-                    "berth is shutting down",
-                ));
+            match rx.as_mut() {
+                // The run as it is now: it may have been granted between the answer
+                // above and this subscription, and a new receiver counts the value it
+                // starts with as seen (waiting for a change here cost such a waiter
+                // the whole `WAIT_POLL`).
+                Some(w) => {
+                    info = w.borrow_and_update().clone();
+                    continue;
+                }
+                None => {
+                    return Err(ApiError::new(
+                        503,
+                        "shutting_down",
+                        "berth is shutting down",
+                    ))
+                }
             }
         }
         let w = rx.as_mut().expect("subscribed");

@@ -203,14 +203,29 @@ pub async fn events(
 ) -> Result<Response, ApiError> {
     let (filter, after) = stream_request(&params, &headers, api.shared.journal.last())?;
     let (tx, rx) = mpsc::channel(STREAM_BUFFER);
+    // The stream's last event, once the pump has cut it off: sent after the events
+    // already buffered, then the stream ends.
+    let last_word: Arc<std::sync::OnceLock<SseEvent>> = Arc::default();
     let shared = api.shared.clone();
+    let said = last_word.clone();
     shared.metrics.subscriber(true);
     tokio::spawn(async move {
-        pump(&shared.journal, filter, after, tx).await;
+        if let Some(cut) = pump(&shared.journal, filter, after, &tx).await {
+            let data = serde_json::to_string(&cut).unwrap_or_default();
+            let _ = said.set(SseEvent::default().event("cutoff").data(data));
+        }
+        drop(tx);
         shared.metrics.subscriber(false);
     });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|ev| (Ok::<_, Infallible>(ev), rx))
+    let stream = futures_util::stream::unfold(Some(rx), move |rx| {
+        let last_word = last_word.clone();
+        async move {
+            let mut rx = rx?;
+            match rx.recv().await {
+                Some(ev) => Some((Ok::<_, Infallible>(ev), Some(rx))),
+                None => last_word.get().cloned().map(|ev| (Ok(ev), None)),
+            }
+        }
     });
     let mut res = Sse::new(stream)
         .keep_alive(KeepAlive::new().interval(HEARTBEAT).text("heartbeat"))
@@ -228,52 +243,97 @@ fn sse(e: &JournalEntry) -> SseEvent {
         .data(e.line.as_str())
 }
 
+/// Why a stream was cut off, with the last entry it was sent (or skipped).
+fn cutoff(after: u64, why: &str) -> berth_client::wire::StreamCutoff {
+    berth_client::wire::StreamCutoff {
+        reason: format!(
+            "{why}: this reader fell more than {} entries behind the journal; resume with Last-Event-ID: {after}",
+            crate::journal::SUBSCRIBER_LAG_MAX
+        ),
+        last_seq: after,
+    }
+}
+
 /// Sends `filter`'s entries after `after` to `tx`: first what is already written, then
-/// live ones as they become durable, until the reader goes away or falls too far behind.
-async fn pump(journal: &Journal, filter: Filter, mut after: u64, tx: mpsc::Sender<SseEvent>) {
+/// live ones as they become durable, until the reader goes away (`None`) or falls too
+/// far behind (the cutoff to tell it).
+async fn pump(
+    journal: &Journal,
+    filter: Filter,
+    after: u64,
+    tx: &mpsc::Sender<SseEvent>,
+) -> Option<berth_client::wire::StreamCutoff> {
+    match feed(journal, filter, after, tx).await {
+        Err(Undelivered::Behind(cut)) => Some(cut),
+        Err(Undelivered::Gone) | Ok(()) => None,
+    }
+}
+
+async fn feed(
+    journal: &Journal,
+    filter: Filter,
+    mut after: u64,
+    tx: &mpsc::Sender<SseEvent>,
+) -> Result<(), Undelivered> {
     // Subscribed before catching up, so nothing falls between the two.
     let mut live = journal.subscribe();
-    if catch_up(journal, &filter, &mut after, u64::MAX, &tx)
-        .await
-        .is_err()
-    {
-        return;
-    }
+    catch_up(journal, &filter, &mut after, u64::MAX, tx).await?;
     loop {
         let got = tokio::select! {
-            _ = tx.closed() => return,
+            _ = tx.closed() => return Ok(()),
             got = live.recv() => got,
         };
         match got {
             Ok(e) if e.seq <= after => continue,
             Ok(e) => {
                 // Entries published before we subscribed but after the catch-up read.
-                if catch_up(journal, &filter, &mut after, e.seq - 1, &tx)
-                    .await
-                    .is_err()
-                {
-                    return;
+                catch_up(journal, &filter, &mut after, e.seq - 1, tx).await?;
+                if filter.admits(&e) {
+                    deliver(journal, &e, after, tx).await?;
                 }
                 after = e.seq;
-                if filter.admits(&e) && tx.send(sse(&e)).await.is_err() {
-                    return;
+            }
+            Err(broadcast::error::RecvError::Lagged(_)) => {
+                return Err(Undelivered::Behind(cutoff(
+                    after,
+                    "the live feed overtook it",
+                )));
+            }
+            Err(broadcast::error::RecvError::Closed) => return Ok(()),
+        }
+    }
+}
+
+/// How often a stream whose reader has stopped reading checks how far behind it is.
+const LAG_CHECK: Duration = Duration::from_millis(500);
+
+/// Why an entry was not delivered.
+enum Undelivered {
+    Gone,
+    Behind(berth_client::wire::StreamCutoff),
+}
+
+/// Puts one entry in the stream's buffer, waiting while the reader is slow, but not
+/// once it is more than `SUBSCRIBER_LAG_MAX` entries behind the journal: then the
+/// stream is cut off (a reader that stopped reading holds nothing for long).
+async fn deliver(
+    journal: &Journal,
+    e: &JournalEntry,
+    after: u64,
+    tx: &mpsc::Sender<SseEvent>,
+) -> Result<(), Undelivered> {
+    loop {
+        tokio::select! {
+            permit = tx.reserve() => {
+                permit.map_err(|_| Undelivered::Gone)?.send(sse(e));
+                return Ok(());
+            }
+            _ = tokio::time::sleep(LAG_CHECK) => {
+                let behind = journal.last().saturating_sub(after);
+                if behind > crate::journal::SUBSCRIBER_LAG_MAX as u64 {
+                    return Err(Undelivered::Behind(cutoff(after, "it stopped reading")));
                 }
             }
-            Err(broadcast::error::RecvError::Lagged(missed)) => {
-                let cut = berth_client::wire::StreamCutoff {
-                    reason: format!(
-                        "this stream fell more than {} entries behind the journal ({missed} missed); resume with Last-Event-ID: {after}",
-                        crate::journal::SUBSCRIBER_LAG_MAX
-                    ),
-                    last_seq: after,
-                };
-                let data = serde_json::to_string(&cut).unwrap_or_default();
-                let _ = tx
-                    .send(SseEvent::default().event("cutoff").data(data))
-                    .await;
-                return;
-            }
-            Err(broadcast::error::RecvError::Closed) => return,
         }
     }
 }
@@ -285,20 +345,20 @@ async fn catch_up(
     after: &mut u64,
     through: u64,
     tx: &mpsc::Sender<SseEvent>,
-) -> Result<(), ()> {
+) -> Result<(), Undelivered> {
     while *after < through {
         let got = journal
             .read(*after, JOURNAL_LIMIT_MAX)
             .await
-            .map_err(|_| ())?;
+            .map_err(|_| Undelivered::Gone)?;
         if got.is_empty() {
             return Ok(());
         }
         for e in got.iter().take_while(|e| e.seq <= through) {
-            *after = e.seq;
             if filter.admits(e) {
-                tx.send(sse(e)).await.map_err(|_| ())?;
+                deliver(journal, e, *after, tx).await?;
             }
+            *after = e.seq;
         }
     }
     Ok(())
