@@ -14,7 +14,8 @@
 //
 // The test starts a daemon (one slot), holds one run granted and two waiting, checks
 // that the page shows what the API says, releases the granted run and waits for the
-// page to follow, and saves a screenshot to target/dashboard.png.
+// page to follow, saves a screenshot to target/dashboard.png (of a failure:
+// target/dashboard-failure.png), and checks that a refused token brings back the login.
 
 import { test, before, after } from 'node:test';
 import assert from 'node:assert/strict';
@@ -48,6 +49,7 @@ const ctx = {
   pageErrors: [],
   cspErrors: [],
   waiters: new AbortController(),
+  failed: false,      // a step failed: the ones after it, which build on it, are skipped
   granted: null,      // the run granted at the start
   queued: [],         // run ids of the two waiters, in queue order
 };
@@ -125,11 +127,19 @@ async function get(route) {
 
 const runsIn = (list, state) => list.runs.filter((r) => r.state === state);
 
-/** Runs `fn`; on failure prints the daemon's stderr and saves a screenshot first. */
-async function diagnosed(fn) {
+/**
+ * Runs one step: skipped if an earlier one failed; on failure prints the daemon's
+ * stderr and saves a screenshot of the page before failing.
+ */
+async function diagnosed(fn, t) {
+  if (ctx.failed) {
+    t?.skip('an earlier step failed');
+    return undefined;
+  }
   try {
     return await fn();
   } catch (e) {
+    ctx.failed = true;
     console.error(`\n--- berth daemon stderr and stdout (${ctx.stateDir}) ---\n${ctx.stderr || '(empty)'}\n--- end of daemon output ---`);
     if (ctx.pageErrors.length) console.error(`page errors:\n${ctx.pageErrors.join('\n')}`);
     if (ctx.page) {
@@ -177,10 +187,11 @@ function seen() {
 async function streamServed() {
   const ctl = new AbortController();
   try {
-    const res = await fetch(new URL('/v1/events', ctx.pageUrl), {
-      headers: { authorization: `Bearer ${ctx.token}`, accept: 'text/event-stream' },
-      signal: ctl.signal,
-    });
+    const res = await within('GET /v1/events to answer (its headers must come at once)', 10_000,
+      fetch(new URL('/v1/events', ctx.pageUrl), {
+        headers: { authorization: `Bearer ${ctx.token}`, accept: 'text/event-stream' },
+        signal: ctl.signal,
+      }));
     return res.status === 200;
   } finally {
     ctl.abort();
@@ -201,10 +212,10 @@ before(async () => diagnosed(async () => {
     'serve', '--state-dir', ctx.stateDir, '--listen', `127.0.0.1:${port}`,
     '--slots-max', '1', '--memory-total', '8GiB', '--cpu-total', '4000', '--no-memory-sampling',
   ];
-  ctx.daemon = spawn(bin, args, { stdio: ['ignore', 'pipe', 'pipe'] });
+  ctx.daemon = spawn(bin, args, { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, NO_COLOR: '1' } });
   for (const out of [ctx.daemon.stdout, ctx.daemon.stderr]) {
     out.setEncoding('utf8');
-    out.on('data', (d) => { ctx.stderr = (ctx.stderr + d).slice(-64 * 1024); });
+    out.on('data', (d) => { ctx.stderr = (ctx.stderr + d.replace(/\x1b\[[0-9;]*m/g, '')).slice(-64 * 1024); });
   }
   ctx.daemon.on('error', (e) => { ctx.exited = `could not start ${bin}: ${e.message}`; });
   ctx.daemon.on('exit', (code, signal) => { ctx.exited = `code ${code}, signal ${signal}`; });
@@ -256,10 +267,11 @@ after(async () => {
   if (d && d.exitCode === null && d.signalCode === null) {
     const gone = new Promise((r) => d.once('exit', r));
     d.kill('SIGTERM');
-    const stopped = await Promise.race([gone.then(() => true), sleep(5_000).then(() => false)]);
+    const stopped = await within('the daemon to stop on SIGTERM', 5_000, gone).then(() => true, () => false);
     if (!stopped) {
+      console.log('# the daemon did not stop within 5 s of SIGTERM: killed');
       d.kill('SIGKILL');
-      await Promise.race([gone, sleep(5_000)]);
+      await within('the daemon to die on SIGKILL', 5_000, gone).catch(() => {});
     }
   }
   if (ctx.stateDir) await rm(ctx.stateDir, { recursive: true, force: true }).catch(() => {});
@@ -267,10 +279,10 @@ after(async () => {
 
 // ---------- the tests (in order: each builds on the one before) ----------
 
-test('the page takes the token from the URL into sessionStorage and shows the queue', () => diagnosed(async () => {
+test('the page takes the token from the URL into sessionStorage and shows the queue', (t) => diagnosed(async () => {
   const url = `${ctx.pageUrl}#token=${encodeURIComponent(ctx.token)}`;
   const res = await within(`the page at ${ctx.pageUrl} to load`, 15_000, ctx.page.goto(url, { waitUntil: 'load' }));
-  assert.equal(res?.status(), 200, `GET ${ctx.pageUrl} should answer 200`);
+  assert.equal(res?.status(), 200, `GET ${ctx.pageUrl} should answer 200 with the dashboard (a public route: no token)`);
   await within('two rows in the #queue table', 10_000,
     ctx.page.waitForFunction(() => document.querySelectorAll('#queue tbody tr[data-run-id]').length === 2));
 
@@ -281,9 +293,9 @@ test('the page takes the token from the URL into sessionStorage and shows the qu
   assert.equal(s.local, 0, 'nothing may be kept in localStorage');
   assert.equal(s.cookies, '', 'no cookies may be set');
   assert.equal(s.loginShown, false, 'the login form should be hidden when a token is given');
-}));
+}, t));
 
-test('the page shows what the API says: capacity, queue, live runs, projects', () => diagnosed(async () => {
+test('the page shows what the API says: capacity, queue, live runs, projects', (t) => diagnosed(async () => {
   const status = await get('/v1/status');
   const runs = await get('/v1/runs');
   const s = await seen();
@@ -312,12 +324,9 @@ test('the page shows what the API says: capacity, queue, live runs, projects', (
   );
   assert.deepEqual(s.projects, status.projects.map((p) => p.project).sort(), 'one row per project of /v1/status');
   assert.deepEqual(s.projects, ['api', 'docs', 'web']);
+}, t));
 
-  await mkdir(path.dirname(SCREENSHOT), { recursive: true });
-  await within('the screenshot', 10_000, ctx.page.screenshot({ path: SCREENSHOT, fullPage: true }));
-}));
-
-test('the page follows a release: the first waiter goes live, one row stays queued', () => diagnosed(async () => {
+test('the page follows a release: the first waiter goes live, one row stays queued', (t) => diagnosed(async () => {
   const live = await streamServed();
   if (live) {
     await within('#conn to say "live" (the event stream is served)', 10_000,
@@ -354,9 +363,12 @@ test('the page follows a release: the first waiter goes live, one row stays queu
   }
   assert.deepEqual(ctx.pageErrors, [], 'the page throws no errors');
   assert.deepEqual(ctx.cspErrors, [], 'the page breaks no rule of its Content-Security-Policy');
-}));
 
-test('a refused token brings the login form back', () => diagnosed(async () => {
+  await mkdir(path.dirname(SCREENSHOT), { recursive: true });
+  await within('the screenshot', 10_000, ctx.page.screenshot({ path: SCREENSHOT, fullPage: true }));
+}, t));
+
+test('a refused token brings the login form back', (t) => diagnosed(async () => {
   await ctx.page.evaluate(() => sessionStorage.setItem('berth.token', 'not-a-token'));
   await within('the page to reload', 15_000, ctx.page.reload({ waitUntil: 'load' }));
   await within('#login to be shown after a 401', 10_000,
@@ -375,4 +387,4 @@ test('a refused token brings the login form back', () => diagnosed(async () => {
   assert.equal(s.stored, ctx.token);
   assert.ok(!s.href.includes(ctx.token), 'the token is not put in the address');
   assert.equal(s.local, 0, 'nothing may be kept in localStorage');
-}));
+}, t));

@@ -15,6 +15,7 @@
 //! One connection per call (HTTP/1.1 on loopback costs a few tens of microseconds); the
 //! daemon answers each call once its effect is durable (D1).
 
+pub mod schema;
 pub mod wire;
 
 use std::time::Duration;

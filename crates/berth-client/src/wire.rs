@@ -10,6 +10,9 @@ use std::collections::BTreeMap;
 
 use berth_core::{Class, ConcurrencyClass, KeyMode, Priority, RunState};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::schema::words;
 use serde_json::Value;
 
 /// A JSON object whose keys must each appear once: a request that names a resource or
@@ -50,7 +53,7 @@ impl<'de, V: Deserialize<'de>> Deserialize<'de> for UniqueMap<V> {
 }
 
 /// `POST /v1/runs`: ask for a berth.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AcquireRequest {
     /// A retry with the same id re-attaches to the same run (L7); default: a new id.
@@ -58,16 +61,20 @@ pub struct AcquireRequest {
     pub run_id: Option<String>,
     pub project: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(schema_with = words::<Class>)]
     pub class: Option<Class>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(schema_with = words::<Priority>)]
     pub priority: Option<Priority>,
     /// `slots`, `memory`, `cpu_millis`, `disk` and named resources (A13).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<BTreeMap<String, u64>>)]
     pub resources: Option<UniqueMap<u64>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub singletons: Option<Vec<String>>,
     /// Refused until experiment budgets exist.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Object)]
     pub budget: Option<Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worktree: Option<String>,
@@ -76,6 +83,7 @@ pub struct AcquireRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub wait_s: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<BTreeMap<String, String>>)]
     pub labels: Option<UniqueMap<String>>,
     /// Grace between SIGTERM and SIGKILL when this run is stopped (P2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -83,7 +91,7 @@ pub struct AcquireRequest {
 }
 
 /// `POST /v1/runs/{id}/renew`: a lease (with its fence) or a waiter (without).
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RenewRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -93,14 +101,14 @@ pub struct RenewRequest {
 }
 
 /// `POST /v1/runs/{id}/release`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReleaseRequest {
     pub fence: u64,
 }
 
 /// `POST /v1/runs/{id}/processes`: a process tree the run's client started (P1).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ProcessRequest {
     pub fence: u64,
@@ -108,7 +116,7 @@ pub struct ProcessRequest {
 }
 
 /// `POST /v1/tokens`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TokenRequest {
     /// `read`, `operator` or `admin`.
@@ -119,21 +127,22 @@ pub struct TokenRequest {
 }
 
 /// Why a run waits or was refused, in words a person can act on.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Reason {
     pub code: String,
     pub message: String,
 }
 
 /// A key the run holds and how.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Key {
     pub key: String,
+    #[schema(schema_with = words::<KeyMode>)]
     pub mode: KeyMode,
 }
 
 /// What a run claims: its resources (built-in and named, by name) and keys.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Claim {
     pub keys: Vec<Key>,
     pub resources: BTreeMap<String, u64>,
@@ -141,9 +150,10 @@ pub struct Claim {
 
 /// A run: what every run route answers. Fields are in alphabetical order, as a JSON
 /// object prints them.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Run {
     pub claim: Claim,
+    #[schema(schema_with = words::<Class>)]
     pub class: Class,
     /// The `BERTH_*` environment of a granted run (empty otherwise).
     pub env: BTreeMap<String, String>,
@@ -158,12 +168,14 @@ pub struct Run {
     pub ports: BTreeMap<String, u16>,
     /// In the queue, 1-based; a waiter only.
     pub position: Option<u64>,
+    #[schema(schema_with = words::<Priority>)]
     pub priority: Priority,
     pub project: String,
     pub reason: Option<Reason>,
     pub run_id: String,
     /// RFC 3339: when it was granted (or queued, while it waits).
     pub since: Option<String>,
+    #[schema(schema_with = words::<RunState>)]
     pub state: RunState,
     /// Pids that survived the last stop (a degraded run).
     pub survivors: Vec<i32>,
@@ -172,13 +184,13 @@ pub struct Run {
 }
 
 /// `GET /v1/runs`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct RunList {
     pub runs: Vec<Run>,
 }
 
 /// One line of a streamed acquire (`Accept: application/x-ndjson`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "event", rename_all = "lowercase")]
 pub enum AcquireEvent {
     /// The run waits; sent whenever its position or reason changes.
@@ -201,21 +213,22 @@ pub enum AcquireEvent {
 }
 
 /// Every refusal: `{"error": {"code", "message", "details"}}` with a stable code.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ErrorDetail {
     pub code: String,
     pub message: String,
     #[serde(default)]
+    #[schema(value_type = Object)]
     pub details: Value,
 }
 
 /// A resource of the host as admission sees it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ResourceStatus {
     pub name: String,
     pub total: u64,
@@ -226,7 +239,7 @@ pub struct ResourceStatus {
 }
 
 /// Promotion evidence a project's parallel runs rest on (D1).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Evidence {
     pub fingerprint: String,
     pub commit: Option<String>,
@@ -236,24 +249,25 @@ pub struct Evidence {
     pub at: String,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct ProjectStatus {
     pub project: String,
     pub active: u64,
     pub waiting: u64,
     pub degraded: u64,
+    #[schema(schema_with = words::<ConcurrencyClass>)]
     pub concurrency: ConcurrencyClass,
     pub evidence: Option<Evidence>,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Queued {
     pub foreground: u64,
     pub background: u64,
 }
 
 /// What the reaper has done since the daemon started (P4).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ReaperStatus {
     pub processes_terminated: u64,
     pub reused_pids_protected: u64,
@@ -261,14 +275,14 @@ pub struct ReaperStatus {
     pub diagnostics_dropped: u64,
 }
 
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct LedgerStatus {
     /// Ended runs retention has deleted since the daemon started.
     pub ended_runs_pruned: u64,
 }
 
 /// `GET /v1/status`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Status {
     pub resources: Vec<ResourceStatus>,
     pub memory_available: Option<u64>,
@@ -287,7 +301,7 @@ pub struct Status {
 }
 
 /// `POST /v1/reap`.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct ReapReport {
     pub examined: u64,
     pub reaped: u64,
@@ -299,17 +313,18 @@ pub struct ReapReport {
 }
 
 /// `GET /v1/fences/check?run_id=…&fence=…`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct FenceCheck {
     pub run_id: String,
     pub fence: u64,
     /// The fence is the run's and the run holds its lease.
     pub current: bool,
+    #[schema(schema_with = words::<RunState>)]
     pub state: Option<RunState>,
 }
 
 /// `POST /v1/tokens`: the token is shown once.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct TokenCreated {
     pub token: String,
     pub scope: String,
@@ -317,7 +332,7 @@ pub struct TokenCreated {
 }
 
 /// `POST /v1/runs/{id}/runtime` (C7): start the run's runtime under its fence.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RuntimeRequest {
     pub fence: u64,
@@ -325,7 +340,7 @@ pub struct RuntimeRequest {
 
 /// One step of a runtime start, as the stream (`Accept: application/x-ndjson`) and the
 /// answer's `events` report it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum RuntimeEvent {
     /// A port's `build` command runs.
@@ -350,7 +365,7 @@ pub enum RuntimeEvent {
 }
 
 /// The answer to a runtime start that is not streamed.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct RuntimeStarted {
     pub ports: BTreeMap<String, u16>,
     pub promoted: bool,
@@ -419,7 +434,7 @@ mod tests {
 /// One journal entry (D5): a line of `GET /v1/journal` and of its export, and the data
 /// of each event of `GET /v1/events`. Every state change berth makes is one entry,
 /// written in the same transaction as the change; `seq` has no gaps.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct JournalEntry {
     pub seq: u64,
     /// RFC 3339: when berth made the change.
@@ -434,12 +449,13 @@ pub struct JournalEntry {
     pub project: Option<String>,
     /// The change's own fields (they depend on `kind`).
     #[serde(default)]
+    #[schema(value_type = Object)]
     pub data: Value,
 }
 
 /// The last event of a stream berth cut off (a consumer too far behind): resume with
 /// `Last-Event-ID: last_seq`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct StreamCutoff {
     pub reason: String,
     pub last_seq: u64,

@@ -237,6 +237,8 @@ struct Job {
     /// A read of the ledger, made after every write submitted before it is durable.
     read: Option<Read>,
     done: Done,
+    /// The last job: the thread ends after it (readers may still hold senders).
+    stop: bool,
 }
 
 /// Told of each commit: how long the transaction took (fsync included) and how many
@@ -285,7 +287,11 @@ impl Committer {
                 Err(mpsc::RecvTimeoutError::Disconnected) => return,
             };
             let jobs = self.gather(first, &rx);
+            let stop = jobs.iter().any(|j| j.stop);
             self.commit(jobs);
+            if stop {
+                return;
+            }
             // Under sustained load the channel is never idle: prune between commits.
             if Instant::now() >= self.prune_at {
                 self.prune();
@@ -458,6 +464,7 @@ impl Writer {
             batch,
             read: None,
             done: Box::new(done),
+            stop: false,
         };
         if let Err(mpsc::SendError(job)) = self.tx.send(job) {
             (job.done)(Err(&StoreError::Stopped));
@@ -484,6 +491,14 @@ impl Writer {
 
     /// Waits until everything submitted so far is durable, then stops the thread.
     pub fn close(mut self) {
+        // Said outright: a `LedgerReader` may still hold a sender, so the channel
+        // alone would never tell the thread to end.
+        let _ = self.tx.send(Job {
+            batch: None,
+            read: None,
+            done: Box::new(|_| {}),
+            stop: true,
+        });
         let (tx, _) = mpsc::channel();
         drop(std::mem::replace(&mut self.tx, tx));
         if let Some(t) = self.thread.take() {
@@ -517,6 +532,7 @@ impl LedgerReader {
                 let got = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
                 done(got.unwrap_or(Err(StoreError::Stopped)));
             }),
+            stop: false,
         };
         if let Err(mpsc::SendError(job)) = self.tx.send(job) {
             (job.done)(Err(&StoreError::Stopped));
@@ -624,5 +640,31 @@ mod tests {
         assert_eq!(group(&["e"]), [("e", Err(true))]);
         writer.close();
         assert_eq!(*committed.lock().unwrap(), ["a", "b"]);
+    }
+
+    /// Regression: a held `LedgerReader` kept the writer's channel open, so `close`
+    /// waited for ever and the daemon never stopped on SIGTERM.
+    #[test]
+    fn close_ends_the_writer_while_a_reader_is_still_held() {
+        let writer = Writer::spawn(
+            Box::new(Picky {
+                committed: Arc::default(),
+            }),
+            true,
+        );
+        let reader = writer.reader();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            writer.close();
+            let _ = tx.send(());
+        });
+        assert!(
+            rx.recv_timeout(Duration::from_secs(10)).is_ok(),
+            "close() is still waiting for the ledger thread"
+        );
+        // A read after the close is told the writer has stopped.
+        let (tx, rx) = mpsc::channel();
+        reader.read(|s| s.journal_first(), move |r| tx.send(r.is_err()).unwrap());
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)), Ok(true));
     }
 }

@@ -11,13 +11,13 @@ use axum::extract::{Path, Query, Request, State as AxState};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use berth_core::{Command, RunState, Snapshot};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
+pub mod doc;
 mod observe;
 mod runtime;
 
@@ -790,37 +790,29 @@ async fn method_not_allowed() -> ApiError {
     )
 }
 
-/// The API. Each scope has its own router, and a route is declared in the router of the
-/// scope it needs (reads `read`, run changes `operator`, tokens and reaping `admin`).
+/// The API: the routes of [`doc::routes`], each in the router of the scope it needs
+/// (reads `read`, run changes `operator`, tokens and reaping `admin`; the dashboard page
+/// and the API's description none), so a route gets the scope of the router it is
+/// declared in, never one matched from its path.
 pub fn router(api: Api) -> Router {
     let scoped = |need: Scope| axum::middleware::from_fn(move |req, next| require(need, req, next));
-    let read = Router::new()
-        .route("/v1/runs", get(list_runs))
-        .route("/v1/runs/{id}", get(get_run))
-        .route("/v1/status", get(status))
-        .route("/v1/fences/check", get(fence_check))
-        .route("/v1/journal", get(observe::journal))
-        .route("/v1/journal/export", get(observe::export))
-        .route("/v1/events", get(observe::events))
-        .route("/metrics", get(observe::metrics))
-        .route_layer(scoped(Scope::Read));
-    let public = Router::new().route("/", get(observe::dashboard));
-    let operator = Router::new()
-        .route("/v1/runs", post(acquire))
-        .route("/v1/runs/{id}", delete(delete_run))
-        .route("/v1/runs/{id}/renew", post(renew))
-        .route("/v1/runs/{id}/release", post(release))
-        .route("/v1/runs/{id}/processes", post(register_process))
-        .route("/v1/runs/{id}/runtime", post(runtime::start_runtime))
-        .route_layer(scoped(Scope::Operator));
-    let admin = Router::new()
-        .route("/v1/tokens", post(create_token))
-        .route("/v1/reap", post(reap))
-        .route_layer(scoped(Scope::Admin));
+    let mut read = Router::new();
+    let mut operator = Router::new();
+    let mut admin = Router::new();
+    let mut public = Router::new();
+    for (r, handler) in doc::routes() {
+        let group = match r.scope {
+            Some(Scope::Read) => &mut read,
+            Some(Scope::Operator) => &mut operator,
+            Some(Scope::Admin) => &mut admin,
+            None => &mut public,
+        };
+        *group = std::mem::take(group).route(r.path, handler);
+    }
     Router::new()
-        .merge(read)
-        .merge(operator)
-        .merge(admin)
+        .merge(read.route_layer(scoped(Scope::Read)))
+        .merge(operator.route_layer(scoped(Scope::Operator)))
+        .merge(admin.route_layer(scoped(Scope::Admin)))
         .merge(public)
         .route_layer(axum::middleware::from_fn(mark_route))
         .fallback(not_found)

@@ -1,0 +1,514 @@
+//! The API's routes, described once: each entry of [`routes`] is both a route of the
+//! router (`super::router` adds exactly these) and an operation of the OpenAPI 3.1
+//! document at `/v1/openapi.json`, whose schemas are generated from berth-client's wire
+//! types. So the router and the document cannot disagree, and nothing in the document
+//! is written by hand but the one-line summaries.
+
+use axum::routing::MethodRouter;
+use berth_client::wire;
+use utoipa::openapi::content::ContentBuilder;
+use utoipa::openapi::path::{HttpMethod, OperationBuilder, ParameterBuilder, ParameterIn};
+use utoipa::openapi::request_body::RequestBodyBuilder;
+use utoipa::openapi::response::ResponseBuilder;
+use utoipa::openapi::schema::{ComponentsBuilder, ObjectBuilder, Type};
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
+use utoipa::openapi::{
+    InfoBuilder, OpenApi, OpenApiBuilder, PathItem, PathsBuilder, Ref, RefOr, Required,
+};
+
+use super::{observe, runtime, Api};
+use crate::auth::Scope;
+
+/// What an answer's body is.
+#[derive(Clone, Copy, Debug)]
+pub enum Body {
+    /// JSON: the named wire type.
+    Json(&'static str),
+    /// `application/x-ndjson`: lines of the named wire type.
+    Lines(&'static str),
+    /// `text/event-stream`: events whose data is the named wire type.
+    Events(&'static str),
+    /// Anything else, by media type (text, HTML).
+    Other(&'static str),
+}
+
+/// One route: method, path, the scope its token needs (`None`: public), what it takes
+/// and what it answers.
+#[derive(Clone)]
+pub struct Route {
+    pub method: HttpMethod,
+    pub path: &'static str,
+    pub scope: Option<Scope>,
+    pub summary: &'static str,
+    pub query: &'static [(&'static str, &'static str)],
+    pub request: Option<&'static str>,
+    /// The success status and body; a second body is the streamed form (asked for with
+    /// `Accept: application/x-ndjson`).
+    pub ok: (u16, Body, Option<Body>),
+}
+
+const fn route(
+    method: HttpMethod,
+    path: &'static str,
+    scope: Option<Scope>,
+    summary: &'static str,
+) -> Route {
+    Route {
+        method,
+        path,
+        scope,
+        summary,
+        query: &[],
+        request: None,
+        ok: (200, Body::Other("application/json"), None),
+    }
+}
+
+impl Route {
+    fn query(mut self, q: &'static [(&'static str, &'static str)]) -> Route {
+        self.query = q;
+        self
+    }
+    fn takes(mut self, schema: &'static str) -> Route {
+        self.request = Some(schema);
+        self
+    }
+    fn answers(mut self, status: u16, body: Body) -> Route {
+        self.ok = (status, body, None);
+        self
+    }
+    fn or_streams(mut self, body: Body) -> Route {
+        self.ok.2 = Some(body);
+        self
+    }
+}
+
+/// Every route of API v1 with its handler.
+pub fn routes() -> Vec<(Route, MethodRouter<Api>)> {
+    use axum::routing::{delete, get, post};
+    use HttpMethod::{Delete, Get, Post};
+    use Scope::{Admin, Operator, Read};
+    let (r, o, a) = (Some(Read), Some(Operator), Some(Admin));
+    vec![
+        (
+            route(
+                Get,
+                "/v1/runs",
+                r,
+                "List live runs (all=true: ended ones too)",
+            )
+            .query(&[("limit", "integer"), ("all", "boolean")])
+            .answers(200, Body::Json("RunList")),
+            get(super::list_runs),
+        ),
+        (
+            route(Get, "/v1/runs/{id}", r, "One run").answers(200, Body::Json("Run")),
+            get(super::get_run),
+        ),
+        (
+            route(
+                Get,
+                "/v1/status",
+                r,
+                "The host's capacity, queue, projects and reaper",
+            )
+            .answers(200, Body::Json("Status")),
+            get(super::status),
+        ),
+        (
+            route(
+                Get,
+                "/v1/fences/check",
+                r,
+                "Is this fence the run's current lease (L2)?",
+            )
+            .query(&[("run_id", "string"), ("fence", "integer")])
+            .answers(200, Body::Json("FenceCheck")),
+            get(super::fence_check),
+        ),
+        (
+            route(
+                Get,
+                "/v1/journal",
+                r,
+                "Journal entries after a sequence number (D5)",
+            )
+            .query(&[("after", "integer"), ("limit", "integer")])
+            .answers(200, Body::Lines("JournalEntry")),
+            get(observe::journal),
+        ),
+        (
+            route(
+                Get,
+                "/v1/journal/export",
+                r,
+                "A prefix of the journal with its SHA-256 (header X-Berth-Journal-Sha256)",
+            )
+            .query(&[("through", "integer")])
+            .answers(200, Body::Lines("JournalEntry")),
+            get(observe::export),
+        ),
+        (
+            route(
+                Get,
+                "/v1/events",
+                r,
+                "The journal live, as server-sent events; resumes after Last-Event-ID",
+            )
+            .query(&[
+                ("after", "integer"),
+                ("run", "string"),
+                ("project", "string"),
+                ("kind", "string"),
+            ])
+            .answers(200, Body::Events("JournalEntry")),
+            get(observe::events),
+        ),
+        (
+            route(Get, "/metrics", r, "Prometheus metrics (OpenMetrics text)")
+                .answers(200, Body::Other("application/openmetrics-text")),
+            get(observe::metrics),
+        ),
+        (
+            route(
+                Post,
+                "/v1/runs",
+                o,
+                "Ask for a berth; waits until granted (or streams its progress)",
+            )
+            .takes("AcquireRequest")
+            .answers(201, Body::Json("Run"))
+            .or_streams(Body::Lines("AcquireEvent")),
+            post(super::acquire),
+        ),
+        (
+            route(
+                Delete,
+                "/v1/runs/{id}",
+                o,
+                "Cancel a waiter, or release a lease (?fence=)",
+            )
+            .query(&[("fence", "integer")])
+            .answers(200, Body::Json("Run")),
+            delete(super::delete_run),
+        ),
+        (
+            route(
+                Post,
+                "/v1/runs/{id}/renew",
+                o,
+                "Renew a lease, or a waiter's deadline",
+            )
+            .takes("RenewRequest")
+            .answers(200, Body::Json("Run")),
+            post(super::renew),
+        ),
+        (
+            route(Post, "/v1/runs/{id}/release", o, "Release a lease")
+                .takes("ReleaseRequest")
+                .answers(200, Body::Json("Run")),
+            post(super::release),
+        ),
+        (
+            route(
+                Post,
+                "/v1/runs/{id}/processes",
+                o,
+                "Register a process the run started (P1)",
+            )
+            .takes("ProcessRequest")
+            .answers(201, Body::Json("Run")),
+            post(super::register_process),
+        ),
+        (
+            route(
+                Post,
+                "/v1/runs/{id}/runtime",
+                o,
+                "Start the run's runtime and prove its ports (C7)",
+            )
+            .takes("RuntimeRequest")
+            .answers(200, Body::Json("RuntimeStarted"))
+            .or_streams(Body::Lines("RuntimeEvent")),
+            post(runtime::start_runtime),
+        ),
+        (
+            route(Post, "/v1/tokens", a, "Make a token")
+                .takes("TokenRequest")
+                .answers(201, Body::Json("TokenCreated")),
+            post(super::create_token),
+        ),
+        (
+            route(Post, "/v1/reap", a, "One reaper pass now (P4)")
+                .answers(200, Body::Json("ReapReport")),
+            post(super::reap),
+        ),
+        (
+            route(
+                Get,
+                "/",
+                None,
+                "The dashboard (a static page; it asks the API with your token)",
+            )
+            .answers(200, Body::Other("text/html")),
+            get(observe::dashboard),
+        ),
+        (
+            route(Get, "/v1/openapi.json", None, "This document")
+                .answers(200, Body::Other("application/json")),
+            get(openapi_json),
+        ),
+    ]
+}
+
+/// The document, built once.
+pub fn openapi() -> &'static OpenApi {
+    static DOC: std::sync::OnceLock<OpenApi> = std::sync::OnceLock::new();
+    DOC.get_or_init(build)
+}
+
+async fn openapi_json() -> axum::response::Response {
+    use axum::response::IntoResponse;
+    axum::Json(openapi()).into_response()
+}
+
+fn schema_ref(name: &str) -> RefOr<utoipa::openapi::schema::Schema> {
+    RefOr::Ref(Ref::from_schema_name(name))
+}
+
+fn content(body: Body) -> (&'static str, utoipa::openapi::content::Content) {
+    let (media, schema) = match body {
+        Body::Json(s) => ("application/json", Some(s)),
+        Body::Lines(s) => ("application/x-ndjson", Some(s)),
+        Body::Events(s) => ("text/event-stream", Some(s)),
+        Body::Other(m) => (m, None),
+    };
+    let mut c = ContentBuilder::new();
+    if let Some(s) = schema {
+        c = c.schema(Some(schema_ref(s)));
+    }
+    (media, c.build())
+}
+
+fn operation(r: &Route) -> utoipa::openapi::path::Operation {
+    let mut op = OperationBuilder::new().summary(Some(r.summary));
+    if let Some(id) = r.path.split('{').nth(1).and_then(|s| s.split('}').next()) {
+        op = op.parameter(
+            ParameterBuilder::new()
+                .name(id)
+                .parameter_in(ParameterIn::Path)
+                .required(Required::True)
+                .schema(Some(ObjectBuilder::new().schema_type(Type::String))),
+        );
+    }
+    for (name, ty) in r.query {
+        let t = match *ty {
+            "integer" => Type::Integer,
+            "boolean" => Type::Boolean,
+            _ => Type::String,
+        };
+        op = op.parameter(
+            ParameterBuilder::new()
+                .name(*name)
+                .parameter_in(ParameterIn::Query)
+                .required(Required::False)
+                .schema(Some(ObjectBuilder::new().schema_type(t))),
+        );
+    }
+    if let Some(req) = r.request {
+        let (media, c) = content(Body::Json(req));
+        op = op.request_body(Some(
+            RequestBodyBuilder::new()
+                .content(media, c)
+                .required(Some(Required::True))
+                .build(),
+        ));
+    }
+    let (status, body, streamed) = r.ok;
+    let mut ok = ResponseBuilder::new().description("success");
+    for b in std::iter::once(body).chain(streamed) {
+        let (media, c) = content(b);
+        ok = ok.content(media, c);
+    }
+    let (media, c) = content(Body::Json("ErrorBody"));
+    let refused = ResponseBuilder::new()
+        .description("refused: {\"error\": {code, message, details}}")
+        .content(media, c);
+    op = op
+        .response(status.to_string(), ok)
+        .response("default", refused);
+    if r.scope.is_some() {
+        op = op.security(SecurityRequirement::new("bearer", Vec::<String>::new()));
+    }
+    op.build()
+}
+
+fn build() -> OpenApi {
+    let mut paths = PathsBuilder::new();
+    for (r, _) in routes() {
+        let mut item = PathItem::new(r.method.clone(), operation(&r));
+        if let Some(scope) = r.scope {
+            item.description = Some(format!("Needs a token of the {} scope.", scope.as_str()));
+        }
+        paths = paths.path(r.path, item);
+    }
+    let components = ComponentsBuilder::new()
+        .schema_from::<wire::AcquireRequest>()
+        .schema_from::<wire::RenewRequest>()
+        .schema_from::<wire::ReleaseRequest>()
+        .schema_from::<wire::ProcessRequest>()
+        .schema_from::<wire::TokenRequest>()
+        .schema_from::<wire::RuntimeRequest>()
+        .schema_from::<wire::Reason>()
+        .schema_from::<wire::Key>()
+        .schema_from::<wire::Claim>()
+        .schema_from::<wire::Run>()
+        .schema_from::<wire::RunList>()
+        .schema_from::<wire::AcquireEvent>()
+        .schema_from::<wire::ErrorBody>()
+        .schema_from::<wire::ErrorDetail>()
+        .schema_from::<wire::ResourceStatus>()
+        .schema_from::<wire::Evidence>()
+        .schema_from::<wire::ProjectStatus>()
+        .schema_from::<wire::Queued>()
+        .schema_from::<wire::ReaperStatus>()
+        .schema_from::<wire::LedgerStatus>()
+        .schema_from::<wire::Status>()
+        .schema_from::<wire::ReapReport>()
+        .schema_from::<wire::FenceCheck>()
+        .schema_from::<wire::TokenCreated>()
+        .schema_from::<wire::RuntimeEvent>()
+        .schema_from::<wire::RuntimeStarted>()
+        .schema_from::<wire::JournalEntry>()
+        .schema_from::<wire::StreamCutoff>()
+        .security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        )
+        .build();
+    OpenApiBuilder::new()
+        .info(
+            InfoBuilder::new()
+                .title("berth API v1")
+                .version(env!("CARGO_PKG_VERSION"))
+                .description(Some(
+                    "Host admission and lease broker for agent runs and short jobs. Errors are {\"error\": {code, message, details}} with stable codes.",
+                )),
+        )
+        .paths(paths)
+        .components(Some(components))
+        .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body as AxBody;
+    use std::sync::Arc;
+    use tower_service::Service;
+
+    const SNAPSHOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/openapi.json");
+
+    /// The document is pinned: a change to a wire type or a route shows up here, and
+    /// the TypeScript client's types (generated from this file) must follow it.
+    /// `BERTH_BLESS=1` rewrites the file.
+    #[test]
+    fn the_openapi_document_matches_its_snapshot() {
+        let now = serde_json::to_string_pretty(openapi()).unwrap() + "\n";
+        if std::env::var_os("BERTH_BLESS").is_some() {
+            std::fs::write(SNAPSHOT, &now).unwrap();
+        }
+        let pinned = std::fs::read_to_string(SNAPSHOT).unwrap_or_default();
+        assert!(
+            pinned == now,
+            "docs/openapi.json is not the document berth serves; run BERTH_BLESS=1 cargo test -p berth-server the_openapi_document, and regenerate clients/typescript (npm run gen)"
+        );
+        let v: serde_json::Value = serde_json::from_str(&now).unwrap();
+        assert_eq!(v["openapi"], "3.1.0");
+        for schema in [
+            "Run",
+            "AcquireRequest",
+            "Status",
+            "JournalEntry",
+            "ErrorBody",
+        ] {
+            assert!(v["components"]["schemas"][schema].is_object(), "{schema}");
+        }
+        let states = &v["components"]["schemas"]["Run"]["properties"]["state"]["enum"];
+        assert_eq!(
+            states.as_array().map(Vec::len),
+            Some(berth_core::RunState::ALL.len())
+        );
+    }
+
+    fn api() -> Api {
+        // A daemon that is gone: routes that ask it answer 503, which is still routed.
+        let (tx, _) = tokio::sync::mpsc::channel(1);
+        Api {
+            tx,
+            shared: Arc::default(),
+            auth: false,
+            cfg: Arc::new(berth_core::Config::for_host(4, 8 << 30, 100 << 30)),
+            uid: 0,
+            starting: Arc::default(),
+        }
+    }
+
+    /// Every operation in the document is routed (the router answers it with something
+    /// other than its "no such endpoint" or "method not allowed"), and the router has
+    /// no route besides the document's: `router` adds only `routes()`, and no other
+    /// code in the API adds one.
+    #[tokio::test]
+    async fn every_documented_route_is_routed_and_every_route_documented() {
+        let doc = serde_json::to_value(openapi()).unwrap();
+        let paths = doc["paths"].as_object().unwrap();
+        let mut ops = 0;
+        let mut router = super::super::router(api());
+        for (path, item) in paths {
+            for method in item.as_object().unwrap().keys() {
+                if !["get", "post", "delete", "put", "patch"].contains(&method.as_str()) {
+                    continue;
+                }
+                ops += 1;
+                let uri = path.replace("{id}", "x");
+                let req = axum::http::Request::builder()
+                    .method(method.to_uppercase().as_str())
+                    .uri(&uri)
+                    .header("content-type", "application/json")
+                    .body(AxBody::from("{}"))
+                    .unwrap();
+                let res = router.call(req).await.unwrap();
+                let status = res.status().as_u16();
+                // (Only a 404's body is read: the event stream's never ends.)
+                let text = if status == 404 {
+                    let body = axum::body::to_bytes(res.into_body(), 1 << 20).await;
+                    String::from_utf8_lossy(&body.unwrap_or_default()).into_owned()
+                } else {
+                    String::new()
+                };
+                assert!(
+                    status != 405 && !(status == 404 && text.contains("no such endpoint")),
+                    "{method} {path} is documented but not routed ({status} {text})"
+                );
+            }
+        }
+        assert_eq!(ops, routes().len(), "one operation per route");
+        let unknown = axum::http::Request::builder()
+            .uri("/v1/nothing")
+            .body(AxBody::empty())
+            .unwrap();
+        assert_eq!(router.call(unknown).await.unwrap().status(), 404);
+        // The converse: no code in the API adds a route of its own.
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/src/api");
+        let mut adders = 0;
+        for f in std::fs::read_dir(dir).unwrap() {
+            let path = f.unwrap().path();
+            if path.ends_with("doc.rs") {
+                continue; // (this test's own text names the calls)
+            }
+            let text = std::fs::read_to_string(path).unwrap();
+            adders += text.matches(".route(").count() + text.matches(".nest(").count();
+        }
+        assert_eq!(adders, 1, "a route is added outside the loop over routes()");
+    }
+}
