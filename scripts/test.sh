@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: every crate's tests, then 200 seeds of the simulator.
+# The whole test suite: every crate's tests, the TypeScript client's and the dashboard's
+# node tests, the failpoint crash tests, then 200 seeds of the simulator.
 # This is the README's test command; .ci/run calls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,29 @@ if ! command -v python3 >/dev/null && [ "$(id -u)" = 0 ]; then
   { apt-get update -qq && apt-get install -y -qq python3 >/dev/null; } ||
     echo "could not install python3: the runtime tests will say so" >&2
 fi
+# The TypeScript client's tests and the dashboard's browser test need Node.js (with npm)
+# and Debian's Chromium (driven by playwright-core, which downloads no browser).
+missing=()
+command -v node >/dev/null && command -v npm >/dev/null || missing+=(nodejs npm)
+[ -x "${BERTH_CHROMIUM:-/usr/bin/chromium}" ] || missing+=(chromium)
+if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ]; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; } ||
+    echo "could not install ${missing[*]}: the node tests will say so" >&2
+fi
 cargo test --workspace --locked
+# Both node suites start the binary cargo just built, each on a free port with a fresh
+# state dir. Packages come from the lockfiles only (npm ci); no generator runs.
+if command -v node >/dev/null && command -v npm >/dev/null &&
+  [ -x "${BERTH_CHROMIUM:-/usr/bin/chromium}" ]; then
+  export BERTH_BIN="$PWD/target/debug/berth"
+  (cd clients/typescript && npm ci --no-audit --no-fund --loglevel=error && npm test)
+  (cd tests/web && npm ci --no-audit --no-fund --loglevel=error && npm test)
+elif [ -n "${CI:-}" ] || [ -n "${BERTH_REQUIRE_ROOT:-}" ]; then
+  echo "node, npm or chromium is missing: the TypeScript and browser tests cannot run" >&2
+  exit 1
+else
+  echo "::warning:: node, npm or chromium is missing: the TypeScript and browser tests did not run" >&2
+fi
 # The crash tests need the daemon built with its failpoints (a cargo feature).
 cargo test --locked -p berth --features failpoints --test failpoints
 cargo run --locked -q -p berth-sim -- --seeds "${BERTH_SIM_SEEDS:-200}"

@@ -378,7 +378,7 @@ export async function withBerth<T>(
   let ttlMs = expiresAt - grantedAt;
   if (!(ttlMs > 0)) ttlMs = requestedMs;
   // A clock skewed ahead of berth's must not stretch the interval past what was asked.
-  if (req.ttl_s !== undefined) ttlMs = Math.min(ttlMs, req.ttl_s * 1000);
+  if (req.ttl_s != null) ttlMs = Math.min(ttlMs, req.ttl_s * 1000);
   const every = Math.max(ttlMs / 3, 50);
   if (!(expiresAt > grantedAt)) expiresAt = grantedAt + ttlMs;
 
@@ -499,7 +499,7 @@ function refusal(status: number, text: string): BerthError {
     const body = JSON.parse(text) as Partial<ErrorBody> | null;
     const e = body?.error;
     if (e && typeof e.code === "string") {
-      return new BerthError(status, e.code, typeof e.message === "string" ? e.message : "", e.details ?? null);
+      return new BerthError(status, e.code, typeof e.message === "string" ? e.message : "", (e.details ?? null) as JsonValue);
     }
   } catch {
     // Not JSON: fall through.

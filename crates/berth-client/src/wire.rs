@@ -149,7 +149,8 @@ pub struct Claim {
 }
 
 /// A run: what every run route answers. Fields are in alphabetical order, as a JSON
-/// object prints them.
+/// object prints them. An `Option` field is always sent (as null when unset), so the
+/// OpenAPI document marks it `required` and nullable rather than leaving it optional.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Run {
     pub claim: Claim,
@@ -158,28 +159,35 @@ pub struct Run {
     /// The `BERTH_*` environment of a granted run (empty otherwise).
     pub env: BTreeMap<String, String>,
     /// RFC 3339; a lease only.
+    #[schema(required = true)]
     pub expires_at: Option<String>,
     /// Why berth itself ended the run (no workspace or ports at its grant, W1/W3; a
     /// listener opened by an analysis run, C6).
     #[serde(default)]
     pub failure: Option<String>,
+    #[schema(required = true)]
     pub fence: Option<u64>,
     pub labels: BTreeMap<String, String>,
     pub ports: BTreeMap<String, u16>,
     /// In the queue, 1-based; a waiter only.
+    #[schema(required = true)]
     pub position: Option<u64>,
     #[schema(schema_with = words::<Priority>)]
     pub priority: Priority,
     pub project: String,
+    #[schema(required = true)]
     pub reason: Option<Reason>,
     pub run_id: String,
     /// RFC 3339: when it was granted (or queued, while it waits).
+    #[schema(required = true)]
     pub since: Option<String>,
     #[schema(schema_with = words::<RunState>)]
     pub state: RunState,
     /// Pids that survived the last stop (a degraded run).
     pub survivors: Vec<i32>,
+    #[schema(required = true)]
     pub workspace: Option<String>,
+    #[schema(required = true)]
     pub worktree: Option<String>,
 }
 
@@ -196,7 +204,9 @@ pub enum AcquireEvent {
     /// The run waits; sent whenever its position or reason changes.
     Queued {
         run_id: String,
+        #[schema(required = true)]
         position: Option<u64>,
+        #[schema(required = true)]
         reason: Option<Reason>,
     },
     Granted {
@@ -222,8 +232,8 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     pub code: String,
     pub message: String,
+    /// Any JSON value (`{fence, current_fence}` for `stale_fence`, ...); absent reads as null.
     #[serde(default)]
-    #[schema(value_type = Object)]
     pub details: Value,
 }
 
@@ -242,6 +252,7 @@ pub struct ResourceStatus {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Evidence {
     pub fingerprint: String,
+    #[schema(required = true)]
     pub commit: Option<String>,
     pub ports: Vec<String>,
     pub run_id: String,
@@ -257,6 +268,7 @@ pub struct ProjectStatus {
     pub degraded: u64,
     #[schema(schema_with = words::<ConcurrencyClass>)]
     pub concurrency: ConcurrencyClass,
+    #[schema(required = true)]
     pub evidence: Option<Evidence>,
 }
 
@@ -285,10 +297,12 @@ pub struct LedgerStatus {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Status {
     pub resources: Vec<ResourceStatus>,
+    #[schema(required = true)]
     pub memory_available: Option<u64>,
     pub memory_pending: u64,
     pub slots_max: u64,
     pub effective_max_now: u64,
+    #[schema(required = true)]
     pub min_run_blocked: Option<Reason>,
     pub queued: Queued,
     pub granted: u64,
@@ -447,9 +461,9 @@ pub struct JournalEntry {
     pub run_id: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub project: Option<String>,
-    /// The change's own fields (they depend on `kind`).
+    /// The change's own fields (they depend on `kind`): always an object.
     #[serde(default)]
-    #[schema(value_type = Object)]
+    #[schema(value_type = BTreeMap<String, Value>, required = true)]
     pub data: Value,
 }
 
