@@ -1,6 +1,9 @@
 //! `berth-bench http`: acquire -> release lifecycles from N concurrent HTTP clients
 //! against a daemon on a temporary SQLite ledger with durability on; then the same
 //! workload against a daemon whose ledger commits every write on its own (baseline).
+//! With `--subscribers N`, N clients follow `GET /v1/events` (SSE) throughout, as
+//! dashboards and orchestrators do, and the events each received are counted: the
+//! journal's cost to the request path is measured with its readers attached.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -15,6 +18,10 @@ struct Outcome {
     grant_ms: Vec<f64>,
     commits: u64,
     errors: u64,
+    /// Events each subscriber received while measuring.
+    events: Vec<u64>,
+    /// Subscribers the daemon cut off for falling behind.
+    cutoffs: u64,
 }
 
 /// A daemon with room for everything the benchmarks ask (slots, memory, disk), durable
@@ -44,7 +51,7 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
     }
 }
 
-fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
+fn run(clients: usize, subscribers: usize, seconds: u64, group_commit: bool) -> Outcome {
     // Whatever ran before (a build, the other half of this benchmark) leaves dirty pages
     // whose writeback would compete with the daemon's fsyncs: flush them first.
     rustix::fs::sync();
@@ -67,6 +74,8 @@ fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
         count: AtomicU64::new(0),
         errors: AtomicU64::new(0),
         grant_ms: Mutex::new(Vec::new()),
+        events: (0..subscribers).map(|_| AtomicU64::new(0)).collect(),
+        cutoffs: AtomicU64::new(0),
     });
     // The load generator shares the machine's two cores with the daemon, so it must
     // cost little: the clients are tasks on one thread (epoll, as wrk does), each with
@@ -79,11 +88,19 @@ fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
         let load = load.clone();
         std::thread::spawn(move || {
             client_rt.block_on(async move {
+                // Subscribers first, so that every lifecycle's events reach them.
+                let subs: Vec<_> = (0..subscribers)
+                    .map(|s| tokio::spawn(subscriber(s, load.clone())))
+                    .collect();
+                tokio::time::sleep(Duration::from_millis(200)).await;
                 let tasks: Vec<_> = (0..clients)
                     .map(|c| tokio::spawn(client(c, load.clone())))
                     .collect();
                 for t in tasks {
                     t.await.unwrap();
+                }
+                for s in subs {
+                    s.abort();
                 }
             })
         })
@@ -106,6 +123,12 @@ fn run(clients: usize, seconds: u64, group_commit: bool) -> Outcome {
         grant_ms,
         commits,
         errors: load.errors.load(Ordering::Relaxed),
+        events: load
+            .events
+            .iter()
+            .map(|e| e.load(Ordering::Relaxed))
+            .collect(),
+        cutoffs: load.cutoffs.load(Ordering::Relaxed),
     }
 }
 
@@ -116,13 +139,17 @@ fn pct(v: &[f64], p: f64) -> f64 {
     v[((v.len() as f64 - 1.0) * p).round() as usize]
 }
 
-pub fn main(clients: usize, seconds: u64) {
-    let grouped = run(clients, seconds, true);
-    let baseline = run(clients, seconds, false);
+pub fn main(clients: usize, subscribers: usize, seconds: u64) {
+    let grouped = run(clients, subscribers, seconds, true);
+    let baseline = run(clients, subscribers, seconds, false);
     let rate = grouped.lifecycles as f64 / grouped.seconds;
     let base_rate = baseline.lifecycles as f64 / baseline.seconds;
+    // Each lifecycle journals at least `queued`, `granted`, `released` and `ended`.
+    let events_min = grouped.events.iter().min().copied().unwrap_or(0) as f64;
+    let events_mean =
+        grouped.events.iter().sum::<u64>() as f64 / grouped.events.len().max(1) as f64;
     println!(
-        "{{\"clients\":{clients},\"seconds\":{seconds},\"lifecycles\":{},\"lifecycles_per_s\":{rate:.0},\"grant_p50_ms\":{:.3},\"grant_p99_ms\":{:.3},\"commits_per_lifecycle\":{:.3},\"errors\":{},\"baseline_lifecycles_per_s\":{base_rate:.0},\"baseline_commits_per_lifecycle\":{:.3},\"speedup\":{:.2}}}",
+        "{{\"clients\":{clients},\"subscribers\":{subscribers},\"seconds\":{seconds},\"lifecycles\":{},\"lifecycles_per_s\":{rate:.0},\"grant_p50_ms\":{:.3},\"grant_p99_ms\":{:.3},\"commits_per_lifecycle\":{:.3},\"errors\":{},\"baseline_lifecycles_per_s\":{base_rate:.0},\"baseline_commits_per_lifecycle\":{:.3},\"speedup\":{:.2},\"events_per_s_per_subscriber_mean\":{:.0},\"events_per_s_per_subscriber_min\":{:.0},\"subscribers_cut_off\":{}}}",
         grouped.lifecycles,
         pct(&grouped.grant_ms, 0.5),
         pct(&grouped.grant_ms, 0.99),
@@ -130,6 +157,9 @@ pub fn main(clients: usize, seconds: u64) {
         grouped.errors + baseline.errors,
         baseline.commits as f64 / baseline.lifecycles.max(1) as f64,
         rate / base_rate.max(1e-9),
+        events_mean / grouped.seconds,
+        events_min / grouped.seconds,
+        grouped.cutoffs + baseline.cutoffs,
     );
 }
 
@@ -142,6 +172,9 @@ struct Load {
     count: AtomicU64,
     errors: AtomicU64,
     grant_ms: Mutex<Vec<f64>>,
+    /// Per subscriber: events received while measuring.
+    events: Vec<AtomicU64>,
+    cutoffs: AtomicU64,
 }
 
 /// The load generator's acquire body, written by hand: the client shares the machine's
@@ -200,6 +233,60 @@ async fn client(c: usize, load: Arc<Load>) {
         }
     }
     load.grant_ms.lock().unwrap().extend(mine);
+}
+
+/// One subscriber: follows `GET /v1/events` from now on and counts the events (records
+/// with an `id:`) it receives while measuring, until aborted or cut off.
+async fn subscriber(s: usize, load: Arc<Load>) {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let mut conn = Conn::open(&load.url).await;
+    let req = format!(
+        "GET /v1/events HTTP/1.1\r\nHost: {}\r\nAuthorization: {}\r\nAccept: text/event-stream\r\n\r\n",
+        conn.host, load.auth
+    );
+    conn.stream
+        .get_mut()
+        .write_all(req.as_bytes())
+        .await
+        .unwrap();
+    let mut line = String::new();
+    // The head: a 200, then (chunked) the stream.
+    loop {
+        line.clear();
+        if conn.stream.read_line(&mut line).await.unwrap_or(0) == 0 {
+            return;
+        }
+        if line.trim_end().is_empty() {
+            break;
+        }
+    }
+    // Undo the chunked encoding, then split the text into SSE records at blank lines.
+    let mut text = String::new();
+    loop {
+        line.clear();
+        if conn.stream.read_line(&mut line).await.unwrap_or(0) == 0 {
+            return;
+        }
+        let Ok(len) = usize::from_str_radix(line.trim_end(), 16) else {
+            return;
+        };
+        let mut chunk = vec![0u8; len + 2];
+        if len == 0 || conn.stream.read_exact(&mut chunk).await.is_err() {
+            return;
+        }
+        text.push_str(&String::from_utf8_lossy(&chunk[..len]));
+        while let Some(end) = text.find("\n\n") {
+            let record = &text[..end];
+            if record.lines().any(|l| l.starts_with("event: cutoff")) {
+                load.cutoffs.fetch_add(1, Ordering::Relaxed);
+            } else if load.measuring.load(Ordering::Relaxed)
+                && record.lines().any(|l| l.starts_with("id:"))
+            {
+                load.events[s].fetch_add(1, Ordering::Relaxed);
+            }
+            text.drain(..end + 2);
+        }
+    }
 }
 
 /// One keep-alive HTTP/1.1 connection to the daemon.

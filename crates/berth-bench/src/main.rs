@@ -76,6 +76,9 @@ enum Bench {
     Http {
         #[arg(long, default_value_t = 64)]
         clients: usize,
+        /// Clients that follow the event stream (`GET /v1/events`) meanwhile.
+        #[arg(long, default_value_t = 0)]
+        subscribers: usize,
         #[arg(long, default_value_t = 10)]
         seconds: u64,
     },
@@ -253,7 +256,11 @@ fn naive_depth(depth: u64, passes: usize) -> f64 {
 fn main() {
     let args = Args::parse();
     match args.bench {
-        Bench::Http { clients, seconds } => http::main(clients, seconds),
+        Bench::Http {
+            clients,
+            subscribers,
+            seconds,
+        } => http::main(clients, subscribers, seconds),
         Bench::Recovery { runs } => recovery::main(runs),
         Bench::Retention { runs } => retention::main(runs),
         Bench::RetentionDaemon { state_dir } => retention::daemon(&state_dir),

@@ -365,6 +365,7 @@ fn crash_at(failpoint: &str, variant: u64) {
         Some(100 * expected.len() as u64),
         "{failpoint}: capacity leak: {s}"
     );
+    journal_agrees_with_the_runs(&d, failpoint);
     // Whole groups: `sh -c` keeps its `sleep` as a child, which would outlive it.
     for c in [&mut keep.child, &mut stop.child] {
         if let Some(pg) = rustix::process::Pid::from_raw(c.id() as i32) {
@@ -435,6 +436,67 @@ fn a_berth_run_that_dies_between_spawn_and_registration_never_starts_cmd() {
         d.get("/v1/runs/gated").body["state"] == "expired"
     });
     assert_eq!(d.get("/v1/status").body["granted"], 0);
+}
+
+/// D5 across kill -9: the journal's sequence numbers run on after every restart with no
+/// gap and no repeat, and the journal and the runs never disagree. Every acknowledged
+/// grant has exactly one `granted` entry with the run's fence (a grant committed before
+/// a crash and found again after it is not journaled twice, and none is missing), every
+/// ended run has its `ended` entry with its final state and no live run has one, the
+/// registered process and the renewals acknowledged after the restart are there, and
+/// fences rise with the sequence (the journal records grants in the order they were made).
+fn journal_agrees_with_the_runs(d: &Daemon, failpoint: &str) {
+    let all = d.journal();
+    let seqs: Vec<u64> = all.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(
+        seqs,
+        (1..=all.len() as u64).collect::<Vec<_>>(),
+        "{failpoint}: journal sequence has a gap or a repeat"
+    );
+    let entries = |run: &str, kind: &str| -> Vec<&serde_json::Value> {
+        all.iter()
+            .filter(|e| e["run_id"] == run && e["kind"] == kind)
+            .collect()
+    };
+    let runs = d.get("/v1/runs?all=true").body["runs"]
+        .as_array()
+        .unwrap()
+        .clone();
+    for r in &runs {
+        let id = r["run_id"].as_str().unwrap();
+        let state = r["state"].as_str().unwrap();
+        if let Some(fence) = r["fence"].as_u64() {
+            let granted = entries(id, "granted");
+            assert_eq!(
+                granted.len(),
+                1,
+                "{failpoint}: {id} (fence {fence}) has {} granted entries: {granted:?}",
+                granted.len()
+            );
+            assert_eq!(granted[0]["data"]["fence"], fence, "{failpoint}: {id}");
+        }
+        let ended = entries(id, "ended");
+        if matches!(state, "released" | "expired" | "cancelled" | "rejected") {
+            assert_eq!(ended.len(), 1, "{failpoint}: {id} ({state}): {ended:?}");
+            assert_eq!(ended[0]["data"]["state"], state, "{failpoint}: {id}");
+        } else {
+            assert!(
+                ended.is_empty(),
+                "{failpoint}: live {id} ({state}): {ended:?}"
+            );
+        }
+    }
+    assert_eq!(entries("exp", "process_registered").len(), 1, "{failpoint}");
+    assert!(!entries("keep", "renewed").is_empty(), "{failpoint}");
+    let fences: Vec<u64> = all
+        .iter()
+        .filter(|e| e["kind"] == "granted")
+        .map(|e| e["data"]["fence"].as_u64().unwrap())
+        .collect();
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "{failpoint}: granted fences out of order in the journal: {fences:?}"
+    );
 }
 
 /// The seeded crash loop: a random failpoint per iteration. Two iterations in the

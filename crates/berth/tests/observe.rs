@@ -31,27 +31,6 @@ fn get_raw(d: &Daemon, path: &str) -> (u16, ureq::http::HeaderMap, String) {
     (status, headers, r.into_body().read_to_string().unwrap())
 }
 
-fn lines(text: &str) -> Vec<Value> {
-    text.lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
-        .collect()
-}
-
-/// The whole journal, page by page.
-fn journal(d: &Daemon) -> Vec<Value> {
-    let mut all: Vec<Value> = Vec::new();
-    loop {
-        let after = all.last().map_or(0, |e| e["seq"].as_u64().unwrap());
-        let (status, _, text) = get_raw(d, &format!("/v1/journal?after={after}"));
-        assert_eq!(status, 200, "{text}");
-        let page = lines(&text);
-        if page.is_empty() {
-            return all;
-        }
-        all.extend(page);
-    }
-}
-
 fn kinds_of(entries: &[Value], run: &str) -> Vec<String> {
     entries
         .iter()
@@ -103,7 +82,7 @@ fn the_journal_holds_every_change_in_order_and_exports_the_same_bytes() {
     );
     assert!(refused.status >= 400, "{:?}", refused.body);
 
-    let all = journal(&d);
+    let all = d.journal();
     let seqs: Vec<u64> = all.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
     assert_eq!(seqs, (1..=all.len() as u64).collect::<Vec<_>>(), "{all:#?}");
     assert_eq!(
@@ -179,7 +158,7 @@ fn the_journal_holds_every_change_in_order_and_exports_the_same_bytes() {
     let last = *seqs.last().unwrap();
     d.kill9_and_restart();
     release(&d, "b", fb);
-    let after = journal(&d);
+    let after = d.journal();
     assert_eq!(
         &after[..all.len()],
         &all[..],
@@ -485,7 +464,8 @@ fn metrics_parse_and_agree_with_the_journal_and_the_status() {
             "no help for berth_{name}:\n{text}"
         );
     }
-    let grants = journal(&d)
+    let grants = d
+        .journal()
         .iter()
         .filter(|e| e["kind"] == "granted")
         .count();

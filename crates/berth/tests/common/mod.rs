@@ -427,6 +427,28 @@ impl Daemon {
         self.call("POST", path, Some(body))
     }
 
+    /// The whole journal (`GET /v1/journal`, ndjson), page by page.
+    pub fn journal(&self) -> Vec<Value> {
+        let mut all: Vec<Value> = Vec::new();
+        loop {
+            let after = all.last().map_or(0, |e| e["seq"].as_u64().unwrap());
+            let r = self.get(&format!("/v1/journal?after={after}"));
+            assert_eq!(r.status, 200, "journal: {:?}", r.body);
+            // A page of one line parses as that line; several stay text (see call_as).
+            let page: Vec<Value> = match r.body {
+                Value::String(text) => text
+                    .lines()
+                    .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l:?}: {e}")))
+                    .collect(),
+                one => vec![one],
+            };
+            if page.is_empty() {
+                return all;
+            }
+            all.extend(page);
+        }
+    }
+
     /// `berth` CLI command pointed at this daemon.
     pub fn cli(&self) -> Command {
         let mut c = Command::new(BERTH);
