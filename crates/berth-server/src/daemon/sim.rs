@@ -9,8 +9,11 @@
 //! granted run without its workspace, no ended run with a workspace or a living
 //! process, nothing left behind by a forgotten run, every degraded run due a retry);
 //! after a restart every run must be back as it was; at the end, with failures
-//! switched off and time run forward, nothing may be left at all. Each seed runs twice
-//! and the two traces must be equal.
+//! switched off and time run forward, nothing may be left at all. The journal (D5) is
+//! followed as a reader would: gap-free across restarts, everything numbered published
+//! once its step is durable, and agreeing with every run the daemon knows (its fence
+//! is the one its `granted` entry names; it has an `ended` entry with its state exactly
+//! when it has ended). Each seed runs twice and the two traces must be equal.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -176,6 +179,98 @@ struct Sim {
     /// Steps until which workspace creation, and removal, fail.
     fail_until: (usize, usize),
     step: usize,
+    journal: JournalModel,
+}
+
+/// What the journal says, read entry by entry as a client would.
+struct JournalModel {
+    /// Reads go through the daemon's own reader (`Journal::read`), which is async.
+    rt: tokio::runtime::Runtime,
+    /// The last entry read.
+    seen: u64,
+    /// Per run since its latest `queued`: the fence its `granted` named, the state its
+    /// `ended` named.
+    runs: BTreeMap<String, (Option<u64>, Option<String>)>,
+}
+
+impl JournalModel {
+    fn new() -> JournalModel {
+        JournalModel {
+            rt: tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap(),
+            seen: 0,
+            runs: BTreeMap::new(),
+        }
+    }
+
+    /// Reads every entry published since the last call, checking that they follow on.
+    fn follow(&mut self, journal: &crate::journal::Journal) -> Result<(), String> {
+        let last = journal.last();
+        if last < self.seen {
+            return Err(format!(
+                "the journal went back from {} to {last}",
+                self.seen
+            ));
+        }
+        while self.seen < last {
+            let page = self
+                .rt
+                .block_on(journal.read(self.seen, 256))
+                .map_err(|e| format!("journal read after {}: {e:?}", self.seen))?;
+            if page.is_empty() {
+                return Err(format!(
+                    "journal entries {}..={last} unreadable",
+                    self.seen + 1
+                ));
+            }
+            for e in page {
+                if e.seq != self.seen + 1 {
+                    return Err(format!("journal entry {} follows {}", e.seq, self.seen));
+                }
+                self.seen = e.seq;
+                self.fold(&e);
+            }
+        }
+        Ok(())
+    }
+
+    fn fold(&mut self, e: &berth_store::JournalEntry) {
+        let Some(run) = &e.run_id else { return };
+        let line: serde_json::Value = serde_json::from_str(&e.line).unwrap_or_default();
+        let data = &line["data"];
+        match e.kind.as_str() {
+            // A run's life starts here (a forgotten id may come back as a new run).
+            "queued" => {
+                self.runs.insert(run.clone(), (None, None));
+            }
+            "granted" => self.runs.entry(run.clone()).or_default().0 = data["fence"].as_u64(),
+            "ended" => {
+                let state = data["state"].as_str().map(str::to_string);
+                self.runs.entry(run.clone()).or_default().1 = state;
+            }
+            _ => {}
+        }
+    }
+
+    /// Every run the daemon knows agrees with what the journal said of it.
+    fn agrees(&self, runs: &BTreeMap<String, RunRow>) -> Result<(), String> {
+        for (id, (state, fence, _, _)) in runs {
+            let Some((j_fence, j_ended)) = self.runs.get(id) else {
+                return Err(format!("{id} ({state:?}) was never journaled"));
+            };
+            if fence.is_some() && fence != j_fence {
+                return Err(format!(
+                    "{id} holds fence {fence:?}, its journal {j_fence:?}"
+                ));
+            }
+            let ended = state.is_terminal().then(|| state.as_str().to_string());
+            if &ended != j_ended {
+                return Err(format!("{id} is {state:?}, its journal's end {j_ended:?}"));
+            }
+        }
+        Ok(())
+    }
 }
 
 fn config() -> berth_core::Config {
@@ -202,6 +297,7 @@ impl Sim {
             trace: Vec::new(),
             fail_until: (0, 0),
             step: 0,
+            journal: JournalModel::new(),
         };
         sim.start();
         sim
@@ -499,10 +595,20 @@ impl Sim {
         }
     }
 
-    /// The daemon against the machine.
+    /// The daemon against the machine, and against its journal.
     fn check(&mut self) -> Result<(), String> {
         let d = self.daemon.as_ref().expect("started");
         d.engine.check_invariants()?;
+        self.journal.follow(&d.shared.journal)?;
+        // Each step waited for its commit: everything numbered is durable and published.
+        if d.journal_next != self.journal.seen + 1 {
+            return Err(format!(
+                "entries up to {} numbered, {} published",
+                d.journal_next - 1,
+                self.journal.seen
+            ));
+        }
+        self.journal.agrees(&runs(d))?;
         let m = self.machine.lock().unwrap();
         let state = |id: &str| d.engine.view_of(id).map(|v| v.state);
         let live = |id: &str| {
