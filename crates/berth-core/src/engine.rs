@@ -1741,6 +1741,11 @@ impl Engine {
         Some(self.run(s).req.project.as_str())
     }
 
+    /// The run's fence, if it was ever granted (cheap: no view is built).
+    pub fn fence_of(&self, run_id: &str) -> Option<u64> {
+        self.run(*self.by_id.get(run_id)?).fence
+    }
+
     /// The run's current view, if berth still remembers it.
     pub fn view_of(&self, run_id: &str) -> Option<RunView> {
         self.by_id.get(run_id).map(|&s| self.view(s))

@@ -49,12 +49,25 @@ pub fn rfc3339(unix_ms: u64) -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = if m <= 2 { y + 1 } else { y };
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{ms:03}Z",
-        rem / 3600,
-        (rem / 60) % 60,
-        rem % 60
-    )
+    // Digits by hand: this runs for every journal entry and every run shown, and the
+    // formatting machinery cost more than the calendar arithmetic above.
+    let mut out = String::with_capacity(24);
+    let mut digits = |v: u64, n: u32, after: char| {
+        let mut p = 10u64.pow(n - 1);
+        for _ in 0..n {
+            out.push(char::from(b'0' + ((v / p) % 10) as u8));
+            p /= 10;
+        }
+        out.push(after);
+    };
+    digits(y.clamp(0, 9999) as u64, 4, '-');
+    digits(m as u64, 2, '-');
+    digits(d as u64, 2, 'T');
+    digits(rem / 3600, 2, ':');
+    digits((rem / 60) % 60, 2, ':');
+    digits(rem % 60, 2, '.');
+    digits(ms, 3, 'Z');
+    out
 }
 
 #[cfg(test)]
@@ -67,5 +80,17 @@ mod tests {
             "2026-11-30T00:53:20.123Z"
         );
         assert_eq!(super::rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
+        assert_eq!(
+            super::rfc3339(253_402_300_799_999),
+            "9999-12-31T23:59:59.999Z"
+        );
+        assert_eq!(
+            super::rfc3339(1_709_251_199_999),
+            "2024-02-29T23:59:59.999Z"
+        );
+        assert_eq!(
+            super::rfc3339(1_709_251_200_000),
+            "2024-03-01T00:00:00.000Z"
+        );
     }
 }

@@ -62,12 +62,11 @@ impl Journal {
     }
 
     /// Durable entries, in sequence order (called once their commit is durable).
-    pub fn publish(&self, entries: Vec<JournalEntry>) {
+    pub fn publish(&self, entries: Vec<Arc<JournalEntry>>) {
         let mut ring = self.lock();
         for e in entries {
             debug_assert_eq!(e.seq, ring.last + 1, "journal entries arrive in order");
             ring.last = e.seq;
-            let e = Arc::new(e);
             if ring.entries.len() == JOURNAL_RING_MAX {
                 ring.entries.pop_front();
             }

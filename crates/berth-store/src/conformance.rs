@@ -470,7 +470,7 @@ fn entry(seq: u64, run_id: &str) -> JournalEntry {
 pub fn journal_is_written_with_its_change_and_read_in_order(open: Open) {
     let mut b = batch(200, vec![sample_run("j1", 1, RunState::Granted)]);
     for seq in 1..=5 {
-        b.push(Mutation::Journal(entry(seq, "j1")));
+        b.push(Mutation::Journal(entry(seq, "j1").into()));
     }
     open().write(&[&b]).unwrap();
     let mut s = open();
@@ -485,8 +485,8 @@ pub fn journal_is_written_with_its_change_and_read_in_order(open: Open) {
     // A batch that fails writes none of its entries (the run row's fence is fine; the
     // duplicate sequence number is what a store must refuse).
     let mut dup = batch(201, vec![sample_run("j2", 2, RunState::Queued)]);
-    dup.push(Mutation::Journal(entry(6, "j2")));
-    dup.push(Mutation::Journal(entry(3, "j2")));
+    dup.push(Mutation::Journal(entry(6, "j2").into()));
+    dup.push(Mutation::Journal(entry(3, "j2").into()));
     assert!(open().write(&[&dup]).is_err());
     let l = open().load(10).unwrap();
     assert_eq!(l.journal_last, 5);
@@ -508,7 +508,7 @@ pub fn journal_retention_keeps_the_newest_entries(open: Open) {
     let per_run = crate::JOURNAL_ENTRIES_PER_RUN as u64;
     let mut b = Batch::default();
     for seq in 1..=3 * per_run {
-        b.push(Mutation::Journal(entry(seq, "k")));
+        b.push(Mutation::Journal(entry(seq, "k").into()));
     }
     s.write(&[&b]).unwrap();
     let two_runs = Retention {

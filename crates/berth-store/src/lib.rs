@@ -119,7 +119,8 @@ pub enum Mutation {
     },
     /// D5: one journal entry, written in the same transaction as the change it
     /// describes, so the journal and the state never disagree after a crash.
-    Journal(JournalEntry),
+    /// Shared (`Arc`) with the readers the entry is published to once it is durable.
+    Journal(std::sync::Arc<JournalEntry>),
 }
 
 /// One entry of the journal (D5). `line` is the whole entry as its reader gets it (a

@@ -8,6 +8,7 @@ use berth_client::wire;
 use berth_core::{EndCause, Event};
 use berth_store::Mutation;
 use serde_json::{json, Value};
+use std::sync::Arc;
 
 use super::{Daemon, Host};
 
@@ -30,9 +31,13 @@ impl<H: Host> Daemon<H> {
         self.journal_next += 1;
         let code = data.get("code").and_then(Value::as_str);
         self.shared.metrics.journaled(kind, code);
+        // A step makes several entries at one time: render it once.
+        if self.journal_at.0 != self.now || self.journal_at.1.is_empty() {
+            self.journal_at = (self.now, self.host.show_time(self.now));
+        }
         let entry = wire::JournalEntry {
             seq,
-            at: self.host.show_time(self.now),
+            at: self.journal_at.1.clone(),
             kind: kind.to_string(),
             run_id,
             project,
@@ -42,14 +47,15 @@ impl<H: Host> Daemon<H> {
         // are always the same bytes.
         let line = serde_json::to_string(&entry)
             .unwrap_or_else(|e| format!("{{\"seq\":{seq},\"kind\":\"{kind}\",\"error\":\"{e}\"}}"));
+        // Shared, not copied, with the readers it is published to after the commit.
         self.pending_mutations
-            .push(Mutation::Journal(berth_store::JournalEntry {
+            .push(Mutation::Journal(Arc::new(berth_store::JournalEntry {
                 seq,
                 kind: entry.kind,
                 run_id: entry.run_id,
                 project: entry.project,
                 line,
-            }));
+            })));
     }
 
     /// The entry an engine event makes. (A memory sample that moved the stabilised
@@ -99,7 +105,7 @@ impl<H: Host> Daemon<H> {
                     EndCause::Released => "released",
                     EndCause::Expired => "expired",
                 };
-                let fence = self.engine.view_of(run_id).and_then(|v| v.fence);
+                let fence = self.engine.fence_of(run_id);
                 self.journal(kind, run_id, json!({"fence": fence}));
             }
             Event::Degraded { run_id } => {

@@ -263,6 +263,8 @@ pub struct Daemon<H: Host> {
     rewatch: Vec<String>,
     /// D5: the next journal entry's sequence number (the ledger's last + 1).
     journal_next: u64,
+    /// The time of the last journal entry, rendered (entries of one step share it).
+    journal_at: (u64, String),
 }
 
 /// The first retry of a failed stop or cleanup; each next one waits twice as long.

@@ -154,6 +154,7 @@ impl<H: Host> Daemon<H> {
             listen_watched: BTreeMap::new(),
             rewatch,
             journal_next,
+            journal_at: (0, String::new()),
         })
     }
 }
