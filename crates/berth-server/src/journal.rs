@@ -183,7 +183,7 @@ mod tests {
         let j = Journal::default();
         let mut slow = j.subscribe();
         let n = (JOURNAL_RING_MAX + 10) as u64;
-        j.publish((1..=n).map(entry).collect());
+        j.publish((1..=n).map(|q| Arc::new(entry(q))).collect());
         assert_eq!(j.last(), n);
         let got = j.read(n - 5, 100).await.unwrap();
         assert_eq!(

@@ -483,18 +483,31 @@ pub fn journal_is_written_with_its_change_and_read_in_order(open: Open) {
     assert_eq!(s.journal(1, 2).unwrap().len(), 2);
     assert!(s.journal(5, 100).unwrap().is_empty());
     // A batch that fails writes none of its entries (the run row's fence is fine; the
-    // duplicate sequence number is what a store must refuse).
+    // sequence number going back is what a store must refuse), whether it goes back
+    // within the batch or behind what is stored.
     let mut dup = batch(201, vec![sample_run("j2", 2, RunState::Queued)]);
     dup.push(Mutation::Journal(entry(6, "j2").into()));
     dup.push(Mutation::Journal(entry(3, "j2").into()));
     assert!(open().write(&[&dup]).is_err());
+    let mut behind = batch(202, vec![sample_run("j3", 3, RunState::Queued)]);
+    behind.push(Mutation::Journal(entry(4, "j3").into()));
+    assert!(open().write(&[&behind]).is_err());
     let l = open().load(10).unwrap();
     assert_eq!(l.journal_last, 5);
     assert_eq!(
         l.runs.len(),
         1,
-        "the refused batch's run was not written either"
+        "the refused batches' runs were not written either"
     );
+    // Entries of several transactions read back as one sequence, from any point.
+    let mut more = Batch::default();
+    more.push(Mutation::Journal(entry(6, "j4").into()));
+    more.push(Mutation::Journal(entry(7, "j4").into()));
+    open().write(&[&more]).unwrap();
+    let seqs = |v: Vec<JournalEntry>| v.iter().map(|e| e.seq).collect::<Vec<_>>();
+    assert_eq!(seqs(open().journal(4, 100).unwrap()), [5, 6, 7]);
+    assert_eq!(seqs(open().journal(0, 6).unwrap()), [1, 2, 3, 4, 5, 6]);
+    assert_eq!(open().journal(6, 1).unwrap(), [entry(7, "j4")]);
 }
 
 /// D5: the journal follows the ledger's retention: by count (per kept run) and by age,
@@ -506,11 +519,13 @@ pub fn journal_retention_keeps_the_newest_entries(open: Open) {
         .unwrap()
         .as_millis() as u64;
     let per_run = crate::JOURNAL_ENTRIES_PER_RUN as u64;
-    let mut b = Batch::default();
+    // An entry a transaction: a store may keep a transaction's entries together and
+    // delete them together, so the bounds below hold exactly only at that grain.
     for seq in 1..=3 * per_run {
+        let mut b = Batch::default();
         b.push(Mutation::Journal(entry(seq, "k").into()));
+        s.write(&[&b]).unwrap();
     }
-    s.write(&[&b]).unwrap();
     let two_runs = Retention {
         ended_max: 2,
         ended_age_ms: 86_400_000,

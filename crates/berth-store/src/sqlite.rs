@@ -131,6 +131,24 @@ const MIGRATIONS: &[&str] = &[
         line TEXT NOT NULL,
         written_unix_ms INTEGER NOT NULL
      ) STRICT;",
+    // 8: the journal in chunks, one row per transaction: the entries a commit carries
+    // (about fifty under load) as one text of records `kind TAB run_id TAB project TAB
+    // line LF`, numbered from `first_seq`. A row each cost the ledger thread an insert
+    // per entry and, once retention caught up, a delete per entry: some 40,000 of
+    // each a second at full load. Existing entries become one chunk each.
+    "CREATE TABLE journal_chunks (
+        first_seq INTEGER PRIMARY KEY,
+        last_seq INTEGER NOT NULL,
+        entries TEXT NOT NULL,
+        written_unix_ms INTEGER NOT NULL
+     ) STRICT;
+     INSERT INTO journal_chunks (first_seq, last_seq, entries, written_unix_ms)
+       SELECT seq, seq,
+              kind || char(9) || COALESCE(run_id, '') || char(9) || COALESCE(project, '')
+                || char(9) || line || char(10),
+              written_unix_ms
+       FROM journal ORDER BY seq;
+     DROP TABLE journal;",
 ];
 
 pub struct SqliteStore {
@@ -508,14 +526,9 @@ impl Store for SqliteStore {
                 )));
             }
         }
-        let journal_last: i64 = self
-            .conn
-            .query_row("SELECT COALESCE(MAX(seq), 0) FROM journal", [], |r| {
-                r.get(0)
-            })
-            .map_err(corrupt)?;
+        let journal_last = journal_last(&self.conn).map_err(corrupt)?;
         Ok(Ledger {
-            journal_last: journal_last as u64,
+            journal_last,
             evidence: load_evidence(&self.conn)?,
             last_fence,
             boot_id,
@@ -535,6 +548,7 @@ impl Store for SqliteStore {
         // Prepared once per transaction: a group carries thousands of runs.
         let mut upsert = tx.prepare_cached(UPSERT).map_err(write_err)?;
         let mut add_process = tx.prepare_cached(ADD_PROCESS).map_err(write_err)?;
+        let mut chunk = Chunk::default();
         for m in batches.iter().flat_map(|b| &b.mutations) {
             match m {
                 Mutation::Fence(f) => fence = fence.max(*f),
@@ -550,23 +564,7 @@ impl Store for SqliteStore {
                 Mutation::Evidence { project, evidence } => {
                     write_evidence(&tx, project, evidence.as_ref())?
                 }
-                Mutation::Journal(e) => {
-                    tx.prepare_cached(
-                        "INSERT INTO journal (seq, kind, run_id, project, line, written_unix_ms)
-                         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                    )
-                    .and_then(|mut s| {
-                        s.execute(params![
-                            e.seq as i64,
-                            e.kind,
-                            e.run_id,
-                            e.project,
-                            e.line,
-                            now_ms as i64
-                        ])
-                    })
-                    .map_err(write_err)?;
-                }
+                Mutation::Journal(e) => chunk.push(e)?,
                 Mutation::Token { hash, scope } => {
                     tx.prepare_cached(
                         "INSERT OR REPLACE INTO tokens (hash, scope) VALUES (?1, ?2)",
@@ -577,6 +575,7 @@ impl Store for SqliteStore {
             }
         }
         drop((upsert, add_process));
+        chunk.write(&tx, now_ms)?;
         // L1: the counter only ever moves up, whatever order batches arrive in.
         tx.prepare_cached(
             "UPDATE meta SET value = CAST(MAX(CAST(value AS INTEGER), ?1) AS TEXT)
@@ -608,25 +607,38 @@ impl Store for SqliteStore {
 
     fn journal(&mut self, after: u64, limit: usize) -> Result<Vec<JournalEntry>, StoreError> {
         let limit = limit.min(JOURNAL_READ_MAX);
+        // The chunk holding `after + 1` (or the first kept) and those after it; each
+        // holds at least one entry, so `limit + 1` chunks always suffice.
         let mut stmt = self
             .conn
             .prepare_cached(
-                "SELECT seq, kind, run_id, project, line FROM journal
-                 WHERE seq > ?1 ORDER BY seq LIMIT ?2",
+                "SELECT first_seq, last_seq, entries FROM journal_chunks
+                 WHERE first_seq >= COALESCE(
+                   (SELECT MAX(first_seq) FROM journal_chunks WHERE first_seq <= ?1 + 1), 0)
+                 ORDER BY first_seq LIMIT ?2",
             )
             .map_err(corrupt)?;
+        let after_sql = after.min(i64::MAX as u64 - 1) as i64;
         let mut rows = stmt
-            .query(params![after.min(i64::MAX as u64) as i64, limit as i64])
+            .query(params![after_sql, limit as i64 + 1])
             .map_err(corrupt)?;
         let mut out = Vec::new();
         while let Some(row) = rows.next().map_err(corrupt)? {
-            out.push(JournalEntry {
-                seq: u(row.get(0).map_err(corrupt)?),
-                kind: row.get(1).map_err(corrupt)?,
-                run_id: row.get(2).map_err(corrupt)?,
-                project: row.get(3).map_err(corrupt)?,
-                line: row.get(4).map_err(corrupt)?,
-            });
+            let first = u(row.get(0).map_err(corrupt)?);
+            let last = u(row.get(1).map_err(corrupt)?);
+            let text: String = row.get(2).map_err(corrupt)?;
+            let entries = parse_chunk(first, &text)?;
+            if entries.last().map(|e| e.seq) != Some(last) {
+                return Err(StoreError::Corrupt(format!(
+                    "journal chunk {first} does not end at {last}"
+                )));
+            }
+            for e in entries.into_iter().filter(|e| e.seq > after) {
+                if out.len() == limit {
+                    return Ok(out);
+                }
+                out.push(e);
+            }
         }
         Ok(out)
     }
@@ -634,9 +646,11 @@ impl Store for SqliteStore {
     fn journal_first(&mut self) -> Result<u64, StoreError> {
         let first: i64 = self
             .conn
-            .query_row("SELECT COALESCE(MIN(seq), 0) FROM journal", [], |r| {
-                r.get(0)
-            })
+            .query_row(
+                "SELECT COALESCE(MIN(first_seq), 0) FROM journal_chunks",
+                [],
+                |r| r.get(0),
+            )
             .map_err(corrupt)?;
         Ok(u(first))
     }
@@ -943,19 +957,124 @@ fn prune_in(
         "DELETE FROM runs WHERE run_id IN (SELECT run_id FROM temp.doomed)",
     )?
     .execute([])?;
-    // A lifecycle writes about six entries but one run row: the journal's share of a
-    // prune is four times the runs', so it keeps pace with the same churn.
-    prune_journal(tx, policy, cutoff, rows_max.saturating_mul(4))?;
+    // A chunk holds a commit's entries, many runs' worth: as many chunks as runs per
+    // prune keeps pace with the same churn.
+    prune_journal(tx, policy, cutoff, rows_max)?;
     tx.prepare_cached("SELECT COUNT(*), COALESCE(MAX(queue_seq) + 1, 0) FROM temp.doomed")?
         .query_row([], |r| {
             Ok((r.get::<_, i64>(0)? as usize, r.get::<_, i64>(1)? as u64))
         })
 }
 
+/// The journal's records of one transaction, gathered as its mutations go by and
+/// written as one row at its end.
+#[derive(Default)]
+struct Chunk {
+    first: Option<u64>,
+    last: u64,
+    entries: String,
+}
+
+impl Chunk {
+    /// Appends an entry. Within a transaction entries come in order; a field that would
+    /// break the record format (a tab or a line end, an empty id) is refused.
+    fn push(&mut self, e: &JournalEntry) -> Result<(), StoreError> {
+        let refuse =
+            |why: String| Err(StoreError::Write(format!("journal entry {}: {why}", e.seq)));
+        if self.first.is_some() && e.seq <= self.last {
+            return refuse(format!("follows {} in the same transaction", self.last));
+        }
+        let fields = [
+            Some(e.kind.as_str()),
+            e.run_id.as_deref(),
+            e.project.as_deref(),
+        ];
+        if e.kind.is_empty() || fields.iter().flatten().any(|f| f.contains(['\t', '\n'])) {
+            return refuse("kind, run id and project must be tab- and line-free".into());
+        }
+        if e.run_id.as_deref() == Some("") || e.project.as_deref() == Some("") {
+            return refuse("an empty run id or project is ambiguous".into());
+        }
+        if e.line.contains('\n') {
+            return refuse("its line holds a line end".into());
+        }
+        self.first.get_or_insert(e.seq);
+        self.last = e.seq;
+        for f in fields {
+            self.entries.push_str(f.unwrap_or(""));
+            self.entries.push('\t');
+        }
+        self.entries.push_str(&e.line);
+        self.entries.push('\n');
+        Ok(())
+    }
+
+    /// The row, if the transaction journaled anything. Numbers never repeat or go back:
+    /// the chunk must start after the last entry stored.
+    fn write(self, tx: &rusqlite::Transaction, now_ms: u64) -> Result<(), StoreError> {
+        let Some(first) = self.first else {
+            return Ok(());
+        };
+        let stored = journal_last(tx).map_err(write_err)?;
+        if first <= stored {
+            return Err(StoreError::Write(format!(
+                "journal entry {first} is not after the last stored, {stored}"
+            )));
+        }
+        tx.prepare_cached(
+            "INSERT INTO journal_chunks (first_seq, last_seq, entries, written_unix_ms)
+             VALUES (?1, ?2, ?3, ?4)",
+        )
+        .and_then(|mut s| {
+            s.execute(params![
+                first as i64,
+                self.last as i64,
+                self.entries,
+                now_ms as i64
+            ])
+        })
+        .map_err(write_err)?;
+        Ok(())
+    }
+}
+
+/// The last journal entry stored (0: none), from the newest chunk.
+fn journal_last(conn: &rusqlite::Connection) -> rusqlite::Result<u64> {
+    conn.prepare_cached("SELECT last_seq FROM journal_chunks ORDER BY first_seq DESC LIMIT 1")?
+        .query_row([], |r| r.get::<_, i64>(0))
+        .optional()
+        .map(|v| v.unwrap_or(0).max(0) as u64)
+}
+
+/// A chunk's records back into entries, numbered from `first`.
+fn parse_chunk(first: u64, text: &str) -> Result<Vec<JournalEntry>, StoreError> {
+    let mut out = Vec::new();
+    for (i, record) in text.split_terminator('\n').enumerate() {
+        let mut f = record.splitn(4, '\t');
+        let (Some(kind), Some(run_id), Some(project), Some(line)) =
+            (f.next(), f.next(), f.next(), f.next())
+        else {
+            return Err(StoreError::Corrupt(format!(
+                "journal chunk {first}: record {i} is not kind, run, project, line"
+            )));
+        };
+        let some = |s: &str| (!s.is_empty()).then(|| s.to_string());
+        out.push(JournalEntry {
+            seq: first + i as u64,
+            kind: kind.to_string(),
+            run_id: some(run_id),
+            project: some(project),
+            line: line.to_string(),
+        });
+    }
+    Ok(out)
+}
+
 /// D5: the journal follows the ledger's retention. Entries older than the age limit go,
 /// and so do all but the newest `JOURNAL_ENTRIES_PER_RUN × ended_max`, oldest first, at
-/// most `rows_max` per prune. The newest entry is never deleted, so numbering resumes
-/// after it at the next start.
+/// most `rows_max` chunks per prune. A chunk goes whole, once every entry in it may go,
+/// so a prune may keep up to one transaction's entries more than the bound. The newest
+/// chunk is never deleted, so numbering resumes after it at the next start.
 fn prune_journal(
     tx: &rusqlite::Transaction,
     policy: &Retention,
@@ -970,14 +1089,108 @@ fn prune_journal(
     tx.prepare_cached(
         // Only the `rows_max` oldest are looked at (entries are written in order, so
         // their ages rise with seq): a prune costs what it deletes, not a table scan.
-        "DELETE FROM journal WHERE seq IN (
-           SELECT seq FROM (SELECT seq, written_unix_ms FROM journal ORDER BY seq LIMIT ?3)
-           WHERE seq < (SELECT MAX(seq) FROM journal)
-             AND (seq <= (SELECT MAX(seq) FROM journal) - ?1 OR written_unix_ms < ?2))",
+        "DELETE FROM journal_chunks WHERE first_seq IN (
+           SELECT first_seq FROM (
+             SELECT first_seq, last_seq, written_unix_ms FROM journal_chunks
+             ORDER BY first_seq LIMIT ?3)
+           WHERE first_seq < (SELECT MAX(first_seq) FROM journal_chunks)
+             AND (last_seq <= (SELECT last_seq FROM journal_chunks
+                               ORDER BY first_seq DESC LIMIT 1) - ?1
+                  OR written_unix_ms < ?2))",
     )?
     .execute(params![
         keep,
         cutoff_unix_ms.min(i64::MAX as u64) as i64,
         rows_max as i64
     ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Migration 8: a ledger whose journal has a row per entry (version 7) opens with
+    /// the same entries, byte for byte, in chunks, and numbering goes on after them.
+    #[test]
+    fn a_row_per_entry_journal_migrates_to_chunks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.db");
+        {
+            let conn = Connection::open(&path).unwrap();
+            for sql in &MIGRATIONS[..7] {
+                conn.execute_batch(sql).unwrap();
+            }
+            conn.execute_batch("PRAGMA user_version = 7").unwrap();
+            let mut insert = conn
+                .prepare(
+                    "INSERT INTO journal (seq, kind, run_id, project, line, written_unix_ms)
+                     VALUES (?1, ?2, ?3, ?4, ?5, 1)",
+                )
+                .unwrap();
+            insert
+                .execute(params![
+                    1,
+                    "token_created",
+                    None::<String>,
+                    None::<String>,
+                    "{\"seq\":1}"
+                ])
+                .unwrap();
+            insert
+                .execute(params![
+                    2,
+                    "queued",
+                    "r1",
+                    "acme/web",
+                    "{\"seq\":2,\"x\":\"a\\tb\"}"
+                ])
+                .unwrap();
+        }
+        let mut s = SqliteStore::open(&path).unwrap();
+        let got = s.journal(0, 10).unwrap();
+        let want = vec![
+            JournalEntry {
+                seq: 1,
+                kind: "token_created".into(),
+                run_id: None,
+                project: None,
+                line: "{\"seq\":1}".into(),
+            },
+            JournalEntry {
+                seq: 2,
+                kind: "queued".into(),
+                run_id: Some("r1".into()),
+                project: Some("acme/web".into()),
+                line: "{\"seq\":2,\"x\":\"a\\tb\"}".into(),
+            },
+        ];
+        assert_eq!(got, want);
+        assert_eq!(s.load(10).unwrap().journal_last, 2);
+        assert_eq!(s.journal_first().unwrap(), 1);
+    }
+
+    /// A field that would break the chunk's record format is refused, not stored.
+    #[test]
+    fn a_journal_field_with_a_tab_or_line_end_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = SqliteStore::open(&dir.path().join("ledger.db")).unwrap();
+        let bad = [
+            ("ki\tnd", Some("r"), "{}"),
+            ("kind", Some("r\n"), "{}"),
+            ("kind", Some(""), "{}"),
+            ("kind", Some("r"), "{\n}"),
+        ];
+        for (i, (kind, run_id, line)) in bad.into_iter().enumerate() {
+            let mut b = Batch::default();
+            b.push(Mutation::Journal(std::sync::Arc::new(JournalEntry {
+                seq: i as u64 + 1,
+                kind: kind.into(),
+                run_id: run_id.map(str::to_string),
+                project: None,
+                line: line.into(),
+            })));
+            assert!(s.write(&[&b]).is_err(), "{kind:?} {run_id:?} {line:?}");
+        }
+        assert_eq!(s.load(10).unwrap().journal_last, 0);
+    }
 }
