@@ -1741,6 +1741,13 @@ impl Engine {
         Some(self.run(s).req.project.as_str())
     }
 
+    /// Why the run waits, if it is queued (no view is built: a run granted in the step
+    /// that queued it, the common case, costs a lookup).
+    pub fn reason_of(&self, run_id: &str) -> Option<Reason> {
+        let s = *self.by_id.get(run_id)?;
+        (self.run(s).state == RunState::Queued).then(|| self.reason(s))
+    }
+
     /// The run's fence, if it was ever granted (cheap: no view is built).
     pub fn fence_of(&self, run_id: &str) -> Option<u64> {
         self.run(*self.by_id.get(run_id)?).fence

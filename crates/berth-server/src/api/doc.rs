@@ -83,6 +83,17 @@ impl Route {
     }
 }
 
+/// Every path of the route table, once (metrics label requests with these, so that a
+/// label is never a String made per request).
+pub fn paths() -> &'static [&'static str] {
+    static PATHS: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
+    PATHS.get_or_init(|| {
+        let mut p: Vec<&'static str> = routes().iter().map(|(r, _)| r.path).collect();
+        p.dedup();
+        p
+    })
+}
+
 /// Every route of API v1 with its handler.
 pub fn routes() -> Vec<(Route, MethodRouter<Api>)> {
     use axum::routing::get;

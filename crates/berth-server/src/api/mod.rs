@@ -756,19 +756,20 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
     let Some(token) = token else {
-        return ApiError::new(
+        let refused = ApiError::new(
             401,
             "unauthorized",
             "a bearer token is required (Authorization: Bearer <token>)",
-        )
-        .into_response();
+        );
+        return count_unmatched(&api, req.method(), refused.into_response());
     };
     let grant = {
         let tokens = api.shared.tokens.read().unwrap();
         auth::lookup(&tokens, token)
     };
     let Some(auth::Grant { scope, uid }) = grant else {
-        return ApiError::new(401, "unauthorized", "the token is not valid").into_response();
+        let refused = ApiError::new(401, "unauthorized", "the token is not valid");
+        return count_unmatched(&api, req.method(), refused.into_response());
     };
     req.extensions_mut().insert(Caller {
         uid: uid.unwrap_or(api.uid),
@@ -778,16 +779,18 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
     next.run(req).await
 }
 
-async fn not_found() -> ApiError {
-    ApiError::new(404, "not_found", "no such endpoint")
+async fn not_found(AxState(api): AxState<Api>, method: axum::http::Method) -> Response {
+    let refused = ApiError::new(404, "not_found", "no such endpoint");
+    count_unmatched(&api, &method, refused.into_response())
 }
 
-async fn method_not_allowed() -> ApiError {
-    ApiError::new(
+async fn method_not_allowed(AxState(api): AxState<Api>, method: axum::http::Method) -> Response {
+    let refused = ApiError::new(
         405,
         "method_not_allowed",
         "this endpoint does not take that method",
-    )
+    );
+    count_unmatched(&api, &method, refused.into_response())
 }
 
 /// The API: the routes of [`doc::routes`], each in the router of the scope it needs
@@ -814,16 +817,15 @@ pub fn router(api: Api) -> Router {
         .merge(operator.route_layer(scoped(Scope::Operator)))
         .merge(admin.route_layer(scoped(Scope::Admin)))
         .merge(public)
-        .route_layer(axum::middleware::from_fn(mark_route))
+        .route_layer(axum::middleware::from_fn_with_state(
+            api.shared.clone(),
+            count_request,
+        ))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             api.clone(),
             authenticate,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
-            api.clone(),
-            count_request,
         ))
         // Outermost: an oversized head is refused before anything else reads it.
         .layer(axum::middleware::from_fn(crate::http::limits))
@@ -834,32 +836,30 @@ pub fn router(api: Api) -> Router {
 /// and asks the API with the user's token) and the API's description.
 const PUBLIC_PATHS: &[&str] = &["/", "/v1/openapi.json"];
 
-/// The route a request matched, carried out on its response for `count_request`.
-#[derive(Clone)]
-struct RouteName(String);
-
-async fn mark_route(req: Request, next: Next) -> Response {
+/// `berth_http_requests_total{route, method, status}`, for every request a route
+/// answered, its scope's refusals included (this layer is outside them). What no
+/// route answers is counted as `unmatched` where it is refused (`count_unmatched`).
+async fn count_request(
+    AxState(shared): AxState<Arc<Shared>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let method = req.method().clone();
+    // The route table's own path: a static label, no String per request.
     let route = req
         .extensions()
         .get::<axum::extract::MatchedPath>()
-        .map(|m| m.as_str().to_string());
-    let mut res = next.run(req).await;
-    if let Some(r) = route {
-        res.extensions_mut().insert(RouteName(r));
-    }
+        .and_then(|m| doc::paths().iter().find(|p| **p == m.as_str()).copied())
+        .unwrap_or("unmatched");
+    let res = next.run(req).await;
+    shared.metrics.http(route, &method, res.status().as_u16());
     res
 }
 
-/// `berth_http_requests_total{route, method, status}`: every answer, refusals too.
-async fn count_request(AxState(api): AxState<Api>, req: Request, next: Next) -> Response {
-    let method = req.method().clone();
-    let res = next.run(req).await;
-    let route = res
-        .extensions()
-        .get::<RouteName>()
-        .map_or("unmatched", |r| r.0.as_str());
+/// A refusal no route saw: counted as `unmatched`.
+fn count_unmatched(api: &Api, method: &axum::http::Method, res: Response) -> Response {
     api.shared
         .metrics
-        .http(route, method.as_str(), res.status().as_u16());
+        .http("unmatched", method, res.status().as_u16());
     res
 }
