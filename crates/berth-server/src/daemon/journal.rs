@@ -64,7 +64,7 @@ impl<H: Host> Daemon<H> {
     pub(super) fn journal_event(&mut self, ev: &Event) {
         match ev {
             Event::Queued { run_id, position } => {
-                let reason = self.engine.view_of(run_id).and_then(|v| v.reason);
+                let reason = self.engine.reason_of(run_id);
                 let reason = reason.map(|r| json!({"code": r.code, "message": r.message}));
                 self.journal(
                     "queued",
