@@ -1193,4 +1193,25 @@ mod tests {
         }
         assert_eq!(s.load(10).unwrap().journal_last, 0);
     }
+
+    /// D4: a journal chunk that does not parse, or does not end where its row says,
+    /// is a corrupt ledger (an error), never a panic and never a guess.
+    #[test]
+    fn a_malformed_journal_chunk_is_refused_as_corrupt() {
+        for (entries, last) in [("kind\tr\n", 1), ("k\t\t\t{}\nk\t\t\t{}\n", 1)] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut s = SqliteStore::open(&dir.path().join("ledger.db")).unwrap();
+            s.conn
+                .execute(
+                    "INSERT INTO journal_chunks (first_seq, last_seq, entries, written_unix_ms)
+                     VALUES (1, ?1, ?2, 0)",
+                    params![last, entries],
+                )
+                .unwrap();
+            match s.journal(0, 10) {
+                Err(StoreError::Corrupt(_)) => {}
+                other => panic!("{entries:?}: {other:?}"),
+            }
+        }
+    }
 }

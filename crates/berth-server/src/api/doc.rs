@@ -87,11 +87,7 @@ impl Route {
 /// label is never a String made per request).
 pub fn paths() -> &'static [&'static str] {
     static PATHS: std::sync::OnceLock<Vec<&'static str>> = std::sync::OnceLock::new();
-    PATHS.get_or_init(|| {
-        let mut p: Vec<&'static str> = routes().iter().map(|(r, _)| r.path).collect();
-        p.dedup();
-        p
-    })
+    PATHS.get_or_init(|| routes().iter().map(|(r, _)| r.path).collect())
 }
 
 /// Every route of API v1 with its handler.
