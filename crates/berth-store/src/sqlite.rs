@@ -149,7 +149,47 @@ const MIGRATIONS: &[&str] = &[
               written_unix_ms
        FROM journal ORDER BY seq;
      DROP TABLE journal;",
+    // 9: the chunks compressed (`pack`): a commit's JSON lines shrink about tenfold,
+    // from some 14 KB (four overflow pages to write, and later to free) to one page.
+    // The journal's text was the ledger thread's largest write: the commit's fsync
+    // waited on it. `pack_text_chunks` moves the existing chunks in the same
+    // transaction.
+    "ALTER TABLE journal_chunks RENAME TO journal_chunks_text;
+     CREATE TABLE journal_chunks (
+        first_seq INTEGER PRIMARY KEY,
+        last_seq INTEGER NOT NULL,
+        packed BLOB NOT NULL,
+        written_unix_ms INTEGER NOT NULL
+     ) STRICT;",
 ];
+
+/// The part of a migration SQL cannot do, run after its SQL in its transaction.
+fn migrate_data(version: usize, tx: &rusqlite::Transaction) -> rusqlite::Result<()> {
+    match version {
+        9 => pack_text_chunks(tx),
+        _ => Ok(()),
+    }
+}
+
+/// Migration 9: every text chunk into a packed one, then the text table goes.
+fn pack_text_chunks(tx: &rusqlite::Transaction) -> rusqlite::Result<()> {
+    {
+        let mut read = tx.prepare(
+            "SELECT first_seq, last_seq, entries, written_unix_ms FROM journal_chunks_text",
+        )?;
+        let mut write = tx.prepare(
+            "INSERT INTO journal_chunks (first_seq, last_seq, packed, written_unix_ms)
+             VALUES (?1, ?2, ?3, ?4)",
+        )?;
+        let mut rows = read.query([])?;
+        while let Some(r) = rows.next()? {
+            let text: String = r.get(2)?;
+            let (first, last, at): (i64, i64, i64) = (r.get(0)?, r.get(1)?, r.get(3)?);
+            write.execute(params![first, last, pack(&text), at])?;
+        }
+    }
+    tx.execute_batch("DROP TABLE journal_chunks_text;")
+}
 
 pub struct SqliteStore {
     conn: Connection,
@@ -230,6 +270,7 @@ impl SqliteStore {
                 .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
                 .map_err(write_err)?;
             tx.execute_batch(sql).map_err(write_err)?;
+            migrate_data(i + 1, &tx).map_err(write_err)?;
             tx.execute_batch(&format!("PRAGMA user_version = {}", i + 1))
                 .map_err(write_err)?;
             tx.commit().map_err(write_err)?;
@@ -564,7 +605,12 @@ impl Store for SqliteStore {
                 Mutation::Evidence { project, evidence } => {
                     write_evidence(&tx, project, evidence.as_ref())?
                 }
-                Mutation::Journal(e) => chunk.push(e)?,
+                Mutation::Journal(e) => {
+                    if chunk.is_full() {
+                        std::mem::take(&mut chunk).write(&tx, now_ms)?;
+                    }
+                    chunk.push(e)?
+                }
                 Mutation::Token { hash, scope } => {
                     tx.prepare_cached(
                         "INSERT OR REPLACE INTO tokens (hash, scope) VALUES (?1, ?2)",
@@ -612,7 +658,7 @@ impl Store for SqliteStore {
         let mut stmt = self
             .conn
             .prepare_cached(
-                "SELECT first_seq, last_seq, entries FROM journal_chunks
+                "SELECT first_seq, last_seq, packed FROM journal_chunks
                  WHERE first_seq >= COALESCE(
                    (SELECT MAX(first_seq) FROM journal_chunks WHERE first_seq <= ?1 + 1), 0)
                  ORDER BY first_seq LIMIT ?2",
@@ -626,8 +672,8 @@ impl Store for SqliteStore {
         while let Some(row) = rows.next().map_err(corrupt)? {
             let first = u(row.get(0).map_err(corrupt)?);
             let last = u(row.get(1).map_err(corrupt)?);
-            let text: String = row.get(2).map_err(corrupt)?;
-            let entries = parse_chunk(first, &text)?;
+            let packed: Vec<u8> = row.get(2).map_err(corrupt)?;
+            let entries = parse_chunk(first, &unpack(first, &packed)?)?;
             if entries.last().map(|e| e.seq) != Some(last) {
                 return Err(StoreError::Corrupt(format!(
                     "journal chunk {first} does not end at {last}"
@@ -967,7 +1013,7 @@ fn prune_in(
 }
 
 /// The journal's records of one transaction, gathered as its mutations go by and
-/// written as one row at its end.
+/// written as one row at its end (or, past `CHUNK_TEXT_CUT`, as several).
 #[derive(Default)]
 struct Chunk {
     first: Option<u64>,
@@ -998,6 +1044,10 @@ impl Chunk {
         if e.line.contains('\n') {
             return refuse("its line holds a line end".into());
         }
+        let record = fields.iter().flatten().map(|f| f.len() + 1).sum::<usize>() + e.line.len();
+        if record > JOURNAL_RECORD_MAX {
+            return refuse(format!("{record} bytes, over {JOURNAL_RECORD_MAX}"));
+        }
         self.first.get_or_insert(e.seq);
         self.last = e.seq;
         for f in fields {
@@ -1007,6 +1057,11 @@ impl Chunk {
         self.entries.push_str(&e.line);
         self.entries.push('\n');
         Ok(())
+    }
+
+    /// Whether the next entry begins a new chunk (`CHUNK_TEXT_CUT`).
+    fn is_full(&self) -> bool {
+        self.entries.len() >= CHUNK_TEXT_CUT
     }
 
     /// The row, if the transaction journaled anything. Numbers never repeat or go back:
@@ -1022,20 +1077,51 @@ impl Chunk {
             )));
         }
         tx.prepare_cached(
-            "INSERT INTO journal_chunks (first_seq, last_seq, entries, written_unix_ms)
+            "INSERT INTO journal_chunks (first_seq, last_seq, packed, written_unix_ms)
              VALUES (?1, ?2, ?3, ?4)",
         )
         .and_then(|mut s| {
             s.execute(params![
                 first as i64,
                 self.last as i64,
-                self.entries,
+                pack(&self.entries),
                 now_ms as i64
             ])
         })
         .map_err(write_err)?;
         Ok(())
     }
+}
+
+/// A chunk's text once it holds this much (bytes) is written, and a new chunk begins:
+/// bounds what one read unpacks (a restart that reaps thousands of runs journals them
+/// all in one transaction).
+const CHUNK_TEXT_CUT: usize = 1 << 20;
+/// The largest record a chunk takes (bytes): no request can make an entry this large,
+/// so a record above it is a bug refused before it is written.
+const JOURNAL_RECORD_MAX: usize = 16 << 20;
+/// The largest text a packed chunk may claim (bytes): a chunk is cut at
+/// `CHUNK_TEXT_CUT` after one record of at most `JOURNAL_RECORD_MAX`. A size above
+/// it is a corrupt ledger, never an allocation of whatever the disk says.
+const CHUNK_TEXT_MAX: usize = CHUNK_TEXT_CUT + JOURNAL_RECORD_MAX;
+
+/// A chunk's text as stored: LZ4's block format, its length first (u32, little end).
+fn pack(text: &str) -> Vec<u8> {
+    lz4_flex::block::compress_prepend_size(text.as_bytes())
+}
+
+/// A packed chunk's text, or why the ledger is corrupt.
+fn unpack(first: u64, packed: &[u8]) -> Result<String, StoreError> {
+    let bad = |why: String| StoreError::Corrupt(format!("journal chunk {first}: {why}"));
+    let Some((len, block)) = packed.split_first_chunk::<4>() else {
+        return Err(bad("shorter than its length".into()));
+    };
+    let len = u32::from_le_bytes(*len) as usize;
+    if len > CHUNK_TEXT_MAX {
+        return Err(bad(format!("claims {len} bytes, over {CHUNK_TEXT_MAX}")));
+    }
+    let bytes = lz4_flex::block::decompress(block, len).map_err(|e| bad(e.to_string()))?;
+    String::from_utf8(bytes).map_err(|_| bad("not UTF-8".into()))
 }
 
 /// The last journal entry stored (0: none), from the newest chunk.
@@ -1194,24 +1280,122 @@ mod tests {
         assert_eq!(s.load(10).unwrap().journal_last, 0);
     }
 
-    /// D4: a journal chunk that does not parse, or does not end where its row says,
-    /// is a corrupt ledger (an error), never a panic and never a guess.
+    /// D4: a journal chunk that does not unpack, does not parse, or does not end where
+    /// its row says, is a corrupt ledger (an error), never a panic, never a guess and
+    /// never an allocation of the size a corrupt block claims.
     #[test]
     fn a_malformed_journal_chunk_is_refused_as_corrupt() {
-        for (entries, last) in [("kind\tr\n", 1), ("k\t\t\t{}\nk\t\t\t{}\n", 1)] {
+        let huge = {
+            let mut b = (u32::MAX).to_le_bytes().to_vec();
+            b.extend_from_slice(&pack("k\t\t\t{}\n")[4..]);
+            b
+        };
+        let truncated = pack(&"k\t\t\t{\"seq\":1}\n".repeat(50));
+        let not_utf8 = lz4_flex::block::compress_prepend_size(b"k\t\t\t\xff\n");
+        let cases: [(&str, Vec<u8>, i64); 6] = [
+            ("a record of two fields", pack("kind\tr\n"), 1),
+            (
+                "two records, the row says one",
+                pack("k\t\t\t{}\nk\t\t\t{}\n"),
+                1,
+            ),
+            ("no length", vec![1, 2], 1),
+            ("a length of 4 GiB", huge, 1),
+            ("a cut block", truncated[..truncated.len() / 2].to_vec(), 50),
+            ("not UTF-8", not_utf8, 1),
+        ];
+        for (what, packed, last) in cases {
             let dir = tempfile::tempdir().unwrap();
             let mut s = SqliteStore::open(&dir.path().join("ledger.db")).unwrap();
             s.conn
                 .execute(
-                    "INSERT INTO journal_chunks (first_seq, last_seq, entries, written_unix_ms)
+                    "INSERT INTO journal_chunks (first_seq, last_seq, packed, written_unix_ms)
                      VALUES (1, ?1, ?2, 0)",
-                    params![last, entries],
+                    params![last, packed],
                 )
                 .unwrap();
             match s.journal(0, 10) {
                 Err(StoreError::Corrupt(_)) => {}
-                other => panic!("{entries:?}: {other:?}"),
+                other => panic!("{what}: {other:?}"),
             }
         }
+    }
+
+    /// Migration 9: a ledger of text chunks (version 8) opens with the same entries,
+    /// byte for byte, packed, and numbering goes on after them.
+    #[test]
+    fn text_chunks_migrate_to_packed_chunks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.db");
+        let text =
+            "queued\tr1\tacme/web\t{\"seq\":4,\"x\":\"a\\tb\"}\ntoken_created\t\t\t{\"seq\":5}\n";
+        {
+            let conn = Connection::open(&path).unwrap();
+            for sql in &MIGRATIONS[..8] {
+                conn.execute_batch(sql).unwrap();
+            }
+            conn.execute_batch("PRAGMA user_version = 8").unwrap();
+            conn.execute(
+                "INSERT INTO journal_chunks (first_seq, last_seq, entries, written_unix_ms)
+                 VALUES (4, 5, ?1, 1)",
+                params![text],
+            )
+            .unwrap();
+        }
+        let mut s = SqliteStore::open(&path).unwrap();
+        let lines: Vec<String> = s
+            .journal(0, 10)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.line)
+            .collect();
+        assert_eq!(lines, ["{\"seq\":4,\"x\":\"a\\tb\"}", "{\"seq\":5}"]);
+        let got = s.journal(4, 10).unwrap();
+        assert_eq!(got[0].kind, "token_created");
+        assert_eq!(
+            (got[0].run_id.as_deref(), got[0].project.as_deref()),
+            (None, None)
+        );
+        assert_eq!(s.load(10).unwrap().journal_last, 5);
+        assert_eq!(s.journal_first().unwrap(), 4);
+    }
+
+    /// One transaction's entries past `CHUNK_TEXT_CUT` become several chunks, each
+    /// within the bound a read unpacks, read back in order without a gap.
+    #[test]
+    fn a_large_transaction_journals_in_several_chunks() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = SqliteStore::open(&dir.path().join("ledger.db")).unwrap();
+        let line = format!("{{\"pad\":\"{}\"}}", "x".repeat(4_000));
+        let n = (3 * CHUNK_TEXT_CUT / line.len()) as u64;
+        let mut b = Batch::default();
+        for seq in 1..=n {
+            b.push(Mutation::Journal(std::sync::Arc::new(JournalEntry {
+                seq,
+                kind: "queued".into(),
+                run_id: Some(format!("r{seq}")),
+                project: None,
+                line: line.clone(),
+            })));
+        }
+        s.write(&[&b]).unwrap();
+        let chunks: i64 = s
+            .conn
+            .query_row("SELECT COUNT(*) FROM journal_chunks", [], |r| r.get(0))
+            .unwrap();
+        assert!((3..=4).contains(&chunks), "{chunks} chunks");
+        let mut after = 0;
+        while after < n {
+            let got = s.journal(after, JOURNAL_READ_MAX).unwrap();
+            assert!(!got.is_empty());
+            for e in got {
+                assert_eq!(
+                    (e.seq, e.run_id),
+                    (after + 1, Some(format!("r{}", after + 1)))
+                );
+                after = e.seq;
+            }
+        }
+        assert_eq!(s.load(10).unwrap().journal_last, n);
     }
 }
