@@ -1,25 +1,28 @@
 //! The journal's readers (D5): the recent entries in memory, the rest from the ledger,
-//! and a live feed for streams.
+//! and a signal for live streams.
 //!
 //! The daemon writes every entry into the ledger in the transaction of its change and,
 //! once that commit is durable, publishes it here (on the ledger thread, in commit
 //! order, so entries arrive here in sequence order without gaps). Readers never wait
 //! for the daemon: recent entries come from a ring in memory, older ones from the
-//! ledger between commits, and live ones from a broadcast channel whose sender never
-//! blocks, so a slow reader never slows admission: it falls behind, is told so in a
-//! last event and may resume by sequence number.
+//! ledger between commits. Live readers wait on a signal that carries no entries, only
+//! the last number published: raised once per commit, after all of that commit's
+//! entries are in the ring, so each reader wakes once per commit and takes them all
+//! at once. The publisher never waits on a reader and holds nothing for it, so a slow
+//! reader never slows admission: it falls behind, is told so in a last event and may
+//! resume by sequence number.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use berth_store::{JournalEntry, LedgerReader, StoreError, JOURNAL_READ_MAX};
-use tokio::sync::{broadcast, oneshot};
+use tokio::sync::{oneshot, watch};
 
 /// Recent entries kept in memory, so resuming readers and `GET /v1/journal` rarely
 /// reach the ledger thread (~300 bytes each: ~2.5 MiB).
 pub const JOURNAL_RING_MAX: usize = 8_192;
-/// How far a live reader may fall behind (entries) before it is cut off. The channel
-/// is one ring shared by every reader, so this bounds memory whatever they do.
+/// How far a live reader may fall behind (entries) before it is cut off: within the
+/// ring, so a live reader that keeps up within it never costs the ledger a read.
 pub const SUBSCRIBER_LAG_MAX: usize = 4_096;
 
 struct Ring {
@@ -31,7 +34,8 @@ struct Ring {
 
 pub struct Journal {
     ring: Mutex<Ring>,
-    live: broadcast::Sender<Arc<JournalEntry>>,
+    /// The last entry live readers were told of.
+    live: watch::Sender<u64>,
     ledger: OnceLock<LedgerReader>,
 }
 
@@ -42,7 +46,7 @@ impl Default for Journal {
                 entries: VecDeque::new(),
                 last: 0,
             }),
-            live: broadcast::channel(SUBSCRIBER_LAG_MAX).0,
+            live: watch::channel(0).0,
             ledger: OnceLock::new(),
         }
     }
@@ -55,25 +59,37 @@ impl Journal {
         ring.entries.clear();
         ring.last = last;
         let _ = self.ledger.set(ledger);
+        self.live.send_replace(last);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Ring> {
         self.ring.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Durable entries, in sequence order (called once their commit is durable).
+    /// Durable entries, in sequence order (called once their commit is durable). Read
+    /// at once; live readers learn of them at the next [`Journal::wake`].
     pub fn publish(&self, entries: Vec<Arc<JournalEntry>>) {
+        // The entries the ring lets go are dropped after the lock is released.
+        let mut evicted = Vec::new();
         let mut ring = self.lock();
         for e in entries {
             debug_assert_eq!(e.seq, ring.last + 1, "journal entries arrive in order");
             ring.last = e.seq;
             if ring.entries.len() == JOURNAL_RING_MAX {
-                ring.entries.pop_front();
+                evicted.extend(ring.entries.pop_front());
             }
-            ring.entries.push_back(e.clone());
-            // Never blocks: a reader that is too far behind finds out at its next read.
-            let _ = self.live.send(e);
+            ring.entries.push_back(e);
         }
+        drop(ring);
+        drop(evicted);
+    }
+
+    /// Wakes the live readers if anything was published since they were last woken
+    /// (once per commit). Never blocks: a reader too far behind finds out when it reads.
+    pub fn wake(&self) {
+        let last = self.last();
+        self.live
+            .send_if_modified(|told| std::mem::replace(told, last) != last);
     }
 
     /// The last durable entry's sequence number.
@@ -81,9 +97,9 @@ impl Journal {
         self.lock().last
     }
 
-    /// Live entries from now on. Subscribe before reading what came before, then skip
-    /// what was already read: nothing falls between the two.
-    pub fn subscribe(&self) -> broadcast::Receiver<Arc<JournalEntry>> {
+    /// The signal of new entries: it changes when entries past what it last said are
+    /// published. Mark it seen before reading, then read: nothing falls between.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.live.subscribe()
     }
 
@@ -176,15 +192,24 @@ mod tests {
         }
     }
 
-    /// Readers get consecutive entries from the ring, across its wrap-around, and a
-    /// subscriber that falls more than `SUBSCRIBER_LAG_MAX` behind learns it did.
+    /// Readers get consecutive entries from the ring, across its wrap-around; live
+    /// readers are woken once for everything published since they were last woken,
+    /// and not again until more is.
     #[tokio::test]
-    async fn the_ring_serves_recent_entries_and_a_lagging_subscriber_is_told() {
+    async fn the_ring_serves_recent_entries_and_readers_wake_once_per_commit() {
         let j = Journal::default();
-        let mut slow = j.subscribe();
+        let mut live = j.subscribe();
+        live.borrow_and_update();
         let n = (JOURNAL_RING_MAX + 10) as u64;
-        j.publish((1..=n).map(|q| Arc::new(entry(q))).collect());
+        j.publish((1..=n / 2).map(|q| Arc::new(entry(q))).collect());
+        j.publish((n / 2 + 1..=n).map(|q| Arc::new(entry(q))).collect());
         assert_eq!(j.last(), n);
+        assert!(!live.has_changed().unwrap(), "published, not yet woken");
+        j.wake();
+        assert!(live.has_changed().unwrap());
+        assert_eq!(*live.borrow_and_update(), n);
+        j.wake();
+        assert!(!live.has_changed().unwrap(), "nothing new: no second wake");
         let got = j.read(n - 5, 100).await.unwrap();
         assert_eq!(
             got.iter().map(|e| e.seq).collect::<Vec<_>>(),
@@ -198,10 +223,6 @@ mod tests {
         );
         // Older than the ring, with no ledger: the read says so rather than skipping.
         assert!(j.read(1, 10).await.is_err());
-        assert!(matches!(
-            slow.recv().await,
-            Err(broadcast::error::RecvError::Lagged(_))
-        ));
     }
 
     #[test]

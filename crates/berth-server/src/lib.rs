@@ -241,7 +241,8 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
 
 /// The ledger's writer. Retention: ended runs past the count the engine remembers, or
 /// older than the configured age, are pruned in the background (and the journal with
-/// them); each commit is timed for `/metrics`.
+/// them); each commit is timed for `/metrics`, and once it is answered the journal's
+/// live readers are woken for all the entries it published.
 fn spawn_writer(cfg: &ServeConfig, store: SqliteStore, shared: &Arc<daemon::Shared>) -> Writer {
     let observed = shared.clone();
     Writer::spawn_observed(
@@ -252,7 +253,8 @@ fn spawn_writer(cfg: &ServeConfig, store: SqliteStore, shared: &Arc<daemon::Shar
             ended_age_ms: cfg.retain_ended_for_ms,
         }),
         Some(Arc::new(move |took, batches| {
-            observed.metrics.committed(took, batches)
+            observed.metrics.committed(took, batches);
+            observed.journal.wake();
         })),
     )
 }

@@ -243,7 +243,10 @@ struct Job {
 }
 
 /// Told of each commit: how long the transaction took (fsync included) and how many
-/// batches it carried. For metrics; it runs on the writer thread, so it must be quick.
+/// batches it carried. Called once the commit's jobs have all been answered, so what
+/// their `done` callbacks made visible can be announced once for the whole commit
+/// (the journal wakes its live readers here, not once per batch). It runs on the
+/// writer thread, so it must be quick.
 pub type CommitObserver = Arc<dyn Fn(Duration, usize) + Send + Sync>;
 
 /// Owns a store on its own thread; commits waiting batches together (group commit).
@@ -331,6 +334,7 @@ impl Committer {
             .collect();
         self.contended = writes.len() > 1;
         let mut refused: Vec<Option<StoreError>> = jobs.iter().map(|_| None).collect();
+        let mut committed = None;
         if self.failed.is_none() && !writes.is_empty() {
             let batches: Vec<&Batch> = writes
                 .iter()
@@ -340,9 +344,7 @@ impl Committer {
             match self.store.write(&batches) {
                 Ok(()) => {
                     self.commits.fetch_add(1, Ordering::Relaxed);
-                    if let Some(observe) = &self.observer {
-                        observe(started.elapsed(), batches.len());
-                    }
+                    committed = Some((started.elapsed(), batches.len()));
                 }
                 Err(e) if e.is_fatal() => self.failed = Some(e),
                 Err(e) if writes.len() == 1 => refused[writes[0]] = Some(e),
@@ -355,6 +357,8 @@ impl Committer {
                         match self.store.write(&[b]) {
                             Ok(()) => {
                                 self.commits.fetch_add(1, Ordering::Relaxed);
+                                let n = committed.map_or(0, |(_, n)| n);
+                                committed = Some((started.elapsed(), n + 1));
                             }
                             Err(e) if e.is_fatal() => self.failed = Some(e),
                             Err(e) => refused[i] = Some(e),
@@ -371,6 +375,9 @@ impl Committer {
                 (Some(e), _) | (None, Some(e)) => Err(e),
                 (None, None) => Ok(()),
             });
+        }
+        if let (Some((took, batches)), Some(observe)) = (committed, &self.observer) {
+            observe(took, batches);
         }
     }
 

@@ -11,7 +11,7 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use berth_store::JournalEntry;
 use sha2::{Digest, Sha256};
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::mpsc;
 
 use super::{ask, Api, Params};
 use crate::daemon::Msg;
@@ -284,61 +284,23 @@ async fn pump(
     }
 }
 
-/// Live entries that arrive together, taken at most this many at a time (so one batch
-/// stays a few hundred KiB).
-const BATCH_ENTRIES_MAX: usize = 1_024;
-
 async fn feed(out: &mut Out<'_>, filter: &Filter, mut after: u64) -> Result<(), Undelivered> {
-    // Subscribed before catching up, so nothing falls between the two.
+    // Marked seen before catching up, so nothing published meanwhile goes unnoticed.
     let mut live = out.journal.subscribe();
+    live.borrow_and_update();
     catch_up(out, filter, &mut after, u64::MAX).await?;
     loop {
-        let mut got = tokio::select! {
+        tokio::select! {
             _ = out.tx.closed() => return Ok(()),
-            got = live.recv() => got,
-        };
-        let mut taken = 0;
-        let closed = loop {
-            match got {
-                Ok(e) if e.seq <= after => {}
-                Ok(e) => {
-                    if e.seq > after + 1 {
-                        // Entries published before we subscribed but after the
-                        // catch-up read: what is batched goes first.
-                        out.deliver(after).await?;
-                        catch_up(out, filter, &mut after, e.seq - 1).await?;
-                    }
-                    if filter.admits(&e) {
-                        sse(&e, &mut out.batch);
-                    }
-                    after = e.seq;
-                }
-                Err(broadcast::error::RecvError::Lagged(_)) => {
-                    return Err(Undelivered::Behind("the live feed overtook it"));
-                }
-                Err(broadcast::error::RecvError::Closed) => break true,
-            }
-            taken += 1;
-            if taken == BATCH_ENTRIES_MAX {
-                out.deliver(after).await?;
-                taken = 0;
-            }
-            // What else is already there joins this batch.
-            got = match live.try_recv() {
-                Ok(e) => Ok(e),
-                Err(broadcast::error::TryRecvError::Empty) => break false,
-                Err(broadcast::error::TryRecvError::Lagged(n)) => {
-                    Err(broadcast::error::RecvError::Lagged(n))
-                }
-                Err(broadcast::error::TryRecvError::Closed) => {
-                    Err(broadcast::error::RecvError::Closed)
-                }
-            };
-        };
-        out.deliver(after).await?;
-        if closed {
-            return Ok(());
+            changed = live.changed() => if changed.is_err() { return Ok(()) },
         }
+        live.borrow_and_update();
+        // Woken once per commit: everything since is one batch (a page at most).
+        let behind = out.journal.last().saturating_sub(after);
+        if behind > crate::journal::SUBSCRIBER_LAG_MAX as u64 {
+            return Err(Undelivered::Behind("the live feed overtook it"));
+        }
+        catch_up(out, filter, &mut after, u64::MAX).await?;
     }
 }
 
