@@ -186,8 +186,8 @@ impl Metrics {
         );
     }
 
-    /// One journal entry made (`code`: a refusal's error code).
-    pub fn journaled(&self, kind: &'static str, code: Option<&str>) {
+    /// One journal entry made, by kind (and the counters some kinds stand for).
+    pub fn journaled(&self, kind: &'static str) {
         self.journal.get_or_create(&KindLabel { kind }).inc();
         match kind {
             "granted" => self.grants.inc(),
@@ -195,14 +195,15 @@ impl Metrics {
             "expired" => self.expiries.inc(),
             "reaped" => self.reaps.inc(),
             "degraded" => self.degraded.inc(),
-            "refused" => self
-                .refusals
-                .get_or_create(&CodeLabel {
-                    code: code.unwrap_or("unknown").into(),
-                })
-                .inc(),
             _ => 0,
         };
+    }
+
+    /// An acquire refused (journaled as `refused`), by its error code.
+    pub fn refused(&self, code: &str) {
+        self.refusals
+            .get_or_create(&CodeLabel { code: code.into() })
+            .inc();
     }
 
     /// A ledger transaction committed (called on the ledger thread).

@@ -160,6 +160,7 @@ impl<H: Host> Daemon<H> {
     /// D5: an acquire the engine refused (nothing changed but the refusal itself).
     fn journal_refusal(&mut self, run_id: &str, e: &CoreError) {
         let api = crate::error::ApiError::from(e.clone());
+        self.shared.metrics.refused(&api.code);
         let data = serde_json::json!({"code": api.code, "message": api.message});
         self.journal_entry("refused", Some(run_id.to_string()), None, data);
     }

@@ -7,14 +7,16 @@
 use berth_client::wire;
 use berth_core::{EndCause, Event};
 use berth_store::Mutation;
-use serde_json::{json, Value};
+use serde::Serialize;
+use serde_json::json;
 use std::sync::Arc;
+use wire::JournalData;
 
 use super::{Daemon, Host};
 
 impl<H: Host> Daemon<H> {
     /// One entry about a run (its project looked up), written with this step's commit.
-    pub(super) fn journal(&mut self, kind: &'static str, run_id: &str, data: Value) {
+    pub(super) fn journal(&mut self, kind: &'static str, run_id: &str, data: impl Serialize) {
         let project = self.engine.project_of(run_id).map(str::to_string);
         self.journal_entry(kind, Some(run_id.to_string()), project, data);
     }
@@ -25,35 +27,33 @@ impl<H: Host> Daemon<H> {
         kind: &'static str,
         run_id: Option<String>,
         project: Option<String>,
-        data: Value,
+        data: impl Serialize,
     ) {
         let seq = self.journal_next;
         self.journal_next += 1;
-        let code = data.get("code").and_then(Value::as_str);
-        self.shared.metrics.journaled(kind, code);
+        self.shared.metrics.journaled(kind);
         // A step makes several entries at one time: render it once.
         if self.journal_at.0 != self.now || self.journal_at.1.is_empty() {
             self.journal_at = (self.now, self.host.show_time(self.now));
         }
-        let entry = wire::JournalEntry {
-            seq,
-            at: self.journal_at.1.clone(),
-            kind: kind.to_string(),
-            run_id,
-            project,
-            data,
-        };
         // Rendered once: the ledger keeps these bytes, so exports of the same prefix
         // are always the same bytes.
-        let line = serde_json::to_string(&entry)
-            .unwrap_or_else(|e| format!("{{\"seq\":{seq},\"kind\":\"{kind}\",\"error\":\"{e}\"}}"));
+        let line = serde_json::to_string(&wire::JournalLine {
+            seq,
+            at: &self.journal_at.1,
+            kind,
+            run_id: run_id.as_deref(),
+            project: project.as_deref(),
+            data,
+        })
+        .unwrap_or_else(|e| format!("{{\"seq\":{seq},\"kind\":\"{kind}\",\"error\":\"{e}\"}}"));
         // Shared, not copied, with the readers it is published to after the commit.
         self.pending_mutations
             .push(Mutation::Journal(Arc::new(berth_store::JournalEntry {
                 seq,
-                kind: entry.kind,
-                run_id: entry.run_id,
-                project: entry.project,
+                kind: kind.to_string(),
+                run_id,
+                project,
                 line,
             })));
     }
@@ -65,12 +65,15 @@ impl<H: Host> Daemon<H> {
         match ev {
             Event::Queued { run_id, position } => {
                 let reason = self.engine.reason_of(run_id);
-                let reason = reason.map(|r| json!({"code": r.code, "message": r.message}));
-                self.journal(
-                    "queued",
-                    run_id,
-                    json!({"position": position, "reason": reason}),
-                );
+                let reason = reason.as_ref().map(|r| wire::JournalReason {
+                    code: &r.code,
+                    message: &r.message,
+                });
+                let data = JournalData::Queued {
+                    position: *position,
+                    reason,
+                };
+                self.journal("queued", run_id, data);
             }
             Event::Granted {
                 run_id,
@@ -78,12 +81,19 @@ impl<H: Host> Daemon<H> {
                 expires_at_ms,
                 keys,
             } => {
-                let keys: Vec<Value> = keys
+                let keys = keys
                     .iter()
-                    .map(|(k, m)| json!({"key": k, "mode": m.as_str()}))
+                    .map(|(k, m)| wire::JournalKey {
+                        key: k,
+                        mode: m.as_str(),
+                    })
                     .collect();
                 let expires_at = self.host.show_time(*expires_at_ms);
-                let data = json!({"fence": fence, "expires_at": expires_at, "keys": keys});
+                let data = JournalData::Granted {
+                    expires_at: &expires_at,
+                    fence: *fence,
+                    keys,
+                };
                 self.journal("granted", run_id, data);
             }
             Event::Renewed {
@@ -106,7 +116,7 @@ impl<H: Host> Daemon<H> {
                     EndCause::Expired => "expired",
                 };
                 let fence = self.engine.fence_of(run_id);
-                self.journal(kind, run_id, json!({"fence": fence}));
+                self.journal(kind, run_id, JournalData::Fence { fence });
             }
             Event::Degraded { run_id } => {
                 let survivors = self.extras.get(run_id).map(|e| e.survivors.clone());
@@ -114,7 +124,10 @@ impl<H: Host> Daemon<H> {
             }
             Event::Ended { run_id, state } => {
                 let failure = self.extras.get(run_id).and_then(|e| e.failure.clone());
-                let data = json!({"state": state.as_str(), "failure": failure});
+                let data = JournalData::Ended {
+                    failure: failure.as_deref(),
+                    state: state.as_str(),
+                };
                 self.journal("ended", run_id, data);
             }
             _ => self.journal_other(ev),
