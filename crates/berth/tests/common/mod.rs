@@ -481,6 +481,31 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.kill9();
+        self.kill_its_runs_processes();
+    }
+}
+
+impl Daemon {
+    /// Kills what this daemon's runs left running (the daemon was killed, so nothing
+    /// stopped them): every process whose environment names this daemon's URL. A
+    /// runtime's server left behind held its port into later tests and later runs.
+    fn kill_its_runs_processes(&self) {
+        let mark = format!("BERTH_URL={}", self.url);
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return;
+        };
+        for e in dir.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+                continue;
+            };
+            let env = std::fs::read(e.path().join("environ")).unwrap_or_default();
+            if env.split(|&b| b == 0).any(|v| v == mark.as_bytes()) {
+                if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+                    // One that is gone by now is no matter.
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                }
+            }
+        }
     }
 }
 
