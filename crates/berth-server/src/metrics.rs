@@ -71,6 +71,8 @@ pub struct Metrics {
     http: Family<HttpLabels, Counter>,
     subscribers: Gauge,
     subscribers_now: AtomicU64,
+    waiter_polls: Counter,
+    state_messages: Counter,
     /// One scrape at a time sets the gauges it renders.
     rendering: std::sync::Mutex<()>,
 }
@@ -98,14 +100,31 @@ impl Default for Metrics {
             http: Family::default(),
             subscribers: Gauge::default(),
             subscribers_now: AtomicU64::new(0),
+            waiter_polls: Counter::default(),
+            state_messages: Counter::default(),
             rendering: std::sync::Mutex::new(()),
         };
         m.register();
+        m.register_waiting();
         m
     }
 }
 
 impl Metrics {
+    /// What waiting costs the daemon (issue 18: no work per waiter while nothing changes).
+    fn register_waiting(&mut self) {
+        self.registry.register(
+            "waiter_polls",
+            "Times a waiting request asked the daemon for its run unprompted (only streams, once a second each, for their position); nothing else changing, a long-poll waiter costs none",
+            self.waiter_polls.clone(),
+        );
+        self.registry.register(
+            "state_messages",
+            "Messages the daemon's state task handled (requests and process reports, not its timer): with nothing changing, it does not grow with the number of waiters",
+            self.state_messages.clone(),
+        );
+    }
+
     fn register(&mut self) {
         let r = &mut self.registry;
         r.register(
@@ -197,6 +216,16 @@ impl Metrics {
             "degraded" => self.degraded.inc(),
             _ => 0,
         };
+    }
+
+    /// The state task handled a message.
+    pub fn state_message(&self) {
+        self.state_messages.inc();
+    }
+
+    /// A waiting stream re-read its run on its own timer (`WAIT_POLL`).
+    pub fn waiter_polled(&self) {
+        self.waiter_polls.inc();
     }
 
     /// An acquire refused (journaled as `refused`), by its error code.

@@ -577,3 +577,70 @@ fn berth_events_prints_history_and_follows() {
     let _ = follow.kill();
     let _ = follow.wait();
 }
+
+/// Regression (issue 18, the herd): an idle long-poll waiter costs the daemon nothing.
+/// Each waiter re-read its run every second (`WAIT_POLL`), so 900 waiters with nothing
+/// changing made the state task handle 900 messages a second. Counted, not timed: the
+/// state task's message counter may grow by the scrapes themselves, never per waiter.
+/// (900: the daemon serves `CONNECTIONS_MAX` = 1,024 connections at once.)
+#[test]
+fn idle_long_poll_waiters_cost_the_state_task_no_messages() {
+    const WAITERS: usize = 900;
+    let nofile = rustix::process::Rlimit {
+        current: Some(8_192),
+        maximum: Some(8_192),
+    };
+    rustix::process::setrlimit(rustix::process::Resource::Nofile, nofile).unwrap();
+    let mut d = Daemon::unstarted(&["--slots-max", "1"]);
+    d.nofile = Some(8_192);
+    d.spawn();
+    let fence = acquire(&d, "holder");
+    let waiters: Vec<TcpStream> = (0..WAITERS)
+        .map(|i| {
+            long_poll(
+                &d,
+                &json!({"run_id": format!("w{i}"), "project": format!("w{i}"), "wait_s": 600,
+                        "resources": {"cpu_millis": 10, "disk": 1024}}),
+            )
+        })
+        .collect();
+    let queued = || {
+        d.get("/v1/status").body["queued"]["foreground"]
+            .as_u64()
+            .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while queued() < WAITERS as u64 {
+        assert!(
+            Instant::now() < deadline,
+            "{} of {WAITERS} queued",
+            queued()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let counters = || {
+        let (_, _, text) = get_raw(&d, "/metrics");
+        let s = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap();
+        (
+            sample(&s, "berth_state_messages_total", None),
+            sample(&s, "berth_waiter_polls_total", None),
+        )
+    };
+    let (messages, polls) = counters();
+    std::thread::sleep(Duration::from_secs(2));
+    let (messages_after, polls_after) = counters();
+    assert_eq!(polls_after, polls, "long-poll waiters polled");
+    assert!(
+        messages_after - messages < 10.0,
+        "{} messages in 2 s with {WAITERS} idle waiters",
+        messages_after - messages
+    );
+    // And they still wait for real: the release grants one of them, at once.
+    release(&d, "holder", fence);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while d.get("/v1/status").body["granted"] != 1 || queued() != WAITERS as u64 - 1 {
+        assert!(Instant::now() < deadline, "{:?}", d.get("/v1/status").body);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(waiters);
+}

@@ -30,7 +30,9 @@ use crate::request::{build_request, check_fence, check_run_id, read_worktree, tt
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
 /// Runs listed at most by `GET /v1/runs`.
 pub const LIST_MAX: usize = 10_000;
-/// How often a waiting stream re-reads its position and reason.
+/// How often a waiting stream re-reads its position and reason (a position moves when
+/// runs ahead leave, which does not touch this run). A long-poll waiter never polls: it
+/// reports only its outcome, and the daemon tells it of every change to its run.
 const WAIT_POLL: Duration = Duration::from_millis(1000);
 
 #[derive(Clone)]
@@ -408,27 +410,48 @@ async fn wait_for_grant(
             }
         }
         let w = rx.as_mut().expect("subscribed");
-        let closed = async {
-            match lines {
-                Some(tx) => tx.closed().await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            changed = w.changed() => {
-                if changed.is_err() {
-                    // The watcher was dropped: the run left the queue; read it once more.
-                    rx = None;
-                }
-                let id = info.view.run_id.clone();
-                info = ask(api, |reply| Msg::Get { run_id: id, reply }).await?;
-            }
-            _ = tokio::time::sleep(WAIT_POLL) => {
-                let id = info.view.run_id.clone();
-                info = ask(api, |reply| Msg::Get { run_id: id, reply }).await?;
-            }
-            _ = closed => return Err(ApiError::new(499, "client_gone", "the client went away")),
+        let (now, watching) = next_change(api, w, &info, lines).await?;
+        info = now;
+        if !watching {
+            rx = None;
         }
+    }
+}
+
+/// The waiting run's next state: when the daemon says it changed (and whether it still
+/// tells this watcher), or, for a stream, after `WAIT_POLL` (its position may have moved
+/// without the run changing). A closed stream is the client gone.
+async fn next_change(
+    api: &Api,
+    w: &mut tokio::sync::watch::Receiver<RunInfo>,
+    info: &RunInfo,
+    lines: Option<&mpsc::Sender<Bytes>>,
+) -> Result<(RunInfo, bool), ApiError> {
+    let closed = async {
+        match lines {
+            Some(tx) => tx.closed().await,
+            None => std::future::pending().await,
+        }
+    };
+    let poll = async {
+        match lines {
+            Some(_) => tokio::time::sleep(WAIT_POLL).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        changed = w.changed() => {
+            // What the daemon sent once the change was durable: no need to ask it. A
+            // dropped watcher: the run left the queue (its last word is read here) or
+            // the daemon is stopping (subscribing again says so).
+            Ok((w.borrow_and_update().clone(), changed.is_ok()))
+        }
+        _ = poll => {
+            api.shared.metrics.waiter_polled();
+            let id = info.view.run_id.clone();
+            Ok((ask(api, |reply| Msg::Get { run_id: id, reply }).await?, true))
+        }
+        _ = closed => Err(ApiError::new(499, "client_gone", "the client went away")),
     }
 }
 

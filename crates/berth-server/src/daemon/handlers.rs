@@ -33,6 +33,7 @@ impl<H: Host> Daemon<H> {
     /// One message from the API or a thread the daemon started: one method each.
     pub fn handle(&mut self, now: u64, msg: Msg) {
         self.now = now;
+        self.shared.metrics.state_message();
         match msg {
             Msg::Acquire {
                 req,
