@@ -650,6 +650,51 @@ mod tests {
         assert_eq!(*committed.lock().unwrap(), ["a", "b"]);
     }
 
+    /// The observer hears of a commit once, after every job of it was answered (the
+    /// journal relies on this to wake its readers once per commit with everything in
+    /// place), and so after a group that fell back to one batch at a time.
+    #[test]
+    fn the_observer_hears_of_a_commit_once_its_jobs_are_answered() {
+        let answered = Arc::new(AtomicU64::new(0));
+        let (seen_tx, seen) = mpsc::channel();
+        let counted = answered.clone();
+        let observer: CommitObserver = Arc::new(move |_, batches| {
+            let done = counted.load(Ordering::SeqCst);
+            seen_tx.send((batches, done)).unwrap();
+        });
+        let writer = Writer::spawn_observed(
+            Box::new(Picky {
+                committed: Arc::default(),
+            }),
+            true,
+            None,
+            Some(observer),
+        );
+        let timeout = Duration::from_secs(10);
+        // The first group commits whole; the second, refused once, commits its two
+        // good batches one at a time: one word for each group, after all its answers.
+        let groups = [
+            (&["a", "b", "c"][..], (3, 3)),
+            (&["d", "conflict", "e"][..], (2, 6)),
+        ];
+        for (names, heard) in groups {
+            let (hold_tx, hold) = mpsc::channel::<()>();
+            writer.submit(None, move |_| {
+                let _ = hold.recv();
+            });
+            for &t in names {
+                let answered = answered.clone();
+                writer.submit(Some(token(t)), move |_| {
+                    answered.fetch_add(1, Ordering::SeqCst);
+                });
+            }
+            hold_tx.send(()).unwrap();
+            assert_eq!(seen.recv_timeout(timeout), Ok(heard), "{names:?}");
+        }
+        assert!(seen.recv_timeout(Duration::from_millis(200)).is_err());
+        writer.close();
+    }
+
     /// Regression: a held `LedgerReader` kept the writer's channel open, so `close`
     /// waited for ever and the daemon never stopped on SIGTERM.
     #[test]
