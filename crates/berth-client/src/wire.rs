@@ -88,6 +88,12 @@ pub struct AcquireRequest {
     /// Grace between SIGTERM and SIGKILL when this run is stopped (P2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stop_grace_s: Option<u64>,
+    /// `true`: answer `202` at once with the queued run instead of holding the
+    /// connection. The run keeps its place until its `wait_s` deadline without one (A9
+    /// does not apply to it); follow it with `GET /v1/runs/{id}?wait_s=N` or
+    /// `GET /v1/events?run=ID`, cancel it with `DELETE /v1/runs/{id}`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detach: Option<bool>,
 }
 
 /// `POST /v1/runs/{id}/renew`: a lease (with its fence) or a waiter (without).
@@ -156,6 +162,13 @@ pub struct Run {
     pub claim: Claim,
     #[schema(schema_with = words::<Class>)]
     pub class: Class,
+    /// RFC 3339: when a waiter stops waiting (its `wait_s`); a waiter only.
+    #[serde(default)]
+    #[schema(required = true)]
+    pub deadline: Option<String>,
+    /// A detached waiter (`detach: true`): it keeps its place without a connection.
+    #[serde(default)]
+    pub detached: bool,
     /// The `BERTH_*` environment of a granted run (empty otherwise).
     pub env: BTreeMap<String, String>,
     /// RFC 3339; a lease only.

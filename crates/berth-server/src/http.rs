@@ -23,7 +23,9 @@ use tokio::sync::Semaphore;
 
 /// Connections served at once at most; beyond it new ones wait in the kernel's accept
 /// queue (they cost the daemon no descriptor there).
-pub const CONNECTIONS_MAX: usize = 1_024;
+/// Sized for a deep queue of attached waiters (10,000 long polls or streams, issue 18)
+/// with room to spare; the descriptor limit (`connection_budget`) is the other bound.
+pub const CONNECTIONS_MAX: usize = 16_384;
 /// Descriptors never given to connections: the ledger, the pool's and the stopper's
 /// directory and pidfd and `/proc` reads, cgroup files, logs. A stop needs a handful at
 /// a time; 256 leaves room for many at once.
@@ -53,14 +55,15 @@ pub struct ConnMark {
     kick: tokio::sync::Notify,
 }
 
-/// Open connections, oldest first (at most `CONNECTIONS_MAX`: a linear scan is fine).
-type Registry = Arc<Mutex<Vec<(u64, Arc<ConnMark>)>>>;
+/// Open connections by id, so oldest first. A connection leaves it in O(log n); only
+/// at the cap is it scanned (for the oldest without a token).
+type Registry = Arc<Mutex<std::collections::BTreeMap<u64, Arc<ConnMark>>>>;
 
 /// Closes the oldest connection without a valid token; false if there is none.
 fn evict_one(reg: &Registry) -> bool {
     let list = reg.lock().unwrap_or_else(|e| e.into_inner());
-    match list.iter().find(|(_, m)| !m.authed.load(Ordering::Relaxed)) {
-        Some((_, m)) => {
+    match list.values().find(|m| !m.authed.load(Ordering::Relaxed)) {
+        Some(m) => {
             m.kick.notify_one();
             true
         }
@@ -163,7 +166,7 @@ pub async fn serve(
         registry
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push((id, mark.clone()));
+            .insert(id, mark.clone());
         let svc = hyper_util::service::TowerToHyperService::new(Marked {
             app: app.clone(),
             mark: mark.clone(),
@@ -225,9 +228,7 @@ struct Unregister(Registry, u64);
 impl Drop for Unregister {
     fn drop(&mut self) {
         let mut list = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = list.iter().position(|(id, _)| *id == self.1) {
-            list.remove(i);
-        }
+        list.remove(&self.1);
     }
 }
 

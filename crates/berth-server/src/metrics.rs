@@ -115,7 +115,7 @@ impl Metrics {
     fn register_waiting(&mut self) {
         self.registry.register(
             "waiter_polls",
-            "Times a waiting request asked the daemon for its run unprompted (only streams, once a second each, for their position); nothing else changing, a long-poll waiter costs none",
+            "Times a waiting stream re-read its run because the queue moved (at most once a second each, for its position and reason); with nothing moving, no waiter costs any",
             self.waiter_polls.clone(),
         );
         self.registry.register(
@@ -223,7 +223,7 @@ impl Metrics {
         self.state_messages.inc();
     }
 
-    /// A waiting stream re-read its run on its own timer (`WAIT_POLL`).
+    /// A waiting stream re-read its run because the queue moved.
     pub fn waiter_polled(&self) {
         self.waiter_polls.inc();
     }

@@ -139,6 +139,8 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
             let n = |p: u16| if granted { p + seq as u16 } else { 0 };
             vec![("api".into(), n(41_100)), ("web".into(), n(41_000))]
         },
+        // Both values round-trip: queued samples are detached waiters.
+        detached: state == RunState::Queued,
     }
 }
 

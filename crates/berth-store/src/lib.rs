@@ -94,6 +94,9 @@ pub struct RunRecord {
     /// The ports its contract declares, by name, with the number allocated at grant
     /// (0 until then) (W3). Kept while the run lives; gone once it has ended.
     pub ports: Vec<(String, u16)>,
+    /// A detached waiter: no connection holds its place (A9 does not apply), so a
+    /// restart restores it without a reconnect window.
+    pub detached: bool,
 }
 
 /// One durable change. Closed on purpose: every store must handle every arm, and each

@@ -161,6 +161,9 @@ const MIGRATIONS: &[&str] = &[
         packed BLOB NOT NULL,
         written_unix_ms INTEGER NOT NULL
      ) STRICT;",
+    // 10: detached waiters (no connection holds their place, so a restart gives them
+    // no reconnect window to lapse in).
+    "ALTER TABLE runs ADD COLUMN detached INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// The part of a migration SQL cannot do, run after its SQL in its transaction.
@@ -337,7 +340,7 @@ fn u(v: i64) -> u64 {
 
 /// The columns `read_run` reads, in this order: by position, not by name (looking each
 /// name up was an eighth of a restart's CPU).
-const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms";
+const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached";
 
 /// Positions of `RUN_COLUMNS`.
 mod col {
@@ -371,6 +374,7 @@ mod col {
     pub const WS_DEV: usize = 27;
     pub const WS_INO: usize = 28;
     pub const STOP_GRACE_MS: usize = 29;
+    pub const DETACHED: usize = 30;
 }
 
 fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
@@ -444,6 +448,7 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         processes: Vec::new(),
         ports: Vec::new(),
         stop_grace_ms: oi(col::STOP_GRACE_MS)?.map(u),
+        detached: g(col::DETACHED)? != 0,
     })
 }
 
@@ -455,15 +460,16 @@ const UPSERT: &str =
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
     expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms,
-    ended_unix_ms)
+    ended_unix_ms, detached)
   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
-    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32)
+    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33)
   ON CONFLICT (run_id) DO UPDATE SET
     state = excluded.state, fence = excluded.fence, deadline_ms = excluded.deadline_ms,
     granted_ms = excluded.granted_ms, expires_ms = excluded.expires_ms,
     end_cause = excluded.end_cause, primary_mode = excluded.primary_mode,
     ws_path = excluded.ws_path, ws_dev = excluded.ws_dev, ws_ino = excluded.ws_ino,
-    terminal = excluded.terminal, ended_unix_ms = excluded.ended_unix_ms
+    terminal = excluded.terminal, ended_unix_ms = excluded.ended_unix_ms,
+    detached = excluded.detached
   -- D3: a terminal state is never overwritten; nor is another run's record (a late
   -- write of an ended run whose id a new run has taken, see replace_ended).
   WHERE runs.terminal = 0 AND runs.queue_seq = excluded.queue_seq";
@@ -923,6 +929,7 @@ fn upsert_run(
             terminal as i64,
             r.stop_grace_ms.map(|g| g as i64),
             terminal.then_some(now_ms as i64),
+            r.detached as i64,
         ])
         .map_err(write_err)?;
     if changed == 0 {

@@ -7,8 +7,9 @@ use anyhow::Context;
 
 use crate::EXIT_REFUSED;
 use berth_client::wire::{
-    ErrorBody, ErrorDetail, ReapReport, ReleaseRequest, RenewRequest, RunList, Status,
+    ErrorBody, ErrorDetail, ReapReport, ReleaseRequest, RenewRequest, Run, RunList, Status,
 };
+use berth_core::RunState;
 use clap::Args;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -62,6 +63,61 @@ pub struct RenewArgs {
     pub ttl: Option<u64>,
     #[command(flatten)]
     pub conn: ConnArgs,
+}
+
+#[derive(Args)]
+pub struct WaitArgs {
+    /// The run to wait for (a detached waiter, or any run).
+    pub run_id: String,
+    /// Give up after this long, e.g. 10m (the run keeps waiting) [default: until it
+    /// leaves the queue].
+    #[arg(long, value_parser = crate::args::parse_duration)]
+    pub timeout: Option<u64>,
+    #[command(flatten)]
+    pub conn: ConnArgs,
+}
+
+/// How long one `GET /v1/runs/{id}?wait_s=` of `berth wait` lasts (the server's own
+/// bound is longer; a short one lets the client notice a dead daemon sooner).
+const WAIT_ROUND_S: u64 = 60;
+
+/// `berth wait RUN_ID`: follows a run until it is granted (exit 0, the lease printed)
+/// or ends without a grant (75 if its wait ran out, 69 otherwise). A run still queued
+/// at `--timeout` exits 75 and keeps its place.
+pub fn wait_main(a: WaitArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a.conn)?;
+    let until = a
+        .timeout
+        .map(|t| std::time::Instant::now() + Duration::from_millis(t));
+    loop {
+        let left_s = until.map_or(WAIT_ROUND_S, |u| {
+            u.saturating_duration_since(std::time::Instant::now())
+                .as_secs()
+        });
+        let path = format!(
+            "/v1/runs/{}?wait_s={}",
+            a.run_id,
+            left_s.clamp(1, WAIT_ROUND_S)
+        );
+        let r = match c.call::<()>("GET", &path, None) {
+            Ok(r) => r,
+            Err(e) => return Ok(c.unreachable(&e)),
+        };
+        if r.status >= 300 {
+            return print_reply(&r, a.conn.json, |_: &Value| String::new());
+        }
+        let run: Run = r.parse()?;
+        let out_of_time = until.is_some_and(|u| std::time::Instant::now() >= u);
+        if run.state == RunState::Queued && !out_of_time {
+            continue;
+        }
+        print_reply(&r, a.conn.json, crate::show::run_line)?;
+        return Ok(match run.state {
+            RunState::Granted => 0,
+            RunState::Queued | RunState::Expired => crate::EXIT_TIMEOUT,
+            _ => crate::EXIT_REFUSED,
+        });
+    }
 }
 
 #[derive(Args)]

@@ -40,6 +40,8 @@ enum Cmd {
     Runs(client::RunsArgs),
     /// Acquire a lease without running anything (for scripts; see --json).
     Acquire(run::AcquireArgs),
+    /// Wait for a run (e.g. one acquired with --detach) to be granted; print its lease.
+    Wait(client::WaitArgs),
     /// Renew a lease (or a queued run's deadline).
     Renew(client::RenewArgs),
     /// Release a lease.
@@ -70,6 +72,7 @@ fn main() -> ExitCode {
         Cmd::Status(a) => client::status_main(a),
         Cmd::Runs(a) => client::runs_main(a),
         Cmd::Acquire(a) => run::acquire_main(a),
+        Cmd::Wait(a) => client::wait_main(a),
         Cmd::Renew(a) => client::renew_main(a),
         Cmd::Release(a) => client::release_main(a),
         Cmd::Reap(a) => client::reap_main(a),

@@ -95,6 +95,10 @@ pub struct RunArgs {
 pub struct AcquireArgs {
     #[command(flatten)]
     pub claim: ClaimArgs,
+    /// Do not wait here: print the queued run at once (it keeps its place until --wait
+    /// without a connection); follow it with `berth wait RUN_ID`.
+    #[arg(long)]
+    pub detach: bool,
 }
 
 fn default_project() -> String {
@@ -407,7 +411,8 @@ fn wait_for_lease_with(
 
 pub fn acquire_main(a: AcquireArgs) -> anyhow::Result<u8> {
     let client = Client::new(&a.claim.conn)?;
-    let body = acquire_body(&a.claim)?;
+    let mut body = acquire_body(&a.claim)?;
+    body.detach = a.detach.then_some(true);
     let r = match client.call("POST", "/v1/runs", Some(&body)) {
         Ok(r) => r,
         Err(e) => return Ok(client.unreachable(&e)),

@@ -45,6 +45,8 @@ pub struct Route {
     /// The success status and body; a second body is the streamed form (asked for with
     /// `Accept: application/x-ndjson`).
     pub ok: (u16, Body, Option<Body>),
+    /// Another success status and its body (a detached acquire's `202`).
+    pub also: Option<(u16, Body)>,
 }
 
 const fn route(
@@ -61,6 +63,7 @@ const fn route(
         query: &[],
         request: None,
         ok: (200, Body::Other("application/json"), None),
+        also: None,
     }
 }
 
@@ -79,6 +82,10 @@ impl Route {
     }
     fn or_streams(mut self, body: Body) -> Route {
         self.ok.2 = Some(body);
+        self
+    }
+    fn or_answers(mut self, status: u16, body: Body) -> Route {
+        self.also = Some((status, body));
         self
     }
 }
@@ -108,7 +115,14 @@ pub fn routes() -> Vec<(Route, MethodRouter<Api>)> {
             get(super::list_runs),
         ),
         (
-            route(Get, "/v1/runs/{id}", r, "One run").answers(200, Body::Json("Run")),
+            route(
+                Get,
+                "/v1/runs/{id}",
+                r,
+                "One run; with wait_s, as soon as it changes (or unchanged after wait_s)",
+            )
+            .query(&[("wait_s", "integer")])
+            .answers(200, Body::Json("Run")),
             get(super::get_run),
         ),
         (
@@ -204,11 +218,12 @@ fn changes() -> Vec<(Route, MethodRouter<Api>)> {
                 Post,
                 "/v1/runs",
                 o,
-                "Ask for a berth; waits until granted (or streams its progress)",
+                "Ask for a berth; waits until granted (or streams its progress, or with detach answers 202 at once)",
             )
             .takes("AcquireRequest")
             .answers(201, Body::Json("Run"))
-            .or_streams(Body::Lines("AcquireEvent")),
+            .or_streams(Body::Lines("AcquireEvent"))
+            .or_answers(202, Body::Json("Run")),
             post(super::acquire),
         ),
         (
@@ -376,9 +391,15 @@ fn operation(r: &Route) -> utoipa::openapi::path::Operation {
     let refused = ResponseBuilder::new()
         .description("refused: {\"error\": {code, message, details}}")
         .content(media, c);
-    op = op
-        .response(status.to_string(), ok)
-        .response("default", refused);
+    op = op.response(status.to_string(), ok);
+    if let Some((status, body)) = r.also {
+        let (media, c) = content(body);
+        let also = ResponseBuilder::new()
+            .description("accepted")
+            .content(media, c);
+        op = op.response(status.to_string(), also);
+    }
+    op = op.response("default", refused);
     if r.scope.is_some() {
         op = op.security(SecurityRequirement::new("bearer", Vec::<String>::new()));
     }

@@ -30,10 +30,6 @@ use crate::request::{build_request, check_fence, check_run_id, read_worktree, tt
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
 /// Runs listed at most by `GET /v1/runs`.
 pub const LIST_MAX: usize = 10_000;
-/// How often a waiting stream re-reads its position and reason (a position moves when
-/// runs ahead leave, which does not touch this run). A long-poll waiter never polls: it
-/// reports only its outcome, and the daemon tells it of every change to its run.
-const WAIT_POLL: Duration = Duration::from_millis(1000);
 
 #[derive(Clone)]
 pub struct Api {
@@ -181,6 +177,8 @@ pub fn run_out(i: &RunInfo) -> Run {
     Run {
         claim: Claim { keys, resources },
         class: v.class,
+        deadline: i.deadline.clone(),
+        detached: i.detached,
         env: i
             .env
             .iter()
@@ -271,6 +269,7 @@ async fn acquire(AxState(api): AxState<Api>, headers: HeaderMap, body: Body) -> 
 
 async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let b: berth_client::wire::AcquireRequest = json_body(body, false).await?;
+    let detach = b.detach == Some(true);
     let (mut req, (worktree, labels, stop_grace_ms)) = build_request(&api.cfg, b)?;
     let ports = match &worktree {
         Some(wt) => read_worktree(&mut req, wt).await?,
@@ -281,7 +280,8 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains("application/x-ndjson"));
     let run_id = req.run_id.clone();
-    let waits = req.wait_ms > 0;
+    // Only an attached waiter's connection holds its place (A9).
+    let waits = req.wait_ms > 0 && !detach;
     // The guard exists before the acquire is sent: if this connection drops at any
     // point from here on, the waiter is cancelled (A9).
     let mut guard = waits.then(|| AttachGuard {
@@ -296,6 +296,7 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         stop_grace_ms,
         ports,
         attach: waits,
+        detach,
         reply,
     })
     .await;
@@ -304,6 +305,9 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         g.armed = matches!(&first, Ok(i) if i.view.state == RunState::Queued);
     }
     let first = first?;
+    if detach && first.view.state == RunState::Queued {
+        return Ok((StatusCode::ACCEPTED, Json(run_out(&first))).into_response());
+    }
     if !stream {
         let info = wait_for_grant(&api, first, None).await?;
         drop(guard);
@@ -361,6 +365,10 @@ async fn wait_for_grant(
 ) -> Result<RunInfo, ApiError> {
     let mut rx = None;
     let mut last_sent = None;
+    // A stream's position and reason move when the queue does, which does not touch
+    // its run: it re-reads them when the daemon says the queue moved (at most once a
+    // second, one signal for all). A long-poll waiter reports only its outcome.
+    let mut moved = lines.map(|_| api.shared.queue_moved.subscribe());
     loop {
         match info.view.state {
             RunState::Queued => {}
@@ -410,7 +418,7 @@ async fn wait_for_grant(
             }
         }
         let w = rx.as_mut().expect("subscribed");
-        let (now, watching) = next_change(api, w, &info, lines).await?;
+        let (now, watching) = next_change(api, w, moved.as_mut(), &info, lines).await?;
         info = now;
         if !watching {
             rx = None;
@@ -419,11 +427,12 @@ async fn wait_for_grant(
 }
 
 /// The waiting run's next state: when the daemon says it changed (and whether it still
-/// tells this watcher), or, for a stream, after `WAIT_POLL` (its position may have moved
-/// without the run changing). A closed stream is the client gone.
+/// tells this watcher), or, for a stream, when the queue moved (its position may have
+/// changed without the run changing). A closed stream is the client gone.
 async fn next_change(
     api: &Api,
     w: &mut tokio::sync::watch::Receiver<RunInfo>,
+    moved: Option<&mut tokio::sync::watch::Receiver<u64>>,
     info: &RunInfo,
     lines: Option<&mpsc::Sender<Bytes>>,
 ) -> Result<(RunInfo, bool), ApiError> {
@@ -434,8 +443,12 @@ async fn next_change(
         }
     };
     let poll = async {
-        match lines {
-            Some(_) => tokio::time::sleep(WAIT_POLL).await,
+        match moved {
+            Some(m) => {
+                if m.changed().await.is_err() {
+                    std::future::pending::<()>().await
+                }
+            }
             None => std::future::pending().await,
         }
     };
@@ -488,12 +501,62 @@ async fn list_runs(
     }))
 }
 
+/// Longest `wait_s` of `GET /v1/runs/{id}`: a proxy or client timeout is the real
+/// bound; this one keeps a forgotten request from holding a connection for hours.
+pub const GET_WAIT_S_MAX: u64 = 300;
+
+/// `GET /v1/runs/{id}[?wait_s=N]`: the run now, or, with `wait_s`, as soon as the daemon
+/// says it changed (its state or reason; a waiter's position is a snapshot, read anew
+/// when it answers), or unchanged after N s. Waiting costs the daemon nothing: the
+/// request waits on the run's watch, which only a change to this run wakes.
 async fn get_run(
     AxState(api): AxState<Api>,
     RunIdPath(id): RunIdPath,
+    Params(q): Params,
 ) -> Result<Response, ApiError> {
     check_run_id(&id)?;
-    let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
+    if let Some(k) = q.keys().find(|k| *k != "wait_s") {
+        return Err(ApiError::invalid(k, "is not a known query parameter"));
+    }
+    let wait_s = match q.get("wait_s") {
+        Some(w) => w
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n <= GET_WAIT_S_MAX)
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "wait_s",
+                    format!("must be an integer from 0 to {GET_WAIT_S_MAX}"),
+                )
+            })?,
+        None => 0,
+    };
+    if wait_s == 0 {
+        let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
+        return Ok(Json(run_out(&info)).into_response());
+    }
+    let (tx, rx) = oneshot::channel();
+    api.tx
+        .send(Msg::Subscribe {
+            run_id: id.clone(),
+            reply: tx,
+        })
+        .await
+        .map_err(|_| ApiError::new(503, "shutting_down", "berth is shutting down"))?;
+    let Some(mut w) = rx.await.ok().flatten() else {
+        // No such run: the same answer as without `wait_s`.
+        let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
+        return Ok(Json(run_out(&info)).into_response());
+    };
+    let first = w.borrow_and_update().clone();
+    let info = match tokio::time::timeout(Duration::from_secs(wait_s), w.changed()).await {
+        Ok(_) => w.borrow_and_update().clone(),
+        // Unchanged: the run as it is now (a waiter's position moves without it).
+        Err(_) if first.view.state == RunState::Queued => {
+            ask(&api, |reply| Msg::Get { run_id: id, reply }).await?
+        }
+        Err(_) => first,
+    };
     Ok(Json(run_out(&info)).into_response())
 }
 

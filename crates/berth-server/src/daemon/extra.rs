@@ -23,6 +23,9 @@ pub(super) struct Extra {
     /// (worktree, labels, stop grace), kept for the idempotent re-acquire check (L7)
     /// instead of the values themselves (see `shrink`).
     ended_digest: Option<[u8; 32]>,
+    /// A detached waiter: it keeps its place without a connection (A9 does not apply),
+    /// and a restart gives it no reconnect window. Once set, never cleared.
+    pub(super) detached: bool,
 }
 
 /// What an acquire carries besides the engine's request, as one digest.
@@ -55,6 +58,7 @@ impl Extra {
             stop_grace_ms,
             failure: None,
             ended_digest: None,
+            detached: false,
         }
     }
 
@@ -69,6 +73,7 @@ impl Extra {
         extra.workspace = r.workspace.take();
         extra.processes = std::mem::take(&mut r.processes);
         extra.ports = std::mem::take(&mut r.ports);
+        extra.detached = r.detached;
         if r.state.is_terminal() {
             extra.shrink();
         }

@@ -42,10 +42,12 @@ impl<H: Host> Daemon<H> {
                 stop_grace_ms,
                 ports,
                 attach,
+                detach,
                 reply,
             } => {
                 let mut extra = Extra::new(worktree, labels, stop_grace_ms, 0);
                 extra.ports = ports.into_iter().map(|p| (p, 0)).collect();
+                extra.detached = detach;
                 self.on_acquire(req, extra, attach, reply)
             }
             Msg::Command { cmd, reply } => self.on_command(cmd, reply),
@@ -115,6 +117,7 @@ impl<H: Host> Daemon<H> {
             }
         }
         let is_new = self.engine.view_of(&id).is_none();
+        let detach = extra.detached;
         if is_new {
             // Registered before the command so grants made by it find it.
             extra.queue_seq = self.next_seq;
@@ -145,6 +148,19 @@ impl<H: Host> Daemon<H> {
                 .is_some_and(|i| i.view.state == RunState::Queued);
             if attach && queued {
                 *self.attached.entry(id.clone()).or_default() += 1;
+            }
+            // A waiter its client lets go of (`detach` on a retry): it keeps its place
+            // from now on without a connection, and its record says so.
+            let letting_go = self
+                .extras
+                .get_mut(&id)
+                .filter(|e| detach && queued && !e.detached);
+            if let Some(ex) = letting_go {
+                ex.detached = true;
+                touched.insert(id.clone());
+                if let Some(i) = info.as_mut() {
+                    i.detached = true;
+                }
             }
         }
         let value = match (res, info) {
@@ -231,11 +247,14 @@ impl<H: Host> Daemon<H> {
         };
         if left == 0 {
             self.attached.remove(&run_id);
-            // A9: the waiter's client went away; it leaves the queue at once.
-            if self
-                .engine
-                .view_of(&run_id)
-                .is_some_and(|v| v.state == RunState::Queued)
+            // A9: the waiter's client went away; it leaves the queue at once (unless it
+            // is a detached waiter: no connection ever held its place).
+            let detached = self.extras.get(&run_id).is_some_and(|e| e.detached);
+            if !detached
+                && self
+                    .engine
+                    .view_of(&run_id)
+                    .is_some_and(|v| v.state == RunState::Queued)
             {
                 let mut touched = BTreeSet::new();
                 let _ = self.apply(Command::Cancel { run_id }, &mut touched);
@@ -250,6 +269,11 @@ impl<H: Host> Daemon<H> {
         reply: oneshot::Sender<Option<watch::Receiver<RunInfo>>>,
     ) {
         let rx = self.info(&run_id).map(|info| {
+            if info.view.state.is_terminal() {
+                // Nothing will change: its last word, with no sender kept for it (one
+                // per request for a run that is never touched again would pile up).
+                return watch::channel(info).1;
+            }
             self.watchers
                 .entry(run_id)
                 .or_insert_with(|| Arc::new(watch::channel(info).0))
@@ -402,11 +426,23 @@ impl<H: Host> Daemon<H> {
             }
         }
         self.retry_due_cleanups(&mut touched);
+        self.tell_queue_moved();
         if !touched.is_empty()
             || !self.pending_stops.is_empty()
             || !self.pending_mutations.is_empty()
         {
             self.commit(touched, |_| {});
+        }
+    }
+
+    /// Raises `queue_moved` if the queue moved since it was last raised, at most once
+    /// per `QUEUE_MOVED_EVERY_MS` (the tick calls this; a move is told within a tick
+    /// of the second being up).
+    fn tell_queue_moved(&mut self) {
+        let (told, at) = self.queue_moves_told;
+        if self.queue_moves != told && self.now >= at + super::QUEUE_MOVED_EVERY_MS {
+            self.queue_moves_told = (self.queue_moves, self.now);
+            self.shared.queue_moved.send_replace(self.queue_moves);
         }
     }
 

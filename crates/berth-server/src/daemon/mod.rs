@@ -60,6 +60,10 @@ pub struct RunInfo {
     pub labels: BTreeMap<String, String>,
     pub workspace: Option<String>,
     pub expires_at: Option<String>,
+    /// A waiter's deadline (its `wait_s`).
+    pub deadline: Option<String>,
+    /// Acquired with `detach: true`.
+    pub detached: bool,
     /// When it was granted (or queued, while it waits).
     pub since: Option<String>,
     /// `BERTH_*` (and `TMPDIR`) of a granted run.
@@ -116,6 +120,8 @@ pub enum Msg {
         ports: Vec<String>,
         /// The caller keeps a connection open while it waits (A9 applies).
         attach: bool,
+        /// A detached waiter: it keeps its place without a connection.
+        detach: bool,
         reply: Reply<RunInfo>,
     },
     Command {
@@ -225,7 +231,18 @@ pub struct Shared {
     /// D5: the journal's readers (the daemon publishes each durable entry).
     pub journal: crate::journal::Journal,
     pub metrics: crate::metrics::Metrics,
+    /// Raised (with a count) at most once per `QUEUE_MOVED_EVERY_MS` when the queue
+    /// moved: a waiter came or went, or capacity was taken or given back, so positions
+    /// and reasons may have changed without the waiters' own runs being touched. A
+    /// stream of a waiter re-reads its position when this rises (A11), and never
+    /// otherwise: one signal for every stream, no timer per waiter, nothing at all
+    /// while nothing moves.
+    pub queue_moved: watch::Sender<u64>,
 }
+
+/// How often at most the queue's streams are told that it moved (issue: position
+/// updates at most once a second per stream).
+pub const QUEUE_MOVED_EVERY_MS: u64 = 1_000;
 
 pub struct Daemon<H: Host> {
     /// CLOCK_MONOTONIC milliseconds, as the runtime said at the latest input (`handle`,
@@ -265,6 +282,9 @@ pub struct Daemon<H: Host> {
     journal_next: u64,
     /// The time of the last journal entry, rendered (entries of one step share it).
     journal_at: (u64, String),
+    /// Queue moves so far, and (count, time) of the last one told to `queue_moved`.
+    queue_moves: u64,
+    queue_moves_told: (u64, u64),
 }
 
 /// The first retry of a failed stop or cleanup; each next one waits twice as long.
@@ -361,6 +381,8 @@ impl<H: Host> Daemon<H> {
             labels: extra.map(|e| e.labels.clone()).unwrap_or_default(),
             workspace: ws,
             expires_at,
+            deadline: view.deadline_ms.map(|t| self.host.show_time(t)),
+            detached: extra.is_some_and(|e| e.detached),
             since: self.engine.since_of(run_id).map(|t| self.host.show_time(t)),
             env,
             survivors: extra.map(|e| e.survivors.clone()).unwrap_or_default(),
@@ -431,6 +453,7 @@ impl<H: Host> Daemon<H> {
             processes: extra.processes.clone(),
             stop_grace_ms: extra.stop_grace_ms,
             ports: extra.ports.clone(),
+            detached: extra.detached,
         })
     }
 
@@ -453,6 +476,12 @@ impl<H: Host> Daemon<H> {
                 touched.insert(run_id.to_string());
             }
             self.journal_event(&ev);
+            if !matches!(
+                ev,
+                Event::Renewed { .. } | Event::QueueDeadlineExtended { .. }
+            ) {
+                self.queue_moves += 1;
+            }
             match &ev {
                 Event::Granted {
                     run_id,

@@ -108,7 +108,8 @@ impl<H: Host> Daemon<H> {
         for r in ledger.runs {
             let id = r.request.run_id.clone();
             match r.state {
-                RunState::Queued => {
+                // A detached waiter needs no client to come back for it.
+                RunState::Queued if !r.detached => {
                     unclaimed.insert(id.clone(), now + how.reconnect_window_ms);
                 }
                 RunState::Releasing | RunState::Degraded => {
@@ -155,6 +156,8 @@ impl<H: Host> Daemon<H> {
             rewatch,
             journal_next,
             journal_at: (0, String::new()),
+            queue_moves: 0,
+            queue_moves_told: (0, 0),
         })
     }
 }

@@ -434,6 +434,7 @@ impl Sim {
             stop_grace_ms: None,
             ports,
             attach: false,
+            detach: false,
             reply,
         });
         format!("acquire {id} -> {}", outcome(&res))

@@ -126,6 +126,7 @@ fn acquire(
             stop_grace_ms: None,
             ports: Vec::new(),
             attach: false,
+            detach: false,
             reply,
         },
     );
