@@ -304,13 +304,13 @@ async fn subscriber(s: usize, load: Arc<Load>) {
 }
 
 /// One keep-alive HTTP/1.1 connection to the daemon.
-struct Conn {
+pub(crate) struct Conn {
     stream: tokio::io::BufReader<tokio::net::TcpStream>,
     host: String,
 }
 
 impl Conn {
-    async fn open(url: &str) -> Conn {
+    pub(crate) async fn open(url: &str) -> Conn {
         let host = url.trim_start_matches("http://").to_string();
         let stream = tokio::net::TcpStream::connect(&host)
             .await
@@ -324,9 +324,20 @@ impl Conn {
 
     /// POSTs `body` and returns (status, response body), or None if the connection broke.
     async fn post(&mut self, path: &str, auth: &str, body: &str) -> Option<(u16, String)> {
+        self.request("POST", path, auth, body).await
+    }
+
+    /// One request; (status, response body), or None if the connection broke.
+    pub(crate) async fn request(
+        &mut self,
+        method: &str,
+        path: &str,
+        auth: &str,
+        body: &str,
+    ) -> Option<(u16, String)> {
         use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
         let req = format!(
-            "POST {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             self.host,
             body.len()
         );
@@ -354,7 +365,7 @@ impl Conn {
     }
 }
 
-fn field_u64(json: &str, key: &str) -> Option<u64> {
+pub(crate) fn field_u64(json: &str, key: &str) -> Option<u64> {
     let at = json.find(key)? + key.len();
     let digits: String = json[at..]
         .chars()

@@ -91,11 +91,24 @@ enum Bench {
     /// (The daemon `retention` measures, in its own process.)
     #[command(hide = true)]
     RetentionDaemon { state_dir: std::path::PathBuf },
+    /// A deep queue against a real daemon in its own process: RSS per detached and
+    /// attached waiter, idle CPU, release -> next grant latency, descriptors, and RSS
+    /// once everyone left.
+    Waiters {
+        #[arg(long, default_value_t = 10_000)]
+        attached: usize,
+        #[arg(long, default_value_t = 100_000)]
+        detached: usize,
+    },
+    /// (The daemon `waiters` measures, in its own process.)
+    #[command(hide = true)]
+    WaitersDaemon { state_dir: std::path::PathBuf },
 }
 
 mod http;
 mod recovery;
 mod retention;
+mod waiters;
 
 const SLOTS: u64 = 8;
 const PROJECTS: u64 = 512;
@@ -264,6 +277,8 @@ fn main() {
         Bench::Recovery { runs } => recovery::main(runs),
         Bench::Retention { runs } => retention::main(runs),
         Bench::RetentionDaemon { state_dir } => retention::daemon(&state_dir),
+        Bench::Waiters { attached, detached } => waiters::main(attached, detached),
+        Bench::WaitersDaemon { state_dir } => waiters::daemon(&state_dir),
         Bench::Core {
             passes,
             naive_passes,

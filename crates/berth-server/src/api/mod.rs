@@ -313,6 +313,12 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         drop(guard);
         return Ok((StatusCode::CREATED, Json(run_out(&info))).into_response());
     }
+    Ok(stream_grant(api, first, guard))
+}
+
+/// A streamed acquire: `queued` lines while it waits, then its outcome. The guard goes
+/// with the task, so the stream closing cancels the waiter (A9).
+fn stream_grant(api: Api, first: RunInfo, guard: Option<AttachGuard>) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(16);
     tokio::spawn(async move {
         let _guard = guard;
@@ -342,11 +348,11 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
             .await
             .map(|b| (Ok::<_, std::convert::Infallible>(b), rx))
     }));
-    Ok(Response::builder()
+    Response::builder()
         .status(StatusCode::OK)
         .header(header::CONTENT_TYPE, "application/x-ndjson")
         .body(body)
-        .expect("response"))
+        .expect("response")
 }
 
 /// One event of a streamed acquire, as its line.

@@ -1,0 +1,330 @@
+//! `berth-bench waiters --attached N --detached M`: what a deep queue costs a real
+//! daemon (issue 18). The daemon runs in its own process (its RSS, CPU time and
+//! descriptors are its own) on a one-slot host, and one lease holds the slot. Then:
+//!   1. M detached waiters (`detach: true`) join the queue: RSS per waiter; the idle
+//!      daemon's CPU over 10 s with nothing changing; release -> next grant latency
+//!      with the queue full (the next waiter is followed by `GET ?wait_s=`).
+//!   2. N attached waiters (long polls, each on its own connection, never read) join
+//!      behind them: RSS per waiter, idle CPU over 10 s, descriptors used.
+//!   3. Everyone leaves (the attached drop their connections, A9; the detached are
+//!      cancelled by `DELETE`): RSS after, against the figure before the queue.
+//!
+//! Targets: detached <= 2 KiB each, attached <= 16 KiB each, idle CPU < 5% of a core,
+//! release -> next grant p99 <= 5 ms with the queue full, RSS after leaving within 2x
+//! of before.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::http::{field_u64, Conn};
+
+const DETACHED_BYTES_TARGET: f64 = 2048.0;
+const ATTACHED_BYTES_TARGET: f64 = 16384.0;
+const IDLE_CPU_PCT_TARGET: f64 = 5.0;
+const GRANT_P99_MS_TARGET: f64 = 5.0;
+const RSS_AFTER_RATIO_TARGET: f64 = 2.0;
+/// Connections the benchmark submits detached acquires (and cancels them) on.
+const SUBMITTERS: usize = 16;
+/// Releases timed with the queue full.
+const GRANTS_TIMED: usize = 200;
+const IDLE_WINDOW: Duration = Duration::from_secs(10);
+/// Descriptors the benchmark asks for (both processes; root may raise the hard limit).
+const NOFILE: u64 = 65_536;
+
+/// The measured daemon: one slot, no auth, a queue deep enough; serves until killed.
+pub fn daemon(state_dir: &Path) {
+    let mut cfg = crate::http::config(state_dir, true);
+    cfg.insecure_no_auth = true;
+    cfg.engine.slots_max = 1;
+    cfg.engine.queue_len_max = 1 << 20;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let running = berth_server::start(cfg).await.expect("daemon");
+        println!("listening on http://{}", running.addr);
+        let _ = running.wait().await;
+    });
+}
+
+fn raise_nofile() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let want = Rlimit {
+        current: Some(NOFILE),
+        maximum: Some(NOFILE),
+    };
+    if setrlimit(Resource::Nofile, want).is_err() {
+        // Not root: as high as the hard limit lets an ordinary user go.
+        let mut lim = getrlimit(Resource::Nofile);
+        lim.current = lim.maximum;
+        let _ = setrlimit(Resource::Nofile, lim);
+    }
+    getrlimit(Resource::Nofile).current.unwrap_or(NOFILE)
+}
+
+fn spawn(state_dir: &Path) -> (Child, String) {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .arg("waiters-daemon")
+        .arg(state_dir)
+        .env("BERTH_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("daemon said {line:?}"))
+        .to_string();
+    (child, url)
+}
+
+/// The daemon as /proc sees it: resident bytes, CPU ticks (user + system), descriptors.
+struct Proc(u32);
+
+impl Proc {
+    fn rss_bytes(&self) -> f64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.0)).unwrap();
+        let kib: f64 = s
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap();
+        kib * 1024.0
+    }
+
+    fn cpu_ticks(&self) -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/stat", self.0)).unwrap();
+        // Fields after the command's closing parenthesis; utime and stime are 14, 15.
+        let rest = &s[s.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split(' ').collect();
+        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+    }
+
+    fn fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.0))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
+    /// Percent of one core over `window`, nothing asked of the daemon meanwhile.
+    fn idle_cpu_pct(&self, window: Duration) -> f64 {
+        // /proc counts in USER_HZ, which Linux fixes at 100 on x86_64 and arm64.
+        let hz = 100.0;
+        let before = self.cpu_ticks();
+        std::thread::sleep(window);
+        (self.cpu_ticks() - before) as f64 / hz / window.as_secs_f64() * 100.0
+    }
+}
+
+fn acquire_body(id: &str, detach: bool) -> String {
+    format!(
+        r#"{{"run_id":"{id}","project":"q-{id}","wait_s":3000,"detach":{detach},"resources":{{"memory":1048576,"cpu_millis":1,"disk":0}}}}"#
+    )
+}
+
+fn queued(url: &str) -> u64 {
+    let s: berth_client::wire::Status = ureq::get(format!("{url}/v1/status"))
+        .call()
+        .unwrap()
+        .into_body()
+        .read_json()
+        .unwrap();
+    s.queued.foreground
+}
+
+fn wait_queued(url: &str, n: u64) {
+    let end = Instant::now() + Duration::from_secs(600);
+    while queued(url) != n {
+        assert!(Instant::now() < end, "{} queued, not {n}", queued(url));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `method path` with `body` for every id, over `conns` connections; each answer must
+/// have status `want`.
+async fn for_each(
+    url: &str,
+    method: &str,
+    conns: usize,
+    ids: Vec<String>,
+    body: fn(&str) -> String,
+    want: u16,
+) {
+    let chunk = ids.len().div_ceil(conns).max(1);
+    let mut tasks = Vec::new();
+    for part in ids.chunks(chunk) {
+        let (url, method, part) = (url.to_string(), method.to_string(), part.to_vec());
+        tasks.push(tokio::spawn(async move {
+            let mut c = Conn::open(&url).await;
+            for id in part {
+                let path = if method == "POST" {
+                    "/v1/runs".to_string()
+                } else {
+                    format!("/v1/runs/{id}")
+                };
+                let (status, text) = c.request(&method, &path, "", &body(&id)).await.unwrap();
+                assert_eq!(status, want, "{method} {id}: {text}");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+/// Releases the holder `GRANTS_TIMED` times; each time the queue's head (followed by
+/// `GET ?wait_s=` on its own connection, asked before the release) is granted and holds
+/// the slot next. Returns the latencies (ms) from sending the release to the head's
+/// answer, and the last holder (id, fence).
+async fn time_grants(url: &str, mut holder: (String, u64), heads: &[String]) -> (Vec<f64>, (String, u64)) {
+    let mut c = Conn::open(url).await;
+    let mut follow = Conn::open(url).await;
+    let mut ms = Vec::new();
+    for head in heads {
+        let path = format!("/v1/runs/{head}?wait_s=30");
+        let waiting = async {
+            follow
+                .request("GET", &path, "", "")
+                .await
+                .unwrap()
+        };
+        let release = async {
+            // The GET is sent first (it is polled first below); give it time to be read.
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            let t = Instant::now();
+            let path = format!("/v1/runs/{}/release", holder.0);
+            let (st, text) = c
+                .request("POST", &path, "", &format!(r#"{{"fence":{}}}"#, holder.1))
+                .await
+                .unwrap();
+            assert_eq!(st, 200, "release {}: {text}", holder.0);
+            t
+        };
+        let ((st, text), t) = tokio::join!(waiting, release);
+        ms.push(t.elapsed().as_secs_f64() * 1e3);
+        assert!(st == 200 && text.contains("\"granted\""), "{head}: {st} {text}");
+        holder = (head.clone(), field_u64(&text, "\"fence\":").unwrap());
+    }
+    (ms, holder)
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Opens `n` long-poll acquires, each on its own socket, never read.
+fn attach(url: &str, n: usize) -> Vec<std::net::TcpStream> {
+    let host = url.trim_start_matches("http://");
+    (0..n)
+        .map(|i| {
+            let body = acquire_body(&format!("a{i:06}"), false);
+            let mut s = std::net::TcpStream::connect(host).unwrap();
+            write!(
+                s,
+                "POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            s
+        })
+        .collect()
+}
+
+pub fn main(attached: usize, detached: usize) {
+    let nofile = raise_nofile();
+    assert!(
+        nofile as usize > attached + 1024,
+        "{attached} attached waiters need more descriptors than the limit of {nofile}"
+    );
+    assert!(detached > GRANTS_TIMED, "--detached must be above {GRANTS_TIMED}");
+    let dir = tempfile::tempdir().unwrap();
+    let (mut child, url) = spawn(dir.path());
+    let p = Proc(child.id());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (st, text) = rt.block_on(async {
+        let mut c = Conn::open(&url).await;
+        let body = r#"{"run_id":"holder","project":"holder","wait_s":0,"resources":{"memory":1048576,"cpu_millis":1,"disk":0}}"#;
+        c.request("POST", "/v1/runs", "", body).await.unwrap()
+    });
+    assert_eq!(st, 201, "{text}");
+    let holder = ("holder".to_string(), field_u64(&text, "\"fence\":").unwrap());
+    std::thread::sleep(Duration::from_secs(1));
+    let rss_before = p.rss_bytes();
+    let fds_before = p.fds();
+
+    // 1. Detached waiters.
+    let ids: Vec<String> = (0..detached).map(|i| format!("d{i:06}")).collect();
+    let t = Instant::now();
+    // The heads that `time_grants` follows are queued first, in order; the rest on
+    // several connections at once (their order among themselves is whatever it is).
+    rt.block_on(async {
+        let (heads, rest) = ids.split_at(GRANTS_TIMED);
+        let body = |id: &str| acquire_body(id, true);
+        for_each(&url, "POST", 1, heads.to_vec(), body, 202).await;
+        for_each(&url, "POST", SUBMITTERS, rest.to_vec(), body, 202).await;
+    });
+    let submit_s = t.elapsed().as_secs_f64();
+    wait_queued(&url, detached as u64);
+    std::thread::sleep(Duration::from_secs(2));
+    let rss_detached = p.rss_bytes();
+    let per_detached = (rss_detached - rss_before) / detached as f64;
+    let idle_detached = p.idle_cpu_pct(IDLE_WINDOW);
+    let (mut grant_ms, holder) = rt.block_on(time_grants(&url, holder, &ids[..GRANTS_TIMED]));
+    let (p50, p99) = (pct(&mut grant_ms, 0.5), pct(&mut grant_ms, 0.99));
+    println!(
+        "{{\"bench\":\"waiters\",\"kind\":\"detached\",\"waiters\":{detached},\"submit_per_s\":{:.0},\"rss_before_mib\":{:.1},\"rss_mib\":{:.1},\"bytes_per_waiter\":{per_detached:.0},\"idle_cpu_pct\":{idle_detached:.2},\"release_to_grant_p50_ms\":{p50:.2},\"release_to_grant_p99_ms\":{p99:.2},\"met\":{}}}",
+        detached as f64 / submit_s,
+        rss_before / 1048576.0,
+        rss_detached / 1048576.0,
+        per_detached <= DETACHED_BYTES_TARGET
+            && idle_detached < IDLE_CPU_PCT_TARGET
+            && p99 <= GRANT_P99_MS_TARGET
+    );
+
+    // 2. Attached waiters, behind the detached ones.
+    let left = (detached - GRANTS_TIMED) as u64;
+    let rss_base = p.rss_bytes();
+    let conns = attach(&url, attached);
+    wait_queued(&url, left + attached as u64);
+    std::thread::sleep(Duration::from_secs(2));
+    let rss_attached = p.rss_bytes();
+    let per_attached = (rss_attached - rss_base) / attached.max(1) as f64;
+    let idle_all = p.idle_cpu_pct(IDLE_WINDOW);
+    let fds = p.fds();
+    println!(
+        "{{\"bench\":\"waiters\",\"kind\":\"attached\",\"waiters\":{attached},\"queued_in_all\":{},\"rss_mib\":{:.1},\"bytes_per_waiter\":{per_attached:.0},\"idle_cpu_pct\":{idle_all:.2},\"descriptors_before\":{fds_before},\"descriptors\":{fds},\"met\":{}}}",
+        left + attached as u64,
+        rss_attached / 1048576.0,
+        per_attached <= ATTACHED_BYTES_TARGET && idle_all < IDLE_CPU_PCT_TARGET
+    );
+
+    // 3. Everyone leaves.
+    drop(conns);
+    let rest: Vec<String> = ids[GRANTS_TIMED..].to_vec();
+    rt.block_on(for_each(&url, "DELETE", SUBMITTERS, rest, |_| String::new(), 200));
+    wait_queued(&url, 0);
+    let _ = holder;
+    std::thread::sleep(Duration::from_secs(5));
+    let rss_after = p.rss_bytes();
+    let ratio = rss_after / rss_before;
+    println!(
+        "{{\"bench\":\"waiters\",\"kind\":\"after_leaving\",\"rss_before_mib\":{:.1},\"rss_after_mib\":{:.1},\"ratio\":{ratio:.2},\"descriptors\":{},\"met\":{}}}",
+        rss_before / 1048576.0,
+        rss_after / 1048576.0,
+        p.fds(),
+        ratio <= RSS_AFTER_RATIO_TARGET
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+}
