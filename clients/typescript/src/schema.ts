@@ -45,7 +45,7 @@ export interface paths {
             };
         };
         put?: never;
-        /** Ask for a berth; waits until granted (or streams its progress) */
+        /** Ask for a berth; waits until granted (or streams its progress, or with detach answers 202 at once) */
         post: {
             parameters: {
                 query?: never;
@@ -67,6 +67,15 @@ export interface paths {
                     content: {
                         "application/json": components["schemas"]["Run"];
                         "application/x-ndjson": components["schemas"]["AcquireEvent"];
+                    };
+                };
+                /** @description accepted */
+                202: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Run"];
                     };
                 };
                 /** @description refused: {"error": {code, message, details}} */
@@ -93,10 +102,12 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** One run */
+        /** One run; with wait_s, as soon as it changes (or unchanged after wait_s) */
         get: {
             parameters: {
-                query?: never;
+                query?: {
+                    wait_s?: number;
+                };
                 header?: never;
                 path: {
                     id: string;
@@ -892,6 +903,13 @@ export interface components {
              * @description Grace between SIGTERM and SIGKILL when this run is stopped (P2).
              */
             stop_grace_s?: number | null;
+            /**
+             * @description `true`: answer `202` at once with the queued run instead of holding the
+             *     connection. The run keeps its place until its `wait_s` deadline without one (A9
+             *     does not apply to it); follow it with `GET /v1/runs/{id}?wait_s=N` or
+             *     `GET /v1/events?run=ID`, cancel it with `DELETE /v1/runs/{id}`.
+             */
+            detach?: boolean | null;
         };
         /** @description What a run claims: its resources (built-in and named, by name) and keys. */
         Claim: {
@@ -1058,6 +1076,10 @@ export interface components {
             claim: components["schemas"]["Claim"];
             /** @enum {string} */
             class: "managed" | "analysis";
+            /** @description RFC 3339: when a waiter stops waiting (its `wait_s`); a waiter only. */
+            deadline: string | null;
+            /** @description A detached waiter (`detach: true`): it keeps its place without a connection. */
+            detached?: boolean;
             /** @description The `BERTH_*` environment of a granted run (empty otherwise). */
             env: {
                 [key: string]: string;

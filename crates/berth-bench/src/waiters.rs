@@ -85,6 +85,17 @@ fn spawn(state_dir: &Path) -> (Child, String) {
     (child, url)
 }
 
+/// The daemon's process, killed however the benchmark ends (a panic included: it holds
+/// the benchmark's stderr, and a reader of that would wait for it forever).
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The daemon as /proc sees it: resident bytes, CPU ticks (user + system), descriptors.
 struct Proc(u32);
 
@@ -123,9 +134,15 @@ impl Proc {
     }
 }
 
+/// Projects the waiters belong to (an experiment's attempts share a few; `/v1/status`
+/// lists every project, so 100,000 of them would make each poll of it 10 MB).
+const PROJECTS: usize = 64;
+
 fn acquire_body(id: &str, detach: bool) -> String {
+    let n: usize = id[1..].parse().unwrap_or(0);
     format!(
-        r#"{{"run_id":"{id}","project":"q-{id}","wait_s":3000,"detach":{detach},"resources":{{"memory":1048576,"cpu_millis":1,"disk":0}}}}"#
+        r#"{{"run_id":"{id}","project":"q-{}","wait_s":3000,"detach":{detach},"resources":{{"memory":1048576,"cpu_millis":1,"disk":0}}}}"#,
+        n % PROJECTS
     )
 }
 
@@ -183,18 +200,17 @@ async fn for_each(
 /// `GET ?wait_s=` on its own connection, asked before the release) is granted and holds
 /// the slot next. Returns the latencies (ms) from sending the release to the head's
 /// answer, and the last holder (id, fence).
-async fn time_grants(url: &str, mut holder: (String, u64), heads: &[String]) -> (Vec<f64>, (String, u64)) {
+async fn time_grants(
+    url: &str,
+    mut holder: (String, u64),
+    heads: &[String],
+) -> (Vec<f64>, (String, u64)) {
     let mut c = Conn::open(url).await;
     let mut follow = Conn::open(url).await;
     let mut ms = Vec::new();
     for head in heads {
         let path = format!("/v1/runs/{head}?wait_s=30");
-        let waiting = async {
-            follow
-                .request("GET", &path, "", "")
-                .await
-                .unwrap()
-        };
+        let waiting = async { follow.request("GET", &path, "", "").await.unwrap() };
         let release = async {
             // The GET is sent first (it is polled first below); give it time to be read.
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -209,7 +225,10 @@ async fn time_grants(url: &str, mut holder: (String, u64), heads: &[String]) -> 
         };
         let ((st, text), t) = tokio::join!(waiting, release);
         ms.push(t.elapsed().as_secs_f64() * 1e3);
-        assert!(st == 200 && text.contains("\"granted\""), "{head}: {st} {text}");
+        assert!(
+            st == 200 && text.contains("\"granted\""),
+            "{head}: {st} {text}"
+        );
         holder = (head.clone(), field_u64(&text, "\"fence\":").unwrap());
     }
     (ms, holder)
@@ -244,10 +263,14 @@ pub fn main(attached: usize, detached: usize) {
         nofile as usize > attached + 1024,
         "{attached} attached waiters need more descriptors than the limit of {nofile}"
     );
-    assert!(detached > GRANTS_TIMED, "--detached must be above {GRANTS_TIMED}");
+    assert!(
+        detached > GRANTS_TIMED,
+        "--detached must be above {GRANTS_TIMED}"
+    );
     let dir = tempfile::tempdir().unwrap();
-    let (mut child, url) = spawn(dir.path());
+    let (child, url) = spawn(dir.path());
     let p = Proc(child.id());
+    let _child = Killed(child);
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -258,7 +281,10 @@ pub fn main(attached: usize, detached: usize) {
         c.request("POST", "/v1/runs", "", body).await.unwrap()
     });
     assert_eq!(st, 201, "{text}");
-    let holder = ("holder".to_string(), field_u64(&text, "\"fence\":").unwrap());
+    let holder = (
+        "holder".to_string(),
+        field_u64(&text, "\"fence\":").unwrap(),
+    );
     std::thread::sleep(Duration::from_secs(1));
     let rss_before = p.rss_bytes();
     let fds_before = p.fds();
@@ -312,7 +338,14 @@ pub fn main(attached: usize, detached: usize) {
     // 3. Everyone leaves.
     drop(conns);
     let rest: Vec<String> = ids[GRANTS_TIMED..].to_vec();
-    rt.block_on(for_each(&url, "DELETE", SUBMITTERS, rest, |_| String::new(), 200));
+    rt.block_on(for_each(
+        &url,
+        "DELETE",
+        SUBMITTERS,
+        rest,
+        |_| String::new(),
+        200,
+    ));
     wait_queued(&url, 0);
     let _ = holder;
     std::thread::sleep(Duration::from_secs(5));
@@ -325,6 +358,4 @@ pub fn main(attached: usize, detached: usize) {
         p.fds(),
         ratio <= RSS_AFTER_RATIO_TARGET
     );
-    let _ = child.kill();
-    let _ = child.wait();
 }
