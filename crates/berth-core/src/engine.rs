@@ -104,7 +104,9 @@ pub struct Engine {
     pub(crate) res_names: Vec<String>,
     pub(crate) allocatable: Vec<u64>,
     pub(crate) committed: Vec<u64>,
-    pub(crate) runs: Vec<Option<Run>>,
+    /// Boxed: a slot that is free costs 8 bytes, not a whole `Run`, so the slab a deep
+    /// queue grew is mostly given back when the queue drains (the slab never shrinks).
+    pub(crate) runs: Vec<Option<Box<Run>>>,
     free_slots: Vec<Slot>,
     pub(crate) by_id: HashMap<String, Slot>,
     pub(crate) keys: Vec<Option<KeyState>>,
@@ -319,7 +321,7 @@ impl Engine {
         let contract = r.request.contract.clone();
         let promoted_shared =
             r.request.class == Class::Managed && r.primary_mode == KeyMode::Shared;
-        self.runs[slot as usize] = Some(Run {
+        self.runs[slot as usize] = Some(Box::new(Run {
             req: r.request,
             project: p,
             amounts,
@@ -336,7 +338,7 @@ impl Engine {
             cause: r.cause,
             upgrade: None,
             pending_mem: pending,
-        });
+        }));
         self.by_id.insert(id, slot);
         self.project_mut(p).waiting += 1;
         if r.state != RunState::Queued {
@@ -479,11 +481,11 @@ impl Engine {
     // ----- slabs ----------------------------------------------------------------------
 
     pub(crate) fn run(&self, s: Slot) -> &Run {
-        self.runs[s as usize].as_ref().expect("live slot")
+        self.runs[s as usize].as_deref().expect("live slot")
     }
 
     fn run_mut(&mut self, s: Slot) -> &mut Run {
-        self.runs[s as usize].as_mut().expect("live slot")
+        self.runs[s as usize].as_deref_mut().expect("live slot")
     }
 
     pub(crate) fn key(&self, k: KeyId) -> &KeyState {
@@ -754,7 +756,7 @@ impl Engine {
         self.project_mut(p).waiting += 1;
         let run_id = req.run_id.clone();
         let wait_now = req.wait_ms == 0;
-        self.runs[slot as usize] = Some(Run {
+        self.runs[slot as usize] = Some(Box::new(Run {
             contract: req.contract.clone(),
             req,
             project: p,
@@ -771,7 +773,7 @@ impl Engine {
             cause: None,
             upgrade: None,
             pending_mem: false,
-        });
+        }));
         self.by_id.insert(run_id.clone(), slot);
         ev.push(Event::Queued {
             run_id: run_id.clone(),
@@ -1284,6 +1286,12 @@ impl Engine {
             let run = self.runs[old as usize].take().expect("ended run");
             self.by_id.remove(&run.req.run_id);
             self.free_slots.push(old);
+        }
+        // The id index a deep queue grew gives its room back once it is a quarter
+        // full (to twice what it holds: the next shrink needs it to halve again, so
+        // the rehash is amortised O(1) per run forgotten).
+        if self.by_id.capacity() > 4_096 && self.by_id.capacity() > 4 * self.by_id.len() {
+            self.by_id.shrink_to(2 * self.by_id.len());
         }
     }
 

@@ -155,6 +155,10 @@ pub async fn serve(
                 }
             },
             _ = &mut shutdown => break,
+            // A finished connection's task is collected when it ends, not at the next
+            // accept: 10,000 long polls that left would otherwise keep their tasks'
+            // memory until someone connects.
+            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
         let _ = sock.set_nodelay(true);
         let mark = Arc::new(ConnMark {
@@ -171,8 +175,6 @@ pub async fn serve(
             app: app.clone(),
             mark: mark.clone(),
         });
-        // Finished connections are collected as we go, so the set stays small.
-        while conns.try_join_next().is_some() {}
         conns.spawn(serve_connection(
             sock,
             svc,

@@ -287,6 +287,19 @@ pub struct Daemon<H: Host> {
     queue_moves_told: (u64, u64),
 }
 
+/// Tables smaller than this are never shrunk (their room costs little).
+const SHRINK_ROOM_MIN: usize = 4_096;
+
+/// A table a deep queue grew gives its room back once it holds less than a quarter of
+/// it: shrunk to twice what it holds. The next shrink needs it to halve again, so the
+/// rehash is amortised O(1) per entry removed. (A `HashMap` never shrinks by itself:
+/// 100,000 waiters that came and went left 30 MB of empty room.)
+fn shrink_sparse<K: Eq + std::hash::Hash, V>(m: &mut HashMap<K, V>) {
+    if m.capacity() > SHRINK_ROOM_MIN && m.capacity() > 4 * m.len() {
+        m.shrink_to(2 * m.len());
+    }
+}
+
 /// The first retry of a failed stop or cleanup; each next one waits twice as long.
 const CLEANUP_RETRY_MS: u64 = 5_000;
 /// The longest wait between retries.
@@ -546,6 +559,7 @@ impl<H: Host> Daemon<H> {
                 }
             }
         }
+        shrink_sparse(&mut self.extras);
     }
 
     /// W1: a granted run gets its workspace, or is released in this same step (before
