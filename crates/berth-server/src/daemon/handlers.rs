@@ -413,6 +413,24 @@ impl<H: Host> Daemon<H> {
         if let Some(mem) = sample {
             let _ = self.apply(Command::Sample { mem_available: mem }, &mut touched);
         }
+        self.cancel_unclaimed(&mut touched);
+        self.retry_due_cleanups(&mut touched);
+        self.tell_queue_moved();
+        if !touched.is_empty()
+            || !self.pending_stops.is_empty()
+            || !self.pending_mutations.is_empty()
+        {
+            self.commit(touched, |_| {});
+        }
+    }
+
+    /// P5: restored waiters nobody re-attached to within their window are cancelled.
+    /// Looked at only once the earliest window is up (no per-waiter work per tick).
+    fn cancel_unclaimed(&mut self, touched: &mut BTreeSet<String>) {
+        let now = self.now;
+        if now < self.unclaimed_due {
+            return;
+        }
         let lapsed: Vec<String> = self
             .unclaimed
             .iter()
@@ -422,17 +440,10 @@ impl<H: Host> Daemon<H> {
         for id in lapsed {
             self.unclaimed.remove(&id);
             if !self.attached.contains_key(&id) {
-                let _ = self.apply(Command::Cancel { run_id: id }, &mut touched);
+                let _ = self.apply(Command::Cancel { run_id: id }, touched);
             }
         }
-        self.retry_due_cleanups(&mut touched);
-        self.tell_queue_moved();
-        if !touched.is_empty()
-            || !self.pending_stops.is_empty()
-            || !self.pending_mutations.is_empty()
-        {
-            self.commit(touched, |_| {});
-        }
+        self.unclaimed_due = self.unclaimed.values().min().copied().unwrap_or(u64::MAX);
     }
 
     /// Raises `queue_moved` if the queue moved since it was last raised, at most once

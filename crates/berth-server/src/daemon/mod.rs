@@ -258,6 +258,10 @@ pub struct Daemon<H: Host> {
     attached: HashMap<String, u32>,
     /// Restored waiters nobody has re-attached to yet, with their reclaim deadline.
     unclaimed: BTreeMap<String, u64>,
+    /// The earliest reclaim deadline in `unclaimed` (or later: entries leave it without
+    /// updating this): the tick looks at `unclaimed` only once it is due, so 10,000
+    /// restored waiters cost it nothing per tick during their window.
+    unclaimed_due: u64,
     watchers: HashMap<String, Arc<watch::Sender<RunInfo>>>,
     /// Runs whose stop or cleanup must be retried (degraded, or releasing after a
     /// restart): (failed attempts, next try at).

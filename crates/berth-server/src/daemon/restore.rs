@@ -143,6 +143,7 @@ impl<H: Host> Daemon<H> {
             ended,
             next_seq,
             attached: HashMap::new(),
+            unclaimed_due: unclaimed.values().min().copied().unwrap_or(u64::MAX),
             unclaimed,
             watchers: HashMap::new(),
             cleanup_retry,
