@@ -25,6 +25,11 @@ const RSS_ABOVE_EMPTY_MIB_TARGET: f64 = 64.0;
 pub fn daemon(state_dir: &Path) {
     let mut cfg = crate::http::config(state_dir, true);
     cfg.insecure_no_auth = true;
+    serve(cfg);
+}
+
+/// Serves `cfg` as `berth serve` does: prints its address, then serves until killed.
+pub(crate) fn serve(cfg: berth_server::ServeConfig) {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -42,11 +47,11 @@ struct Started {
     serving_ms: f64,
 }
 
-/// Spawns the daemon on `state_dir` and waits for its first `200` from `/v1/status`.
-fn start(state_dir: &Path) -> Started {
-    let t0 = Instant::now();
+/// Starts this binary's hidden `subcommand STATE_DIR` (a daemon in its own process)
+/// and returns it with the address it printed.
+pub(crate) fn spawn_daemon(subcommand: &str, state_dir: &Path) -> (Child, String) {
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .arg("retention-daemon")
+        .arg(subcommand)
         .arg(state_dir)
         .env("BERTH_LOG", "warn")
         .stdout(Stdio::piped())
@@ -61,6 +66,13 @@ fn start(state_dir: &Path) -> Started {
         .strip_prefix("listening on ")
         .unwrap_or_else(|| panic!("daemon said {line:?}"))
         .to_string();
+    (child, url)
+}
+
+/// Spawns the daemon on `state_dir` and waits for its first `200` from `/v1/status`.
+fn start(state_dir: &Path) -> Started {
+    let t0 = Instant::now();
+    let (child, url) = spawn_daemon("retention-daemon", state_dir);
     while status(&url).is_none() {
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -76,14 +88,19 @@ fn status(url: &str) -> Option<berth_client::wire::Status> {
     r.into_body().read_json().ok()
 }
 
-fn rss_mib(pid: u32) -> f64 {
+/// The resident memory of process `pid`, in bytes.
+pub(crate) fn rss_bytes(pid: u32) -> f64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kib: f64 = s
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap();
-    kib / 1024.0
+    kib * 1024.0
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    rss_bytes(pid) / 1048576.0
 }
 
 /// RSS once the daemon has settled (its ledger thread and pool started).

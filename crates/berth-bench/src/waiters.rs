@@ -13,9 +13,9 @@
 //! release -> next grant p99 <= 5 ms with the queue full, RSS after leaving within 2x
 //! of before.
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use crate::http::{field_u64, Conn};
@@ -39,15 +39,7 @@ pub fn daemon(state_dir: &Path) {
     cfg.insecure_no_auth = true;
     cfg.engine.slots_max = 1;
     cfg.engine.queue_len_max = 1 << 20;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async move {
-        let running = berth_server::start(cfg).await.expect("daemon");
-        println!("listening on http://{}", running.addr);
-        let _ = running.wait().await;
-    });
+    crate::retention::serve(cfg);
 }
 
 fn raise_nofile() -> u64 {
@@ -63,26 +55,6 @@ fn raise_nofile() -> u64 {
         let _ = setrlimit(Resource::Nofile, lim);
     }
     getrlimit(Resource::Nofile).current.unwrap_or(NOFILE)
-}
-
-fn spawn(state_dir: &Path) -> (Child, String) {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .arg("waiters-daemon")
-        .arg(state_dir)
-        .env("BERTH_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line
-        .trim()
-        .strip_prefix("listening on ")
-        .unwrap_or_else(|| panic!("daemon said {line:?}"))
-        .to_string();
-    (child, url)
 }
 
 /// The daemon's process, killed however the benchmark ends (a panic included: it holds
@@ -101,13 +73,7 @@ struct Proc(u32);
 
 impl Proc {
     fn rss_bytes(&self) -> f64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/status", self.0)).unwrap();
-        let kib: f64 = s
-            .lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap();
-        kib * 1024.0
+        crate::retention::rss_bytes(self.0)
     }
 
     fn cpu_ticks(&self) -> u64 {
@@ -268,7 +234,7 @@ pub fn main(attached: usize, detached: usize) {
         "--detached must be above {GRANTS_TIMED}"
     );
     let dir = tempfile::tempdir().unwrap();
-    let (child, url) = spawn(dir.path());
+    let (child, url) = crate::retention::spawn_daemon("waiters-daemon", dir.path());
     let p = Proc(child.id());
     let _child = Killed(child);
     let rt = tokio::runtime::Builder::new_current_thread()
