@@ -165,12 +165,8 @@ async fn for_each(
 /// Releases the holder `GRANTS_TIMED` times; each time the queue's head (followed by
 /// `GET ?wait_s=` on its own connection, asked before the release) is granted and holds
 /// the slot next. Returns the latencies (ms) from sending the release to the head's
-/// answer, and the last holder (id, fence).
-async fn time_grants(
-    url: &str,
-    mut holder: (String, u64),
-    heads: &[String],
-) -> (Vec<f64>, (String, u64)) {
+/// answer.
+async fn time_grants(url: &str, mut holder: (String, u64), heads: &[String]) -> Vec<f64> {
     let mut c = Conn::open(url).await;
     let mut follow = Conn::open(url).await;
     let mut ms = Vec::new();
@@ -197,7 +193,7 @@ async fn time_grants(
         );
         holder = (head.clone(), field_u64(&text, "\"fence\":").unwrap());
     }
-    (ms, holder)
+    ms
 }
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -272,7 +268,7 @@ pub fn main(attached: usize, detached: usize) {
     let rss_detached = p.rss_bytes();
     let per_detached = (rss_detached - rss_before) / detached as f64;
     let idle_detached = p.idle_cpu_pct(IDLE_WINDOW);
-    let (mut grant_ms, holder) = rt.block_on(time_grants(&url, holder, &ids[..GRANTS_TIMED]));
+    let mut grant_ms = rt.block_on(time_grants(&url, holder, &ids[..GRANTS_TIMED]));
     let (p50, p99) = (pct(&mut grant_ms, 0.5), pct(&mut grant_ms, 0.99));
     println!(
         "{{\"bench\":\"waiters\",\"kind\":\"detached\",\"waiters\":{detached},\"submit_per_s\":{:.0},\"rss_before_mib\":{:.1},\"rss_mib\":{:.1},\"bytes_per_waiter\":{per_detached:.0},\"idle_cpu_pct\":{idle_detached:.2},\"release_to_grant_p50_ms\":{p50:.2},\"release_to_grant_p99_ms\":{p99:.2},\"met\":{}}}",
@@ -313,7 +309,6 @@ pub fn main(attached: usize, detached: usize) {
         200,
     ));
     wait_queued(&url, 0);
-    let _ = holder;
     std::thread::sleep(Duration::from_secs(5));
     let rss_after = p.rss_bytes();
     let ratio = rss_after / rss_before;

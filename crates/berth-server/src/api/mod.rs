@@ -408,8 +408,8 @@ async fn wait_for_grant(
             match rx.as_mut() {
                 // The run as it is now: it may have been granted between the answer
                 // above and this subscription, and a new receiver counts the value it
-                // starts with as seen (waiting for a change here cost such a waiter
-                // the whole `WAIT_POLL`).
+                // starts with as seen (waiting for a change here would miss that
+                // grant until the next one).
                 Some(w) => {
                     info = w.borrow_and_update().clone();
                     continue;
