@@ -369,9 +369,18 @@ fn a_malformed_detach_is_refused_naming_the_field_and_queues_nothing() {
     let _f0 = hold(&d, "h");
     for bad in [json!("yes"), json!(1), json!({})] {
         let r = d.post("/v1/runs", &body("x", json!({ "detach": bad })).to_string());
-        assert_eq!((r.status, r.code()), (400, "invalid"), "{bad}: {:?}", r.body);
+        assert_eq!(
+            (r.status, r.code()),
+            (400, "invalid"),
+            "{bad}: {:?}",
+            r.body
+        );
         assert!(r.body.to_string().contains("detach"), "{:?}", r.body);
     }
-    assert_eq!(d.get("/v1/runs/x").status, 404, "a refused acquire left a run");
+    assert_eq!(
+        d.get("/v1/runs/x").status,
+        404,
+        "a refused acquire left a run"
+    );
     assert_eq!(d.get("/v1/status").body["queued"]["foreground"], 0);
 }
