@@ -266,7 +266,14 @@ fn naive_depth(depth: u64, passes: usize) -> f64 {
     percentile(&samples, 0.99)
 }
 
+/// As `berth serve` gives memory back (see crates/berth/src/main.rs).
+fn release_memory() {
+    // SAFETY: `mi_collect` takes no pointers and may be called from any thread.
+    unsafe { libmimalloc_sys::mi_collect(true) }
+}
+
 fn main() {
+    berth_server::memory::set_release(release_memory);
     let args = Args::parse();
     match args.bench {
         Bench::Http {

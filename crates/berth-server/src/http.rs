@@ -53,6 +53,34 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 pub struct ConnMark {
     pub authed: AtomicBool,
     kick: tokio::sync::Notify,
+    /// Set once its handler parked the request in flight (`park`): from then on hyper
+    /// sees the socket as closed.
+    pub(crate) is_parked: AtomicBool,
+    parked: Mutex<Option<crate::park::Answer>>,
+}
+
+impl ConnMark {
+    fn new() -> ConnMark {
+        ConnMark {
+            authed: AtomicBool::new(false),
+            kick: tokio::sync::Notify::new(),
+            is_parked: AtomicBool::new(false),
+            parked: Mutex::new(None),
+        }
+    }
+
+    /// Hands the rest of the request in flight to its connection (see `park.rs`):
+    /// `answer` is written to the socket once it resolves, or dropped if the client
+    /// leaves or the daemon stops first. The handler then returns
+    /// `park::placeholder()`.
+    pub fn park(&self, answer: crate::park::Answer) {
+        *self.parked.lock().unwrap_or_else(|e| e.into_inner()) = Some(answer);
+        self.is_parked.store(true, Ordering::Release);
+    }
+
+    fn take_parked(&self) -> Option<crate::park::Answer> {
+        self.parked.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
 }
 
 /// Open connections by id, so oldest first. A connection leaves it in O(log n); only
@@ -161,10 +189,7 @@ pub async fn serve(
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
         let _ = sock.set_nodelay(true);
-        let mark = Arc::new(ConnMark {
-            authed: AtomicBool::new(false),
-            kick: tokio::sync::Notify::new(),
-        });
+        let mark = Arc::new(ConnMark::new());
         next_id += 1;
         let id = next_id;
         registry
@@ -214,15 +239,26 @@ async fn serve_connection(
         .header_read_timeout(HEAD_READ_TIMEOUT)
         .max_buf_size(HEAD_BUF_BYTES_MAX)
         .keep_alive(true);
-    let conn = b.serve_connection(TokioIo::new(sock), svc);
-    tokio::pin!(conn);
-    tokio::select! {
-        _ = conn.as_mut() => return,
-        _ = stop.wait_for(|s| *s) => {}
-        _ = mark.kick.notified() => {}
+    let io = crate::park::ParkIo {
+        sock,
+        mark: mark.clone(),
+    };
+    let mut conn = b.serve_connection(TokioIo::new(io), svc);
+    let finished = tokio::select! {
+        _ = std::future::poll_fn(|cx| conn.poll_without_shutdown(cx)) => true,
+        _ = stop.wait_for(|s| *s) => false,
+        _ = mark.kick.notified() => false,
+    };
+    if !finished {
+        std::pin::Pin::new(&mut conn).graceful_shutdown();
+        let _ = std::future::poll_fn(|cx| conn.poll_without_shutdown(cx)).await;
     }
-    conn.as_mut().graceful_shutdown();
-    let _ = conn.await;
+    // A parked long poll: hyper is done with the socket and its buffers are freed;
+    // this task now waits on the socket alone (`park.rs`).
+    if let Some(answer) = mark.take_parked() {
+        let io = conn.into_parts().io.into_inner();
+        crate::park::serve_parked(io.sock, answer, stop).await;
+    }
 }
 
 struct Unregister(Registry, u64);
@@ -236,19 +272,14 @@ impl Drop for Unregister {
 
 /// `414` and `431` with the error envelope, for heads hyper accepted (it buffers up to
 /// `HEAD_BUF_BYTES_MAX`) but berth will not serve.
-pub async fn limits(
-    req: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> axum::response::Response {
-    use axum::response::IntoResponse;
+pub fn limits(req: &axum::extract::Request) -> Result<(), crate::error::ApiError> {
     let uri_len = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
     if uri_len > URI_BYTES_MAX {
-        return crate::error::ApiError::new(
+        return Err(crate::error::ApiError::new(
             414,
             "uri_too_long",
             format!("the request target must be at most {URI_BYTES_MAX} bytes"),
-        )
-        .into_response();
+        ));
     }
     let head: usize = req
         .headers()
@@ -256,12 +287,11 @@ pub async fn limits(
         .map(|(k, v)| k.as_str().len() + v.len() + 4)
         .sum();
     if head > HEAD_BYTES_MAX {
-        return crate::error::ApiError::new(
+        return Err(crate::error::ApiError::new(
             431,
             "headers_too_large",
             format!("the request headers must be at most {HEAD_BYTES_MAX} bytes"),
-        )
-        .into_response();
+        ));
     }
-    next.run(req).await
+    Ok(())
 }

@@ -64,7 +64,15 @@ enum Cmd {
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// mimalloc's way to give memory back: this thread's free pages, and every arena's
+/// purged (the daemon asks after a deep queue drained: `berth_server::memory`).
+fn release_memory() {
+    // SAFETY: `mi_collect` takes no pointers and may be called from any thread.
+    unsafe { libmimalloc_sys::mi_collect(true) }
+}
+
 fn main() -> ExitCode {
+    berth_server::memory::set_release(release_memory);
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Serve(a) => serve::main(a),

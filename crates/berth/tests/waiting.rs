@@ -384,3 +384,51 @@ fn a_malformed_detach_is_refused_naming_the_field_and_queues_nothing() {
     );
     assert_eq!(d.get("/v1/status").body["queued"]["foreground"], 0);
 }
+
+/// `name` (labels included, as /metrics writes them) or 0 when no such sample exists.
+fn metric_or_zero(d: &Daemon, name: &str) -> f64 {
+    let text = d.get("/metrics").body;
+    let text = text.as_str().expect("metrics text");
+    text.lines()
+        .find(|l| l.split(' ').next() == Some(name))
+        .map_or(0.0, |l| l.rsplit(' ').next().unwrap().parse().unwrap())
+}
+
+/// A queued long poll leaves hyper for its wait (park.rs). Granted, it gets one
+/// HTTP/1.1 response with the lease and `connection: close` (reading to the end
+/// returns: the daemon closed it), counted once in `berth_http_requests_total` under
+/// its real status; the placeholder hyper was handed is neither sent nor counted. A
+/// client that leaves while parked is cancelled (A9).
+#[test]
+fn a_parked_long_poll_is_answered_once_and_its_client_leaving_cancels_it() {
+    use std::io::Read;
+    let created = r#"berth_http_requests_total{route="/v1/runs",method="POST",status="201"}"#;
+    let placeholder = r#"berth_http_requests_total{route="/v1/runs",method="POST",status="200"}"#;
+    let d = Daemon::start(&["--slots-max", "1"]);
+    let f0 = hold(&d, "h");
+    let mut a1 = long_poll(&d, &body("a1", json!({})));
+    d.wait_until("a1 queued", |d| state(d, "a1")["state"] == "queued");
+    let a2 = long_poll(&d, &body("a2", json!({})));
+    d.wait_until("a2 queued", |d| state(d, "a2")["state"] == "queued");
+    let before = metric_or_zero(&d, created);
+    drop(a2);
+    wait_state(&d, "a2", "cancelled");
+    release(&d, "h", f0);
+    a1.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut text = String::new();
+    a1.read_to_string(&mut text).unwrap();
+    let (head, json) = text.split_once("\r\n\r\n").expect("one response");
+    assert!(head.starts_with("HTTP/1.1 201 Created\r\n"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    assert!(head.contains("content-type: application/json"), "{head}");
+    let lease: Value = serde_json::from_str(json).expect("the body is the lease alone");
+    assert_eq!(lease["run_id"], "a1", "{lease:?}");
+    assert_eq!(lease["state"], "granted", "{lease:?}");
+    assert!(lease["fence"].as_u64().unwrap() > f0, "{lease:?}");
+    assert_eq!(metric_or_zero(&d, created), before + 1.0);
+    assert_eq!(
+        metric_or_zero(&d, placeholder),
+        0.0,
+        "the placeholder was counted"
+    );
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, Query, Request, State as AxState};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
@@ -84,6 +84,29 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for RunIdPath {
                 "must be valid percent-encoded UTF-8",
             )),
         }
+    }
+}
+
+/// Whether the client asked for a stream (`Accept: application/x-ndjson`). Read from
+/// the head and kept as one bool: a waiter that kept the request's `HeaderMap` would
+/// keep hyper's whole first read buffer (its values are slices of it), 8 KiB per
+/// queued long poll, while hyper allocates another to watch the socket.
+pub struct WantsNdjson(pub bool);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for WantsNdjson {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _state: &S,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(WantsNdjson(
+            parts
+                .headers
+                .get(header::ACCEPT)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.contains("application/x-ndjson")),
+        ))
     }
 }
 
@@ -260,14 +283,62 @@ impl Drop for AttachGuard {
     }
 }
 
-async fn acquire(AxState(api): AxState<Api>, headers: HeaderMap, body: Body) -> Response {
-    match acquire_inner(api, headers, body).await {
+async fn acquire(
+    AxState(api): AxState<Api>,
+    WantsNdjson(stream): WantsNdjson,
+    conn: Option<axum::Extension<Arc<crate::http::ConnMark>>>,
+    body: Body,
+) -> Response {
+    let conn = conn.map(|axum::Extension(c)| c);
+    match acquire_inner(api, stream, conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+async fn acquire_inner(
+    api: Api,
+    stream: bool,
+    conn: Option<Arc<crate::http::ConnMark>>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    // Parsing the request and asking the daemon take far more state than waiting does
+    // (4 KiB of it). In a box of their own, freed before the wait, they do not size the
+    // future that a queued long poll keeps for hours.
+    let (first, guard, detach) = Box::pin(enqueue(&api, body)).await?;
+    let queued = first.view.state == RunState::Queued;
+    if detach && queued {
+        return Ok((StatusCode::ACCEPTED, Json(run_out(&first))).into_response());
+    }
+    if let (false, true, Some(conn)) = (stream, queued, conn) {
+        // A queued long poll leaves hyper for the rest of its wait (`park.rs`): its
+        // connection then costs a socket and this future, not hyper's 16 KiB.
+        conn.park(Box::pin(async move {
+            let res = match wait_for_grant(&api, first, None).await {
+                Ok(info) => (StatusCode::CREATED, Json(run_out(&info))).into_response(),
+                Err(e) => e.into_response(),
+            };
+            drop(guard);
+            let method = axum::http::Method::POST;
+            api.shared
+                .metrics
+                .http("/v1/runs", &method, res.status().as_u16());
+            res
+        }));
+        return Ok(crate::park::placeholder());
+    }
+    if !stream {
+        let info = wait_for_grant(&api, first, None).await?;
+        drop(guard);
+        return Ok((StatusCode::CREATED, Json(run_out(&info))).into_response());
+    }
+    Ok(stream_grant(api, first, guard))
+}
+
+/// Parses an acquire and asks the daemon for it: the run as the daemon answered, the
+/// A9 guard of an attached waiter (armed only if the run is queued), and whether the
+/// client asked to detach.
+async fn enqueue(api: &Api, body: Body) -> Result<(RunInfo, Option<AttachGuard>, bool), ApiError> {
     let b: berth_client::wire::AcquireRequest = json_body(body, false).await?;
     let detach = b.detach == Some(true);
     let (mut req, (worktree, labels, stop_grace_ms)) = build_request(&api.cfg, b)?;
@@ -275,21 +346,16 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
         Some(wt) => read_worktree(&mut req, wt).await?,
         None => Vec::new(),
     };
-    let stream = headers
-        .get(header::ACCEPT)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.contains("application/x-ndjson"));
-    let run_id = req.run_id.clone();
     // Only an attached waiter's connection holds its place (A9).
     let waits = req.wait_ms > 0 && !detach;
     // The guard exists before the acquire is sent: if this connection drops at any
     // point from here on, the waiter is cancelled (A9).
     let mut guard = waits.then(|| AttachGuard {
         tx: api.tx.clone(),
-        run_id: run_id.clone(),
+        run_id: req.run_id.clone(),
         armed: true,
     });
-    let first = ask(&api, |reply| Msg::Acquire {
+    let first = ask(api, |reply| Msg::Acquire {
         req,
         worktree,
         labels,
@@ -304,16 +370,7 @@ async fn acquire_inner(api: Api, headers: HeaderMap, body: Body) -> Result<Respo
     if let Some(g) = guard.as_mut() {
         g.armed = matches!(&first, Ok(i) if i.view.state == RunState::Queued);
     }
-    let first = first?;
-    if detach && first.view.state == RunState::Queued {
-        return Ok((StatusCode::ACCEPTED, Json(run_out(&first))).into_response());
-    }
-    if !stream {
-        let info = wait_for_grant(&api, first, None).await?;
-        drop(guard);
-        return Ok((StatusCode::CREATED, Json(run_out(&info))).into_response());
-    }
-    Ok(stream_grant(api, first, guard))
+    Ok((first?, guard, detach))
 }
 
 /// A streamed acquire: `queued` lines while it waits, then its outcome. The guard goes
@@ -396,15 +453,8 @@ async fn wait_for_grant(
             }
         }
         if rx.is_none() {
-            let (t, r) = oneshot::channel();
-            let _ = api
-                .tx
-                .send(Msg::Subscribe {
-                    run_id: info.view.run_id.clone(),
-                    reply: t,
-                })
-                .await;
-            rx = r.await.ok().flatten();
+            // Boxed: asking takes a message's room, which the wait must not keep.
+            rx = Box::pin(subscribe(api, info.view.run_id.clone())).await;
             match rx.as_mut() {
                 // The run as it is now: it may have been granted between the answer
                 // above and this subscription, and a new receiver counts the value it
@@ -430,6 +480,13 @@ async fn wait_for_grant(
             rx = None;
         }
     }
+}
+
+/// The daemon's watch of a run's changes (`None`: the daemon is stopping).
+async fn subscribe(api: &Api, run_id: String) -> Option<tokio::sync::watch::Receiver<RunInfo>> {
+    let (reply, r) = oneshot::channel();
+    let _ = api.tx.send(Msg::Subscribe { run_id, reply }).await;
+    r.await.ok().flatten()
 }
 
 /// The waiting run's next state: when the daemon says it changed (and whether it still
@@ -468,7 +525,8 @@ async fn next_change(
         _ = poll => {
             api.shared.metrics.waiter_polled();
             let id = info.view.run_id.clone();
-            Ok((ask(api, |reply| Msg::Get { run_id: id, reply }).await?, true))
+            // Boxed, like `subscribe`: a long poll's wait never polls, so it never pays.
+            Ok((Box::pin(ask(api, |reply| Msg::Get { run_id: id, reply })).await?, true))
         }
         _ = closed => Err(ApiError::new(499, "client_gone", "the client went away")),
     }
@@ -792,16 +850,30 @@ async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response
         .into_response())
 }
 
-/// Refuses a caller whose scope is below `need`: attached to each router of `router`
-/// (one per scope), so a route gets the scope of the router it is declared in, never
-/// one matched from its path.
-async fn require(need: Scope, req: Request, next: Next) -> Response {
+/// Refuses a caller whose scope is below `need` (the public group needs none) and
+/// counts what was answered as `berth_http_requests_total{route, method, status}`, the
+/// refusal included. Attached to each router of `router` (one per scope), so a route
+/// gets the scope of the router it is declared in, never one matched from its path.
+/// What no route answers is counted as `unmatched` where it is refused
+/// (`count_unmatched`).
+///
+/// One layer for both, and the head's limits checked in `authenticate`: each
+/// `from_fn` layer boxes a future of about 1 KiB that a queued long poll keeps for as
+/// long as it waits.
+async fn require(need: Option<Scope>, shared: Arc<Shared>, req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    // The route table's own path: a static label, no String per request.
+    let route = req
+        .extensions()
+        .get::<axum::extract::MatchedPath>()
+        .and_then(|m| doc::paths().iter().find(|p| **p == m.as_str()).copied())
+        .unwrap_or("unmatched");
     let scope = req
         .extensions()
         .get::<Caller>()
         .map_or(Scope::Read, |c| c.scope);
-    if scope < need {
-        return ApiError::new(
+    let res = match need {
+        Some(need) if scope < need => ApiError::new(
             403,
             "forbidden",
             format!(
@@ -810,12 +882,22 @@ async fn require(need: Scope, req: Request, next: Next) -> Response {
                 scope.as_str()
             ),
         )
-        .into_response();
+        .into_response(),
+        _ => next.run(req).await,
+    };
+    // A parked long poll is counted when its answer is sent.
+    if res.extensions().get::<crate::park::Placeholder>().is_none() {
+        shared.metrics.http(route, &method, res.status().as_u16());
     }
-    next.run(req).await
+    res
 }
 
+/// The outermost layer: an oversized head is refused before anything else reads it,
+/// then the caller's token is looked up.
 async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) -> Response {
+    if let Err(refused) = crate::http::limits(&req) {
+        return refused.into_response();
+    }
     let mark = req
         .extensions()
         .get::<Arc<crate::http::ConnMark>>()
@@ -890,7 +972,11 @@ async fn method_not_allowed(AxState(api): AxState<Api>, method: axum::http::Meth
 /// and the API's description none), so a route gets the scope of the router it is
 /// declared in, never one matched from its path.
 pub fn router(api: Api) -> Router {
-    let scoped = |need: Scope| axum::middleware::from_fn(move |req, next| require(need, req, next));
+    let shared = api.shared.clone();
+    let scoped = |need: Option<Scope>| {
+        let shared = shared.clone();
+        axum::middleware::from_fn(move |req, next| require(need, shared.clone(), req, next))
+    };
     let mut read = Router::new();
     let mut operator = Router::new();
     let mut admin = Router::new();
@@ -905,48 +991,22 @@ pub fn router(api: Api) -> Router {
         *group = std::mem::take(group).route(r.path, handler);
     }
     Router::new()
-        .merge(read.route_layer(scoped(Scope::Read)))
-        .merge(operator.route_layer(scoped(Scope::Operator)))
-        .merge(admin.route_layer(scoped(Scope::Admin)))
-        .merge(public)
-        .route_layer(axum::middleware::from_fn_with_state(
-            api.shared.clone(),
-            count_request,
-        ))
+        .merge(read.route_layer(scoped(Some(Scope::Read))))
+        .merge(operator.route_layer(scoped(Some(Scope::Operator))))
+        .merge(admin.route_layer(scoped(Some(Scope::Admin))))
+        .merge(public.route_layer(scoped(None)))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             api.clone(),
             authenticate,
         ))
-        // Outermost: an oversized head is refused before anything else reads it.
-        .layer(axum::middleware::from_fn(crate::http::limits))
         .with_state(api)
 }
 
 /// Paths anyone may GET without a token: the dashboard page (static; it holds no data
 /// and asks the API with the user's token) and the API's description.
 const PUBLIC_PATHS: &[&str] = &["/", "/v1/openapi.json"];
-
-/// `berth_http_requests_total{route, method, status}`, for every request a route
-/// answered, its scope's refusals included (this layer is outside them). What no
-/// route answers is counted as `unmatched` where it is refused (`count_unmatched`).
-async fn count_request(
-    AxState(shared): AxState<Arc<Shared>>,
-    req: Request,
-    next: Next,
-) -> Response {
-    let method = req.method().clone();
-    // The route table's own path: a static label, no String per request.
-    let route = req
-        .extensions()
-        .get::<axum::extract::MatchedPath>()
-        .and_then(|m| doc::paths().iter().find(|p| **p == m.as_str()).copied())
-        .unwrap_or("unmatched");
-    let res = next.run(req).await;
-    shared.metrics.http(route, &method, res.status().as_u16());
-    res
-}
 
 /// A refusal no route saw: counted as `unmatched`.
 fn count_unmatched(api: &Api, method: &axum::http::Method, res: Response) -> Response {

@@ -3,7 +3,7 @@
 
 use axum::body::{Body, Bytes};
 use axum::extract::State as AxState;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_client::wire::{RuntimeEvent, RuntimeRequest, RuntimeStarted};
@@ -19,7 +19,7 @@ pub async fn start_runtime(
     AxState(api): AxState<Api>,
     axum::Extension(caller): axum::Extension<super::Caller>,
     RunIdPath(id): RunIdPath,
-    headers: HeaderMap,
+    super::WantsNdjson(stream): super::WantsNdjson,
     body: Body,
 ) -> Result<Response, ApiError> {
     check_run_id(&id)?;
@@ -35,10 +35,6 @@ pub async fn start_runtime(
     })
     .await?;
     let (contract, worktree) = current_contract(&api, &id, fence, &plan).await?;
-    let stream = headers
-        .get(header::ACCEPT)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.contains("application/x-ndjson"));
     let (tx, mut rx) = mpsc::unbounded_channel::<RuntimeEvent>();
     let run_id = id.clone();
     // Its own task: a client that goes away mid-start does not leave half-launched,

@@ -416,6 +416,11 @@ impl<H: Host> Daemon<H> {
         self.cancel_unclaimed(&mut touched);
         self.retry_due_cleanups(&mut touched);
         self.tell_queue_moved();
+        let (held, release) = super::release_due(self.held, self.extras.len(), now);
+        self.held = held;
+        if release {
+            self.host.release_memory();
+        }
         if !touched.is_empty()
             || !self.pending_stops.is_empty()
             || !self.pending_mutations.is_empty()

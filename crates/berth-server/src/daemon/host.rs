@@ -76,6 +76,9 @@ pub trait Host {
     fn diagnostics(&self) -> (u64, u64);
     /// A monotonic instant as people read it (RFC 3339).
     fn show_time(&self, mono_ms: u64) -> String;
+    /// Many runs left and the daemon is quiet: the allocator may give its free memory
+    /// back to the system.
+    fn release_memory(&mut self);
     /// The daemon stops. `clean_last_fence` is the exact last fence after a clean stop.
     fn close(&mut self, clean_last_fence: Option<u64>);
 }
@@ -247,6 +250,10 @@ impl Host for RealHost {
 
     fn show_time(&self, mono_ms: u64) -> String {
         crate::clock::mono_to_rfc3339(mono_ms)
+    }
+
+    fn release_memory(&mut self) {
+        crate::memory::release();
     }
 
     fn close(&mut self, clean_last_fence: Option<u64>) {

@@ -289,6 +289,44 @@ pub struct Daemon<H: Host> {
     /// Queue moves so far, and (count, time) of the last one told to `queue_moved`.
     queue_moves: u64,
     queue_moves_told: (u64, u64),
+    /// When memory goes back to the system (`release_due`).
+    held: Held,
+}
+
+/// The runs the daemon holds (`extras`: live, queued and retained ended runs), as
+/// `release_due` weighs them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// The most held since memory was last given back.
+    pub peak: usize,
+    /// Held at the last look, and since when (ms) that figure has not changed.
+    pub last: usize,
+    pub since_ms: u64,
+}
+
+/// How far below its peak the daemon's hold must fall before memory is given back:
+/// below this, what the allocator keeps is small next to the daemon itself.
+pub const RELEASE_DROP_MIN: usize = 1_024;
+/// How long the hold must stay unchanged first: a drain is over, not under way (each
+/// release walks the allocator's arenas, so it is done once per drain, not per tick).
+pub const RELEASE_QUIET_MS: u64 = 2_000;
+
+/// At a tick: the new `Held`, and whether to give memory back now (at least
+/// `RELEASE_DROP_MIN` runs fewer than the peak, and no change for `RELEASE_QUIET_MS`).
+/// A daemon whose hold never falls far never releases; one that drains releases once,
+/// then measures its next drain from there.
+pub fn release_due(h: Held, held: usize, now_ms: u64) -> (Held, bool) {
+    let mut h = h;
+    if held != h.last {
+        h.last = held;
+        h.since_ms = now_ms;
+    }
+    h.peak = h.peak.max(held);
+    let due = h.peak - held >= RELEASE_DROP_MIN && now_ms >= h.since_ms + RELEASE_QUIET_MS;
+    if due {
+        h.peak = held;
+    }
+    (h, due)
 }
 
 /// Tables smaller than this are never shrunk (their room costs little).

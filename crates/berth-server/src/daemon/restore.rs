@@ -7,7 +7,7 @@ use berth_core::{Engine, RestoredRun, RunState};
 use berth_store::{Ledger, RunRecord, Writer};
 
 use super::extra::Extra;
-use super::{Daemon, Host, ReapCounters, Shared};
+use super::{Daemon, Held, Host, ReapCounters, Shared};
 
 /// What a start knows besides the ledger.
 pub struct Restore {
@@ -159,6 +159,7 @@ impl<H: Host> Daemon<H> {
             journal_at: (0, String::new()),
             queue_moves: 0,
             queue_moves_told: (0, 0),
+            held: Held::default(),
         })
     }
 }

@@ -155,6 +155,8 @@ impl Host for SimHost {
         format!("t+{mono_ms}")
     }
 
+    fn release_memory(&mut self) {}
+
     fn close(&mut self, _clean_last_fence: Option<u64>) {}
 }
 

@@ -59,6 +59,10 @@ impl tracing::Subscriber for Capture {
 
 /// The daemon over the state directory `dir`, as a start restores it.
 fn restore(dir: &std::path::Path) -> Daemon<RealHost> {
+    restore_with(dir, berth_core::Config::for_host(4, 8 << 30, 100 << 30))
+}
+
+fn restore_with(dir: &std::path::Path, cfg: berth_core::Config) -> Daemon<RealHost> {
     let mut store = berth_store::SqliteStore::open_exclusive(&dir.join("ledger.db")).unwrap();
     use berth_store::Store;
     let ledger = store.load(1_000).unwrap();
@@ -81,7 +85,7 @@ fn restore(dir: &std::path::Path) -> Daemon<RealHost> {
     )
     .unwrap();
     let how = Restore {
-        cfg: berth_core::Config::for_host(4, 8 << 30, 100 << 30),
+        cfg,
         same_boot: true,
         reconnect_window_ms: 30_000,
         port_range: (30_000, 30_999),
@@ -102,31 +106,44 @@ fn acquire(
     ttl_ms: u64,
     cpu_millis: u64,
 ) -> Result<RunInfo, Error> {
+    send_acquire(st, request(run_id, ttl_ms, cpu_millis), false)
+}
+
+/// A foreground request for one slot and `cpu_millis`, not waiting.
+fn request(run_id: &str, ttl_ms: u64, cpu_millis: u64) -> berth_core::Request {
+    berth_core::Request {
+        run_id: run_id.into(),
+        project: run_id.replace(':', "-"),
+        class: berth_core::Class::Managed,
+        priority: berth_core::Priority::Foreground,
+        resources: berth_core::Resources {
+            slots: 1,
+            cpu_millis,
+            ..Default::default()
+        },
+        singletons: Vec::new(),
+        contract: None,
+        ttl_ms,
+        wait_ms: 0,
+    }
+}
+
+fn send_acquire(
+    st: &mut Daemon<RealHost>,
+    req: berth_core::Request,
+    detach: bool,
+) -> Result<RunInfo, Error> {
     let (reply, rx) = oneshot::channel();
     st.handle(
         clock::mono_ms(),
         Msg::Acquire {
-            req: berth_core::Request {
-                run_id: run_id.into(),
-                project: run_id.replace(':', "-"),
-                class: berth_core::Class::Managed,
-                priority: berth_core::Priority::Foreground,
-                resources: berth_core::Resources {
-                    slots: 1,
-                    cpu_millis,
-                    ..Default::default()
-                },
-                singletons: Vec::new(),
-                contract: None,
-                ttl_ms,
-                wait_ms: 0,
-            },
+            req,
             worktree: None,
             labels: BTreeMap::new(),
             stop_grace_ms: None,
             ports: Vec::new(),
             attach: false,
-            detach: false,
+            detach,
             reply,
         },
     );
@@ -217,4 +234,82 @@ fn expiry_refusal_and_restart_summary_are_logged_with_the_run_id() {
         assert!(last >= keep.view.fence.unwrap(), "{l:?}");
         st.close();
     });
+}
+
+/// A deep queue drains: once the daemon's hold has stayed down for `RELEASE_QUIET_MS`,
+/// its host is asked to give the freed memory back, once; not while the queue is deep,
+/// not before the quiet period, and not again without another drain.
+#[test]
+fn memory_is_given_back_once_a_deep_queue_has_drained() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = berth_core::Config::for_host(4, 8 << 30, 100 << 30);
+    cfg.ended_retained_max = 16;
+    let mut st = restore_with(dir.path(), cfg);
+    // The whole CPU held, then waiters behind it.
+    assert_eq!(
+        acquire(&mut st, "holder", 600_000, 3_000)
+            .unwrap()
+            .view
+            .state,
+        RunState::Granted
+    );
+    let waiters = RELEASE_DROP_MIN + 100;
+    for i in 0..waiters {
+        let mut req = request(&format!("w{i}"), 600_000, 1_000);
+        req.wait_ms = 600_000;
+        let info = send_acquire(&mut st, req, true).unwrap();
+        assert_eq!(info.view.state, RunState::Queued);
+    }
+    let t0 = clock::mono_ms();
+    let before = crate::memory::releases();
+    st.tick(t0, None);
+    st.tick(t0 + RELEASE_QUIET_MS + 1, None);
+    assert_eq!(
+        crate::memory::releases(),
+        before,
+        "nothing left: nothing to give back"
+    );
+    for i in 0..waiters {
+        let (reply, rx) = oneshot::channel();
+        let cmd = berth_core::Command::Cancel {
+            run_id: format!("w{i}"),
+        };
+        st.handle(clock::mono_ms(), Msg::Command { cmd, reply });
+        rx.blocking_recv().unwrap().unwrap();
+    }
+    let t1 = t0 + RELEASE_QUIET_MS + 2;
+    st.tick(t1, None);
+    st.tick(t1 + RELEASE_QUIET_MS - 1, None);
+    assert_eq!(
+        crate::memory::releases(),
+        before,
+        "the drain is not over yet"
+    );
+    st.tick(t1 + RELEASE_QUIET_MS, None);
+    assert_eq!(
+        crate::memory::releases(),
+        before + 1,
+        "given back after the quiet period"
+    );
+    st.tick(t1 + 10 * RELEASE_QUIET_MS, None);
+    assert_eq!(crate::memory::releases(), before + 1, "once per drain");
+    st.close();
+}
+
+#[test]
+fn release_due_weighs_the_drop_and_the_quiet() {
+    let h = Held::default();
+    let (h, due) = release_due(h, 5_000, 0);
+    assert!(!due && h.peak == 5_000);
+    // Fallen far, but just now.
+    let (h, due) = release_due(h, 100, 10);
+    assert!(!due && h.since_ms == 10);
+    let (h, due) = release_due(h, 100, 10 + RELEASE_QUIET_MS - 1);
+    assert!(!due);
+    let (h, due) = release_due(h, 100, 10 + RELEASE_QUIET_MS);
+    assert!(due && h.peak == 100, "{h:?}");
+    // Fallen less than RELEASE_DROP_MIN below the (new) peak: never.
+    let (h, _) = release_due(h, RELEASE_DROP_MIN + 99, 20_000);
+    let (_, due) = release_due(h, 100, 20_001 + 10 * RELEASE_QUIET_MS);
+    assert!(!due);
 }
