@@ -1288,10 +1288,11 @@ impl Engine {
             self.free_slots.push(old);
         }
         // The id index a deep queue grew gives its room back once it is a quarter
-        // full (to twice what it holds: the next shrink needs it to halve again, so
-        // the rehash is amortised O(1) per run forgotten).
+        // full (to a quarter more than it holds: between two rehashes at least len/4
+        // runs come or go, so the rehash is amortised O(1) per run).
         if self.by_id.capacity() > 4_096 && self.by_id.capacity() > 4 * self.by_id.len() {
-            self.by_id.shrink_to(2 * self.by_id.len());
+            self.by_id
+                .shrink_to(self.by_id.len() + self.by_id.len() / 4);
         }
     }
 

@@ -121,7 +121,7 @@ impl<H: Host> Daemon<H> {
         if is_new {
             // Registered before the command so grants made by it find it.
             extra.queue_seq = self.next_seq;
-            self.extras.insert(id.clone(), extra);
+            self.extras.insert(id.clone(), Box::new(extra));
         }
         let mut touched = BTreeSet::new();
         let res = self.apply(Command::Acquire(req), &mut touched);

@@ -128,7 +128,7 @@ impl<H: Host> Daemon<H> {
                     ports.hold(*p, &id);
                 }
             }
-            extras.insert(id, extra);
+            extras.insert(id, Box::new(extra));
             restored.push(run);
         }
         let mut engine = Engine::restore(how.cfg, last_fence, now, restored)?;

@@ -241,6 +241,10 @@ fn expiry_refusal_and_restart_summary_are_logged_with_the_run_id() {
 /// not before the quiet period, and not again without another drain.
 #[test]
 fn memory_is_given_back_once_a_deep_queue_has_drained() {
+    // It drives a daemon, which logs: see `LOGGING_TESTS`.
+    let _one = super::LOGGING_TESTS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = berth_core::Config::for_host(4, 8 << 30, 100 << 30);
     cfg.ended_retained_max = 16;
