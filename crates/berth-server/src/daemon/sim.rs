@@ -15,7 +15,7 @@
 //! is the one its `granted` entry names; it has an `ended` entry with its state exactly
 //! when it has ended). Each seed runs twice and the two traces must be equal.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, RwLock};
 
 use berth_core::{Class, Command, Priority, Request, Resources, RunState};
@@ -30,8 +30,10 @@ use crate::register::{OtherRun, Refusal};
 const RUN_IDS_MAX: u64 = 16;
 /// Steps per seed in the default test run.
 const STEPS: usize = 300;
-/// Seeds in the default test run (`BERTH_DAEMON_SIM_SEEDS` runs more).
-const SEEDS: u64 = 12;
+/// Seeds in the default test run (`BERTH_DAEMON_SIM_SEEDS` runs more): enough that a
+/// daemon cancelling a detached waiter when a client that attached to it leaves is
+/// caught (first by seed 24..40 of them), ~6 s.
+const SEEDS: u64 = 48;
 /// The ports runs are given from: small, so that they run out.
 const PORT_RANGE: (u16, u16) = (30_000, 30_005);
 
@@ -182,6 +184,16 @@ struct Sim {
     fail_until: (usize, usize),
     step: usize,
     journal: JournalModel,
+    /// The connections of attached waiters that are still open, one entry per
+    /// attachment (a run re-posted while it waits has two): what `leave` closes. A
+    /// restart closes them all.
+    attachments: Vec<String>,
+    /// Each queued detached waiter at the last step, and the run this step cancelled
+    /// on purpose (`cancel`): a detached waiter leaves the queue only by a grant, its
+    /// deadline or an explicit cancel, never because a client left or a restart
+    /// happened (A9 refined, P5).
+    detached_queued: BTreeSet<String>,
+    cancelled: Option<String>,
 }
 
 /// What the journal says, read entry by entry as a client would.
@@ -257,7 +269,7 @@ impl JournalModel {
 
     /// Every run the daemon knows agrees with what the journal said of it.
     fn agrees(&self, runs: &BTreeMap<String, RunRow>) -> Result<(), String> {
-        for (id, (state, fence, _, _)) in runs {
+        for (id, (state, fence, _, _, _)) in runs {
             let Some((j_fence, j_ended)) = self.runs.get(id) else {
                 return Err(format!("{id} ({state:?}) was never journaled"));
             };
@@ -300,6 +312,9 @@ impl Sim {
             fail_until: (0, 0),
             step: 0,
             journal: JournalModel::new(),
+            attachments: Vec::new(),
+            detached_queued: BTreeSet::new(),
+            cancelled: None,
         };
         sim.start();
         sim
@@ -381,9 +396,11 @@ impl Sim {
             m.fail_create = i < self.fail_until.0;
             m.fail_remove = i < self.fail_until.1;
         }
+        self.cancelled = None;
         let line = match self.rng.range(0, 99) {
-            0..=21 => self.acquire(),
-            22..=31 => self.renew(),
+            0..=18 => self.acquire(),
+            19..=23 => self.leave(),
+            24..=31 => self.renew(),
             32..=43 => self.release(),
             44..=46 => self.cancel(),
             47..=56 => self.register(),
@@ -394,7 +411,7 @@ impl Sim {
             _ => self.inject_failure(),
         };
         self.trace.push(format!("{i} {line}"));
-        if let Err(e) = self.check() {
+        if let Err(e) = self.check().and_then(|()| self.check_detached()) {
             panic!("step {i}: {e}\ntrace:\n{}", self.trace.join("\n"));
         }
     }
@@ -429,17 +446,73 @@ impl Sim {
             ttl_ms: (n % 5 + 1) * 10_000,
             wait_ms: (n % 3) * 15_000,
         };
+        // A waiter is detached (some ids mostly, others now and then: a retry with
+        // `detach` lets an attached waiter go) or held by its client's connection (a
+        // client may also attach to a detached waiter, and leave it again).
+        let detach =
+            req.wait_ms > 0 && ((n % 4 == 1 && self.rng.chance(0.7)) || self.rng.chance(0.1));
+        let attach = req.wait_ms > 0 && !detach;
         let res = self.ask(|reply| Msg::Acquire {
             req,
             worktree: None,
             labels: BTreeMap::new(),
             stop_grace_ms: None,
             ports,
-            attach: false,
-            detach: false,
+            attach,
+            detach,
             reply,
         });
-        format!("acquire {id} -> {}", outcome(&res))
+        // The connection holds its place only if it had to wait (the guard is armed
+        // only then).
+        let waits = matches!(&res, Ok(i) if i.view.state == RunState::Queued);
+        if attach && waits {
+            self.attachments.push(id.clone());
+        }
+        let how = if detach {
+            " detached"
+        } else if attach {
+            " attached"
+        } else {
+            ""
+        };
+        format!("acquire{how} {id} -> {}", outcome(&res))
+    }
+
+    /// An attached waiter's client goes away (A9): the daemon hears `Detach`.
+    fn leave(&mut self) -> String {
+        if self.attachments.is_empty() {
+            return self.pass_time();
+        }
+        let i = self.rng.range(0, self.attachments.len() as u64 - 1) as usize;
+        let run_id = self.attachments.swap_remove(i);
+        let now = self.now;
+        self.d().handle(
+            now,
+            Msg::Detach {
+                run_id: run_id.clone(),
+            },
+        );
+        self.d().flush();
+        format!("leave {run_id}")
+    }
+
+    /// A detached waiter that was queued a step ago is still queued, or granted, or
+    /// ended otherwise than by being cancelled, unless this step cancelled it.
+    fn check_detached(&mut self) -> Result<(), String> {
+        let d = self.daemon.as_ref().expect("started");
+        let state = |id: &str| d.engine.view_of(id).map(|v| v.state);
+        for id in &self.detached_queued {
+            if state(id) == Some(RunState::Cancelled) && self.cancelled.as_ref() != Some(id) {
+                return Err(format!("detached waiter {id} was cancelled by nobody"));
+            }
+        }
+        self.detached_queued = d
+            .extras
+            .iter()
+            .filter(|(id, e)| e.detached && state(id) == Some(RunState::Queued))
+            .map(|(id, _)| id.clone())
+            .collect();
+        Ok(())
     }
 
     fn command(&mut self, what: &str, cmd: Command) -> String {
@@ -472,6 +545,7 @@ impl Sim {
     fn cancel(&mut self) -> String {
         let run_id = self.pick_run();
         let what = format!("cancel {run_id}");
+        self.cancelled = Some(run_id.clone());
         self.command(&what, Command::Cancel { run_id })
     }
 
@@ -569,6 +643,8 @@ impl Sim {
         let before = runs(self.d());
         self.daemon.take().unwrap().close();
         self.machine.lock().unwrap().orders.clear();
+        // Clients' connections die with the daemon.
+        self.attachments.clear();
         self.start();
         let after = runs(self.d());
         // Every live run comes back as it was; of the ended ones, the ledger may
@@ -746,7 +822,8 @@ impl Sim {
 }
 
 /// Every run the daemon knows, as (state, fence, workspace, processes).
-type RunRow = (RunState, Option<u64>, Option<u64>, Vec<i32>);
+/// State, fence, workspace inode, registered pids, detached.
+type RunRow = (RunState, Option<u64>, Option<u64>, Vec<i32>, bool);
 
 fn runs(d: &Daemon<SimHost>) -> BTreeMap<String, RunRow> {
     d.extras
@@ -755,7 +832,7 @@ fn runs(d: &Daemon<SimHost>) -> BTreeMap<String, RunRow> {
             let v = d.engine.view_of(id)?;
             let pids = e.processes.iter().map(|p| p.pid).collect();
             let ws = e.workspace.as_ref().map(|w| w.ino);
-            Some((id.clone(), (v.state, v.fence, ws, pids)))
+            Some((id.clone(), (v.state, v.fence, ws, pids, e.detached)))
         })
         .collect()
 }
