@@ -314,11 +314,7 @@ async fn acquire_inner(
         // A queued long poll leaves hyper for the rest of its wait (`park.rs`): its
         // connection then costs a socket and this future, not hyper's 16 KiB.
         conn.park(Box::pin(async move {
-            let res = match wait_for_grant(&api, first, None).await {
-                Ok(info) => (StatusCode::CREATED, Json(run_out(&info))).into_response(),
-                Err(e) => e.into_response(),
-            };
-            drop(guard);
+            let res = long_poll_answer(&api, first, guard).await;
             let method = axum::http::Method::POST;
             api.shared
                 .metrics
@@ -328,11 +324,20 @@ async fn acquire_inner(
         return Ok(crate::park::placeholder());
     }
     if !stream {
-        let info = wait_for_grant(&api, first, None).await?;
-        drop(guard);
-        return Ok((StatusCode::CREATED, Json(run_out(&info))).into_response());
+        return Ok(long_poll_answer(&api, first, guard).await);
     }
     Ok(stream_grant(api, first, guard))
+}
+
+/// A long poll's answer once its wait is over: the lease (`201`), or why it never
+/// came. The guard goes with the wait (A9).
+async fn long_poll_answer(api: &Api, first: RunInfo, guard: Option<AttachGuard>) -> Response {
+    let res = match wait_for_grant(api, first, None).await {
+        Ok(info) => (StatusCode::CREATED, Json(run_out(&info))).into_response(),
+        Err(e) => e.into_response(),
+    };
+    drop(guard);
+    res
 }
 
 /// Parses an acquire and asks the daemon for it: the run as the daemon answered, the
