@@ -272,14 +272,17 @@ fn stream(d: &Daemon, body: &Value) -> TcpStream {
     s
 }
 
-fn metric(d: &Daemon, name: &str) -> f64 {
+/// The sample `name` (labels included, as /metrics writes them), if there is one.
+fn sample(d: &Daemon, name: &str) -> Option<f64> {
     let text = d.get("/metrics").body;
     let text = text.as_str().expect("metrics text");
-    let line = text
-        .lines()
+    text.lines()
         .find(|l| l.split(' ').next() == Some(name))
-        .unwrap_or_else(|| panic!("{name} not in /metrics"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
+        .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
+}
+
+fn metric(d: &Daemon, name: &str) -> f64 {
+    sample(d, name).unwrap_or_else(|| panic!("{name} not in /metrics"))
 }
 
 /// Regression (issue 18, the herd): idle waiters cost the daemon nothing. Each waiter
@@ -385,13 +388,9 @@ fn a_malformed_detach_is_refused_naming_the_field_and_queues_nothing() {
     assert_eq!(d.get("/v1/status").body["queued"]["foreground"], 0);
 }
 
-/// `name` (labels included, as /metrics writes them) or 0 when no such sample exists.
+/// `name` or 0 when no such sample exists.
 fn metric_or_zero(d: &Daemon, name: &str) -> f64 {
-    let text = d.get("/metrics").body;
-    let text = text.as_str().expect("metrics text");
-    text.lines()
-        .find(|l| l.split(' ').next() == Some(name))
-        .map_or(0.0, |l| l.rsplit(' ').next().unwrap().parse().unwrap())
+    sample(d, name).unwrap_or(0.0)
 }
 
 /// A queued long poll leaves hyper for its wait (park.rs). Granted, it gets one
@@ -431,4 +430,28 @@ fn a_parked_long_poll_is_answered_once_and_its_client_leaving_cancels_it() {
         0.0,
         "the placeholder was counted"
     );
+}
+
+/// A hostile parked client: it keeps sending after its request (a parked socket serves
+/// nothing more). Past 4 KiB it counts as gone, so its waiter is cancelled (A9), and
+/// the daemon goes on serving everyone else.
+#[test]
+fn a_parked_client_that_floods_its_socket_is_cut_off_and_its_waiter_cancelled() {
+    let d = Daemon::start(&["--slots-max", "1"]);
+    let f0 = hold(&d, "h");
+    let mut flood = long_poll(&d, &body("f1", json!({})));
+    d.wait_until("f1 queued", |d| state(d, "f1")["state"] == "queued");
+    let quiet = long_poll(&d, &body("q2", json!({})));
+    d.wait_until("q2 queued", |d| state(d, "q2")["state"] == "queued");
+    // Under the limit: still waiting.
+    flood.write_all(&[b'x'; 1024]).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(state(&d, "f1")["state"], "queued");
+    // Over it: cut off. (The write may fail once the daemon has closed the socket.)
+    let _ = flood.write_all(&[b'x'; 8 * 1024]);
+    wait_state(&d, "f1", "cancelled");
+    assert_eq!(state(&d, "q2")["position"], 1, "the quiet waiter moved up");
+    release(&d, "h", f0);
+    wait_state(&d, "q2", "granted");
+    drop(quiet);
 }
