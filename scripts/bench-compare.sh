@@ -8,6 +8,9 @@
 #   - alternated: ROUNDS rounds of (REV, this checkout, this checkout with SUBSCRIBERS
 #     SSE readers), one at a time, and the median of each (alternating spreads the
 #     machine's slow and fast spells over all three);
+#     Also the median over rounds of each round's (with SUBSCRIBERS) / REV: a round's
+#     runs are minutes apart at most, so this ratio sees less of the machine's drift
+#     than the ratio of the medians (one run's figure moved 6,700 -> 13,000 in an hour).
 #   - paired: ROUNDS runs of REV and this checkout (with its SSE readers) at the same
 #     time, the ratio of their rates (both see the same machine; each has about one
 #     core, so this weighs CPU cost more than latency).
@@ -40,12 +43,13 @@ rate() { grep -o '"lifecycles_per_s":[0-9.]*' "$1" | head -1 | cut -d: -f2; }
 run() { "$@" >"$work/out" 2>/dev/null; rate "$work/out"; }
 median() { sort -n | awk '{v[NR]=$1} END {print (NR%2) ? v[(NR+1)/2] : int((v[NR/2]+v[NR/2+1])/2)}'; }
 
-: >"$work/before.txt"; : >"$work/after.txt"; : >"$work/subs.txt"; : >"$work/ratio.txt"
+: >"$work/before.txt"; : >"$work/after.txt"; : >"$work/subs.txt"; : >"$work/ratio.txt"; : >"$work/round.txt"
 for i in $(seq 1 "$rounds"); do
     b=$(run "$work/before" http --clients "$clients" --seconds "$secs")
     a=$(run "$work/after" http --clients "$clients" --seconds "$secs")
     s=$(run "$work/after" http --clients "$clients" --seconds "$secs" --subscribers "$subs")
     echo "$b" >>"$work/before.txt"; echo "$a" >>"$work/after.txt"; echo "$s" >>"$work/subs.txt"
+    awk -v a="$s" -v b="$b" 'BEGIN {printf "%d\n", 1000 * a / b}' >>"$work/round.txt"
     echo "round $i: before=$b after=$a after_with_${subs}_subscribers=$s"
 done
 for i in $(seq 1 "$rounds"); do
@@ -59,8 +63,10 @@ for i in $(seq 1 "$rounds"); do
 done
 mb=$(median <"$work/before.txt"); ma=$(median <"$work/after.txt"); ms=$(median <"$work/subs.txt")
 mr=$(awk '{print $1 * 1000}' "$work/ratio.txt" | median)
-printf '{"clients":%s,"rounds":%s,"before_rev":"%s","before_median":%s,"after_median":%s,"after_with_subscribers_median":%s,"subscribers":%s,"after_vs_before":%.3f,"with_subscribers_vs_before":%.3f,"paired_with_subscribers_vs_before_median":%.3f}\n' \
+mo=$(median <"$work/round.txt")
+printf '{"clients":%s,"rounds":%s,"before_rev":"%s","before_median":%s,"after_median":%s,"after_with_subscribers_median":%s,"subscribers":%s,"after_vs_before":%.3f,"with_subscribers_vs_before":%.3f,"round_ratio_with_subscribers_median":%.3f,"paired_with_subscribers_vs_before_median":%.3f}\n' \
     "$clients" "$rounds" "$(cat "$work/before.rev")" "$mb" "$ma" "$ms" "$subs" \
     "$(awk -v a="$ma" -v b="$mb" 'BEGIN {print a / b}')" \
     "$(awk -v a="$ms" -v b="$mb" 'BEGIN {print a / b}')" \
+    "$(awk -v r="$mo" 'BEGIN {print r / 1000}')" \
     "$(awk -v r="$mr" 'BEGIN {print r / 1000}')"

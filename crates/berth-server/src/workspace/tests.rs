@@ -908,3 +908,11 @@ fn create_then_remove_and_refuse_a_swapped_directory() {
     assert!(matches!(remove(&ws2), Err(WorkspaceError::Swapped { .. })));
     assert!(outside.path().join("keep").exists());
 }
+
+/// A workspace's name is the first half of its run id's SHA-256, in lower-case hex:
+/// names already on disk (and in ledgers) must not change with how it is spelled out.
+#[test]
+fn dir_name_is_the_first_half_of_the_run_ids_sha256() {
+    assert_eq!(dir_name("a"), "ca978112ca1bbdcafac231b39a23dc4d");
+    assert_eq!(dir_name(""), "e3b0c44298fc1c149afbf4c8996fb924");
+}
