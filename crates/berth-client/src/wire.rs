@@ -611,3 +611,106 @@ pub struct StreamCutoff {
     pub reason: String,
     pub last_seq: u64,
 }
+
+/// `POST /v1/threads/{key}/attach`, `/deadline` and `/detach`: an owner's claim (G1–G3).
+/// `owner_gen` and `run_id` follow the id rule; `owner_fence` orders owners (a positive
+/// safe integer); `run_budget_ms` (1 ms to a day) is the registration's deadline from
+/// now. `evict` (detach only) lets the thread's workspace go at once.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ThreadClaim {
+    pub run_id: String,
+    pub owner_gen: String,
+    pub owner_fence: u64,
+    #[serde(default)]
+    pub run_budget_ms: Option<u64>,
+    #[serde(default)]
+    pub evict: Option<bool>,
+}
+
+/// A thread's owner: the highest `(owner_gen, owner_fence)` ever accepted (G2).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ThreadOwner {
+    pub owner_gen: String,
+    pub owner_fence: u64,
+    pub run_id: String,
+}
+
+/// A thread's registration (G1): live until `live_until` (its deadline plus grace).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ThreadRegistration {
+    pub owner: ThreadOwner,
+    pub attached_at: String,
+    pub deadline: String,
+    pub live_until: String,
+    pub live: bool,
+}
+
+/// One eviction of a thread's workspace: `ttl`, `idle`, `detach` or `operator`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ThreadEviction {
+    pub reason: String,
+    pub at: String,
+}
+
+/// `GET /v1/threads/{key}`: a thread, its owner, registration, workspace and audit trail.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Thread {
+    pub key: String,
+    pub owner: Option<ThreadOwner>,
+    pub registration: Option<ThreadRegistration>,
+    pub workspace: Option<String>,
+    pub created_at: String,
+    pub active_at: String,
+    pub evictions: Vec<ThreadEviction>,
+}
+
+/// `GET /v1/threads`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ThreadList {
+    pub threads: Vec<Thread>,
+}
+
+/// `POST /v1/drain`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DrainRequest {
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// Who started a drain, when and why (G4).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct DrainRecord {
+    pub by: String,
+    pub at: String,
+    pub reason: String,
+}
+
+/// Something in flight: a live run or a live registration, and until when.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Busy {
+    /// `run` or `registration`.
+    pub kind: String,
+    /// The run id, or the thread key.
+    pub id: String,
+    /// The lease's expiry, or the registration's `live_until`.
+    pub until: Option<String>,
+    /// A registration's owner.
+    pub owner: Option<ThreadOwner>,
+}
+
+/// `GET /v1/drain`: the drain in force (if any) and what it waits for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Drain {
+    pub draining: bool,
+    pub drain: Option<DrainRecord>,
+    pub waiting_for: Vec<Busy>,
+}
+
+/// `GET /v1/idle`: whether the host may be taken away now.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Idle {
+    pub idle: bool,
+    pub busy: Vec<Busy>,
+}

@@ -27,6 +27,9 @@ pub enum Command {
     StopDone { run_id: String, ok: bool },
     /// Time passed: deadlines (A8), lease expiry (L6), re-evaluation (A10).
     Tick,
+    /// G4: the host starts (`on`) or ends a drain. While it drains, waiters stay
+    /// queued with reason `host.draining` and nothing is granted.
+    Drain { on: bool },
     /// A fresh MemAvailable reading, in bytes (A10).
     Sample { mem_available: u64 },
     /// C3: the run launched every declared port and each answered its probe.

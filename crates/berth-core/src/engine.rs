@@ -92,9 +92,20 @@ pub(crate) enum Blocker {
     ExclusiveHeld(KeyId, Slot),
     SharedHeld(KeyId, u32),
     WriterWaiting(KeyId),
-    Resource { res: usize, need: u64, free: u64 },
-    Ambient { need: u64, free: u64 },
-    Guard { head: Slot },
+    Resource {
+        res: usize,
+        need: u64,
+        free: u64,
+    },
+    Ambient {
+        need: u64,
+        free: u64,
+    },
+    Guard {
+        head: Slot,
+    },
+    /// G4: the host is draining; nothing new is granted until the drain ends.
+    Draining,
 }
 
 #[derive(Clone, Debug)]
@@ -116,6 +127,8 @@ pub struct Engine {
     free_projects: Vec<ProjectId>,
     project_ids: HashMap<String, ProjectId>,
     pub(crate) queues: [Queue; 2],
+    /// G4: while set, no waiter is granted (runs already granted go on as before).
+    pub(crate) draining: bool,
     pub(crate) deadlines: BTreeSet<(TimeMs, Slot)>,
     pub(crate) expiries: BTreeSet<(TimeMs, Slot)>,
     /// Grants whose memory is still `pending` (A2): (settles at, slot, fence).
@@ -214,6 +227,7 @@ impl Engine {
             free_projects: Vec::new(),
             project_ids: HashMap::new(),
             queues: [Queue::default(), Queue::default()],
+            draining: false,
             deadlines: BTreeSet::new(),
             expiries: BTreeSet::new(),
             pending: VecDeque::new(),
@@ -366,6 +380,11 @@ impl Engine {
         self.now
     }
 
+    /// G4: whether the host is draining.
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
     pub fn queue_len(&self) -> usize {
         self.queues[0].len() + self.queues[1].len()
     }
@@ -388,6 +407,10 @@ impl Engine {
             Command::Release { run_id, fence } => self.release(&run_id, fence, &mut ev),
             Command::StopDone { run_id, ok } => self.stop_done(&run_id, ok, &mut ev),
             Command::Tick => Ok(None),
+            Command::Drain { on } => {
+                self.draining = on;
+                Ok(None)
+            }
             Command::Sample { mem_available } => {
                 self.sample(mem_available, &mut ev);
                 Ok(None)
@@ -1302,6 +1325,9 @@ impl Engine {
     /// `is_head`: the head of its band is exempt from writer preference (A4), otherwise
     /// it and a later exclusive waiter would wait for each other under the guard (A7).
     pub(crate) fn blocker(&self, s: Slot, is_head: bool) -> Option<Blocker> {
+        if self.draining {
+            return Some(Blocker::Draining);
+        }
         let run = self.run(s);
         if run.req.priority == Priority::Background && !self.queues[0].is_empty() {
             return Some(Blocker::ForegroundWaiting);
@@ -1678,6 +1704,10 @@ impl Engine {
                     fmt_bytes(self.cfg.memory_reserve)
                 ),
             ),
+            Blocker::Draining => (
+                "host.draining".into(),
+                "the host is draining: nothing new is granted until the drain ends".into(),
+            ),
             Blocker::Guard { head } => {
                 let h = self.run(head);
                 (
@@ -1783,6 +1813,27 @@ impl Engine {
         let (_, s) = self.queues[0].head().or_else(|| self.queues[1].head())?;
         let r = self.run(s);
         Some((&r.req.run_id, r.req.priority, r.enqueued_at))
+    }
+
+    /// G4: the runs in flight (granted, releasing or degraded: a run is in flight until
+    /// its processes are stopped and its workspace is cleaned), in run id order.
+    pub fn in_flight(&self) -> Vec<RunView> {
+        let mut out: Vec<RunView> = self
+            .runs
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| {
+                r.as_ref().is_some_and(|r| {
+                    matches!(
+                        r.state,
+                        RunState::Granted | RunState::Releasing | RunState::Degraded
+                    )
+                })
+            })
+            .map(|(s, _)| self.view(s as Slot))
+            .collect();
+        out.sort_by(|a, b| a.run_id.cmp(&b.run_id));
+        out
     }
 
     /// Waiters in admission order (foreground first), at most `limit` of them.

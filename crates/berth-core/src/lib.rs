@@ -12,6 +12,7 @@ mod engine;
 mod invariants;
 mod queue;
 mod snapshot;
+pub mod threads;
 mod types;
 pub mod validate;
 

@@ -67,6 +67,35 @@ fn registration_refused(pid: i32, r: crate::register::Refusal) -> ApiError {
     }
 }
 
+/// G0–G3: a thread refusal, as the API says it.
+fn thread_refused(e: berth_core::threads::ThreadError) -> ApiError {
+    use berth_core::threads::ThreadError as T;
+    let code = e.code();
+    match e {
+        T::Mismatch { key, current } => ApiError::new(
+            409,
+            code,
+            format!(
+                "thread {key} is owned by generation {} at fence {} (run {}): a claim must come from it or a higher fence",
+                current.gen, current.fence, current.run_id
+            ),
+        )
+        .with(json!({"key": key, "current": {"owner_gen": current.gen, "owner_fence": current.fence, "run_id": current.run_id}})),
+        T::Draining => ApiError::new(503, code, "the host is draining: no new registrations"),
+        T::NotFound { key } => ApiError::new(404, code, format!("thread {key} has no such registration"))
+            .with(json!({"key": key})),
+        T::Full { max } => ApiError::new(503, code, format!("{max} threads are remembered already"))
+            .with(json!({"max": max})),
+        T::Invalid { field, rule } => ApiError::invalid(field, rule),
+        T::Protected { key, .. } => ApiError::new(
+            409,
+            code,
+            format!("thread {key} has a live registration: its workspace is not destroyed under it"),
+        )
+        .with(json!({"key": key})),
+    }
+}
+
 /// The one place the daemon's domain errors become HTTP statuses and wire codes.
 impl From<crate::daemon::Error> for ApiError {
     fn from(e: crate::daemon::Error) -> ApiError {
@@ -81,6 +110,17 @@ impl From<crate::daemon::Error> for ApiError {
                 format!("the ledger cannot be written: {e}"),
             ),
             Error::Internal(what) => internal(what),
+            Error::Thread(e) => thread_refused(e),
+            // G4: with who started the drain, when and why.
+            Error::Draining(d) => ApiError::new(
+                503,
+                "draining",
+                format!(
+                    "the host is draining since {} ({}): no new runs or registrations",
+                    d.at, d.reason
+                ),
+            )
+            .with(json!({"drain": {"by": d.by, "at": d.at, "reason": d.reason}})),
         }
     }
 }

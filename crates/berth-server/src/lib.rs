@@ -58,6 +58,8 @@ pub struct ServeConfig {
     pub retain_ended_for_ms: u64,
     /// The ports runs' `[[port]]` entries are given from (W3), inclusive.
     pub port_range: (u16, u16),
+    /// Agent threads' idle time, ttl and registration grace (G0, G1).
+    pub threads: berth_core::threads::ThreadConfig,
 }
 
 /// Where runs' ports come from unless configured: a thousand ports below Linux's
@@ -209,6 +211,7 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
         same_boot: opened.same_boot,
         reconnect_window_ms: cfg.reconnect_window_ms,
         port_range: cfg.port_range,
+        threads: cfg.threads,
     };
     let st = daemon::Daemon::restore(
         clock::mono_ms(),
@@ -513,6 +516,7 @@ mod tests {
             init_ledger: false,
             retain_ended_for_ms: RETAIN_ENDED_FOR_MS_DEFAULT,
             port_range: PORT_RANGE_DEFAULT,
+            threads: Default::default(),
         };
         let running = start(cfg).await.unwrap();
         assert!(base.is_dir(), "{} while serving", base.display());

@@ -65,6 +65,10 @@ pub const CHECKS: &[(&str, Check)] = &[
         "journal_retention_keeps_the_newest_entries",
         journal_retention_keeps_the_newest_entries,
     ),
+    (
+        "threads_and_the_drain_survive_a_reopen",
+        threads_and_the_drain_survive_a_reopen,
+    ),
 ];
 
 /// A record with every field set to something non-default.
@@ -544,4 +548,87 @@ pub fn journal_retention_keeps_the_newest_entries(open: Open) {
         [3 * per_run]
     );
     assert_eq!(open().load(10).unwrap().journal_last, 3 * per_run);
+}
+
+/// G0-G2, G4: a thread's record (owner, registration, workspace, audit trail) survives
+/// a reopen, is replaced whole, and keeps its owner with no registration; the drain
+/// survives a reopen and goes when ended.
+pub fn threads_and_the_drain_survive_a_reopen(open: Open) {
+    use crate::{DrainRecord, ThreadRecord};
+    use berth_core::threads::{EvictReason, Eviction, Owner, Registration, Thread};
+    let owner = Owner {
+        gen: "gen-2".into(),
+        fence: (1 << 53) - 1,
+        run_id: "r-9".into(),
+    };
+    let mut rec = ThreadRecord {
+        thread: Thread {
+            key: "thread:a".into(),
+            owner: Some(owner.clone()),
+            registration: Some(Registration {
+                owner: owner.clone(),
+                attached_ms: 10,
+                deadline_ms: 86_400_010,
+            }),
+            has_workspace: true,
+            created_ms: 5,
+            active_ms: 10,
+            evictions: vec![Eviction {
+                reason: EvictReason::Idle,
+                at_ms: 3,
+            }],
+        },
+        workspace: Some(WorkspaceIdentity {
+            path: "/state/runs/abc".into(),
+            dev: 7,
+            ino: 99,
+        }),
+    };
+    let bare = ThreadRecord {
+        thread: Thread {
+            key: "b".into(),
+            owner: None,
+            registration: None,
+            has_workspace: false,
+            created_ms: 0,
+            active_ms: 0,
+            evictions: vec![],
+        },
+        workspace: None,
+    };
+    let drain = DrainRecord {
+        by: "uid 0 (admin)".into(),
+        at: "2026-12-01T00:00:00.000Z".into(),
+        reason: "deploy".into(),
+    };
+    let mut s = open();
+    let batch = |ms: Vec<Mutation>| Batch { mutations: ms };
+    s.write(&[&batch(vec![
+        Mutation::Thread(rec.clone()),
+        Mutation::Thread(bare.clone()),
+        Mutation::Drain(Some(drain.clone())),
+    ])])
+    .unwrap();
+    let l = open().load(10).unwrap();
+    assert_eq!(l.threads, vec![bare.clone(), rec.clone()]);
+    assert_eq!(l.drain, Some(drain));
+    rec.thread.registration = None;
+    rec.thread.has_workspace = false;
+    rec.workspace = None;
+    rec.thread.evictions.push(Eviction {
+        reason: EvictReason::Detach,
+        at_ms: 20,
+    });
+    s.write(&[&batch(vec![
+        Mutation::Thread(rec.clone()),
+        Mutation::Drain(None),
+    ])])
+    .unwrap();
+    let l = open().load(10).unwrap();
+    assert_eq!(
+        l.threads,
+        vec![bare, rec],
+        "the owner stays without a registration"
+    );
+    assert_eq!(l.drain, None);
 }

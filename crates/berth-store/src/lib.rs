@@ -124,6 +124,26 @@ pub enum Mutation {
     /// describes, so the journal and the state never disagree after a crash.
     /// Shared (`Arc`) with the readers the entry is published to once it is durable.
     Journal(std::sync::Arc<JournalEntry>),
+    /// G0–G2: a thread's whole record (its owner kept for good, its registration, its
+    /// workspace and the evictions of its audit trail), inserted or replaced.
+    Thread(ThreadRecord),
+    /// G4: the host's drain, started (`Some`) or ended (`None`).
+    Drain(Option<DrainRecord>),
+}
+
+/// A thread as the ledger keeps it: the core's record and its workspace's identity.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThreadRecord {
+    pub thread: berth_core::threads::Thread,
+    pub workspace: Option<WorkspaceIdentity>,
+}
+
+/// G4: who started the drain, when (RFC 3339) and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DrainRecord {
+    pub by: String,
+    pub at: String,
+    pub reason: String,
 }
 
 /// One entry of the journal (D5). `line` is the whole entry as its reader gets it (a
@@ -210,6 +230,10 @@ pub struct Ledger {
     /// The journal's last sequence number (0: empty). Retention never deletes the
     /// last entry, so numbering continues after a restart without a repeat.
     pub journal_last: u64,
+    /// Every thread remembered, by key.
+    pub threads: Vec<ThreadRecord>,
+    /// The drain in force, if any.
+    pub drain: Option<DrainRecord>,
 }
 
 pub trait Store: Send + 'static {

@@ -164,6 +164,30 @@ const MIGRATIONS: &[&str] = &[
     // 10: detached waiters (no connection holds their place, so a restart gives them
     // no reconnect window to lapse in).
     "ALTER TABLE runs ADD COLUMN detached INTEGER NOT NULL DEFAULT 0;",
+    // 11: agent threads (G0-G2): the owner is kept for good, even with no registration
+    // and no workspace; `evictions` is the audit trail, `reason@ms` comma-separated.
+    // And the drain (G4), at most one row.
+    "CREATE TABLE threads (
+        key TEXT PRIMARY KEY,
+        owner_gen TEXT,
+        owner_fence INTEGER,
+        owner_run TEXT,
+        reg_attached_ms INTEGER,
+        reg_deadline_ms INTEGER,
+        has_workspace INTEGER NOT NULL,
+        ws_path TEXT,
+        ws_dev INTEGER,
+        ws_ino INTEGER,
+        created_ms INTEGER NOT NULL,
+        active_ms INTEGER NOT NULL,
+        evictions TEXT NOT NULL
+     ) STRICT;
+     CREATE TABLE drain (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        by_whom TEXT NOT NULL,
+        at TEXT NOT NULL,
+        reason TEXT NOT NULL
+     ) STRICT;",
 ];
 
 /// The part of a migration SQL cannot do, run after its SQL in its transaction.
@@ -575,6 +599,8 @@ impl Store for SqliteStore {
         }
         let journal_last = journal_last(&self.conn).map_err(corrupt)?;
         Ok(Ledger {
+            threads: load_threads(&self.conn)?,
+            drain: load_drain(&self.conn)?,
             journal_last,
             evidence: load_evidence(&self.conn)?,
             last_fence,
@@ -617,6 +643,8 @@ impl Store for SqliteStore {
                     }
                     chunk.push(e)?
                 }
+                Mutation::Thread(t) => write_thread(&tx, t)?,
+                Mutation::Drain(d) => write_drain(&tx, d.as_ref())?,
                 Mutation::Token { hash, scope } => {
                     tx.prepare_cached(
                         "INSERT OR REPLACE INTO tokens (hash, scope) VALUES (?1, ?2)",
@@ -775,6 +803,158 @@ fn replace_ended(tx: &rusqlite::Transaction, r: &RunRecord) -> Result<(), StoreE
         .and_then(|mut s| s.execute(params![id, seq]))
         .map_err(write_err)?;
     Ok(())
+}
+
+/// G0-G2: a thread's record, replaced whole.
+fn write_thread(tx: &rusqlite::Transaction, r: &crate::ThreadRecord) -> Result<(), StoreError> {
+    let t = &r.thread;
+    let o = t.owner.as_ref();
+    let reg = t.registration.as_ref();
+    if reg.is_some_and(|g| Some(&g.owner) != o) {
+        return Err(StoreError::Write(format!(
+            "thread {}: a registration not by its owner",
+            t.key
+        )));
+    }
+    let evictions: Vec<String> = t
+        .evictions
+        .iter()
+        .map(|e| format!("{}@{}", e.reason.as_str(), e.at_ms))
+        .collect();
+    let ws = r.workspace.as_ref();
+    tx.prepare_cached(
+        "INSERT OR REPLACE INTO threads (key, owner_gen, owner_fence, owner_run,
+           reg_attached_ms, reg_deadline_ms, has_workspace, ws_path, ws_dev, ws_ino,
+           created_ms, active_ms, evictions)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+    )
+    .and_then(|mut s| {
+        s.execute(params![
+            t.key,
+            o.map(|o| o.gen.as_str()),
+            o.map(|o| o.fence as i64),
+            o.map(|o| o.run_id.as_str()),
+            reg.map(|g| g.attached_ms as i64),
+            reg.map(|g| g.deadline_ms as i64),
+            t.has_workspace,
+            ws.map(|w| w.path.as_str()),
+            ws.map(|w| w.dev as i64),
+            ws.map(|w| w.ino as i64),
+            t.created_ms as i64,
+            t.active_ms as i64,
+            evictions.join(",")
+        ])
+    })
+    .map_err(write_err)?;
+    Ok(())
+}
+
+fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>, StoreError> {
+    use berth_core::threads::{EvictReason, Eviction, Owner, Registration, Thread};
+    let mut stmt = conn
+        .prepare(
+            "SELECT key, owner_gen, owner_fence, owner_run, reg_attached_ms, reg_deadline_ms,
+               has_workspace, ws_path, ws_dev, ws_ino, created_ms, active_ms, evictions
+             FROM threads ORDER BY key",
+        )
+        .map_err(corrupt)?;
+    let mut rows = stmt.query([]).map_err(corrupt)?;
+    let mut out = Vec::new();
+    let ms = |v: Option<i64>| v.map(|v| v.max(0) as u64);
+    while let Some(row) = rows.next().map_err(corrupt)? {
+        let key: String = row.get(0).map_err(corrupt)?;
+        let bad = |why: &str| StoreError::Corrupt(format!("thread {key}: {why}"));
+        let gen: Option<String> = row.get(1).map_err(corrupt)?;
+        let fence = ms(row.get(2).map_err(corrupt)?);
+        let run: Option<String> = row.get(3).map_err(corrupt)?;
+        let owner = match (gen, fence, run) {
+            (Some(gen), Some(fence), Some(run_id)) => Some(Owner { gen, fence, run_id }),
+            (None, None, None) => None,
+            _ => return Err(bad("a partial owner")),
+        };
+        let registration = match (
+            ms(row.get(4).map_err(corrupt)?),
+            ms(row.get(5).map_err(corrupt)?),
+        ) {
+            (Some(attached_ms), Some(deadline_ms)) => Some(Registration {
+                owner: owner
+                    .clone()
+                    .ok_or_else(|| bad("a registration without an owner"))?,
+                attached_ms,
+                deadline_ms,
+            }),
+            (None, None) => None,
+            _ => return Err(bad("a partial registration")),
+        };
+        let path: Option<String> = row.get(7).map_err(corrupt)?;
+        let workspace = match path {
+            Some(path) => Some(WorkspaceIdentity {
+                path,
+                dev: ms(row.get(8).map_err(corrupt)?).ok_or_else(|| bad("no device"))?,
+                ino: ms(row.get(9).map_err(corrupt)?).ok_or_else(|| bad("no inode"))?,
+            }),
+            None => None,
+        };
+        let text: String = row.get(12).map_err(corrupt)?;
+        let mut evictions = Vec::new();
+        for e in text.split(',').filter(|e| !e.is_empty()) {
+            let (reason, at) = e
+                .split_once('@')
+                .ok_or_else(|| bad("an eviction without a time"))?;
+            evictions.push(Eviction {
+                reason: EvictReason::parse(reason)
+                    .ok_or_else(|| bad("an unknown eviction reason"))?,
+                at_ms: at
+                    .parse()
+                    .map_err(|_| bad("an eviction time that is not a number"))?,
+            });
+        }
+        let thread = Thread {
+            owner,
+            registration,
+            has_workspace: row.get(6).map_err(corrupt)?,
+            created_ms: ms(row.get(10).map_err(corrupt)?).unwrap_or(0),
+            active_ms: ms(row.get(11).map_err(corrupt)?).unwrap_or(0),
+            evictions,
+            key,
+        };
+        out.push(crate::ThreadRecord { thread, workspace });
+    }
+    Ok(out)
+}
+
+/// G4: the drain row, replaced or removed.
+fn write_drain(
+    tx: &rusqlite::Transaction,
+    d: Option<&crate::DrainRecord>,
+) -> Result<(), StoreError> {
+    let done = match d {
+        None => tx
+            .prepare_cached("DELETE FROM drain")
+            .and_then(|mut s| s.execute([])),
+        Some(d) => tx
+            .prepare_cached(
+                "INSERT OR REPLACE INTO drain (id, by_whom, at, reason) VALUES (1, ?1, ?2, ?3)",
+            )
+            .and_then(|mut s| s.execute(params![d.by, d.at, d.reason])),
+    };
+    done.map(|_| ()).map_err(write_err)
+}
+
+fn load_drain(conn: &rusqlite::Connection) -> Result<Option<crate::DrainRecord>, StoreError> {
+    conn.query_row(
+        "SELECT by_whom, at, reason FROM drain WHERE id = 1",
+        [],
+        |r| {
+            Ok(crate::DrainRecord {
+                by: r.get(0)?,
+                at: r.get(1)?,
+                reason: r.get(2)?,
+            })
+        },
+    )
+    .optional()
+    .map_err(corrupt)
 }
 
 /// C3/C4: a project's evidence replaced, or deleted when invalidated.

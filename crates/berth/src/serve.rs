@@ -93,6 +93,16 @@ pub struct ServeArgs {
     /// Ended runs older than this are deleted from the ledger [default: 7d].
     #[arg(long, env = "BERTH_RETAIN_ENDED_FOR", value_parser = parse_duration)]
     pub retain_ended_for: Option<u64>,
+    /// An agent thread's workspace with no attach and no live registration for this
+    /// long is evicted (G0) [default: 30m].
+    #[arg(long, env = "BERTH_THREAD_IDLE_AFTER", value_parser = parse_duration)]
+    pub thread_idle_after: Option<u64>,
+    /// A thread's workspace is evicted this long after it was made, unless registered [default: 7d].
+    #[arg(long, env = "BERTH_THREAD_TTL", value_parser = parse_duration)]
+    pub thread_ttl: Option<u64>,
+    /// A registration stays live this long past its deadline (G1) [default: 60s].
+    #[arg(long, env = "BERTH_THREAD_GRACE", value_parser = parse_duration)]
+    pub thread_grace: Option<u64>,
     /// Ports for runs' `[[port]]` entries, LOW-HIGH inclusive [default: 30000-30999].
     #[arg(long, env = "BERTH_PORT_RANGE", value_parser = parse_port_range)]
     pub port_range: Option<(u16, u16)>,
@@ -128,6 +138,9 @@ struct FileConfig {
     default_memory: Option<String>,
     retain_ended: Option<usize>,
     retain_ended_for: Option<String>,
+    thread_idle_after: Option<String>,
+    thread_ttl: Option<String>,
+    thread_grace: Option<String>,
     port_range: Option<String>,
 }
 
@@ -167,6 +180,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         None if a.config.is_none() => FileConfig::default(),
         None => bail!("reading {}: no such file", file_path.display()),
     };
+    let threads = thread_config(&a, &file)?;
     let mut c = engine_config(&a, &file, &state_dir)?;
     c.fit_default_request();
     if let Err(e) = c.validate() {
@@ -204,6 +218,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             )?)
             .unwrap_or(256 << 20),
         init_ledger: a.init_ledger,
+        threads,
         retain_ended_for_ms: a
             .retain_ended_for
             .or(duration("retain_ended_for", file.retain_ended_for)?)
@@ -215,6 +230,35 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             }
             (None, None) => berth_server::PORT_RANGE_DEFAULT,
         },
+    })
+}
+
+/// G0/G1: the threads' idle time, ttl and grace: flags, then `berth.toml`, then defaults.
+fn thread_config(
+    a: &ServeArgs,
+    file: &FileConfig,
+) -> anyhow::Result<berth_core::threads::ThreadConfig> {
+    let d = berth_core::threads::ThreadConfig::default();
+    let pick = |flag: Option<u64>, key: &str, v: &Option<String>, dflt: u64| {
+        Ok::<_, anyhow::Error>(match flag {
+            Some(ms) => ms,
+            None => duration(key, v.clone())?.unwrap_or(dflt),
+        })
+    };
+    Ok(berth_core::threads::ThreadConfig {
+        idle_after_ms: pick(
+            a.thread_idle_after,
+            "thread_idle_after",
+            &file.thread_idle_after,
+            d.idle_after_ms,
+        )?,
+        ttl_ms: pick(a.thread_ttl, "thread_ttl", &file.thread_ttl, d.ttl_ms)?,
+        grace_ms: pick(
+            a.thread_grace,
+            "thread_grace",
+            &file.thread_grace,
+            d.grace_ms,
+        )?,
     })
 }
 

@@ -268,7 +268,67 @@ fn changes() -> Vec<(Route, MethodRouter<Api>)> {
     ]
     .into_iter()
     .chain(public_and_admin())
+    .chain(threads_and_drain())
     .collect()
+}
+
+/// G0–G4: agent threads, the drain and the idle check.
+fn threads_and_drain() -> Vec<(Route, MethodRouter<Api>)> {
+    use super::threads as t;
+    use axum::routing::{delete, get, post};
+    use HttpMethod::{Delete, Get, Post};
+    let (r, o) = (Some(Scope::Read), Some(Scope::Operator));
+    let claim = |path, what| {
+        route(Post, path, o, what)
+            .takes("ThreadClaim")
+            .answers(200, Body::Json("Thread"))
+    };
+    vec![
+        (
+            claim("/v1/threads/{key}/attach", "Register the thread for a run (G1); 409 registration_mismatch names the owner (G2)"),
+            post(t::attach),
+        ),
+        (
+            claim("/v1/threads/{key}/deadline", "The owner moves its registration's deadline (G3)"),
+            post(t::deadline),
+        ),
+        (
+            claim("/v1/threads/{key}/detach", "The owner ends its registration (G3); evict: true lets the workspace go"),
+            post(t::detach),
+        ),
+        (
+            route(Get, "/v1/threads/{key}", r, "A thread: owner, registration, workspace, evictions")
+                .answers(200, Body::Json("Thread")),
+            get(t::get_thread),
+        ),
+        (
+            route(Delete, "/v1/threads/{key}", o, "Evict the thread's workspace (refused while registered)")
+                .answers(200, Body::Json("Thread")),
+            delete(t::evict),
+        ),
+        (
+            route(Get, "/v1/threads", r, "Every thread").answers(200, Body::Json("ThreadList")),
+            get(t::list),
+        ),
+        (
+            route(Get, "/v1/drain", r, "The drain and what it waits for (G4)").answers(200, Body::Json("Drain")),
+            get(t::drain_get),
+        ),
+        (
+            route(Post, "/v1/drain", o, "Start draining: no new runs or registrations (G4)")
+                .takes("DrainRequest")
+                .answers(200, Body::Json("Drain")),
+            post(t::drain_start),
+        ),
+        (
+            route(Delete, "/v1/drain", o, "End the drain").answers(200, Body::Json("Drain")),
+            delete(t::drain_end),
+        ),
+        (
+            route(Get, "/v1/idle", r, "Whether the host is idle: live runs and registrations").answers(200, Body::Json("Idle")),
+            get(t::idle),
+        ),
+    ]
 }
 
 /// (Continued: routes are listed in two functions to keep each short.)
@@ -444,6 +504,17 @@ fn build() -> OpenApi {
         .schema_from::<wire::RuntimeStarted>()
         .schema_from::<wire::JournalEntry>()
         .schema_from::<wire::StreamCutoff>()
+        .schema_from::<wire::ThreadClaim>()
+        .schema_from::<wire::ThreadOwner>()
+        .schema_from::<wire::ThreadRegistration>()
+        .schema_from::<wire::ThreadEviction>()
+        .schema_from::<wire::Thread>()
+        .schema_from::<wire::ThreadList>()
+        .schema_from::<wire::DrainRequest>()
+        .schema_from::<wire::DrainRecord>()
+        .schema_from::<wire::Busy>()
+        .schema_from::<wire::Drain>()
+        .schema_from::<wire::Idle>()
         .security_scheme(
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),

@@ -20,6 +20,7 @@ use tokio::sync::{mpsc, oneshot};
 pub mod doc;
 mod observe;
 mod runtime;
+mod threads;
 
 use crate::auth::{self, Scope};
 use crate::daemon::{Msg, RunInfo, Shared};

@@ -97,6 +97,11 @@ impl<H: Host> Daemon<H> {
                 contract,
                 reply,
             } => self.on_contract_changed(run_id, fence, contract, reply),
+            Msg::Thread { op, reply } => self.on_thread(op, reply),
+            Msg::ThreadList { reply } => self.on_thread_list(reply),
+            Msg::Drain { start, reply } => self.on_drain(start, reply),
+            Msg::DrainGet { reply } => self.on_drain_get(reply),
+            Msg::Idle { reply } => self.on_idle(reply),
         }
     }
 
@@ -117,6 +122,12 @@ impl<H: Host> Daemon<H> {
             }
         }
         let is_new = self.engine.view_of(&id).is_none();
+        // G4: no new run while the host drains (a retry of a queued or granted one is
+        // not new: it re-attaches).
+        if let (true, Some(d)) = (is_new, &self.drain) {
+            let e = Error::Draining(d.clone());
+            return self.answer(reply, Err(e));
+        }
         let detach = extra.detached;
         if is_new {
             // Registered before the command so grants made by it find it.
@@ -415,6 +426,7 @@ impl<H: Host> Daemon<H> {
         }
         self.cancel_unclaimed(&mut touched);
         self.retry_due_cleanups(&mut touched);
+        self.sweep_threads();
         self.tell_queue_moved();
         let (held, release) = super::release_due(self.held, self.extras.len(), now);
         self.held = held;

@@ -24,6 +24,7 @@ mod runtimes;
 mod sim;
 #[cfg(test)]
 mod tests;
+mod threads;
 
 /// Held by the tests that drive a daemon in this process: tracing caches per call site
 /// whether anyone listens, so a daemon logging on one test thread with no subscriber
@@ -51,6 +52,7 @@ pub use host::{Host, ListenWatch, RealHost, StopOrder, StopSink, Supervision};
 pub use restore::Restore;
 pub use runtime::run;
 pub use runtimes::RuntimePlan;
+pub use threads::ThreadOp;
 
 /// A run as the API shows it: the engine's view plus what the server adds.
 #[derive(Clone, Debug, PartialEq)]
@@ -89,6 +91,10 @@ pub enum Error {
     Store(String),
     /// berth itself could not do it: the host refused, or a bug.
     Internal(String),
+    /// G0–G3: a thread's rules said no.
+    Thread(berth_core::threads::ThreadError),
+    /// G4: the host drains; nothing new is admitted. Carries the drain's record.
+    Draining(berth_store::DrainRecord),
 }
 
 impl From<CoreError> for Error {
@@ -204,6 +210,25 @@ pub enum Msg {
         run_id: String,
         violation: crate::listen::Violation,
     },
+    /// G0–G3: attach, deadline, detach, evict or show one thread.
+    Thread {
+        op: ThreadOp,
+        reply: Reply<berth_client::wire::Thread>,
+    },
+    ThreadList {
+        reply: Reply<Vec<berth_client::wire::Thread>>,
+    },
+    /// G4: start (`Some((by, reason))`) or end (`None`) the drain.
+    Drain {
+        start: Option<(String, String)>,
+        reply: Reply<berth_client::wire::Drain>,
+    },
+    DrainGet {
+        reply: Reply<berth_client::wire::Drain>,
+    },
+    Idle {
+        reply: Reply<berth_client::wire::Idle>,
+    },
     /// C4: the worktree's contract or commit is no longer the run's.
     ContractChanged {
         run_id: String,
@@ -293,6 +318,13 @@ pub struct Daemon<H: Host> {
     queue_moves_told: (u64, u64),
     /// When memory goes back to the system (`release_due`).
     held: Held,
+    /// G0–G3: agent threads, and their workspaces by key.
+    threads: berth_core::threads::Threads,
+    thread_ws: HashMap<String, berth_store::WorkspaceIdentity>,
+    /// G4: the drain in force.
+    drain: Option<berth_store::DrainRecord>,
+    /// When the idle sweep looks next (`THREAD_SWEEP_MS`).
+    thread_sweep_due: u64,
 }
 
 /// The runs the daemon holds (`extras`: live, queued and retained ended runs), as

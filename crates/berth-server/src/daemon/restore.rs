@@ -18,6 +18,8 @@ pub struct Restore {
     pub reconnect_window_ms: u64,
     /// Where runs' ports come from (W3).
     pub port_range: (u16, u16),
+    /// Agent threads' idle time, ttl and grace (G0, G1).
+    pub threads: berth_core::threads::ThreadConfig,
 }
 
 /// One line at startup: what the ledger gave back (P5). The runs still to be stopped
@@ -78,6 +80,34 @@ fn restored_run(mut r: RunRecord, now: u64, reboot_window: Option<u64>) -> (Rest
     (run, extra)
 }
 
+/// Threads back from the ledger. After a reboot their monotonic times mean nothing:
+/// registrations are over (their owners re-attach), and the idle and ttl clocks start
+/// again from now, so a thread's workspace gets its whole idle time to be claimed.
+fn restored_threads(
+    cfg: berth_core::threads::ThreadConfig,
+    records: Vec<berth_store::ThreadRecord>,
+    now: u64,
+    same_boot: bool,
+) -> (
+    berth_core::threads::Threads,
+    HashMap<String, berth_store::WorkspaceIdentity>,
+) {
+    let mut threads = berth_core::threads::Threads::new(cfg);
+    let mut ws = HashMap::new();
+    for mut r in records {
+        if !same_boot {
+            r.thread.registration = None;
+            r.thread.created_ms = now;
+            r.thread.active_ms = now;
+        }
+        if let Some(w) = r.workspace {
+            ws.insert(r.thread.key.clone(), w);
+        }
+        threads.restore(r.thread);
+    }
+    (threads, ws)
+}
+
 impl<H: Host> Daemon<H> {
     /// Rebuilds the daemon from the ledger (P5). Times in the ledger are this boot's
     /// monotonic milliseconds; after a reboot every lease is over and every waiter has
@@ -133,6 +163,12 @@ impl<H: Host> Daemon<H> {
         }
         let mut engine = Engine::restore(how.cfg, last_fence, now, restored)?;
         engine.restore_evidence(ledger_evidence)?;
+        // G4: a drain survives a restart; its waiters stay held.
+        if ledger.drain.is_some() {
+            let _ = engine.apply(now, berth_core::Command::Drain { on: true });
+        }
+        let (threads, thread_ws) =
+            restored_threads(how.threads, ledger.threads, now, how.same_boot);
         Ok(Daemon {
             now,
             engine,
@@ -160,6 +196,10 @@ impl<H: Host> Daemon<H> {
             queue_moves: 0,
             queue_moves_told: (0, 0),
             held: Held::default(),
+            threads,
+            thread_ws,
+            drain: ledger.drain,
+            thread_sweep_due: 0,
         })
     }
 }

@@ -333,6 +333,7 @@ impl Sim {
             same_boot: true,
             reconnect_window_ms: 30_000,
             port_range: PORT_RANGE,
+            threads: Default::default(),
         };
         let shared = Arc::new(Shared {
             tokens: RwLock::new(Vec::new()),

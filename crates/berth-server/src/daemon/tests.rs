@@ -89,6 +89,7 @@ fn restore_with(dir: &std::path::Path, cfg: berth_core::Config) -> Daemon<RealHo
         same_boot: true,
         reconnect_window_ms: 30_000,
         port_range: (30_000, 30_999),
+        threads: Default::default(),
     };
     let shared = Arc::new(Shared {
         tokens: RwLock::new(Vec::new()),

@@ -1,0 +1,156 @@
+//! G0–G4 over HTTP: `/v1/threads/*`, `/v1/drain`, `/v1/idle`.
+
+use axum::body::Body;
+use axum::extract::{Path, State as AxState};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use berth_client::wire;
+use berth_core::threads::{Owner, ThreadError};
+
+use super::{ask, json_body, Api, Caller};
+use crate::daemon::{Msg, ThreadOp};
+use crate::error::ApiError;
+
+/// G5: a claim's owner; the budget where one is needed (`attach`, `deadline`).
+fn claim(b: &wire::ThreadClaim, budget: bool) -> Result<(Owner, u64), ApiError> {
+    let owner = Owner {
+        gen: b.owner_gen.clone(),
+        fence: b.owner_fence,
+        run_id: b.run_id.clone(),
+    };
+    berth_core::threads::check_claim(&owner).map_err(invalid)?;
+    let budget_ms = match (budget, b.run_budget_ms) {
+        (true, None) => return Err(ApiError::invalid("run_budget_ms", "is required")),
+        (true, Some(ms)) => {
+            berth_core::threads::check_budget(ms).map_err(invalid)?;
+            ms
+        }
+        (false, Some(_)) => {
+            return Err(ApiError::invalid("run_budget_ms", "is not taken by detach"))
+        }
+        (false, None) => 0,
+    };
+    if budget && b.evict.is_some() {
+        return Err(ApiError::invalid("evict", "is taken by detach only"));
+    }
+    Ok((owner, budget_ms))
+}
+
+fn invalid(e: ThreadError) -> ApiError {
+    match e {
+        ThreadError::Invalid { field, rule } => ApiError::invalid(field, rule),
+        other => ApiError::invalid("claim", format!("{other:?}")),
+    }
+}
+
+fn check_key(key: &str) -> Result<(), ApiError> {
+    berth_core::validate::run_id(key).map_err(|rule| ApiError::invalid("key", rule))
+}
+
+async fn thread_op(api: &Api, op: ThreadOp) -> Result<Response, ApiError> {
+    let t = ask(api, |reply| Msg::Thread { op, reply }).await?;
+    Ok(Json(t).into_response())
+}
+
+pub async fn attach(
+    AxState(api): AxState<Api>,
+    Path(key): Path<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    check_key(&key)?;
+    let b: wire::ThreadClaim = json_body(body, false).await?;
+    let (owner, budget_ms) = claim(&b, true)?;
+    let op = ThreadOp::Attach {
+        key,
+        owner,
+        budget_ms,
+    };
+    thread_op(&api, op).await
+}
+
+pub async fn deadline(
+    AxState(api): AxState<Api>,
+    Path(key): Path<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    check_key(&key)?;
+    let b: wire::ThreadClaim = json_body(body, false).await?;
+    let (owner, budget_ms) = claim(&b, true)?;
+    let op = ThreadOp::Deadline {
+        key,
+        owner,
+        budget_ms,
+    };
+    thread_op(&api, op).await
+}
+
+pub async fn detach(
+    AxState(api): AxState<Api>,
+    Path(key): Path<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    check_key(&key)?;
+    let b: wire::ThreadClaim = json_body(body, false).await?;
+    let (owner, _) = claim(&b, false)?;
+    let evict = b.evict.unwrap_or(false);
+    thread_op(&api, ThreadOp::Detach { key, owner, evict }).await
+}
+
+pub async fn get_thread(
+    AxState(api): AxState<Api>,
+    Path(key): Path<String>,
+) -> Result<Response, ApiError> {
+    check_key(&key)?;
+    thread_op(&api, ThreadOp::Get { key }).await
+}
+
+/// An operator's eviction (reason `operator`); refused while registered.
+pub async fn evict(
+    AxState(api): AxState<Api>,
+    Path(key): Path<String>,
+) -> Result<Response, ApiError> {
+    check_key(&key)?;
+    thread_op(&api, ThreadOp::Evict { key }).await
+}
+
+pub async fn list(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
+    let threads = ask(&api, |reply| Msg::ThreadList { reply }).await?;
+    Ok(Json(wire::ThreadList { threads }).into_response())
+}
+
+/// The most a drain's reason may say (bytes).
+const DRAIN_REASON_MAX: usize = 1_024;
+
+pub async fn drain_start(
+    AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let b: wire::DrainRequest = json_body(body, true).await?;
+    let reason = b.reason.unwrap_or_default();
+    if reason.len() > DRAIN_REASON_MAX || reason.contains(['\n', '\r', '\t']) {
+        return Err(ApiError::invalid(
+            "reason",
+            format!("must be one line of at most {DRAIN_REASON_MAX} bytes"),
+        ));
+    }
+    let by = format!("uid {} ({} token)", caller.uid, caller.scope.as_str());
+    let start = Some((by, reason));
+    let d = ask(&api, |reply| Msg::Drain { start, reply }).await?;
+    Ok(Json(d).into_response())
+}
+
+pub async fn drain_end(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
+    let d = ask(&api, |reply| Msg::Drain { start: None, reply }).await?;
+    Ok(Json(d).into_response())
+}
+
+pub async fn drain_get(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
+    let d = ask(&api, |reply| Msg::DrainGet { reply }).await?;
+    Ok(Json(d).into_response())
+}
+
+pub async fn idle(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
+    let i = ask(&api, |reply| Msg::Idle { reply }).await?;
+    Ok(Json(i).into_response())
+}

@@ -1,0 +1,344 @@
+//! G0–G4: agent threads (their registrations and persistent workspaces), the idle
+//! sweep, the drain and the idle predicate. The rules are `berth_core::threads`'
+//! (pure); this makes the workspaces they name, writes each change with its journal
+//! entry in one transaction (D1, D5) and answers once it is durable.
+
+use std::collections::BTreeSet;
+
+use berth_client::wire;
+use berth_core::threads::{Attached, EvictReason, Owner, Thread, ThreadError};
+use berth_store::{DrainRecord, Mutation, ThreadRecord};
+use serde_json::json;
+
+use super::{Daemon, Error, Host, Reply};
+
+/// How often the idle sweep looks at the threads (ms): the idle time and ttl are
+/// minutes and days, so a second late is nothing, and a sweep costs O(threads).
+pub const THREAD_SWEEP_MS: u64 = 1_000;
+
+/// What a thread message asks.
+pub enum ThreadOp {
+    Attach {
+        key: String,
+        owner: Owner,
+        budget_ms: u64,
+    },
+    Deadline {
+        key: String,
+        owner: Owner,
+        budget_ms: u64,
+    },
+    Detach {
+        key: String,
+        owner: Owner,
+        evict: bool,
+    },
+    Get {
+        key: String,
+    },
+    /// An operator removes the thread's workspace (refused while registered).
+    Evict {
+        key: String,
+    },
+}
+
+/// The name a thread's workspace is made under: `/` is outside the run id alphabet, so
+/// it can never be a run's.
+fn seed(key: &str) -> String {
+    format!("thread/{key}")
+}
+
+impl<H: Host> Daemon<H> {
+    pub(super) fn on_thread(&mut self, op: ThreadOp, reply: Reply<wire::Thread>) {
+        let now = self.now;
+        let draining = self.drain.is_some();
+        let (key, kind, data) = match op {
+            ThreadOp::Get { key } => {
+                let v = self.thread_out(&key).ok_or(ThreadError::NotFound { key });
+                return self.answer(reply, v.map_err(Error::Thread));
+            }
+            ThreadOp::Attach {
+                key,
+                owner,
+                budget_ms,
+            } => match self
+                .threads
+                .attach(now, &key, owner.clone(), budget_ms, draining)
+            {
+                Err(e) => {
+                    let e = match (&e, &self.drain) {
+                        (ThreadError::Draining, Some(d)) => Error::Draining(d.clone()),
+                        _ => Error::Thread(e),
+                    };
+                    return self.answer(reply, Err(e));
+                }
+                Ok(Attached::Unchanged) => {
+                    let v = self
+                        .thread_out(&key)
+                        .ok_or(Error::Internal("thread vanished".into()));
+                    return self.answer(reply, v);
+                }
+                Ok(Attached::Registered) => {
+                    self.make_thread_workspace(&key);
+                    (
+                        key,
+                        "thread_attached",
+                        json!({"owner_gen": owner.gen, "owner_fence": owner.fence, "run_id": owner.run_id, "run_budget_ms": budget_ms}),
+                    )
+                }
+            },
+            ThreadOp::Deadline {
+                key,
+                owner,
+                budget_ms,
+            } => match self.threads.set_deadline(now, &key, &owner, budget_ms) {
+                Err(e) => return self.answer(reply, Err(Error::Thread(e))),
+                Ok(d) => (
+                    key,
+                    "thread_deadline",
+                    json!({"run_id": owner.run_id, "deadline": self.host.show_time(d)}),
+                ),
+            },
+            ThreadOp::Detach { key, owner, evict } => {
+                match self.threads.detach(now, &key, &owner, evict) {
+                    Err(e) => return self.answer(reply, Err(Error::Thread(e))),
+                    Ok(must_evict) => {
+                        if must_evict {
+                            self.evict_thread(&key, EvictReason::Detach);
+                        }
+                        (
+                            key,
+                            "thread_detached",
+                            json!({"run_id": owner.run_id, "evict": evict}),
+                        )
+                    }
+                }
+            }
+            ThreadOp::Evict { key } => match self.threads.check_operator_evict(now, &key) {
+                Err(e) => {
+                    // A destroy a registration refuses is journaled too (issue: audit).
+                    if let ThreadError::Protected { .. } = &e {
+                        self.journal_entry(
+                            "thread_evict_refused",
+                            None,
+                            None,
+                            json!({"key": key, "reason": "operator"}),
+                        );
+                        self.thread_changed(&key);
+                        let _ = self.commit_value(reply, Err(Error::Thread(e)));
+                        return;
+                    }
+                    return self.answer(reply, Err(Error::Thread(e)));
+                }
+                Ok(()) => {
+                    self.evict_thread(&key, EvictReason::Operator);
+                    (key, "thread_operator", json!({}))
+                }
+            },
+        };
+        self.journal_entry(kind, None, None, with_key(data, &key));
+        self.thread_changed(&key);
+        let v = self
+            .thread_out(&key)
+            .ok_or(Error::Internal("thread vanished".into()));
+        self.commit_and_answer(BTreeSet::new(), reply, v);
+    }
+
+    /// Commits what is pending and answers `value` once it is durable.
+    fn commit_value<T: Send + 'static>(&mut self, reply: Reply<T>, value: Result<T, Error>) {
+        self.commit_and_answer(BTreeSet::new(), reply, value);
+    }
+
+    /// The thread's workspace, made if it has none (a failure leaves it without one:
+    /// the registration stands, and the next attach tries again).
+    fn make_thread_workspace(&mut self, key: &str) {
+        if self.threads.get(key).is_some_and(|t| t.has_workspace) {
+            return;
+        }
+        match self.host.create_workspace(&seed(key)) {
+            Ok(ws) => {
+                self.threads.made_workspace(self.now, key);
+                let data = json!({"key": key, "workspace": ws.path});
+                self.thread_ws.insert(key.to_string(), ws);
+                self.journal_entry("thread_workspace_created", None, None, data);
+            }
+            Err(e) => tracing::warn!("thread {key}: workspace not made: {e}"),
+        }
+    }
+
+    /// The thread's workspace goes (its logs archived within the diagnostics budgets by
+    /// the workspace pool), and its audit trail says why.
+    fn evict_thread(&mut self, key: &str, reason: EvictReason) {
+        if let Some(ws) = self.thread_ws.remove(key) {
+            if let Err(e) = self.host.remove_workspace(&ws, key) {
+                tracing::warn!("thread {key}: workspace not removed: {e}");
+            }
+        }
+        self.threads.evicted(self.now, key, reason);
+        let data = json!({"key": key, "reason": reason.as_str()});
+        self.journal_entry("thread_evicted", None, None, data);
+        self.thread_changed(key);
+    }
+
+    /// The thread's record goes into the next commit.
+    fn thread_changed(&mut self, key: &str) {
+        if let Some(t) = self.threads.get(key) {
+            self.pending_mutations.push(Mutation::Thread(ThreadRecord {
+                thread: t.clone(),
+                workspace: self.thread_ws.get(key).cloned(),
+            }));
+        }
+    }
+
+    /// The idle sweep, at a tick: every thread past its idle time or ttl that no live
+    /// registration protects loses its workspace. Returns whether anything went.
+    pub(super) fn sweep_threads(&mut self) -> bool {
+        // Once a second, not every tick: the sweep looks at every thread.
+        if self.now < self.thread_sweep_due {
+            return false;
+        }
+        self.thread_sweep_due = self.now + THREAD_SWEEP_MS;
+        let due = self.threads.due(self.now, |_| false);
+        for (key, why) in &due {
+            self.evict_thread(key, *why);
+        }
+        !due.is_empty()
+    }
+
+    pub(super) fn on_thread_list(&mut self, reply: Reply<Vec<wire::Thread>>) {
+        let keys: Vec<String> = self.threads.iter().map(|t| t.key.clone()).collect();
+        let out = keys.iter().filter_map(|k| self.thread_out(k)).collect();
+        self.answer(reply, Ok(out));
+    }
+
+    fn thread_out(&self, key: &str) -> Option<wire::Thread> {
+        let t: &Thread = self.threads.get(key)?;
+        let show = |ms| self.host.show_time(ms);
+        let owner = |o: &Owner| wire::ThreadOwner {
+            owner_gen: o.gen.clone(),
+            owner_fence: o.fence,
+            run_id: o.run_id.clone(),
+        };
+        let grace = self.threads.cfg.grace_ms;
+        Some(wire::Thread {
+            key: t.key.clone(),
+            owner: t.owner.as_ref().map(owner),
+            registration: t.registration.as_ref().map(|r| wire::ThreadRegistration {
+                owner: owner(&r.owner),
+                attached_at: show(r.attached_ms),
+                deadline: show(r.deadline_ms),
+                live_until: show(r.deadline_ms.saturating_add(grace)),
+                live: self.threads.is_live(r, self.now),
+            }),
+            workspace: self.thread_ws.get(key).map(|w| w.path.clone()),
+            created_at: show(t.created_ms),
+            active_at: show(t.active_ms),
+            evictions: t
+                .evictions
+                .iter()
+                .map(|e| wire::ThreadEviction {
+                    reason: e.reason.as_str().into(),
+                    at: show(e.at_ms),
+                })
+                .collect(),
+        })
+    }
+
+    /// G4: starts (`Some((by, reason))`) or ends the drain. Starting again keeps the
+    /// first record (idempotent); waiters stay queued with `host.draining`.
+    pub(super) fn on_drain(&mut self, start: Option<(String, String)>, reply: Reply<wire::Drain>) {
+        let mut touched = BTreeSet::new();
+        match (start, self.drain.is_some()) {
+            (Some((by, reason)), false) => {
+                let at = self.host.show_time(self.now);
+                let d = DrainRecord { by, at, reason };
+                self.journal_entry("drain_started", None, None, drain_json(&d));
+                self.pending_mutations
+                    .push(Mutation::Drain(Some(d.clone())));
+                self.drain = Some(d);
+                let _ = self.apply(berth_core::Command::Drain { on: true }, &mut touched);
+            }
+            (None, true) => {
+                self.journal_entry("drain_ended", None, None, json!({}));
+                self.pending_mutations.push(Mutation::Drain(None));
+                self.drain = None;
+                let _ = self.apply(berth_core::Command::Drain { on: false }, &mut touched);
+            }
+            _ => {}
+        }
+        let v = Ok(self.drain_out());
+        self.commit_and_answer(touched, reply, v);
+    }
+
+    pub(super) fn on_drain_get(&mut self, reply: Reply<wire::Drain>) {
+        let v = Ok(self.drain_out());
+        self.answer(reply, v);
+    }
+
+    pub(super) fn on_idle(&mut self, reply: Reply<wire::Idle>) {
+        let busy = self.busy();
+        self.answer(
+            reply,
+            Ok(wire::Idle {
+                idle: busy.is_empty(),
+                busy,
+            }),
+        );
+    }
+
+    fn drain_out(&self) -> wire::Drain {
+        wire::Drain {
+            draining: self.drain.is_some(),
+            drain: self.drain.as_ref().map(drain_wire),
+            waiting_for: self.busy(),
+        }
+    }
+
+    /// What keeps the host busy: live runs (granted, releasing or degraded: a run is
+    /// in flight until its processes are stopped and its workspace cleaned) and live
+    /// registrations, in id order.
+    fn busy(&self) -> Vec<wire::Busy> {
+        let mut out = Vec::new();
+        for v in self.engine.in_flight() {
+            out.push(wire::Busy {
+                kind: "run".into(),
+                id: v.run_id.clone(),
+                until: v.expires_at_ms.map(|t| self.host.show_time(t)),
+                owner: None,
+            });
+        }
+        let grace = self.threads.cfg.grace_ms;
+        for (key, r) in self.threads.live_registrations(self.now) {
+            out.push(wire::Busy {
+                kind: "registration".into(),
+                id: key.to_string(),
+                until: Some(self.host.show_time(r.deadline_ms.saturating_add(grace))),
+                owner: Some(wire::ThreadOwner {
+                    owner_gen: r.owner.gen.clone(),
+                    owner_fence: r.owner.fence,
+                    run_id: r.owner.run_id.clone(),
+                }),
+            });
+        }
+        out
+    }
+}
+
+fn with_key(mut data: serde_json::Value, key: &str) -> serde_json::Value {
+    if let Some(m) = data.as_object_mut() {
+        m.insert("key".into(), key.into());
+    }
+    data
+}
+
+fn drain_json(d: &DrainRecord) -> serde_json::Value {
+    json!({"by": d.by, "at": d.at, "reason": d.reason})
+}
+
+pub(super) fn drain_wire(d: &DrainRecord) -> wire::DrainRecord {
+    wire::DrainRecord {
+        by: d.by.clone(),
+        at: d.at.clone(),
+        reason: d.reason.clone(),
+    }
+}

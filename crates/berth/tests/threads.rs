@@ -1,0 +1,465 @@
+//! Black-box tests of agent threads, registrations, the drain and the idle check
+//! (issue 13, G0–G5) against the real binary.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Daemon;
+use serde_json::{json, Value};
+
+fn claim(run: &str, gen: &str, fence: u64, budget_ms: Option<u64>) -> String {
+    let mut b = json!({"run_id": run, "owner_gen": gen, "owner_fence": fence});
+    if let Some(ms) = budget_ms {
+        b["run_budget_ms"] = ms.into();
+    }
+    b.to_string()
+}
+
+fn attach(d: &Daemon, key: &str, run: &str, gen: &str, fence: u64) -> common::Resp {
+    d.post(
+        &format!("/v1/threads/{key}/attach"),
+        &claim(run, gen, fence, Some(60_000)),
+    )
+}
+
+/// G2 across a kill -9: a newer owner takes the thread; a delayed message from the
+/// older one, before and after a restart, is refused naming the newer owner, and the
+/// thread's workspace is the same directory throughout.
+#[test]
+fn the_owner_fence_survives_release_and_a_kill_9() {
+    let mut d = Daemon::start(&[]);
+    let r = attach(&d, "t1", "run-a", "gen-1", 1);
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let ws = r.body["workspace"]
+        .as_str()
+        .expect("a workspace")
+        .to_string();
+    assert!(std::path::Path::new(&ws).is_dir(), "{ws}");
+    let r = attach(&d, "t1", "run-b", "gen-2", 2);
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let r = d.post("/v1/threads/t1/detach", &claim("run-b", "gen-2", 2, None));
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert!(r.body["registration"].is_null(), "{:?}", r.body);
+    let refused = |d: &Daemon| {
+        let r = attach(d, "t1", "run-a", "gen-1", 1);
+        assert_eq!(r.status, 409, "{:?}", r.body);
+        assert_eq!(r.code(), "registration_mismatch");
+        assert_eq!(r.body["error"]["details"]["current"]["owner_gen"], "gen-2");
+        assert_eq!(r.body["error"]["details"]["current"]["owner_fence"], 2);
+    };
+    refused(&d);
+    d.kill9_and_restart();
+    refused(&d);
+    // Same fence, another generation: also refused.
+    let r = attach(&d, "t1", "run-b", "gen-x", 2);
+    assert_eq!(r.code(), "registration_mismatch", "{:?}", r.body);
+    let r = attach(&d, "t1", "run-b", "gen-2", 2);
+    assert_eq!(r.status, 200, "the owner itself re-attaches: {:?}", r.body);
+    assert_eq!(r.body["workspace"], ws.as_str(), "the same workspace");
+    assert!(std::path::Path::new(&ws).is_dir());
+}
+
+/// G0/G1: a registered thread's workspace outlives `thread_idle_after` while its
+/// agent "thinks"; once the registration lapses (deadline + grace) the sweep evicts
+/// it with reason `idle`, and the journal says so.
+#[test]
+fn a_registered_thread_survives_the_idle_sweep_and_is_evicted_once_it_lapses() {
+    let d = Daemon::start(&["--thread-idle-after", "1s", "--thread-grace", "200ms"]);
+    let r = d.post(
+        "/v1/threads/think/attach",
+        &claim("run-1", "g", 1, Some(2_500)),
+    );
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let ws = r.body["workspace"].as_str().unwrap().to_string();
+    // Thinking for twice the idle time: the registration protects the workspace.
+    std::thread::sleep(Duration::from_millis(2_000));
+    let t = d.get("/v1/threads/think").body;
+    assert_eq!(t["registration"]["live"], true, "{t:?}");
+    assert!(t["evictions"].as_array().unwrap().is_empty(), "{t:?}");
+    assert!(std::path::Path::new(&ws).is_dir());
+    d.wait_until("the lapsed thread is evicted", |d| {
+        d.get("/v1/threads/think").body["evictions"]
+            .as_array()
+            .is_some_and(|e| !e.is_empty())
+    });
+    let t = d.get("/v1/threads/think").body;
+    assert_eq!(t["evictions"][0]["reason"], "idle", "{t:?}");
+    assert!(t["workspace"].is_null(), "{t:?}");
+    assert_eq!(t["owner"]["owner_gen"], "g", "the owner is kept (G2)");
+    d.wait_until("the workspace directory is gone", |_| {
+        !std::path::Path::new(&ws).exists()
+    });
+    let kinds: Vec<String> = d
+        .journal()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap_or("").to_string())
+        .collect();
+    for k in [
+        "thread_attached",
+        "thread_workspace_created",
+        "thread_evicted",
+    ] {
+        assert!(kinds.iter().any(|x| x == k), "{k} in {kinds:?}");
+    }
+}
+
+fn acquire(d: &Daemon, id: &str) -> common::Resp {
+    d.post(
+        "/v1/runs",
+        &json!({"run_id": id, "project": id, "wait_s": 0,
+                "resources": {"cpu_millis": 10, "disk": 1024}})
+        .to_string(),
+    )
+}
+
+/// G4: a drain refuses new runs and new registrations with its record, lets the
+/// owner of a live registration re-attach, keeps granted runs renewing, shows what it
+/// waits for, survives a restart and ends on DELETE.
+#[test]
+fn a_drain_refuses_newcomers_and_lets_owners_back() {
+    let mut d = Daemon::start(&[]);
+    let lease = acquire(&d, "busy");
+    assert_eq!(lease.status, 201, "{:?}", lease.body);
+    let fence = lease.body["fence"].as_u64().unwrap();
+    assert_eq!(attach(&d, "t", "run-1", "g", 3).status, 200);
+    let r = d.post("/v1/drain", &json!({"reason": "deploy 42"}).to_string());
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(r.body["drain"]["reason"], "deploy 42");
+    d.kill9_and_restart();
+    let r = acquire(&d, "late");
+    assert_eq!((r.status, r.code()), (503, "draining"), "{:?}", r.body);
+    assert_eq!(r.body["error"]["details"]["drain"]["reason"], "deploy 42");
+    let r = attach(&d, "other", "run-2", "g", 1);
+    assert_eq!((r.status, r.code()), (503, "draining"), "{:?}", r.body);
+    // A lower fence is a mismatch before it is a drain refusal (G2 before G4).
+    let r = attach(&d, "t", "run-0", "g", 2);
+    assert_eq!(r.code(), "registration_mismatch", "{:?}", r.body);
+    assert_eq!(
+        attach(&d, "t", "run-1", "g", 3).status,
+        200,
+        "the owner re-attaches"
+    );
+    let renew = d.post(
+        "/v1/runs/busy/renew",
+        &json!({ "fence": fence }).to_string(),
+    );
+    assert_eq!(renew.status, 200, "{:?}", renew.body);
+    let w = d.get("/v1/drain").body;
+    let ids: Vec<&str> = w["waiting_for"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| b["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["busy", "t"], "{w:?}");
+    let r = d.call("DELETE", "/v1/drain", None);
+    assert_eq!((r.status, &r.body["draining"]), (200, &json!(false)));
+    assert_eq!(acquire(&d, "late").status, 201);
+}
+
+/// `/v1/idle` flips exactly when the last run and the last registration end.
+#[test]
+fn idle_flips_when_the_last_run_and_registration_end() {
+    let d = Daemon::start(&[]);
+    let idle = |d: &Daemon| d.get("/v1/idle").body;
+    assert_eq!(idle(&d)["idle"], true);
+    let lease = acquire(&d, "r");
+    let fence = lease.body["fence"].as_u64().unwrap();
+    assert_eq!(attach(&d, "t", "run-1", "g", 1).status, 200);
+    let i = idle(&d);
+    assert_eq!(i["idle"], false);
+    assert_eq!(i["busy"].as_array().unwrap().len(), 2, "{i:?}");
+    let r = d.post("/v1/runs/r/release", &json!({ "fence": fence }).to_string());
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    d.wait_until("the run has ended", |d| {
+        d.get("/v1/runs/r").body["state"] == "released"
+    });
+    let i = idle(&d);
+    assert_eq!(i["idle"], false, "a registration still lives: {i:?}");
+    assert_eq!(i["busy"][0]["kind"], "registration");
+    let r = d.post("/v1/threads/t/detach", &claim("run-1", "g", 1, None));
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(idle(&d)["idle"], true);
+}
+
+/// G5: malformed requests across the new endpoints are refused with the field and
+/// the rule, and none of them changes anything (threads, drain, journal).
+#[test]
+fn malformed_thread_and_drain_requests_change_nothing() {
+    let d = Daemon::start(&[]);
+    assert_eq!(attach(&d, "t", "run-1", "g", 5).status, 200);
+    let long = "x".repeat(129);
+    let big = (1u64 << 53).to_string();
+    let cases: Vec<(&str, String, String, u16, &str)> = vec![
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            "{}".into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            "not json".into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":1}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"owner_gen":"g","owner_fence":9,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_fence":9,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":0,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            format!(r#"{{"run_id":"r","owner_gen":"g","owner_fence":{big},"run_budget_ms":10}}"#),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":-1,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":1.5,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":"9","run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":0}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":86400001}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"","owner_gen":"g","owner_fence":9,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            format!(r#"{{"run_id":"{long}","owner_gen":"g","owner_fence":9,"run_budget_ms":10}}"#),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            format!(r#"{{"run_id":"r","owner_gen":"{long}","owner_fence":9,"run_budget_ms":10}}"#),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r r","owner_gen":"g","owner_fence":9,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":10,"extra":1}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":10,"evict":true}"#
+                .into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            format!("/v1/threads/{long}/attach"),
+            claim("r", "g", 9, Some(10)),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/bad%20key/attach".into(),
+            claim("r", "g", 9, Some(10)),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            claim("run-1", "g", 4, Some(10)),
+            409,
+            "registration_mismatch",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/attach".into(),
+            claim("run-2", "g", 5, Some(10)),
+            409,
+            "registration_mismatch",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/deadline".into(),
+            claim("run-1", "g", 5, None),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/deadline".into(),
+            claim("run-1", "g", 5, Some(86_400_001)),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/deadline".into(),
+            claim("run-1", "h", 5, Some(10)),
+            409,
+            "registration_mismatch",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/detach".into(),
+            claim("run-1", "g", 5, Some(10)),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/threads/t/detach".into(),
+            claim("run-1", "g", 4, None),
+            409,
+            "registration_mismatch",
+        ),
+        (
+            "POST",
+            "/v1/threads/nope/detach".into(),
+            claim("run-1", "g", 5, None),
+            404,
+            "not_found",
+        ),
+        (
+            "DELETE",
+            "/v1/threads/t".into(),
+            String::new(),
+            409,
+            "thread_protected",
+        ),
+        (
+            "GET",
+            "/v1/threads/nope".into(),
+            String::new(),
+            404,
+            "not_found",
+        ),
+        (
+            "POST",
+            "/v1/drain".into(),
+            r#"{"reason":"a\nb"}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/drain".into(),
+            r#"{"why":"x"}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            "POST",
+            "/v1/drain".into(),
+            format!(r#"{{"reason":"{}"}}"#, "y".repeat(1025)),
+            400,
+            "invalid",
+        ),
+    ];
+    assert!(cases.len() >= 25);
+    let state = |d: &Daemon| {
+        let t = d.get("/v1/threads").body;
+        let dr = d.get("/v1/drain").body;
+        let kinds: Vec<Value> = d
+            .journal()
+            .into_iter()
+            .map(|e| e["kind"].clone())
+            .filter(|k| k != "thread_evict_refused")
+            .collect();
+        (t, dr, kinds)
+    };
+    let before = state(&d);
+    for (method, path, body, status, code) in &cases {
+        let r = d.call(method, path, (!body.is_empty()).then_some(body.as_str()));
+        assert_eq!(
+            (r.status, r.code()),
+            (*status, *code),
+            "{method} {path} {body}: {:?}",
+            r.body
+        );
+        if r.status == 400 {
+            assert!(
+                r.body["error"]["details"]["field"].is_string(),
+                "names its field: {:?}",
+                r.body
+            );
+        }
+    }
+    assert_eq!(state(&d), before, "a refusal changed something");
+}
