@@ -849,6 +849,434 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/threads/{key}/attach": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Register the thread for a run (G1); 409 registration_mismatch names the owner (G2) */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    key: string;
+                };
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": components["schemas"]["ThreadClaim"];
+                };
+            };
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Thread"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/threads/{key}/deadline": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** The owner moves its registration's deadline (G3) */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    key: string;
+                };
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": components["schemas"]["ThreadClaim"];
+                };
+            };
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Thread"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/threads/{key}/detach": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** The owner ends its registration (G3); evict: true lets the workspace go */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    key: string;
+                };
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": components["schemas"]["ThreadClaim"];
+                };
+            };
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Thread"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/threads/{key}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** A thread: owner, registration, workspace, evictions */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    key: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Thread"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        /** Evict the thread's workspace (refused while registered) */
+        delete: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    key: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Thread"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/threads": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Every thread */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ThreadList"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/drain": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** The drain and what it waits for (G4) */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Drain"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        put?: never;
+        /** Start draining: no new runs or registrations (G4) */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": components["schemas"]["DrainRequest"];
+                };
+            };
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Drain"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        /** End the drain */
+        delete: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Drain"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/idle": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Whether the host is idle: live runs and registrations */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Idle"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
 }
 export type webhooks = Record<string, never>;
 export interface components {
@@ -911,12 +1339,38 @@ export interface components {
              */
             detach?: boolean | null;
         };
+        /** @description Something in flight: a live run or a live registration, and until when. */
+        Busy: {
+            /** @description `run` or `registration`. */
+            kind: string;
+            /** @description The run id, or the thread key. */
+            id: string;
+            /** @description The lease's expiry, or the registration's `live_until`. */
+            until?: string | null;
+            owner?: null | components["schemas"]["ThreadOwner"];
+        };
         /** @description What a run claims: its resources (built-in and named, by name) and keys. */
         Claim: {
             keys: components["schemas"]["Key"][];
             resources: {
                 [key: string]: number;
             };
+        };
+        /** @description `GET /v1/drain`: the drain in force (if any) and what it waits for. */
+        Drain: {
+            draining: boolean;
+            drain?: null | components["schemas"]["DrainRecord"];
+            waiting_for: components["schemas"]["Busy"][];
+        };
+        /** @description Who started a drain, when and why (G4). */
+        DrainRecord: {
+            by: string;
+            at: string;
+            reason: string;
+        };
+        /** @description `POST /v1/drain`. */
+        DrainRequest: {
+            reason?: string | null;
         };
         /** @description Every refusal: `{"error": {"code", "message", "details"}}` with a stable code. */
         ErrorBody: {
@@ -946,6 +1400,11 @@ export interface components {
             current: boolean;
             /** @enum {string} */
             state?: "queued" | "granted" | "releasing" | "released" | "expired" | "cancelled" | "rejected" | "degraded";
+        };
+        /** @description `GET /v1/idle`: whether the host may be taken away now. */
+        Idle: {
+            idle: boolean;
+            busy: components["schemas"]["Busy"][];
         };
         /**
          * @description One journal entry (D5): a line of `GET /v1/journal` and of its export, and the data
@@ -1203,6 +1662,55 @@ export interface components {
             reason: string;
             /** Format: int64 */
             last_seq: number;
+        };
+        /** @description `GET /v1/threads/{key}`: a thread, its owner, registration, workspace and audit trail. */
+        Thread: {
+            key: string;
+            owner?: null | components["schemas"]["ThreadOwner"];
+            registration?: null | components["schemas"]["ThreadRegistration"];
+            workspace?: string | null;
+            created_at: string;
+            active_at: string;
+            evictions: components["schemas"]["ThreadEviction"][];
+        };
+        /**
+         * @description `POST /v1/threads/{key}/attach`, `/deadline` and `/detach`: an owner's claim (G1–G3).
+         *     `owner_gen` and `run_id` follow the id rule; `owner_fence` orders owners (a positive
+         *     safe integer); `run_budget_ms` (1 ms to a day) is the registration's deadline from
+         *     now. `evict` (detach only) lets the thread's workspace go at once.
+         */
+        ThreadClaim: {
+            run_id: string;
+            owner_gen: string;
+            /** Format: int64 */
+            owner_fence: number;
+            /** Format: int64 */
+            run_budget_ms?: number | null;
+            evict?: boolean | null;
+        };
+        /** @description One eviction of a thread's workspace: `ttl`, `idle`, `detach` or `operator`. */
+        ThreadEviction: {
+            reason: string;
+            at: string;
+        };
+        /** @description `GET /v1/threads`. */
+        ThreadList: {
+            threads: components["schemas"]["Thread"][];
+        };
+        /** @description A thread's owner: the highest `(owner_gen, owner_fence)` ever accepted (G2). */
+        ThreadOwner: {
+            owner_gen: string;
+            /** Format: int64 */
+            owner_fence: number;
+            run_id: string;
+        };
+        /** @description A thread's registration (G1): live until `live_until` (its deadline plus grace). */
+        ThreadRegistration: {
+            owner: components["schemas"]["ThreadOwner"];
+            attached_at: string;
+            deadline: string;
+            live_until: string;
+            live: boolean;
         };
         /** @description `POST /v1/tokens`: the token is shown once. */
         TokenCreated: {

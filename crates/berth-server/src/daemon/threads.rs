@@ -42,6 +42,14 @@ pub enum ThreadOp {
     },
 }
 
+/// What a thread operation did: nothing (answer as is) or a change to journal.
+enum Changed {
+    Not(String),
+    /// Changed and journaled already: commit, then answer.
+    Done(String),
+    Yes(String, &'static str, serde_json::Value),
+}
+
 /// The name a thread's workspace is made under: `/` is outside the run id alphabet, so
 /// it can never be a run's.
 fn seed(key: &str) -> String {
@@ -50,9 +58,7 @@ fn seed(key: &str) -> String {
 
 impl<H: Host> Daemon<H> {
     pub(super) fn on_thread(&mut self, op: ThreadOp, reply: Reply<wire::Thread>) {
-        let now = self.now;
-        let draining = self.drain.is_some();
-        let (key, kind, data) = match op {
+        let done = match op {
             ThreadOp::Get { key } => {
                 let v = self.thread_out(&key).ok_or(ThreadError::NotFound { key });
                 return self.answer(reply, v.map_err(Error::Thread));
@@ -61,92 +67,107 @@ impl<H: Host> Daemon<H> {
                 key,
                 owner,
                 budget_ms,
-            } => match self
-                .threads
-                .attach(now, &key, owner.clone(), budget_ms, draining)
-            {
-                Err(e) => {
-                    let e = match (&e, &self.drain) {
-                        (ThreadError::Draining, Some(d)) => Error::Draining(d.clone()),
-                        _ => Error::Thread(e),
-                    };
-                    return self.answer(reply, Err(e));
-                }
-                Ok(Attached::Unchanged) => {
-                    let v = self
-                        .thread_out(&key)
-                        .ok_or(Error::Internal("thread vanished".into()));
-                    return self.answer(reply, v);
-                }
-                Ok(Attached::Registered) => {
-                    self.make_thread_workspace(&key);
-                    (
-                        key,
-                        "thread_attached",
-                        json!({"owner_gen": owner.gen, "owner_fence": owner.fence, "run_id": owner.run_id, "run_budget_ms": budget_ms}),
-                    )
-                }
-            },
+            } => self.thread_attach(key, owner, budget_ms),
             ThreadOp::Deadline {
                 key,
                 owner,
                 budget_ms,
-            } => match self.threads.set_deadline(now, &key, &owner, budget_ms) {
-                Err(e) => return self.answer(reply, Err(Error::Thread(e))),
-                Ok(d) => (
-                    key,
-                    "thread_deadline",
-                    json!({"run_id": owner.run_id, "deadline": self.host.show_time(d)}),
-                ),
-            },
-            ThreadOp::Detach { key, owner, evict } => {
-                match self.threads.detach(now, &key, &owner, evict) {
-                    Err(e) => return self.answer(reply, Err(Error::Thread(e))),
-                    Ok(must_evict) => {
-                        if must_evict {
-                            self.evict_thread(&key, EvictReason::Detach);
-                        }
-                        (
-                            key,
-                            "thread_detached",
-                            json!({"run_id": owner.run_id, "evict": evict}),
-                        )
-                    }
-                }
-            }
-            ThreadOp::Evict { key } => match self.threads.check_operator_evict(now, &key) {
-                Err(e) => {
-                    // A destroy a registration refuses is journaled too (issue: audit).
-                    if let ThreadError::Protected { .. } = &e {
-                        self.journal_entry(
-                            "thread_evict_refused",
-                            None,
-                            None,
-                            json!({"key": key, "reason": "operator"}),
-                        );
-                        self.thread_changed(&key);
-                        let _ = self.commit_value(reply, Err(Error::Thread(e)));
-                        return;
-                    }
-                    return self.answer(reply, Err(Error::Thread(e)));
-                }
-                Ok(()) => {
-                    self.evict_thread(&key, EvictReason::Operator);
-                    (key, "thread_operator", json!({}))
-                }
-            },
+            } => self.thread_deadline(key, owner, budget_ms),
+            ThreadOp::Detach { key, owner, evict } => self.thread_detach(key, owner, evict),
+            ThreadOp::Evict { key } => self.thread_evict(key),
         };
-        self.journal_entry(kind, None, None, with_key(data, &key));
-        self.thread_changed(&key);
-        let v = self
-            .thread_out(&key)
-            .ok_or(Error::Internal("thread vanished".into()));
-        self.commit_and_answer(BTreeSet::new(), reply, v);
+        match done {
+            // Refused: nothing changed (but a refused destroy, which is journaled).
+            Err(e) => self.commit_and_answer(BTreeSet::new(), reply, Err(e)),
+            Ok(Changed::Not(key)) => {
+                let v = self
+                    .thread_out(&key)
+                    .ok_or(Error::Internal("thread vanished".into()));
+                self.answer(reply, v)
+            }
+            Ok(Changed::Done(key)) => {
+                let v = self
+                    .thread_out(&key)
+                    .ok_or(Error::Internal("thread vanished".into()));
+                self.commit_and_answer(BTreeSet::new(), reply, v);
+            }
+            Ok(Changed::Yes(key, kind, data)) => {
+                self.journal_entry(kind, None, None, with_key(data, &key));
+                self.thread_changed(&key);
+                let v = self
+                    .thread_out(&key)
+                    .ok_or(Error::Internal("thread vanished".into()));
+                self.commit_and_answer(BTreeSet::new(), reply, v);
+            }
+        }
     }
 
-    /// Commits what is pending and answers `value` once it is durable.
-    fn commit_value<T: Send + 'static>(&mut self, reply: Reply<T>, value: Result<T, Error>) {
-        self.commit_and_answer(BTreeSet::new(), reply, value);
+    fn thread_attach(
+        &mut self,
+        key: String,
+        owner: Owner,
+        budget_ms: u64,
+    ) -> Result<Changed, Error> {
+        let draining = self.drain.is_some();
+        match self
+            .threads
+            .attach(self.now, &key, owner.clone(), budget_ms, draining)
+        {
+            Err(ThreadError::Draining) if self.drain.is_some() => {
+                Err(Error::Draining(self.drain.clone().expect("draining")))
+            }
+            Err(e) => Err(Error::Thread(e)),
+            Ok(Attached::Unchanged) => Ok(Changed::Not(key)),
+            Ok(Attached::Registered) => {
+                self.make_thread_workspace(&key);
+                let data = json!({"owner_gen": owner.gen, "owner_fence": owner.fence,
+                                  "run_id": owner.run_id, "run_budget_ms": budget_ms});
+                Ok(Changed::Yes(key, "thread_attached", data))
+            }
+        }
+    }
+
+    fn thread_deadline(
+        &mut self,
+        key: String,
+        owner: Owner,
+        budget_ms: u64,
+    ) -> Result<Changed, Error> {
+        let d = self
+            .threads
+            .set_deadline(self.now, &key, &owner, budget_ms)
+            .map_err(Error::Thread)?;
+        let data = json!({"run_id": owner.run_id, "deadline": self.host.show_time(d)});
+        Ok(Changed::Yes(key, "thread_deadline", data))
+    }
+
+    fn thread_detach(&mut self, key: String, owner: Owner, evict: bool) -> Result<Changed, Error> {
+        let must_evict = self
+            .threads
+            .detach(self.now, &key, &owner, evict)
+            .map_err(Error::Thread)?;
+        if must_evict {
+            self.evict_thread(&key, EvictReason::Detach);
+        }
+        let data = json!({"run_id": owner.run_id, "evict": evict});
+        Ok(Changed::Yes(key, "thread_detached", data))
+    }
+
+    fn thread_evict(&mut self, key: String) -> Result<Changed, Error> {
+        match self.threads.check_operator_evict(self.now, &key) {
+            Err(e) => {
+                // A destroy a live registration refuses is journaled (the audit trail).
+                if let ThreadError::Protected { .. } = &e {
+                    let data = json!({"key": key, "reason": "operator"});
+                    self.journal_entry("thread_evict_refused", None, None, data);
+                }
+                Err(Error::Thread(e))
+            }
+            Ok(()) => {
+                self.evict_thread(&key, EvictReason::Operator);
+                Ok(Changed::Done(key))
+            }
+        }
     }
 
     /// The thread's workspace, made if it has none (a failure leaves it without one:
