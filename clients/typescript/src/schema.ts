@@ -1338,6 +1338,13 @@ export interface components {
              *     `GET /v1/events?run=ID`, cancel it with `DELETE /v1/runs/{id}`.
              */
             detach?: boolean | null;
+            /**
+             * @description G0: the agent thread this run works in (the id rule): `BERTH_WORKSPACE` is the
+             *     thread's persistent workspace (made at the grant if it has none), while `tmp`,
+             *     `out` and the logs stay the run's own. While the run lives, the thread is not
+             *     evicted.
+             */
+            thread?: string | null;
         };
         /** @description Something in flight: a live run or a live registration, and until when. */
         Busy: {

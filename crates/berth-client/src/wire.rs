@@ -94,6 +94,12 @@ pub struct AcquireRequest {
     /// `GET /v1/events?run=ID`, cancel it with `DELETE /v1/runs/{id}`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub detach: Option<bool>,
+    /// G0: the agent thread this run works in (the id rule): `BERTH_WORKSPACE` is the
+    /// thread's persistent workspace (made at the grant if it has none), while `tmp`,
+    /// `out` and the logs stay the run's own. While the run lives, the thread is not
+    /// evicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread: Option<String>,
 }
 
 /// `POST /v1/runs/{id}/renew`: a lease (with its fence) or a waiter (without).

@@ -45,7 +45,13 @@ fn new_run_id() -> String {
 pub const STOP_GRACE_S_MAX: u64 = 3_600;
 
 /// The server-side parts of an acquire: (worktree, labels, stop grace).
-pub type Extras = (Option<String>, BTreeMap<String, String>, Option<u64>);
+/// (worktree, labels, stop grace, thread)
+pub type Extras = (
+    Option<String>,
+    BTreeMap<String, String>,
+    Option<u64>,
+    Option<String>,
+);
 
 /// Longest worktree path accepted.
 pub const WORKTREE_BYTES_MAX: usize = 4096;
@@ -168,7 +174,11 @@ pub fn build_request(cfg: &Config, b: AcquireBody) -> Result<(CoreRequest, Extra
         ttl_ms: ttl_s * 1000,
         wait_ms: wait_s * 1000,
     };
-    Ok((req, (b.worktree, labels, b.stop_grace_s.map(|g| g * 1000))))
+    if let Some(t) = &b.thread {
+        validate::run_id(t).map_err(|e| ApiError::invalid("thread", e))?;
+    }
+    let stop_grace_ms = b.stop_grace_s.map(|g| g * 1000);
+    Ok((req, (b.worktree, labels, stop_grace_ms, b.thread)))
 }
 
 /// A lease's ttl in seconds, within the engine's `ttl_ms_max` (the one limit).

@@ -145,6 +145,7 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
         },
         // Both values round-trip: queued samples are detached waiters.
         detached: state == RunState::Queued,
+        thread: Some("thread-1".into()),
     }
 }
 

@@ -97,6 +97,8 @@ pub struct RunRecord {
     /// A detached waiter: no connection holds its place (A9 does not apply), so a
     /// restart restores it without a reconnect window.
     pub detached: bool,
+    /// G0: the agent thread the run works in.
+    pub thread: Option<String>,
 }
 
 /// One durable change. Closed on purpose: every store must handle every arm, and each

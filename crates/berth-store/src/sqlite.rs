@@ -187,7 +187,8 @@ const MIGRATIONS: &[&str] = &[
         by_whom TEXT NOT NULL,
         at TEXT NOT NULL,
         reason TEXT NOT NULL
-     ) STRICT;",
+     ) STRICT;
+     ALTER TABLE runs ADD COLUMN thread TEXT;",
 ];
 
 /// The part of a migration SQL cannot do, run after its SQL in its transaction.
@@ -364,7 +365,7 @@ fn u(v: i64) -> u64 {
 
 /// The columns `read_run` reads, in this order: by position, not by name (looking each
 /// name up was an eighth of a restart's CPU).
-const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached";
+const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread";
 
 /// Positions of `RUN_COLUMNS`.
 mod col {
@@ -399,6 +400,7 @@ mod col {
     pub const WS_INO: usize = 28;
     pub const STOP_GRACE_MS: usize = 29;
     pub const DETACHED: usize = 30;
+    pub const THREAD: usize = 31;
 }
 
 fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
@@ -473,6 +475,7 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         ports: Vec::new(),
         stop_grace_ms: oi(col::STOP_GRACE_MS)?.map(u),
         detached: g(col::DETACHED)? != 0,
+        thread: os(col::THREAD)?,
     })
 }
 
@@ -484,9 +487,9 @@ const UPSERT: &str =
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
     expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms,
-    ended_unix_ms, detached)
+    ended_unix_ms, detached, thread)
   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
-    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33)
+    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34)
   ON CONFLICT (run_id) DO UPDATE SET
     state = excluded.state, fence = excluded.fence, deadline_ms = excluded.deadline_ms,
     granted_ms = excluded.granted_ms, expires_ms = excluded.expires_ms,
@@ -1110,6 +1113,7 @@ fn upsert_run(
             r.stop_grace_ms.map(|g| g as i64),
             terminal.then_some(now_ms as i64),
             r.detached as i64,
+            r.thread,
         ])
         .map_err(write_err)?;
     if changed == 0 {

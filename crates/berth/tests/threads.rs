@@ -463,3 +463,57 @@ fn malformed_thread_and_drain_requests_change_nothing() {
     }
     assert_eq!(state(&d), before, "a refusal changed something");
 }
+
+/// G0: runs that name a thread work in its persistent workspace (`BERTH_WORKSPACE`),
+/// each with its own `tmp` and `out`; what one run leaves there the next one finds;
+/// the thread is not evicted while a run works in it, even past its idle time.
+#[test]
+fn runs_of_a_thread_share_its_workspace_and_keep_their_own_tmp() {
+    let d = Daemon::start(&["--thread-idle-after", "1s"]);
+    let run = |id: &str| {
+        let r = d.post(
+            "/v1/runs",
+            &json!({"run_id": id, "project": "p", "thread": "conv-1", "wait_s": 0,
+                    "resources": {"cpu_millis": 10, "disk": 1024}})
+            .to_string(),
+        );
+        assert_eq!(r.status, 201, "{:?}", r.body);
+        r.body
+    };
+    let a = run("turn-1");
+    let ws = a["env"]["BERTH_WORKSPACE"].as_str().unwrap().to_string();
+    assert_eq!(a["env"]["BERTH_THREAD"], "conv-1");
+    assert_ne!(
+        Some(ws.as_str()),
+        a["workspace"].as_str(),
+        "the thread's, not the run's"
+    );
+    assert!(
+        !a["env"]["TMPDIR"].as_str().unwrap().starts_with(&ws),
+        "tmp stays the run's"
+    );
+    std::fs::write(format!("{ws}/notes.md"), "remember this").unwrap();
+    // Working past the idle time: the live run protects the thread.
+    std::thread::sleep(Duration::from_millis(2_500));
+    let t = d.get("/v1/threads/conv-1").body;
+    assert!(t["evictions"].as_array().unwrap().is_empty(), "{t:?}");
+    let fence = a["fence"].as_u64().unwrap();
+    let r = d.post(
+        "/v1/runs/turn-1/release",
+        &json!({ "fence": fence }).to_string(),
+    );
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let b = run("turn-2");
+    assert_eq!(b["env"]["BERTH_WORKSPACE"], ws.as_str());
+    assert_ne!(a["env"]["TMPDIR"], b["env"]["TMPDIR"]);
+    let notes = std::fs::read_to_string(format!("{ws}/notes.md")).unwrap();
+    assert_eq!(notes, "remember this");
+    let r = d.post(
+        "/v1/runs",
+        &json!({"project": "p", "thread": "bad key"}).to_string(),
+    );
+    assert_eq!(
+        (r.status, r.body["error"]["details"]["field"].as_str()),
+        (400, Some("thread"))
+    );
+}

@@ -26,6 +26,8 @@ pub(super) struct Extra {
     /// A detached waiter: it keeps its place without a connection (A9 does not apply),
     /// and a restart gives it no reconnect window. Once set, never cleared.
     pub(super) detached: bool,
+    /// G0: the agent thread the run works in.
+    pub(super) thread: Option<String>,
 }
 
 /// What an acquire carries besides the engine's request, as one digest.
@@ -59,6 +61,7 @@ impl Extra {
             failure: None,
             ended_digest: None,
             detached: false,
+            thread: None,
         }
     }
 
@@ -74,6 +77,7 @@ impl Extra {
         extra.processes = std::mem::take(&mut r.processes);
         extra.ports = std::mem::take(&mut r.ports);
         extra.detached = r.detached;
+        extra.thread = r.thread.take();
         if r.state.is_terminal() {
             extra.shrink();
         }

@@ -43,9 +43,11 @@ impl<H: Host> Daemon<H> {
                 ports,
                 attach,
                 detach,
+                thread,
                 reply,
             } => {
                 let mut extra = Extra::new(worktree, labels, stop_grace_ms, 0);
+                extra.thread = thread;
                 extra.ports = ports.into_iter().map(|p| (p, 0)).collect();
                 extra.detached = detach;
                 self.on_acquire(req, extra, attach, reply)

@@ -128,6 +128,8 @@ pub enum Msg {
         attach: bool,
         /// A detached waiter: it keeps its place without a connection.
         detach: bool,
+        /// G0: the agent thread it works in.
+        thread: Option<String>,
         reply: Reply<RunInfo>,
     },
     Command {
@@ -511,6 +513,14 @@ impl<H: Host> Daemon<H> {
         if let Some(ws) = extra.and_then(|e| e.workspace.as_ref()) {
             workspace::env(&ws.path, env);
         }
+        // G0: a thread's run works in the thread's workspace; its tmp, out and logs
+        // stay its own.
+        if let Some(key) = extra.and_then(|e| e.thread.as_ref()) {
+            env.insert("BERTH_THREAD".into(), key.clone());
+            if let Some(tw) = self.thread_ws.get(key) {
+                env.insert("BERTH_WORKSPACE".into(), tw.path.clone());
+            }
+        }
         // W3: each port as a number and as a URL on loopback.
         for (name, port) in extra.iter().flat_map(|e| &e.ports) {
             let name = name.to_ascii_uppercase();
@@ -544,6 +554,7 @@ impl<H: Host> Daemon<H> {
             stop_grace_ms: extra.stop_grace_ms,
             ports: extra.ports.clone(),
             detached: extra.detached,
+            thread: extra.thread.clone(),
         })
     }
 
@@ -647,8 +658,13 @@ impl<H: Host> Daemon<H> {
         }
         match self.host.create_workspace(run_id) {
             Ok(ws) => {
+                let mut thread = None;
                 if let Some(e) = self.extras.get_mut(run_id) {
                     e.workspace = Some(ws);
+                    thread = e.thread.clone();
+                }
+                if let Some(key) = thread {
+                    self.thread_run_granted(&key);
                 }
                 Vec::new()
             }

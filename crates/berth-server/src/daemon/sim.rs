@@ -461,6 +461,7 @@ impl Sim {
             ports,
             attach,
             detach,
+            thread: None,
             reply,
         });
         // The connection holds its place only if it had to wait (the guard is armed

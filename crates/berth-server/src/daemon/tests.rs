@@ -145,6 +145,7 @@ fn send_acquire(
             ports: Vec::new(),
             attach: false,
             detach,
+            thread: None,
             reply,
         },
     );

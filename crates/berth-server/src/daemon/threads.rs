@@ -211,6 +211,18 @@ impl<H: Host> Daemon<H> {
         }
     }
 
+    /// G0: a run that works in thread `key` was granted: the thread is made if new
+    /// (and its workspace if it has none), and its idle clock starts again.
+    pub(super) fn thread_run_granted(&mut self, key: &str) {
+        if let Err(e) = self.threads.ensure(self.now, key) {
+            tracing::warn!("thread {key}: {e:?}; the run works in its own workspace");
+            return;
+        }
+        self.threads.touch(self.now, key);
+        self.make_thread_workspace(key);
+        self.thread_changed(key);
+    }
+
     /// The idle sweep, at a tick: every thread past its idle time or ttl that no live
     /// registration protects loses its workspace. Returns whether anything went.
     pub(super) fn sweep_threads(&mut self) -> bool {
@@ -219,7 +231,15 @@ impl<H: Host> Daemon<H> {
             return false;
         }
         self.thread_sweep_due = self.now + THREAD_SWEEP_MS;
-        let due = self.threads.due(self.now, |_| false);
+        // A live run working in a thread protects it, and keeps its idle clock at 0.
+        let mut in_use = BTreeSet::new();
+        for v in self.engine.in_flight() {
+            if let Some(k) = self.extras.get(&v.run_id).and_then(|e| e.thread.clone()) {
+                self.threads.touch(self.now, &k);
+                in_use.insert(k);
+            }
+        }
+        let due = self.threads.due(self.now, |k| in_use.contains(k));
         for (key, why) in &due {
             self.evict_thread(key, *why);
         }
