@@ -358,7 +358,7 @@ pub fn error_text(body: &Value) -> String {
 }
 
 /// A reply for scripts (`--json`) or people; 0 for success, 1 for an error reply.
-fn print_reply<T: DeserializeOwned>(
+pub fn print_reply<T: DeserializeOwned>(
     r: &Reply,
     json: bool,
     human: impl Fn(&T) -> String,
@@ -371,6 +371,27 @@ fn print_reply<T: DeserializeOwned>(
         eprintln!("berth: {}", error_text(&r.body));
     }
     Ok(if r.status < 300 { 0 } else { 1 })
+}
+
+/// G4: a drain in force, and the runs and registrations it waits for.
+fn print_drain(c: &Client) {
+    let Ok(r) = c.call::<()>("GET", "/v1/drain", None) else {
+        return;
+    };
+    let Ok(d) = r.parse::<berth_client::wire::Drain>() else {
+        return;
+    };
+    if let Some(rec) = &d.drain {
+        let ids: Vec<&str> = d.waiting_for.iter().map(|b| b.id.as_str()).collect();
+        println!(
+            "  draining since {} by {} ({}); waiting for {}: {}",
+            rec.at,
+            rec.by,
+            rec.reason,
+            ids.len(),
+            ids.join(", ")
+        );
+    }
 }
 
 pub fn status_main(a: StatusArgs) -> anyhow::Result<u8> {
@@ -399,6 +420,7 @@ pub fn status_main(a: StatusArgs) -> anyhow::Result<u8> {
     if let Some(r) = &s.min_run_blocked {
         println!("  a default-size run cannot start now: {}", r.message);
     }
+    print_drain(&c);
     let reaper = &s.reaper;
     println!(
         "  reaper: {} processes terminated, {} reused pids left alone, diagnostics {} ({} archives dropped)",

@@ -7,6 +7,7 @@ mod events;
 mod run;
 mod serve;
 mod show;
+mod threads;
 
 use std::process::ExitCode;
 
@@ -50,6 +51,11 @@ enum Cmd {
     Reap(client::ConnArgs),
     /// Print the journal's recent events; with --follow, every new one as it happens.
     Events(events::EventsArgs),
+    /// Show agent threads: owner, registration, workspace, evictions (G0-G3).
+    Threads(threads::ThreadsArgs),
+    /// Drain the host: no new runs or registrations; --wait until nothing is in flight,
+    /// --off to end it (G4).
+    Drain(threads::DrainArgs),
     /// Print a completion script for a shell, e.g. `berth completions bash >
     /// /etc/bash_completion.d/berth`.
     Completions {
@@ -85,6 +91,8 @@ fn main() -> ExitCode {
         Cmd::Release(a) => client::release_main(a),
         Cmd::Reap(a) => client::reap_main(a),
         Cmd::Events(a) => events::events_main(a),
+        Cmd::Threads(a) => threads::threads_main(a),
+        Cmd::Drain(a) => threads::drain_main(a),
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
             Ok(0)

@@ -58,6 +58,12 @@ fn the_owner_fence_survives_release_and_a_kill_9() {
     assert_eq!(r.status, 200, "the owner itself re-attaches: {:?}", r.body);
     assert_eq!(r.body["workspace"], ws.as_str(), "the same workspace");
     assert!(std::path::Path::new(&ws).is_dir());
+    let out = d.cli().arg("threads").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("t1\towner gen-2 fence 2 (run run-b); registered until"),
+        "{text}"
+    );
 }
 
 /// G0/G1: a registered thread's workspace outlives `thread_idle_after` while its
@@ -515,5 +521,54 @@ fn runs_of_a_thread_share_its_workspace_and_keep_their_own_tmp() {
     assert_eq!(
         (r.status, r.body["error"]["details"]["field"].as_str()),
         (400, Some("thread"))
+    );
+}
+
+/// G4: `berth drain --wait` returns once the last run in flight has released, and
+/// `berth status` names what the drain waits for meanwhile.
+#[test]
+fn berth_drain_wait_returns_once_the_last_run_releases() {
+    let d = Daemon::start(&[]);
+    let lease = acquire(&d, "last");
+    let fence = lease.body["fence"].as_u64().unwrap();
+    let mut wait = d
+        .cli()
+        .args(["drain", "--reason", "recycle", "--wait"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    d.wait_until("the drain is in force", |d| {
+        d.get("/v1/drain").body["draining"] == true
+    });
+    let status = d.cli().arg("status").output().unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains("draining since") && text.contains("last"),
+        "{text}"
+    );
+    std::thread::sleep(Duration::from_millis(1_200));
+    assert!(
+        wait.try_wait().unwrap().is_none(),
+        "--wait returned while a run lives"
+    );
+    let r = d.post(
+        "/v1/runs/last/release",
+        &json!({ "fence": fence }).to_string(),
+    );
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    let code = loop {
+        if let Some(c) = wait.try_wait().unwrap() {
+            break c;
+        }
+        assert!(std::time::Instant::now() < end, "--wait did not return");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(code.success(), "{code:?}");
+    let out = wait.wait_with_output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("waiting for 1") && text.contains("nothing in flight"),
+        "{text}"
     );
 }

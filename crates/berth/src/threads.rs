@@ -1,0 +1,141 @@
+//! `berth threads` and `berth drain` (G0–G4): clients of `/v1/threads` and `/v1/drain`.
+
+use std::time::Duration;
+
+use berth_client::wire::{Busy, Drain, DrainRequest, Thread, ThreadList};
+use clap::Args;
+
+use crate::client::{print_reply, Client, ConnArgs};
+
+#[derive(Args)]
+pub struct ThreadsArgs {
+    /// One thread (its owner, registration, workspace and evictions); all if omitted.
+    pub key: Option<String>,
+    #[command(flatten)]
+    pub conn: ConnArgs,
+}
+
+#[derive(Args)]
+pub struct DrainArgs {
+    /// Why (recorded with who and when).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Block until nothing is in flight, printing what the drain waits for as it shrinks.
+    #[arg(long)]
+    pub wait: bool,
+    /// End the drain.
+    #[arg(long, conflicts_with_all = ["reason", "wait"])]
+    pub off: bool,
+    #[command(flatten)]
+    pub conn: ConnArgs,
+}
+
+/// How often `--wait` asks again.
+const DRAIN_POLL: Duration = Duration::from_millis(500);
+
+fn thread_line(t: &Thread) -> String {
+    let owner = t.owner.as_ref().map_or("no owner".to_string(), |o| {
+        format!(
+            "owner {} fence {} (run {})",
+            o.owner_gen, o.owner_fence, o.run_id
+        )
+    });
+    let reg = match &t.registration {
+        Some(r) if r.live => format!("registered until {}", r.live_until),
+        Some(r) => format!("registration lapsed at {}", r.live_until),
+        None => "not registered".into(),
+    };
+    let ws = t.workspace.as_deref().unwrap_or("no workspace");
+    let last = t
+        .evictions
+        .last()
+        .map(|e| format!("; last evicted {} ({})", e.at, e.reason))
+        .unwrap_or_default();
+    format!("{}\t{owner}; {reg}; {ws}{last}", t.key)
+}
+
+pub fn threads_main(a: ThreadsArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a.conn)?;
+    let path = match &a.key {
+        Some(k) => format!("/v1/threads/{k}"),
+        None => "/v1/threads".into(),
+    };
+    let r = match c.call::<()>("GET", &path, None) {
+        Ok(r) => r,
+        Err(e) => return Ok(c.unreachable(&e)),
+    };
+    if a.key.is_some() {
+        return print_reply(&r, a.conn.json, thread_line);
+    }
+    print_reply(&r, a.conn.json, |l: &ThreadList| {
+        let lines: Vec<String> = l.threads.iter().map(thread_line).collect();
+        if lines.is_empty() {
+            "no threads".into()
+        } else {
+            lines.join("\n")
+        }
+    })
+}
+
+fn busy_lines(w: &[Busy]) -> String {
+    w.iter()
+        .map(|b| {
+            let until = b.until.as_deref().unwrap_or("-");
+            format!("  {} {} until {until}", b.kind, b.id)
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn drain_text(d: &Drain) -> String {
+    let head = match &d.drain {
+        Some(r) => format!("draining since {} by {}: {}", r.at, r.by, r.reason),
+        None => "not draining".into(),
+    };
+    if d.waiting_for.is_empty() {
+        format!("{head}; nothing in flight")
+    } else {
+        format!(
+            "{head}; waiting for {}:\n{}",
+            d.waiting_for.len(),
+            busy_lines(&d.waiting_for)
+        )
+    }
+}
+
+pub fn drain_main(a: DrainArgs) -> anyhow::Result<u8> {
+    let c = Client::new(&a.conn)?;
+    let r = if a.off {
+        c.call::<()>("DELETE", "/v1/drain", None)
+    } else {
+        let body = DrainRequest { reason: a.reason };
+        c.call("POST", "/v1/drain", Some(&body))
+    };
+    let r = match r {
+        Ok(r) => r,
+        Err(e) => return Ok(c.unreachable(&e)),
+    };
+    if !a.wait || r.status >= 300 {
+        return print_reply(&r, a.conn.json, drain_text);
+    }
+    let mut d: Drain = r.parse()?;
+    let mut shown = usize::MAX;
+    loop {
+        if d.waiting_for.len() != shown {
+            shown = d.waiting_for.len();
+            println!("{}", drain_text(&d));
+        }
+        if d.waiting_for.is_empty() {
+            return Ok(0);
+        }
+        std::thread::sleep(DRAIN_POLL);
+        let r = match c.call::<()>("GET", "/v1/drain", None) {
+            Ok(r) => r,
+            Err(e) => return Ok(c.unreachable(&e)),
+        };
+        if r.status >= 300 {
+            return print_reply(&r, a.conn.json, drain_text);
+        }
+        d = r.parse()?;
+    }
+}
