@@ -572,3 +572,44 @@ fn berth_drain_wait_returns_once_the_last_run_releases() {
         "{text}"
     );
 }
+
+/// G4: a waiter queued before the drain stays queued with reason `host.draining`, is
+/// not granted when capacity frees during the drain, and is granted once it ends.
+#[test]
+fn a_queued_waiter_is_held_by_a_drain_and_granted_after_it() {
+    let d = Daemon::start(&[]);
+    let body = |id: &str, detach: bool| {
+        json!({"run_id": id, "project": id, "singletons": ["db"], "wait_s": 600,
+               "detach": detach, "resources": {"cpu_millis": 10, "disk": 1024}})
+        .to_string()
+    };
+    let a = d.post("/v1/runs", &body("holder", false));
+    assert_eq!(a.status, 201, "{:?}", a.body);
+    let b = d.post("/v1/runs", &body("waiter", true));
+    assert_eq!(b.status, 202, "{:?}", b.body);
+    assert_eq!(d.post("/v1/drain", "{}").status, 200);
+    let w = d.get("/v1/runs/waiter").body;
+    assert_eq!(
+        (w["state"].as_str(), w["reason"]["code"].as_str()),
+        (Some("queued"), Some("host.draining")),
+        "{w:?}"
+    );
+    let fence = a.body["fence"].as_u64().unwrap();
+    let r = d.post(
+        "/v1/runs/holder/release",
+        &json!({ "fence": fence }).to_string(),
+    );
+    assert_eq!(r.status, 200);
+    d.wait_until("the holder has ended", |d| {
+        d.get("/v1/runs/holder").body["state"] == "released"
+    });
+    assert_eq!(
+        d.get("/v1/runs/waiter").body["state"],
+        "queued",
+        "granted during a drain"
+    );
+    assert_eq!(d.call("DELETE", "/v1/drain", None).status, 200);
+    d.wait_until("the waiter is granted", |d| {
+        d.get("/v1/runs/waiter").body["state"] == "granted"
+    });
+}

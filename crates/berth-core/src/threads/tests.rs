@@ -176,6 +176,8 @@ enum Op {
     Drain(bool),
     Wait(u64),
     Sweep,
+    /// The daemon restarts: the threads come back from their records.
+    Restart,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -205,11 +207,13 @@ fn op() -> impl Strategy<Value = Op> {
         any::<bool>().prop_map(Op::Drain),
         (1u64..2_000).prop_map(Op::Wait),
         Just(Op::Sweep),
+        Just(Op::Restart),
     ]
 }
 
 proptest! {
-    /// Against a reference model of the three rules: (a) no thread is ever reopened by
+    /// Under random attach, deadline, detach, drain, sweeps and restarts, against a
+    /// reference model of the three rules: (a) no thread is ever reopened by
     /// a lower `(gen, fence)`, (b) no workspace is evicted while its registration is
     /// live, (c) a drain never admits a new owner. Invariants checked after each step.
     #[test]
@@ -268,6 +272,11 @@ proptest! {
                     }
                 }
                 Op::Drain(on) => draining = on,
+                Op::Restart => {
+                    let records: Vec<Thread> = t.iter().cloned().collect();
+                    t = Threads::new(cfg());
+                    records.into_iter().for_each(|r| t.restore(r));
+                }
                 Op::Wait(ms) => now += ms,
                 Op::Sweep => {
                     for (k, why) in t.due(now, |_| false) {
