@@ -368,6 +368,31 @@ test('the page follows a release: the first waiter goes live, one row stays queu
   await within('the screenshot', 10_000, ctx.page.screenshot({ path: SCREENSHOT, fullPage: true }));
 }, t));
 
+test('the page shows a drain banner with its reason and the threads with their owners', (t) => diagnosed(async () => {
+  const claim = { run_id: 'turn-1', owner_gen: 'orch-1', owner_fence: 7, run_budget_ms: 600_000 };
+  const a = await api('POST', '/v1/threads/conv-1/attach', claim);
+  assert.equal(a.status, 200, `attach: ${JSON.stringify(a.json)}`);
+  const d = await api('POST', '/v1/drain', { reason: 'deploy 42' });
+  assert.equal(d.status, 200, `drain: ${JSON.stringify(d.json)}`);
+  await within('the drain banner', 15_000,
+    ctx.page.waitForFunction(() => !document.getElementById('drain').hidden));
+  const banner = await ctx.page.textContent('#drain');
+  assert.match(banner, /deploy 42/, 'the banner says why');
+  assert.match(banner, /registration conv-1/, 'the banner names what the drain waits for');
+  await within('the thread row', 10_000,
+    ctx.page.waitForFunction(() => document.querySelector('#threads tbody tr[data-thread="conv-1"]')));
+  const row = await ctx.page.textContent('#threads tbody tr[data-thread="conv-1"]');
+  assert.match(row, /orch-1 #7 \(turn-1\)/, 'the row shows the owner and its fence');
+  const off = await api('DELETE', '/v1/drain');
+  assert.equal(off.status, 200);
+  await within('the banner to go', 15_000,
+    ctx.page.waitForFunction(() => document.getElementById('drain').hidden));
+  const det = await api('POST', '/v1/threads/conv-1/detach', { run_id: 'turn-1', owner_gen: 'orch-1', owner_fence: 7 });
+  assert.equal(det.status, 200);
+  assert.deepEqual(ctx.pageErrors, [], 'the page throws no errors');
+  assert.deepEqual(ctx.cspErrors, [], 'the page breaks no rule of its Content-Security-Policy');
+}, t));
+
 test('a refused token brings the login form back', (t) => diagnosed(async () => {
   await ctx.page.evaluate(() => sessionStorage.setItem('berth.token', 'not-a-token'));
   await within('the page to reload', 15_000, ctx.page.reload({ waitUntil: 'load' }));
