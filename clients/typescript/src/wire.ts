@@ -89,3 +89,19 @@ export type RuntimeStarted = Schemas["RuntimeStarted"];
 export type JournalEntry = Schemas["JournalEntry"];
 /** The last event of a stream berth cut off (`event: cutoff`): resume after `last_seq`. */
 export type StreamCutoff = Schemas["StreamCutoff"];
+
+// ---- agent threads and the drain (G0–G4) -------------------------------------------
+
+/** An owner's claim on a thread: `attach`, `deadline` (with `run_budget_ms`), `detach`. */
+export type ThreadClaim = Schemas["ThreadClaim"];
+export type ThreadOwner = Schemas["ThreadOwner"];
+export type ThreadRegistration = Schemas["ThreadRegistration"];
+export type ThreadEviction = Schemas["ThreadEviction"];
+export type Thread = Schemas["Thread"];
+export type ThreadList = Schemas["ThreadList"];
+export type DrainRequest = Schemas["DrainRequest"];
+export type DrainRecord = Schemas["DrainRecord"];
+/** Something in flight: a live run or a live registration. */
+export type Busy = Schemas["Busy"];
+export type Drain = Schemas["Drain"];
+export type Idle = Schemas["Idle"];
