@@ -52,6 +52,8 @@ pub enum EvictReason {
     Detach,
     /// An operator removed it.
     Operator,
+    /// The workspaces' file system ran low (`disk_free_min`).
+    DiskPressure,
 }
 
 impl EvictReason {
@@ -61,6 +63,7 @@ impl EvictReason {
             EvictReason::Idle => "idle",
             EvictReason::Detach => "detach",
             EvictReason::Operator => "operator",
+            EvictReason::DiskPressure => "disk_pressure",
         }
     }
 
@@ -70,6 +73,7 @@ impl EvictReason {
             "idle" => EvictReason::Idle,
             "detach" => EvictReason::Detach,
             "operator" => EvictReason::Operator,
+            "disk_pressure" => EvictReason::DiskPressure,
             _ => return None,
         })
     }
@@ -101,6 +105,21 @@ pub struct Thread {
     pub evictions: Vec<Eviction>,
 }
 
+impl Thread {
+    /// A thread seen for the first time: no owner, no registration, no workspace yet.
+    pub fn new(key: &str, now: TimeMs) -> Thread {
+        Thread {
+            key: key.to_string(),
+            owner: None,
+            registration: None,
+            has_workspace: false,
+            created_ms: now,
+            active_ms: now,
+            evictions: Vec::new(),
+        }
+    }
+}
+
 /// How long things last (configuration, milliseconds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ThreadConfig {
@@ -110,6 +129,9 @@ pub struct ThreadConfig {
     pub ttl_ms: u64,
     /// A registration stays live this long past its deadline.
     pub grace_ms: u64,
+    /// Below this many bytes free on the workspaces' file system, the sweep evicts the
+    /// least recently used unprotected thread each round (reason `disk_pressure`).
+    pub disk_free_min: u64,
 }
 
 impl Default for ThreadConfig {
@@ -118,6 +140,7 @@ impl Default for ThreadConfig {
             idle_after_ms: 30 * 60_000,
             ttl_ms: 7 * 24 * 3_600_000,
             grace_ms: 60_000,
+            disk_free_min: 1 << 30,
         }
     }
 }
@@ -293,15 +316,7 @@ impl Threads {
         let t = self
             .threads
             .entry(key.to_string())
-            .or_insert_with(|| Thread {
-                key: key.to_string(),
-                owner: None,
-                registration: None,
-                has_workspace: false,
-                created_ms: now,
-                active_ms: now,
-                evictions: Vec::new(),
-            });
+            .or_insert_with(|| Thread::new(key, now));
         t.owner = Some(claim.clone());
         t.registration = Some(Registration {
             owner: claim,
@@ -389,15 +404,7 @@ impl Threads {
         }
         self.threads
             .entry(key.to_string())
-            .or_insert_with(|| Thread {
-                key: key.to_string(),
-                owner: None,
-                registration: None,
-                has_workspace: false,
-                created_ms: now,
-                active_ms: now,
-                evictions: Vec::new(),
-            });
+            .or_insert_with(|| Thread::new(key, now));
         Ok(())
     }
 
@@ -447,6 +454,33 @@ impl Threads {
             }
         }
         out
+    }
+
+    /// Under disk pressure: the least recently used thread whose workspace nothing
+    /// protects (the one to evict, reason `disk_pressure`), and the threads a live
+    /// registration protects from it (their refusals are journaled).
+    pub fn pressure(
+        &self,
+        now: TimeMs,
+        in_use: impl Fn(&str) -> bool,
+    ) -> (Option<String>, Vec<String>) {
+        let mut victim: Option<&Thread> = None;
+        let mut protected = Vec::new();
+        for t in self
+            .threads
+            .values()
+            .filter(|t| t.has_workspace && !in_use(&t.key))
+        {
+            if t.registration
+                .as_ref()
+                .is_some_and(|r| self.is_live(r, now))
+            {
+                protected.push(t.key.clone());
+            } else if victim.is_none_or(|v| t.active_ms < v.active_ms) {
+                victim = Some(t);
+            }
+        }
+        (victim.map(|t| t.key.clone()), protected)
     }
 
     /// The workspace went: recorded with why (the owner stays, G2).

@@ -103,6 +103,10 @@ pub struct ServeArgs {
     /// A registration stays live this long past its deadline (G1) [default: 60s].
     #[arg(long, env = "BERTH_THREAD_GRACE", value_parser = parse_duration)]
     pub thread_grace: Option<u64>,
+    /// Below this much free space on the state dir's file system, idle threads'
+    /// workspaces are evicted, least recently used first (reason disk_pressure) [default: 1GiB].
+    #[arg(long, env = "BERTH_THREAD_DISK_FREE_MIN", value_parser = parse_size_arg)]
+    pub thread_disk_free_min: Option<u64>,
     /// Ports for runs' `[[port]]` entries, LOW-HIGH inclusive [default: 30000-30999].
     #[arg(long, env = "BERTH_PORT_RANGE", value_parser = parse_port_range)]
     pub port_range: Option<(u16, u16)>,
@@ -141,6 +145,7 @@ struct FileConfig {
     thread_idle_after: Option<String>,
     thread_ttl: Option<String>,
     thread_grace: Option<String>,
+    thread_disk_free_min: Option<String>,
     port_range: Option<String>,
 }
 
@@ -259,6 +264,11 @@ fn thread_config(
             &file.thread_grace,
             d.grace_ms,
         )?,
+        disk_free_min: match a.thread_disk_free_min {
+            Some(b) => b,
+            None => size("thread_disk_free_min", file.thread_disk_free_min.clone())?
+                .unwrap_or(d.disk_free_min),
+        },
     })
 }
 

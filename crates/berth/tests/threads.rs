@@ -613,3 +613,49 @@ fn a_queued_waiter_is_held_by_a_drain_and_granted_after_it() {
         d.get("/v1/runs/waiter").body["state"] == "granted"
     });
 }
+
+/// Disk pressure: with less free space than `--thread-disk-free-min`, the sweep evicts
+/// an unregistered idle thread's workspace (reason `disk_pressure`) and refuses, once
+/// and journaled, to destroy a registered one's.
+#[test]
+fn disk_pressure_evicts_idle_threads_and_spares_registered_ones() {
+    let d = Daemon::start(&["--thread-disk-free-min", "1000000TiB"]);
+    assert_eq!(attach(&d, "kept", "run-1", "g", 1).status, 200);
+    let r = d.post(
+        "/v1/runs",
+        &json!({"run_id": "r1", "project": "p", "thread": "spare", "wait_s": 0,
+                "resources": {"cpu_millis": 10, "disk": 1024}})
+        .to_string(),
+    );
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let fence = r.body["fence"].as_u64().unwrap();
+    std::thread::sleep(Duration::from_millis(1_500));
+    let t = d.get("/v1/threads/spare").body;
+    assert!(
+        t["evictions"].as_array().unwrap().is_empty(),
+        "a live run protects it: {t:?}"
+    );
+    let r = d.post(
+        "/v1/runs/r1/release",
+        &json!({ "fence": fence }).to_string(),
+    );
+    assert_eq!(r.status, 200);
+    d.wait_until("the idle thread goes under disk pressure", |d| {
+        d.get("/v1/threads/spare").body["evictions"][0]["reason"] == "disk_pressure"
+    });
+    std::thread::sleep(Duration::from_millis(1_500));
+    let kept = d.get("/v1/threads/kept").body;
+    assert!(kept["workspace"].is_string(), "{kept:?}");
+    let refused: Vec<Value> = d
+        .journal()
+        .into_iter()
+        .filter(|e| e["kind"] == "thread_evict_refused")
+        .collect();
+    assert_eq!(
+        refused.len(),
+        1,
+        "journaled once, not every second: {refused:?}"
+    );
+    assert_eq!(refused[0]["data"]["key"], "kept");
+    assert_eq!(refused[0]["data"]["reason"], "disk_pressure");
+}

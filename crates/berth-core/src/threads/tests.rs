@@ -14,6 +14,7 @@ fn cfg() -> ThreadConfig {
         idle_after_ms: 1_000,
         ttl_ms: 10_000,
         grace_ms: 100,
+        disk_free_min: 0,
     }
 }
 
@@ -121,6 +122,33 @@ fn the_sweep_spares_live_registrations_and_says_why_it_evicts() {
         t.get("k").unwrap().owner.as_ref(),
         Some(&o),
         "the owner stays (G2)"
+    );
+}
+
+/// Under disk pressure the least recently used unprotected thread is the one to go;
+/// a registered one, or one a live run works in, is protected (and named).
+#[test]
+fn disk_pressure_takes_the_least_recently_used_unprotected_thread() {
+    let mut t = Threads::new(cfg());
+    for (i, k) in ["old", "new", "reg", "busy"].iter().enumerate() {
+        t.ensure(i as u64 * 10, k).unwrap();
+        t.made_workspace(i as u64 * 10, k);
+    }
+    t.attach(50, "reg", owner("g", 1, "r"), 1_000, false)
+        .unwrap();
+    t.touch(60, "old");
+    let (victim, protected) = t.pressure(70, |k| k == "busy");
+    assert_eq!(
+        victim.as_deref(),
+        Some("new"),
+        "old was used at 60, new at 10"
+    );
+    assert_eq!(protected, vec!["reg".to_string()]);
+    t.evicted(70, "new", EvictReason::DiskPressure);
+    assert_eq!(t.pressure(70, |k| k == "busy").0.as_deref(), Some("old"));
+    assert_eq!(
+        EvictReason::parse("disk_pressure"),
+        Some(EvictReason::DiskPressure)
     );
 }
 

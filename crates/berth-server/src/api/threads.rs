@@ -52,20 +52,44 @@ async fn thread_op(api: &Api, op: ThreadOp) -> Result<Response, ApiError> {
     Ok(Json(t).into_response())
 }
 
+/// Which claim a route takes.
+#[derive(Clone, Copy)]
+enum Claimed {
+    Attach,
+    Deadline,
+    Detach,
+}
+
+async fn claimed(api: &Api, key: String, body: Body, what: Claimed) -> Result<Response, ApiError> {
+    check_key(&key)?;
+    let b: wire::ThreadClaim = json_body(body, false).await?;
+    let (owner, budget_ms) = claim(&b, !matches!(what, Claimed::Detach))?;
+    let op = match what {
+        Claimed::Attach => ThreadOp::Attach {
+            key,
+            owner,
+            budget_ms,
+        },
+        Claimed::Deadline => ThreadOp::Deadline {
+            key,
+            owner,
+            budget_ms,
+        },
+        Claimed::Detach => ThreadOp::Detach {
+            key,
+            owner,
+            evict: b.evict.unwrap_or(false),
+        },
+    };
+    thread_op(api, op).await
+}
+
 pub async fn attach(
     AxState(api): AxState<Api>,
     Path(key): Path<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    check_key(&key)?;
-    let b: wire::ThreadClaim = json_body(body, false).await?;
-    let (owner, budget_ms) = claim(&b, true)?;
-    let op = ThreadOp::Attach {
-        key,
-        owner,
-        budget_ms,
-    };
-    thread_op(&api, op).await
+    claimed(&api, key, body, Claimed::Attach).await
 }
 
 pub async fn deadline(
@@ -73,15 +97,7 @@ pub async fn deadline(
     Path(key): Path<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    check_key(&key)?;
-    let b: wire::ThreadClaim = json_body(body, false).await?;
-    let (owner, budget_ms) = claim(&b, true)?;
-    let op = ThreadOp::Deadline {
-        key,
-        owner,
-        budget_ms,
-    };
-    thread_op(&api, op).await
+    claimed(&api, key, body, Claimed::Deadline).await
 }
 
 pub async fn detach(
@@ -89,11 +105,7 @@ pub async fn detach(
     Path(key): Path<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    check_key(&key)?;
-    let b: wire::ThreadClaim = json_body(body, false).await?;
-    let (owner, _) = claim(&b, false)?;
-    let evict = b.evict.unwrap_or(false);
-    thread_op(&api, ThreadOp::Detach { key, owner, evict }).await
+    claimed(&api, key, body, Claimed::Detach).await
 }
 
 pub async fn get_thread(

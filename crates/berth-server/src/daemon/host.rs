@@ -49,6 +49,9 @@ pub trait Host {
     fn create_workspace(&mut self, run_id: &str) -> Result<WorkspaceIdentity, String>;
     /// W1/L5: removes a stopping run's workspace after its identity check.
     fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String>;
+    /// Bytes free (to an unprivileged writer) on the file system of the workspaces, if
+    /// it can be told: the threads' disk-pressure sweep reads it once a second.
+    fn disk_free(&self) -> Option<u64>;
     /// Is there a cgroup for this run (a run with no record of its own)?
     fn has_group(&self, run_id: &str) -> bool;
     /// Where stop orders go; the stopper behind it reports back with `Msg::Stopped`.
@@ -97,6 +100,7 @@ pub struct Supervision {
 /// The machine itself.
 pub struct RealHost {
     workspaces: workspace::Pool,
+    runs_dir: std::path::PathBuf,
     /// Fences are covered by the marker before they are acknowledged (L1, S6).
     marker: crate::private::FenceMarker,
     supervision: Supervision,
@@ -120,6 +124,7 @@ impl RealHost {
         Ok(RealHost {
             workspaces: workspace::Pool::start(runs_dir, Some(diagnostics))
                 .map_err(|e| format!("workspace pool: {e}"))?,
+            runs_dir: runs_dir.to_path_buf(),
             marker,
             supervision,
             me: crate::register::Me::now(),
@@ -254,6 +259,11 @@ impl Host for RealHost {
 
     fn release_memory(&mut self) {
         crate::memory::release();
+    }
+
+    fn disk_free(&self) -> Option<u64> {
+        let st = rustix::fs::statvfs(&self.runs_dir).ok()?;
+        Some(st.f_bavail.saturating_mul(st.f_frsize))
     }
 
     fn close(&mut self, clean_last_fence: Option<u64>) {

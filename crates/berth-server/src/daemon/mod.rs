@@ -327,6 +327,8 @@ pub struct Daemon<H: Host> {
     drain: Option<berth_store::DrainRecord>,
     /// When the idle sweep looks next (`THREAD_SWEEP_MS`).
     thread_sweep_due: u64,
+    /// Threads whose disk-pressure eviction was refused (and journaled) in this spell.
+    pressure_refused: BTreeSet<String>,
 }
 
 /// The runs the daemon holds (`extras`: live, queued and retained ended runs), as

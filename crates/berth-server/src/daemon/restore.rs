@@ -200,6 +200,7 @@ impl<H: Host> Daemon<H> {
             thread_ws,
             drain: ledger.drain,
             thread_sweep_due: 0,
+            pressure_refused: BTreeSet::new(),
         })
     }
 }

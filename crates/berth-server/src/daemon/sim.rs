@@ -159,6 +159,10 @@ impl Host for SimHost {
 
     fn release_memory(&mut self) {}
 
+    fn disk_free(&self) -> Option<u64> {
+        None
+    }
+
     fn close(&mut self, _clean_last_fence: Option<u64>) {}
 }
 

@@ -243,7 +243,32 @@ impl<H: Host> Daemon<H> {
         for (key, why) in &due {
             self.evict_thread(key, *why);
         }
+        self.relieve_disk_pressure(&in_use);
         !due.is_empty()
+    }
+
+    /// Low on disk: one unprotected thread's workspace goes per sweep, least recently
+    /// used first; a registered thread's is refused, journaled once per spell of
+    /// pressure (not every second).
+    fn relieve_disk_pressure(&mut self, in_use: &BTreeSet<String>) {
+        let low = self
+            .host
+            .disk_free()
+            .is_some_and(|free| free < self.threads.cfg.disk_free_min);
+        if !low {
+            self.pressure_refused.clear();
+            return;
+        }
+        let (victim, protected) = self.threads.pressure(self.now, |k| in_use.contains(k));
+        if let Some(key) = victim {
+            self.evict_thread(&key, EvictReason::DiskPressure);
+        }
+        for key in protected {
+            if self.pressure_refused.insert(key.clone()) {
+                let data = json!({"key": key, "reason": "disk_pressure"});
+                self.journal_entry("thread_evict_refused", None, None, data);
+            }
+        }
     }
 
     pub(super) fn on_thread_list(&mut self, reply: Reply<Vec<wire::Thread>>) {

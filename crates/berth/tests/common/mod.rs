@@ -237,6 +237,9 @@ impl Daemon {
             ("--cpu-total", "4000"),
             ("--disk-total", "100GiB"),
             ("--disk-reserve", "0"),
+            // Threads' disk-pressure sweep off: no test may depend on how full the
+            // machine's disk is (the one that tests it sets its own).
+            ("--thread-disk-free-min", "0"),
         ];
         let mut args: Vec<String> = vec![
             "serve".into(),
