@@ -514,6 +514,14 @@ fn runs_of_a_thread_share_its_workspace_and_keep_their_own_tmp() {
     assert_ne!(a["env"]["TMPDIR"], b["env"]["TMPDIR"]);
     let notes = std::fs::read_to_string(format!("{ws}/notes.md")).unwrap();
     assert_eq!(notes, "remember this");
+    // L7: a retry of turn-2 that names another thread is another request.
+    let r = d.post(
+        "/v1/runs",
+        &json!({"run_id": "turn-2", "project": "p", "thread": "conv-2", "wait_s": 0,
+                "resources": {"cpu_millis": 10, "disk": 1024}})
+        .to_string(),
+    );
+    assert_eq!((r.status, r.code()), (409, "conflict"), "{:?}", r.body);
     let r = d.post(
         "/v1/runs",
         &json!({"project": "p", "thread": "bad key"}).to_string(),

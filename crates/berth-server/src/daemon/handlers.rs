@@ -118,7 +118,11 @@ impl<H: Host> Daemon<H> {
     ) {
         let id = req.run_id.clone();
         if let Some(ex) = self.extras.get(&id) {
-            if ex.differs(&extra.worktree, &extra.labels, extra.stop_grace_ms) {
+            // L7: a retry is the same request; a different thread is another one (the
+            // thread's key is kept when an ended run shrinks: it is at most 128 bytes).
+            if ex.differs(&extra.worktree, &extra.labels, extra.stop_grace_ms)
+                || ex.thread != extra.thread
+            {
                 let e = CoreError::Conflict { run_id: id };
                 return self.answer(reply, Err(e.into()));
             }
