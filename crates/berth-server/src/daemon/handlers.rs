@@ -107,6 +107,26 @@ impl<H: Host> Daemon<H> {
         }
     }
 
+    /// Why an acquire is refused before the engine sees it, if it is.
+    fn acquire_refusal(&self, id: &str, extra: &Extra, is_new: bool) -> Option<Error> {
+        if let Some(ex) = self.extras.get(id) {
+            // L7: a retry is the same request; a different thread is another one (the
+            // thread's key is kept when an ended run shrinks: it is at most 128 bytes).
+            if ex.differs(&extra.worktree, &extra.labels, extra.stop_grace_ms)
+                || ex.thread != extra.thread
+            {
+                let run_id = id.to_string();
+                return Some(CoreError::Conflict { run_id }.into());
+            }
+        }
+        // G4: no new run while the host drains (a retry of a queued or granted one is
+        // not new: it re-attaches).
+        match (is_new, &self.th.drain) {
+            (true, Some(d)) => Some(Error::Draining(d.clone())),
+            _ => None,
+        }
+    }
+
     /// `extra` is what the acquire carries besides the engine's request (its queue
     /// sequence is assigned here).
     fn on_acquire(
@@ -117,21 +137,8 @@ impl<H: Host> Daemon<H> {
         reply: Reply<RunInfo>,
     ) {
         let id = req.run_id.clone();
-        if let Some(ex) = self.extras.get(&id) {
-            // L7: a retry is the same request; a different thread is another one (the
-            // thread's key is kept when an ended run shrinks: it is at most 128 bytes).
-            if ex.differs(&extra.worktree, &extra.labels, extra.stop_grace_ms)
-                || ex.thread != extra.thread
-            {
-                let e = CoreError::Conflict { run_id: id };
-                return self.answer(reply, Err(e.into()));
-            }
-        }
         let is_new = self.engine.view_of(&id).is_none();
-        // G4: no new run while the host drains (a retry of a queued or granted one is
-        // not new: it re-attaches).
-        if let (true, Some(d)) = (is_new, &self.drain) {
-            let e = Error::Draining(d.clone());
+        if let Some(e) = self.acquire_refusal(&id, &extra, is_new) {
             return self.answer(reply, Err(e));
         }
         let detach = extra.detached;

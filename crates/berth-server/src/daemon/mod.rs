@@ -320,15 +320,8 @@ pub struct Daemon<H: Host> {
     queue_moves_told: (u64, u64),
     /// When memory goes back to the system (`release_due`).
     held: Held,
-    /// G0–G3: agent threads, and their workspaces by key.
-    threads: berth_core::threads::Threads,
-    thread_ws: HashMap<String, berth_store::WorkspaceIdentity>,
-    /// G4: the drain in force.
-    drain: Option<berth_store::DrainRecord>,
-    /// When the idle sweep looks next (`THREAD_SWEEP_MS`).
-    thread_sweep_due: u64,
-    /// Threads whose disk-pressure eviction was refused (and journaled) in this spell.
-    pressure_refused: BTreeSet<String>,
+    /// G0–G4: agent threads, their workspaces, the sweep and the drain.
+    th: threads::ThreadState,
 }
 
 /// The runs the daemon holds (`extras`: live, queued and retained ended runs), as
@@ -519,7 +512,7 @@ impl<H: Host> Daemon<H> {
         // stay its own.
         if let Some(key) = extra.and_then(|e| e.thread.as_ref()) {
             env.insert("BERTH_THREAD".into(), key.clone());
-            if let Some(tw) = self.thread_ws.get(key) {
+            if let Some(tw) = self.th.ws.get(key) {
                 env.insert("BERTH_WORKSPACE".into(), tw.path.clone());
             }
         }

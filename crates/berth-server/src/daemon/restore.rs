@@ -80,18 +80,21 @@ fn restored_run(mut r: RunRecord, now: u64, reboot_window: Option<u64>) -> (Rest
     (run, extra)
 }
 
-/// Threads back from the ledger. After a reboot their monotonic times mean nothing:
-/// registrations are over (their owners re-attach), and the idle and ttl clocks start
-/// again from now, so a thread's workspace gets its whole idle time to be claimed.
+/// Threads and the drain back from the ledger. After a reboot threads' monotonic times
+/// mean nothing: registrations are over (their owners re-attach), and the idle and ttl
+/// clocks start again from now, so a thread's workspace gets its whole idle time to be
+/// claimed. A drain survives a restart, and the engine holds its waiters again.
 fn restored_threads(
     cfg: berth_core::threads::ThreadConfig,
-    records: Vec<berth_store::ThreadRecord>,
+    ledger: (
+        Vec<berth_store::ThreadRecord>,
+        Option<berth_store::DrainRecord>,
+    ),
+    engine: &mut Engine,
     now: u64,
     same_boot: bool,
-) -> (
-    berth_core::threads::Threads,
-    HashMap<String, berth_store::WorkspaceIdentity>,
-) {
+) -> super::threads::ThreadState {
+    let (records, drain) = ledger;
     let mut threads = berth_core::threads::Threads::new(cfg);
     let mut ws = HashMap::new();
     for mut r in records {
@@ -105,7 +108,16 @@ fn restored_threads(
         }
         threads.restore(r.thread);
     }
-    (threads, ws)
+    if drain.is_some() {
+        let _ = engine.apply(now, berth_core::Command::Drain { on: true });
+    }
+    super::threads::ThreadState {
+        threads,
+        ws,
+        drain,
+        sweep_due: 0,
+        pressure_refused: BTreeSet::new(),
+    }
 }
 
 impl<H: Host> Daemon<H> {
@@ -122,10 +134,7 @@ impl<H: Host> Daemon<H> {
         host: H,
     ) -> Result<Daemon<H>, String> {
         restore_summary(&ledger, how.same_boot);
-        let (last_fence, next_seq) = (ledger.last_fence, ledger.next_queue_seq);
-        let ledger_evidence = ledger.evidence;
         shared.journal.start(ledger.journal_last, writer.reader());
-        let journal_next = ledger.journal_last + 1;
         let mut restored = Vec::with_capacity(ledger.runs.len());
         let mut extras = HashMap::with_capacity(ledger.runs.len());
         let mut unclaimed = BTreeMap::new();
@@ -161,14 +170,10 @@ impl<H: Host> Daemon<H> {
             extras.insert(id, Box::new(extra));
             restored.push(run);
         }
-        let mut engine = Engine::restore(how.cfg, last_fence, now, restored)?;
-        engine.restore_evidence(ledger_evidence)?;
-        // G4: a drain survives a restart; its waiters stay held.
-        if ledger.drain.is_some() {
-            let _ = engine.apply(now, berth_core::Command::Drain { on: true });
-        }
-        let (threads, thread_ws) =
-            restored_threads(how.threads, ledger.threads, now, how.same_boot);
+        let mut engine = Engine::restore(how.cfg, ledger.last_fence, now, restored)?;
+        engine.restore_evidence(ledger.evidence)?;
+        let g = (ledger.threads, ledger.drain);
+        let th = restored_threads(how.threads, g, &mut engine, now, how.same_boot);
         Ok(Daemon {
             now,
             engine,
@@ -177,7 +182,7 @@ impl<H: Host> Daemon<H> {
             host,
             extras,
             ended,
-            next_seq,
+            next_seq: ledger.next_queue_seq,
             attached: HashMap::new(),
             unclaimed_due: unclaimed.values().min().copied().unwrap_or(u64::MAX),
             unclaimed,
@@ -191,16 +196,12 @@ impl<H: Host> Daemon<H> {
             pending_mutations: Vec::new(),
             listen_watched: BTreeMap::new(),
             rewatch,
-            journal_next,
+            journal_next: ledger.journal_last + 1,
             journal_at: (0, String::new()),
             queue_moves: 0,
             queue_moves_told: (0, 0),
             held: Held::default(),
-            threads,
-            thread_ws,
-            drain: ledger.drain,
-            thread_sweep_due: 0,
-            pressure_refused: BTreeSet::new(),
+            th,
         })
     }
 }

@@ -16,6 +16,20 @@ use super::{Daemon, Error, Host, Reply};
 /// minutes and days, so a second late is nothing, and a sweep costs O(threads).
 pub const THREAD_SWEEP_MS: u64 = 1_000;
 
+/// The daemon's part of G0–G4.
+pub(super) struct ThreadState {
+    /// The pure rules' state: every thread remembered.
+    pub(super) threads: berth_core::threads::Threads,
+    /// Their workspaces, by key.
+    pub(super) ws: std::collections::HashMap<String, berth_store::WorkspaceIdentity>,
+    /// G4: the drain in force.
+    pub(super) drain: Option<DrainRecord>,
+    /// When the idle sweep looks next (`THREAD_SWEEP_MS`).
+    pub(super) sweep_due: u64,
+    /// Threads whose disk-pressure eviction was refused (and journaled) in this spell.
+    pub(super) pressure_refused: BTreeSet<String>,
+}
+
 /// What a thread message asks.
 pub enum ThreadOp {
     Attach {
@@ -108,13 +122,14 @@ impl<H: Host> Daemon<H> {
         owner: Owner,
         budget_ms: u64,
     ) -> Result<Changed, Error> {
-        let draining = self.drain.is_some();
+        let draining = self.th.drain.is_some();
         match self
+            .th
             .threads
             .attach(self.now, &key, owner.clone(), budget_ms, draining)
         {
-            Err(ThreadError::Draining) if self.drain.is_some() => {
-                Err(Error::Draining(self.drain.clone().expect("draining")))
+            Err(ThreadError::Draining) if self.th.drain.is_some() => {
+                Err(Error::Draining(self.th.drain.clone().expect("draining")))
             }
             Err(e) => Err(Error::Thread(e)),
             Ok(Attached::Unchanged) => Ok(Changed::Not(key)),
@@ -134,6 +149,7 @@ impl<H: Host> Daemon<H> {
         budget_ms: u64,
     ) -> Result<Changed, Error> {
         let d = self
+            .th
             .threads
             .set_deadline(self.now, &key, &owner, budget_ms)
             .map_err(Error::Thread)?;
@@ -143,6 +159,7 @@ impl<H: Host> Daemon<H> {
 
     fn thread_detach(&mut self, key: String, owner: Owner, evict: bool) -> Result<Changed, Error> {
         let must_evict = self
+            .th
             .threads
             .detach(self.now, &key, &owner, evict)
             .map_err(Error::Thread)?;
@@ -154,7 +171,7 @@ impl<H: Host> Daemon<H> {
     }
 
     fn thread_evict(&mut self, key: String) -> Result<Changed, Error> {
-        match self.threads.check_operator_evict(self.now, &key) {
+        match self.th.threads.check_operator_evict(self.now, &key) {
             Err(e) => {
                 // A destroy a live registration refuses is journaled (the audit trail).
                 if let ThreadError::Protected { .. } = &e {
@@ -173,14 +190,14 @@ impl<H: Host> Daemon<H> {
     /// The thread's workspace, made if it has none (a failure leaves it without one:
     /// the registration stands, and the next attach tries again).
     fn make_thread_workspace(&mut self, key: &str) {
-        if self.threads.get(key).is_some_and(|t| t.has_workspace) {
+        if self.th.threads.get(key).is_some_and(|t| t.has_workspace) {
             return;
         }
         match self.host.create_workspace(&seed(key)) {
             Ok(ws) => {
-                self.threads.made_workspace(self.now, key);
+                self.th.threads.made_workspace(self.now, key);
                 let data = json!({"key": key, "workspace": ws.path});
-                self.thread_ws.insert(key.to_string(), ws);
+                self.th.ws.insert(key.to_string(), ws);
                 self.journal_entry("thread_workspace_created", None, None, data);
             }
             Err(e) => tracing::warn!("thread {key}: workspace not made: {e}"),
@@ -190,12 +207,12 @@ impl<H: Host> Daemon<H> {
     /// The thread's workspace goes (its logs archived within the diagnostics budgets by
     /// the workspace pool), and its audit trail says why.
     fn evict_thread(&mut self, key: &str, reason: EvictReason) {
-        if let Some(ws) = self.thread_ws.remove(key) {
+        if let Some(ws) = self.th.ws.remove(key) {
             if let Err(e) = self.host.remove_workspace(&ws, key) {
                 tracing::warn!("thread {key}: workspace not removed: {e}");
             }
         }
-        self.threads.evicted(self.now, key, reason);
+        self.th.threads.evicted(self.now, key, reason);
         let data = json!({"key": key, "reason": reason.as_str()});
         self.journal_entry("thread_evicted", None, None, data);
         self.thread_changed(key);
@@ -203,10 +220,10 @@ impl<H: Host> Daemon<H> {
 
     /// The thread's record goes into the next commit.
     fn thread_changed(&mut self, key: &str) {
-        if let Some(t) = self.threads.get(key) {
+        if let Some(t) = self.th.threads.get(key) {
             self.pending_mutations.push(Mutation::Thread(ThreadRecord {
                 thread: t.clone(),
-                workspace: self.thread_ws.get(key).cloned(),
+                workspace: self.th.ws.get(key).cloned(),
             }));
         }
     }
@@ -214,11 +231,11 @@ impl<H: Host> Daemon<H> {
     /// G0: a run that works in thread `key` was granted: the thread is made if new
     /// (and its workspace if it has none), and its idle clock starts again.
     pub(super) fn thread_run_granted(&mut self, key: &str) {
-        if let Err(e) = self.threads.ensure(self.now, key) {
+        if let Err(e) = self.th.threads.ensure(self.now, key) {
             tracing::warn!("thread {key}: {e:?}; the run works in its own workspace");
             return;
         }
-        self.threads.touch(self.now, key);
+        self.th.threads.touch(self.now, key);
         self.make_thread_workspace(key);
         self.thread_changed(key);
     }
@@ -227,19 +244,19 @@ impl<H: Host> Daemon<H> {
     /// registration protects loses its workspace. Returns whether anything went.
     pub(super) fn sweep_threads(&mut self) -> bool {
         // Once a second, not every tick: the sweep looks at every thread.
-        if self.now < self.thread_sweep_due {
+        if self.now < self.th.sweep_due {
             return false;
         }
-        self.thread_sweep_due = self.now + THREAD_SWEEP_MS;
+        self.th.sweep_due = self.now + THREAD_SWEEP_MS;
         // A live run working in a thread protects it, and keeps its idle clock at 0.
         let mut in_use = BTreeSet::new();
         for v in self.engine.in_flight() {
             if let Some(k) = self.extras.get(&v.run_id).and_then(|e| e.thread.clone()) {
-                self.threads.touch(self.now, &k);
+                self.th.threads.touch(self.now, &k);
                 in_use.insert(k);
             }
         }
-        let due = self.threads.due(self.now, |k| in_use.contains(k));
+        let due = self.th.threads.due(self.now, |k| in_use.contains(k));
         for (key, why) in &due {
             self.evict_thread(key, *why);
         }
@@ -254,17 +271,17 @@ impl<H: Host> Daemon<H> {
         let low = self
             .host
             .disk_free()
-            .is_some_and(|free| free < self.threads.cfg.disk_free_min);
+            .is_some_and(|free| free < self.th.threads.cfg.disk_free_min);
         if !low {
-            self.pressure_refused.clear();
+            self.th.pressure_refused.clear();
             return;
         }
-        let (victim, protected) = self.threads.pressure(self.now, |k| in_use.contains(k));
+        let (victim, protected) = self.th.threads.pressure(self.now, |k| in_use.contains(k));
         if let Some(key) = victim {
             self.evict_thread(&key, EvictReason::DiskPressure);
         }
         for key in protected {
-            if self.pressure_refused.insert(key.clone()) {
+            if self.th.pressure_refused.insert(key.clone()) {
                 let data = json!({"key": key, "reason": "disk_pressure"});
                 self.journal_entry("thread_evict_refused", None, None, data);
             }
@@ -272,20 +289,20 @@ impl<H: Host> Daemon<H> {
     }
 
     pub(super) fn on_thread_list(&mut self, reply: Reply<Vec<wire::Thread>>) {
-        let keys: Vec<String> = self.threads.iter().map(|t| t.key.clone()).collect();
+        let keys: Vec<String> = self.th.threads.iter().map(|t| t.key.clone()).collect();
         let out = keys.iter().filter_map(|k| self.thread_out(k)).collect();
         self.answer(reply, Ok(out));
     }
 
     fn thread_out(&self, key: &str) -> Option<wire::Thread> {
-        let t: &Thread = self.threads.get(key)?;
+        let t: &Thread = self.th.threads.get(key)?;
         let show = |ms| self.host.show_time(ms);
         let owner = |o: &Owner| wire::ThreadOwner {
             owner_gen: o.gen.clone(),
             owner_fence: o.fence,
             run_id: o.run_id.clone(),
         };
-        let grace = self.threads.cfg.grace_ms;
+        let grace = self.th.threads.cfg.grace_ms;
         Some(wire::Thread {
             key: t.key.clone(),
             owner: t.owner.as_ref().map(owner),
@@ -294,9 +311,9 @@ impl<H: Host> Daemon<H> {
                 attached_at: show(r.attached_ms),
                 deadline: show(r.deadline_ms),
                 live_until: show(r.deadline_ms.saturating_add(grace)),
-                live: self.threads.is_live(r, self.now),
+                live: self.th.threads.is_live(r, self.now),
             }),
-            workspace: self.thread_ws.get(key).map(|w| w.path.clone()),
+            workspace: self.th.ws.get(key).map(|w| w.path.clone()),
             created_at: show(t.created_ms),
             active_at: show(t.active_ms),
             evictions: t
@@ -314,20 +331,20 @@ impl<H: Host> Daemon<H> {
     /// first record (idempotent); waiters stay queued with `host.draining`.
     pub(super) fn on_drain(&mut self, start: Option<(String, String)>, reply: Reply<wire::Drain>) {
         let mut touched = BTreeSet::new();
-        match (start, self.drain.is_some()) {
+        match (start, self.th.drain.is_some()) {
             (Some((by, reason)), false) => {
                 let at = self.host.show_time(self.now);
                 let d = DrainRecord { by, at, reason };
                 self.journal_entry("drain_started", None, None, drain_json(&d));
                 self.pending_mutations
                     .push(Mutation::Drain(Some(d.clone())));
-                self.drain = Some(d);
+                self.th.drain = Some(d);
                 let _ = self.apply(berth_core::Command::Drain { on: true }, &mut touched);
             }
             (None, true) => {
                 self.journal_entry("drain_ended", None, None, json!({}));
                 self.pending_mutations.push(Mutation::Drain(None));
-                self.drain = None;
+                self.th.drain = None;
                 let _ = self.apply(berth_core::Command::Drain { on: false }, &mut touched);
             }
             _ => {}
@@ -354,8 +371,8 @@ impl<H: Host> Daemon<H> {
 
     fn drain_out(&self) -> wire::Drain {
         wire::Drain {
-            draining: self.drain.is_some(),
-            drain: self.drain.as_ref().map(drain_wire),
+            draining: self.th.drain.is_some(),
+            drain: self.th.drain.as_ref().map(drain_wire),
             waiting_for: self.busy(),
         }
     }
@@ -373,8 +390,8 @@ impl<H: Host> Daemon<H> {
                 owner: None,
             });
         }
-        let grace = self.threads.cfg.grace_ms;
-        for (key, r) in self.threads.live_registrations(self.now) {
+        let grace = self.th.threads.cfg.grace_ms;
+        for (key, r) in self.th.threads.live_registrations(self.now) {
             out.push(wire::Busy {
                 kind: "registration".into(),
                 id: key.to_string(),
