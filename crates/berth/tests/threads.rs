@@ -503,6 +503,14 @@ fn runs_of_a_thread_share_its_workspace_and_keep_their_own_tmp() {
     std::thread::sleep(Duration::from_millis(2_500));
     let t = d.get("/v1/threads/conv-1").body;
     assert!(t["evictions"].as_array().unwrap().is_empty(), "{t:?}");
+    // An operator may not take the workspace from under the live run.
+    let r = d.call("DELETE", "/v1/threads/conv-1", None);
+    assert_eq!(
+        (r.status, r.code()),
+        (409, "thread_protected"),
+        "{:?}",
+        r.body
+    );
     let fence = a["fence"].as_u64().unwrap();
     let r = d.post(
         "/v1/runs/turn-1/release",

@@ -163,7 +163,8 @@ impl<H: Host> Daemon<H> {
             .threads
             .detach(self.now, &key, &owner, evict)
             .map_err(Error::Thread)?;
-        if must_evict {
+        // Not under a live run working in it: the sweep evicts it once the run is done.
+        if must_evict && !self.thread_in_use(&key) {
             self.evict_thread(&key, EvictReason::Detach);
         }
         let data = json!({"run_id": owner.run_id, "evict": evict});
@@ -171,7 +172,14 @@ impl<H: Host> Daemon<H> {
     }
 
     fn thread_evict(&mut self, key: String) -> Result<Changed, Error> {
-        match self.th.threads.check_operator_evict(self.now, &key) {
+        let mut allowed = self.th.threads.check_operator_evict(self.now, &key);
+        if allowed.is_ok() && self.thread_in_use(&key) {
+            // A live run works in it: its workspace is not taken from under it.
+            let until_ms = self.now;
+            let key = key.clone();
+            allowed = Err(ThreadError::Protected { key, until_ms });
+        }
+        match allowed {
             Err(e) => {
                 // A destroy a live registration refuses is journaled (the audit trail).
                 if let ThreadError::Protected { .. } = &e {
@@ -185,6 +193,15 @@ impl<H: Host> Daemon<H> {
                 Ok(Changed::Done(key))
             }
         }
+    }
+
+    /// Whether a live run (granted, releasing or degraded) works in thread `key`.
+    fn thread_in_use(&self, key: &str) -> bool {
+        self.engine.in_flight().iter().any(|v| {
+            self.extras
+                .get(&v.run_id)
+                .is_some_and(|e| e.thread.as_deref() == Some(key))
+        })
     }
 
     /// The thread's workspace, made if it has none (a failure leaves it without one:
