@@ -1,0 +1,219 @@
+use super::*;
+use proptest::prelude::*;
+
+fn policy(pairs: &[(&str, u32)]) -> Policy {
+    pairs.iter().map(|(h, n)| (h.to_string(), *n)).collect()
+}
+
+fn scopes() -> Scopes {
+    let mut s = Scopes::default();
+    s.freeze("exp", Some(&policy(&[("claude", 2), ("codex", 1)])))
+        .unwrap();
+    s
+}
+
+/// B1: the first use freezes the policy; another policy is a conflict naming both; a
+/// later use may leave it out; names and limits are checked.
+#[test]
+fn the_first_policy_is_frozen() {
+    let mut s = scopes();
+    assert_eq!(s.freeze("exp", None), Ok(()));
+    assert_eq!(
+        s.freeze("exp", Some(&policy(&[("claude", 2), ("codex", 1)]))),
+        Ok(())
+    );
+    match s.freeze("exp", Some(&policy(&[("claude", 3)]))) {
+        Err(ScopeError::PolicyConflict { frozen, given, .. }) => {
+            assert_eq!(frozen, policy(&[("claude", 2), ("codex", 1)]));
+            assert_eq!(given, policy(&[("claude", 3)]));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        s.freeze("new", None),
+        Err(ScopeError::Invalid { .. })
+    ));
+    for bad in [
+        policy(&[]),
+        policy(&[("Claude", 1)]),
+        policy(&[("claude", 0)]),
+        policy(&[("claude", 1025)]),
+        policy(&[("1x", 1)]),
+    ] {
+        assert!(
+            matches!(
+                s.freeze("new", Some(&bad)),
+                Err(ScopeError::Invalid {
+                    field: "per_harness",
+                    ..
+                })
+            ),
+            "{bad:?}"
+        );
+    }
+    assert!(s.get("new").is_none(), "a refusal changes nothing");
+}
+
+/// B4: the control state machine, as a table: each row is a request and what it must
+/// give (the scope's state and generation after it, or the refusal's code).
+#[test]
+fn the_control_state_machine() {
+    use Mode::*;
+    type Want = Result<(Control, u64), &'static str>;
+    let rows: &[(&str, Mode, Want)] = &[
+        ("a", Pause, Ok((Control::Paused, 1))),
+        ("b", Resume, Ok((Control::Open, 2))),
+        ("a", Pause, Ok((Control::Paused, 1))), // the same id again: the same receipt
+        ("a", Stop, Err("control_conflict")),   // the same id, another mode
+        ("c", Pause, Ok((Control::Paused, 3))),
+        ("d", Stop, Ok((Control::Stopped, 4))), // pause -> stop
+        ("e", Pause, Err("scope_stopped")),     // pause cannot weaken stop
+        ("f", Resume, Err("scope_stopped")),    // resume never clears a stop
+        ("d", Stop, Ok((Control::Stopped, 4))),
+        ("g", Stop, Ok((Control::Stopped, 5))), // stop again is accepted, still terminal
+    ];
+    let mut s = scopes();
+    for (i, (rid, mode, want)) in rows.iter().enumerate() {
+        let got = s
+            .control(i as u64, "exp", rid, *mode)
+            .map(|r| (r.control, r.generation))
+            .map_err(|e| e.code());
+        assert_eq!(got, *want, "row {i}: {rid} {mode:?}");
+        s.check_invariants().unwrap();
+    }
+    assert!(matches!(
+        s.can_take("exp", "claude"),
+        Err(ScopeError::Stopped { .. })
+    ));
+    assert!(matches!(
+        s.control(0, "exp", "", Pause),
+        Err(ScopeError::Invalid { .. })
+    ));
+}
+
+/// B2/B3/B5: a retry reuses its token; another harness under the same key is refused;
+/// the limit holds; a lapsed owner keeps its token until it is released or reconciled;
+/// a pause stops new tokens but not held ones.
+#[test]
+fn reservations_are_idempotent_and_expiry_never_frees() {
+    let mut s = scopes();
+    assert_eq!(
+        s.reserve(0, "exp", "w1", "op1", "claude", Some("r1")),
+        Ok(Reserved::New)
+    );
+    assert_eq!(
+        s.reserve(1, "exp", "w1", "op1", "claude", Some("r1")),
+        Ok(Reserved::Existing)
+    );
+    assert!(matches!(
+        s.reserve(1, "exp", "w1", "op1", "codex", None),
+        Err(ScopeError::ReservationConflict { .. })
+    ));
+    assert_eq!(s.get("exp").unwrap().holders("claude"), 1);
+    assert_eq!(
+        s.reserve(2, "exp", "w2", "op1", "claude", None),
+        Ok(Reserved::New)
+    );
+    match s.reserve(3, "exp", "w3", "op1", "claude", None) {
+        Err(ScopeError::Full {
+            limit: 2,
+            holders: 2,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        s.reserve(3, "exp", "w3", "op1", "gemini", None),
+        Err(ScopeError::UnknownHarness { .. })
+    ));
+    s.lapse_run("r1");
+    let t = &s.get("exp").unwrap().tokens[&("w1".to_string(), "op1".to_string())];
+    assert!(t.owner_lapsed, "marked, not freed");
+    assert_eq!(s.get("exp").unwrap().holders("claude"), 2);
+    s.control(4, "exp", "p", Mode::Pause).unwrap();
+    assert!(matches!(
+        s.reserve(5, "exp", "w4", "op", "codex", None),
+        Err(ScopeError::Paused { .. })
+    ));
+    assert_eq!(
+        s.reserve(5, "exp", "w2", "op1", "claude", None),
+        Ok(Reserved::Existing),
+        "held ones stay"
+    );
+    assert_eq!(s.reconcile("exp", "w1").unwrap().len(), 1);
+    assert!(s.release("exp", "w1", "op1").is_err(), "already reconciled");
+    assert!(s.release("exp", "w2", "op1").is_ok());
+    assert_eq!(s.get("exp").unwrap().holders("claude"), 0);
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Reserve { owner: u8, op: u8, harness: u8 },
+    Release { owner: u8, op: u8 },
+    Lapse { owner: u8 },
+    Reconcile { owner: u8 },
+    Control { rid: u8, mode: u8 },
+    Restart,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u8..6, 0u8..3, 0u8..3).prop_map(|(owner, op, harness)| Op::Reserve { owner, op, harness }),
+        2 => (0u8..6, 0u8..3).prop_map(|(owner, op)| Op::Release { owner, op }),
+        1 => (0u8..6).prop_map(|owner| Op::Lapse { owner }),
+        1 => (0u8..6).prop_map(|owner| Op::Reconcile { owner }),
+        1 => (0u8..6, 0u8..3).prop_map(|(rid, mode)| Op::Control { rid, mode }),
+        1 => Just(Op::Restart),
+    ]
+}
+
+proptest! {
+    /// Random reservations, releases, lapses, reconciliations, controls and restarts
+    /// never put a harness over its limit, never free a token by a lapse, and move the
+    /// generation by exactly one per accepted new request.
+    #[test]
+    fn limits_hold_and_lapses_never_free(ops in proptest::collection::vec(op(), 1..120)) {
+        let harnesses = ["claude", "codex", "gemini"];
+        let mut s = Scopes::default();
+        s.freeze("x", Some(&policy(&[("claude", 2), ("codex", 1), ("gemini", 3)]))).unwrap();
+        let mut now = 0;
+        for o in ops {
+            now += 1;
+            let before = s.get("x").unwrap().clone();
+            match o {
+                Op::Reserve { owner, op, harness } => {
+                    let (w, p) = (format!("w{owner}"), format!("op{op}"));
+                    let _ = s.reserve(now, "x", &w, &p, harnesses[harness as usize], Some(&format!("r{owner}")));
+                }
+                Op::Release { owner, op } => {
+                    let _ = s.release("x", &format!("w{owner}"), &format!("op{op}"));
+                }
+                Op::Lapse { owner } => {
+                    s.lapse_run(&format!("r{owner}"));
+                    let after = s.get("x").unwrap();
+                    prop_assert_eq!(after.tokens.len(), before.tokens.len(), "a lapse freed a token");
+                }
+                Op::Reconcile { owner } => {
+                    let _ = s.reconcile("x", &format!("w{owner}"));
+                }
+                Op::Control { rid, mode } => {
+                    let mode = [Mode::Pause, Mode::Stop, Mode::Resume][mode as usize];
+                    let fresh = !before.receipts.iter().any(|r| r.request_id == format!("q{rid}"));
+                    let got = s.control(now, "x", &format!("q{rid}"), mode);
+                    let after = s.get("x").unwrap();
+                    let bumped = after.generation - before.generation;
+                    prop_assert_eq!(bumped, u64::from(fresh && got.is_ok()));
+                    if before.control == Control::Stopped {
+                        prop_assert_eq!(after.control, Control::Stopped, "stop is terminal");
+                    }
+                }
+                Op::Restart => {
+                    let all: Vec<Scope> = s.iter().cloned().collect();
+                    s = Scopes::default();
+                    all.into_iter().for_each(|x| s.restore(x));
+                }
+            }
+            s.check_invariants().map_err(TestCaseError::fail)?;
+        }
+    }
+}
