@@ -209,6 +209,12 @@ impl ScopeError {
     }
 }
 
+fn no_scope(id: &str) -> ScopeError {
+    ScopeError::NotFound {
+        what: format!("scope {id}"),
+    }
+}
+
 /// What a reservation did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reserved {
@@ -278,9 +284,7 @@ impl Scopes {
     /// Whether a new token of `harness` may be taken in scope `id` now (B5, the limit):
     /// `Ok` or the reason a run waits (or, once stopped, is refused).
     pub fn can_take(&self, id: &str, harness: &str) -> Result<(), ScopeError> {
-        let s = self.scopes.get(id).ok_or_else(|| ScopeError::NotFound {
-            what: format!("scope {id}"),
-        })?;
+        let s = self.scopes.get(id).ok_or_else(|| no_scope(id))?;
         let limit = *s
             .policy
             .get(harness)
@@ -354,12 +358,7 @@ impl Scopes {
 
     /// B3: an operator frees every token `owner` holds in the scope; returns them.
     pub fn reconcile(&mut self, id: &str, owner: &str) -> Result<Vec<Token>, ScopeError> {
-        let s = self
-            .scopes
-            .get_mut(id)
-            .ok_or_else(|| ScopeError::NotFound {
-                what: format!("scope {id}"),
-            })?;
+        let s = self.scopes.get_mut(id).ok_or_else(|| no_scope(id))?;
         let keys: Vec<_> = s
             .tokens
             .keys()
@@ -396,12 +395,7 @@ impl Scopes {
                 rule: format!("must be 1 to {REQUEST_ID_MAX} characters"),
             });
         }
-        let s = self
-            .scopes
-            .get_mut(id)
-            .ok_or_else(|| ScopeError::NotFound {
-                what: format!("scope {id}"),
-            })?;
+        let s = self.scopes.get_mut(id).ok_or_else(|| no_scope(id))?;
         if let Some(r) = s.receipts.iter().find(|r| r.request_id == request_id) {
             if r.mode != mode {
                 return Err(ScopeError::ControlConflict {

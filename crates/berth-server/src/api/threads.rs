@@ -36,11 +36,9 @@ fn claim(b: &wire::ThreadClaim, budget: bool) -> Result<(Owner, u64), ApiError> 
     Ok((owner, budget_ms))
 }
 
+/// A refusal of the thread rules, as the API says it (one mapping, in error.rs).
 fn invalid(e: ThreadError) -> ApiError {
-    match e {
-        ThreadError::Invalid { field, rule } => ApiError::invalid(field, rule),
-        other => ApiError::invalid("claim", format!("{other:?}")),
-    }
+    crate::daemon::Error::Thread(e).into()
 }
 
 fn check_key(key: &str) -> Result<(), ApiError> {
