@@ -130,6 +130,7 @@ fn request(i: u64) -> Request {
         contract: None,
         ttl_ms: 3_600_000,
         wait_ms: 3_600_000,
+        budget: None,
     }
 }
 

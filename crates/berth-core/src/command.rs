@@ -48,6 +48,28 @@ pub enum Command {
         fingerprint: String,
         commit: Option<String>,
     },
+    /// B2: a turn inside a run reserves a token of `harness`, keyed by (owner,
+    /// operation id): a retry gets the same one. Never queues: a full harness refuses.
+    Reserve {
+        scope: String,
+        owner: String,
+        operation_id: String,
+        harness: String,
+    },
+    /// B3: the owner gives a reservation's token back.
+    Unreserve {
+        scope: String,
+        owner: String,
+        operation_id: String,
+    },
+    /// B3: an operator frees every token `owner` holds in the scope.
+    Reconcile { scope: String, owner: String },
+    /// B4: pause, stop or resume a scope, idempotent by request id.
+    ScopeControl {
+        scope: String,
+        request_id: String,
+        mode: crate::scopes::Mode,
+    },
 }
 
 /// Refusals. Each is a value with a stable code; none changes state.
@@ -90,6 +112,8 @@ pub enum Error {
         run_id: String,
         why: String,
     },
+    /// B1–B5: the budget rules said no.
+    Scope(crate::scopes::ScopeError),
 }
 
 impl Error {
@@ -106,6 +130,7 @@ impl Error {
             Error::QueueFull { .. } => "queue_full",
             Error::ContractDisabled { .. } => "contract_disabled",
             Error::NotEligible { .. } => "not_eligible",
+            Error::Scope(e) => e.code(),
         }
     }
 }
@@ -161,6 +186,7 @@ impl fmt::Display for Error {
                 "project {project}'s .berth.toml says concurrency = \"disabled\": host runs are refused"
             ),
             Error::NotEligible { run_id, why } => write!(f, "run {run_id}: {why}"),
+            Error::Scope(e) => write!(f, "{e}"),
         }
     }
 }
@@ -224,6 +250,35 @@ pub enum Event {
     MemoryStabilized {
         available: u64,
     },
+    /// B1: a scope's policy (and manifest) was frozen by its first admission.
+    ScopeFrozen { scope: String },
+    /// B2: a token was taken (a run's claim, `run_id` set, or a turn's reservation).
+    TokenTaken {
+        scope: String,
+        owner: String,
+        operation: String,
+        harness: String,
+        run_id: Option<String>,
+    },
+    /// B3: a token came back, by its owner's release or an operator's reconciliation.
+    TokenFreed {
+        scope: String,
+        owner: String,
+        operation: String,
+        harness: String,
+        reconciled: bool,
+    },
+    /// B3: the token's owner lapsed; the token stays held.
+    TokenLapsed {
+        scope: String,
+        owner: String,
+        operation: String,
+    },
+    /// B4: an accepted control request (a retry of one makes no event).
+    ScopeControlled {
+        scope: String,
+        receipt: crate::scopes::Receipt,
+    },
 }
 
 impl fmt::Display for Event {
@@ -270,6 +325,36 @@ impl fmt::Display for Event {
             Event::MemoryStabilized { available } => {
                 write!(f, "memory-stabilized {}", fmt_bytes(*available))
             }
+            Event::ScopeFrozen { scope } => write!(f, "scope-frozen {scope}"),
+            Event::TokenTaken {
+                scope,
+                owner,
+                operation,
+                harness,
+                ..
+            } => write!(f, "token-taken {scope} {owner}/{operation} {harness}"),
+            Event::TokenFreed {
+                scope,
+                owner,
+                operation,
+                harness,
+                reconciled,
+            } => write!(
+                f,
+                "token-freed {scope} {owner}/{operation} {harness}{}",
+                if *reconciled { " reconciled" } else { "" }
+            ),
+            Event::TokenLapsed {
+                scope,
+                owner,
+                operation,
+            } => write!(f, "token-lapsed {scope} {owner}/{operation}"),
+            Event::ScopeControlled { scope, receipt } => write!(
+                f,
+                "scope-control {scope} {} gen={}",
+                receipt.mode.as_str(),
+                receipt.generation
+            ),
         }
     }
 }

@@ -6,6 +6,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use crate::command::{Command, Error, Event, Output};
 use crate::config::Config;
 use crate::queue::{Queue, Slot};
+use crate::scopes::{Block, Scope, ScopeError, Scopes};
 use crate::types::{
     fmt_bytes, Class, Concurrency, ConcurrencyClass, ContractInfo, EndCause, Evidence, Fence,
     KeyMode, Priority, Reason, Request, Resources, RunState, RunView, TimeMs,
@@ -106,6 +107,8 @@ pub(crate) enum Blocker {
     },
     /// G4: the host is draining; nothing new is granted until the drain ends.
     Draining,
+    /// B5 / the harness limit: the run's budget token cannot be taken now.
+    Budget(Slot, Block),
 }
 
 #[derive(Clone, Debug)]
@@ -129,6 +132,8 @@ pub struct Engine {
     pub(crate) queues: [Queue; 2],
     /// G4: while set, no waiter is granted (runs already granted go on as before).
     pub(crate) draining: bool,
+    /// B1–B5: experiment budgets; a run's token is part of its claim.
+    pub(crate) scopes: Scopes,
     pub(crate) deadlines: BTreeSet<(TimeMs, Slot)>,
     pub(crate) expiries: BTreeSet<(TimeMs, Slot)>,
     /// Grants whose memory is still `pending` (A2): (settles at, slot, fence).
@@ -228,6 +233,7 @@ impl Engine {
             project_ids: HashMap::new(),
             queues: [Queue::default(), Queue::default()],
             draining: false,
+            scopes: Scopes::default(),
             deadlines: BTreeSet::new(),
             expiries: BTreeSet::new(),
             pending: VecDeque::new(),
@@ -252,8 +258,23 @@ impl Engine {
         now: TimeMs,
         runs: Vec<RestoredRun>,
     ) -> Result<Engine, String> {
+        Engine::restore_with_scopes(cfg, last_fence, now, runs, Vec::new())
+    }
+
+    /// [`Engine::restore`] with the experiment scopes the ledger kept (B1–B5): a live
+    /// run's budget token must be among them, and a waiter's scope too.
+    pub fn restore_with_scopes(
+        cfg: Config,
+        last_fence: Fence,
+        now: TimeMs,
+        runs: Vec<RestoredRun>,
+        scopes: Vec<Scope>,
+    ) -> Result<Engine, String> {
         let mut e = Engine::new(cfg, last_fence)?;
         e.now = now;
+        for s in scopes {
+            e.scopes.restore(s);
+        }
         for r in runs {
             e.restore_one(r)?;
         }
@@ -380,6 +401,28 @@ impl Engine {
         self.now
     }
 
+    /// B1–B6: every scope and its tokens.
+    pub fn scopes(&self) -> &Scopes {
+        &self.scopes
+    }
+
+    /// B6: a scope's waiters in admission order with their positions, at most `limit`.
+    pub fn scope_waiters(&self, scope: &str, limit: usize) -> Vec<RunView> {
+        self.queues[0]
+            .iter()
+            .chain(self.queues[1].iter())
+            .filter(|&(_, s)| {
+                self.run(s)
+                    .req
+                    .budget
+                    .as_ref()
+                    .is_some_and(|b| b.scope == scope)
+            })
+            .take(limit)
+            .map(|(_, s)| self.view(s))
+            .collect()
+    }
+
     /// G4: whether the host is draining.
     pub fn is_draining(&self) -> bool {
         self.draining
@@ -429,6 +472,23 @@ impl Engine {
             Command::RuntimeFailed { run_id, fence } => {
                 self.runtime_failed(&run_id, fence, &mut ev)
             }
+            Command::Reserve {
+                scope,
+                owner,
+                operation_id,
+                harness,
+            } => self.reserve(now, &scope, &owner, &operation_id, &harness, &mut ev),
+            Command::Unreserve {
+                scope,
+                owner,
+                operation_id,
+            } => self.unreserve(&scope, &owner, &operation_id, &mut ev),
+            Command::Reconcile { scope, owner } => self.reconcile(&scope, &owner, &mut ev),
+            Command::ScopeControl {
+                scope,
+                request_id,
+                mode,
+            } => self.scope_control(now, &scope, &request_id, mode, &mut ev),
         };
         // Every command ends with a bounded admission pass: whatever it changed may let
         // someone in, and passes on ticks rotate the window through a deep queue (A6).
@@ -660,7 +720,46 @@ impl Engine {
                 return inv("contract.fingerprint", "must be 1 to 128 characters".into());
             }
         }
+        if let Some(b) = &req.budget {
+            b.check().map_err(Error::Scope)?;
+        }
         Ok(())
+    }
+
+    /// B1, B2, B4: whether a new run's budget may queue at all (nothing changes): the
+    /// policy and manifest match what is frozen, the harness is the policy's, the scope
+    /// is not stopped, and the run's key holds no token of another harness.
+    fn check_budget(&self, run_id: &str, b: &crate::scopes::Budget) -> Result<(), Error> {
+        let sc = &self.scopes;
+        sc.check_freeze(&b.scope, b.per_harness.as_ref(), b.manifest.as_ref())
+            .map_err(Error::Scope)?;
+        let policy = match sc.get(&b.scope) {
+            Some(s) => {
+                if s.control == crate::scopes::Control::Stopped {
+                    return Err(Error::Scope(ScopeError::Stopped {
+                        scope: b.scope.clone(),
+                    }));
+                }
+                &s.policy
+            }
+            None => b.per_harness.as_ref().expect("check_freeze requires it"),
+        };
+        if !policy.contains_key(&b.harness) {
+            return Err(Error::Scope(ScopeError::UnknownHarness {
+                scope: b.scope.clone(),
+                harness: b.harness.clone(),
+            }));
+        }
+        match sc.token(&b.scope, run_id, b.operation()) {
+            Some(t) if t.harness != b.harness => {
+                Err(Error::Scope(ScopeError::ReservationConflict {
+                    scope: b.scope.clone(),
+                    held: t.harness.clone(),
+                    given: b.harness.clone(),
+                }))
+            }
+            _ => Ok(()),
+        }
     }
 
     fn amounts_of(&self, r: &Resources) -> Box<[u64]> {
@@ -718,6 +817,19 @@ impl Engine {
             return Err(Error::QueueFull {
                 max: self.cfg.queue_len_max,
             });
+        }
+        // B1: the last refusal; past it the policy freezes with this admission.
+        if let Some(b) = &req.budget {
+            self.check_budget(&req.run_id, b)?;
+            let frozen = self
+                .scopes
+                .freeze(&b.scope, b.per_harness.as_ref(), b.manifest.as_ref())
+                .map_err(Error::Scope)?;
+            if frozen {
+                ev.push(Event::ScopeFrozen {
+                    scope: b.scope.clone(),
+                });
+            }
         }
 
         // The whole claim is known before queueing (A1): resources and every key.
@@ -947,6 +1059,9 @@ impl Engine {
             (RunState::Releasing | RunState::Degraded, true) => {
                 let cause = self.run(s).cause.expect("stopping run has a cause");
                 self.free_claim(s);
+                if cause == EndCause::Released {
+                    self.give_token_back(s, ev);
+                }
                 self.end(s, cause.terminal_state(), ev);
             }
             (RunState::Releasing, false) => {
@@ -1218,6 +1333,154 @@ impl Engine {
         }
     }
 
+    // ----- budgets (B1-B5) -------------------------------------------------------------
+
+    /// The live run whose claim holds `owner`'s token for `operation` in `scope`, if
+    /// any: that token comes back with the run's release, not on its own (A1).
+    fn claim_holder(&self, scope: &str, owner: &str, operation: &str) -> Option<String> {
+        let t = self.scopes.token(scope, owner, operation)?;
+        let run_id = t.run_id.as_deref()?;
+        let s = *self.by_id.get(run_id)?;
+        let r = self.run(s);
+        let own = r
+            .req
+            .budget
+            .as_deref()
+            .is_some_and(|b| b.scope == scope && b.operation() == operation);
+        (own && r.req.run_id == owner && r.state.holds_claim()).then(|| run_id.to_string())
+    }
+
+    /// B2: a turn's reservation. Never queues: a full harness, a paused or stopped
+    /// scope is refused at once (the caller retries with the same key).
+    fn reserve(
+        &mut self,
+        now: TimeMs,
+        scope: &str,
+        owner: &str,
+        operation: &str,
+        harness: &str,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        crate::scopes::check_id("owner", owner).map_err(Error::Scope)?;
+        crate::scopes::check_id("operation_id", operation).map_err(Error::Scope)?;
+        crate::scopes::check_harness(harness).map_err(|rule| {
+            Error::Scope(ScopeError::Invalid {
+                field: "harness",
+                rule,
+            })
+        })?;
+        let taken = self
+            .scopes
+            .reserve(now, scope, owner, operation, harness, None)
+            .map_err(Error::Scope)?;
+        if taken == crate::scopes::Reserved::New {
+            ev.push(Event::TokenTaken {
+                scope: scope.to_string(),
+                owner: owner.to_string(),
+                operation: operation.to_string(),
+                harness: harness.to_string(),
+                run_id: None,
+            });
+        }
+        Ok(None)
+    }
+
+    /// B3: the owner gives a token back; a live run's own token comes back only with
+    /// the run.
+    fn unreserve(
+        &mut self,
+        scope: &str,
+        owner: &str,
+        operation: &str,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        if let Some(run_id) = self.claim_holder(scope, owner, operation) {
+            let scope = scope.to_string();
+            return Err(Error::Scope(ScopeError::InUse { scope, run_id }));
+        }
+        let t = self
+            .scopes
+            .release(scope, owner, operation)
+            .map_err(Error::Scope)?;
+        ev.push(Event::TokenFreed {
+            scope: scope.to_string(),
+            owner: owner.to_string(),
+            operation: operation.to_string(),
+            harness: t.harness,
+            reconciled: false,
+        });
+        Ok(None)
+    }
+
+    /// B3: an operator frees every token `owner` holds in the scope, all or none: a
+    /// live run's own token is refused (its release gives it back).
+    fn reconcile(
+        &mut self,
+        scope: &str,
+        owner: &str,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        crate::scopes::check_id("owner", owner).map_err(Error::Scope)?;
+        for (op, _) in self.scopes.owner_operations(scope, owner) {
+            if let Some(run_id) = self.claim_holder(scope, owner, &op) {
+                let scope = scope.to_string();
+                return Err(Error::Scope(ScopeError::InUse { scope, run_id }));
+            }
+        }
+        for (operation, t) in self.scopes.reconcile(scope, owner).map_err(Error::Scope)? {
+            ev.push(Event::TokenFreed {
+                scope: scope.to_string(),
+                owner: owner.to_string(),
+                operation,
+                harness: t.harness,
+                reconciled: true,
+            });
+        }
+        Ok(None)
+    }
+
+    /// B4: a control request. Once a scope stops, its waiters are refused at once
+    /// (ended `rejected`); the runs holding tokens keep them.
+    fn scope_control(
+        &mut self,
+        now: TimeMs,
+        scope: &str,
+        request_id: &str,
+        mode: crate::scopes::Mode,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        let before = self.scopes.get(scope).map(|s| s.generation);
+        let receipt = self
+            .scopes
+            .control(now, scope, request_id, mode)
+            .map_err(Error::Scope)?;
+        if before == Some(receipt.generation) {
+            return Ok(None); // a retry: the same receipt, nothing changed
+        }
+        let stopped = receipt.control == crate::scopes::Control::Stopped;
+        ev.push(Event::ScopeControlled {
+            scope: scope.to_string(),
+            receipt,
+        });
+        if stopped {
+            let waiters: Vec<Slot> = self
+                .queues
+                .iter()
+                .flat_map(|q| q.iter())
+                .map(|(_, s)| s)
+                .filter(|&s| {
+                    let b = self.run(s).req.budget.as_deref();
+                    b.is_some_and(|b| b.scope == scope)
+                })
+                .collect();
+            for s in waiters {
+                self.unqueue(s);
+                self.end(s, RunState::Rejected, ev);
+            }
+        }
+        Ok(None)
+    }
+
     // ----- transitions ----------------------------------------------------------------
 
     fn lookup(&self, run_id: &str) -> Result<Slot, Error> {
@@ -1256,6 +1519,66 @@ impl Engine {
             run_id: self.run(s).req.run_id.clone(),
             cause,
         });
+        // B3: a lapsed lease stops the run, but its owner's tokens stay held, marked.
+        if cause == EndCause::Expired {
+            let run = self.run(s);
+            if let Some(b) = &run.req.budget {
+                let (scope, owner) = (b.scope.clone(), run.req.run_id.clone());
+                for operation in self.scopes.lapse_owner(&scope, &owner) {
+                    ev.push(Event::TokenLapsed {
+                        scope: scope.clone(),
+                        owner: owner.clone(),
+                        operation,
+                    });
+                }
+            }
+        }
+    }
+
+    /// B2: the granted run's token, taken in the step that grants it (A1). Its key may
+    /// hold one already (a run id's earlier incarnation): that one is reused.
+    fn take_token(&mut self, s: Slot, now: TimeMs, ev: &mut Vec<Event>) {
+        // The run's slot and the scopes are separate fields: borrowed apart.
+        let run = self.runs[s as usize].as_deref().expect("live slot");
+        let Some(b) = run.req.budget.as_deref() else {
+            return;
+        };
+        let (owner, op) = (run.req.run_id.as_str(), b.operation());
+        let taken = self
+            .scopes
+            .reserve(now, &b.scope, owner, op, &b.harness, Some(owner))
+            .expect("blocker() let the token through");
+        if taken == crate::scopes::Reserved::Existing {
+            self.scopes.adopt(&b.scope, owner, op, owner);
+        }
+        ev.push(Event::TokenTaken {
+            scope: b.scope.clone(),
+            owner: owner.to_string(),
+            operation: op.to_string(),
+            harness: b.harness.clone(),
+            run_id: Some(owner.to_string()),
+        });
+    }
+
+    /// B3: the run's owner released it: its own token comes back with its claim. (A
+    /// lapsed run keeps it: only its owner's explicit release or a reconciliation
+    /// frees it.)
+    fn give_token_back(&mut self, s: Slot, ev: &mut Vec<Event>) {
+        let run = self.run(s);
+        let Some(b) = run.req.budget.as_deref() else {
+            return;
+        };
+        let (owner, op) = (run.req.run_id.clone(), b.operation().to_string());
+        let scope = b.scope.clone();
+        if let Ok(t) = self.scopes.release(&scope, &owner, &op) {
+            ev.push(Event::TokenFreed {
+                scope,
+                owner,
+                operation: op,
+                harness: t.harness,
+                reconciled: false,
+            });
+        }
     }
 
     /// Returns everything a run holds to the host: resources, keys, pending memory.
@@ -1331,6 +1654,12 @@ impl Engine {
         let run = self.run(s);
         if run.req.priority == Priority::Background && !self.queues[0].is_empty() {
             return Some(Blocker::ForegroundWaiting);
+        }
+        if let Some(b) = &run.req.budget {
+            let owner = &run.req.run_id;
+            if let Some(block) = self.scopes.blocked(&b.scope, &b.harness, owner, b.operation()) {
+                return Some(Blocker::Budget(s, block));
+            }
         }
         for &(k, mode) in &run.keys {
             let ks = self.key(k);
@@ -1417,6 +1746,18 @@ impl Engine {
         for &(hk, hm) in &h.keys {
             for &(ck, cm) in &c.keys {
                 if hk == ck && (hm == KeyMode::Exclusive || cm == KeyMode::Exclusive) {
+                    return false;
+                }
+            }
+        }
+        // B2: a token of the head's harness must still be left for the head.
+        if let (Some(hb), Some(cb)) = (&h.req.budget, &c.req.budget) {
+            if hb.scope == cb.scope && hb.harness == cb.harness {
+                let left = self.scopes.get(&hb.scope).map_or(0, |sc| {
+                    let limit = sc.policy.get(&hb.harness).copied().unwrap_or(0) as usize;
+                    limit.saturating_sub(sc.holders(&hb.harness))
+                });
+                if left < 2 {
                     return false;
                 }
             }
@@ -1541,6 +1882,7 @@ impl Engine {
             self.pending_memory += amounts[MEMORY];
             self.pending.push_back((settle, s, fence));
         }
+        self.take_token(s, now, ev);
         let run = self.run_mut(s);
         run.fence = Some(fence);
         run.granted_at = now;
@@ -1704,6 +2046,26 @@ impl Engine {
                     fmt_bytes(self.cfg.memory_reserve)
                 ),
             ),
+            Blocker::Budget(s, block) => {
+                let b = self.run(s).req.budget.as_deref().expect("a budget blocks");
+                match block {
+                    Block::Full { limit, holders } => (
+                        "budget.full".into(),
+                        format!(
+                            "scope {}: {holders} of {limit} {} tokens are held",
+                            b.scope, b.harness
+                        ),
+                    ),
+                    Block::Paused => (
+                        "scope.paused".into(),
+                        format!("scope {} is paused: no new token until it resumes", b.scope),
+                    ),
+                    Block::Stopped => (
+                        "scope.stopped".into(),
+                        format!("scope {} is stopped: it never admits again", b.scope),
+                    ),
+                }
+            }
             Blocker::Draining => (
                 "host.draining".into(),
                 "the host is draining: nothing new is granted until the drain ends".into(),

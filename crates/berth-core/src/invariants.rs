@@ -263,6 +263,38 @@ impl Engine {
                 [st.waiting, st.active, st.degraded]
             );
         }
+        self.check_budgets()?;
+        Ok(())
+    }
+
+    /// B1–B5: the scopes' own rules hold (no harness over its limit, counts match the
+    /// tokens), every run holding a claim with a budget holds its token, and every
+    /// waiter's scope is frozen and not stopped.
+    fn check_budgets(&self) -> Result<(), String> {
+        self.scopes.check_invariants()?;
+        for run in self.runs.iter().flatten() {
+            let Some(b) = run.req.budget.as_deref() else {
+                continue;
+            };
+            let id = &run.req.run_id;
+            let scope = self.scopes.get(&b.scope);
+            ensure!(scope.is_some(), "run {id}: scope {} is not frozen", b.scope);
+            if run.state.holds_claim() {
+                let t = self.scopes.token(&b.scope, id, b.operation());
+                ensure!(
+                    t.is_some_and(|t| t.harness == b.harness && t.run_id.as_deref() == Some(id)),
+                    "run {id} holds its claim without its {} token",
+                    b.harness
+                );
+            }
+            if run.state == RunState::Queued {
+                ensure!(
+                    scope.is_some_and(|s| s.control != crate::scopes::Control::Stopped),
+                    "run {id} waits in stopped scope {}",
+                    b.scope
+                );
+            }
+        }
         Ok(())
     }
 }

@@ -2,11 +2,13 @@
 //! policy, idempotent token reservations keyed by (owner, operation id), and the
 //! pause/stop/resume control with its gap-free generation and receipts.
 //!
-//! Nothing here reads a clock or touches a file: time comes in as an argument. Not yet
-//! wired into the daemon (issue "Experiment budgets"); the engine's claim will ask
-//! [`Scopes::can_take`] for a run's token and [`Scopes::reserve`] it in the same step.
+//! Nothing here reads a clock or touches a file: time comes in as an argument. The
+//! engine owns one [`Scopes`]: a run's claim asks [`Scopes::blocked`] for its token and
+//! [`Scopes::reserve`]s it in the step that grants the run (A1: all or nothing).
 
 use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
 
 use crate::types::TimeMs;
 
@@ -19,6 +21,17 @@ pub const REQUEST_ID_MAX: usize = 256;
 /// Receipts a scope remembers (B4): a retry older than this many accepted requests is
 /// refused as unknown rather than kept forever.
 pub const RECEIPTS_MAX: usize = 1_024;
+/// Scopes one host remembers: bounds the engine's memory and a listing.
+pub const SCOPES_MAX: usize = 4_096;
+/// A manifest's path, in bytes.
+pub const MANIFEST_PATH_MAX: usize = 4_096;
+/// Execution ids one manifest may name.
+pub const MANIFEST_IDS_MAX: usize = 4_096;
+/// An owner's or operation id's length (B2); the run id rule's characters.
+pub const OWNER_MAX: usize = 128;
+/// The operation a run's own token is reserved under when its budget names none.
+pub const RUN_OPERATION: &str = "run";
+
 /// Tokens one scope may hold at once: the sum of its limits is at most
 /// `HARNESSES_MAX × HARNESS_LIMIT_MAX`, and this bound is that.
 pub const TOKENS_MAX: usize = HARNESSES_MAX * HARNESS_LIMIT_MAX as usize;
@@ -45,6 +58,98 @@ pub fn check_harness(name: &str) -> Result<(), String> {
 
 /// A scope's frozen policy: a limit per harness (B1).
 pub type Policy = BTreeMap<String, u32>;
+
+/// B1: the experiment's frozen manifest, attached at a scope's first use.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub path: String,
+    /// Lower-case hex SHA-256 of the manifest file.
+    pub sha256: String,
+    pub execution_ids: Vec<String>,
+}
+
+/// B1/B2: what a run's acquire says of its budget. `per_harness` (and `manifest`) are
+/// required the first time a scope is used and must match whenever they are given.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Budget {
+    pub scope: String,
+    pub harness: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub per_harness: Option<Policy>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<Manifest>,
+}
+
+impl Budget {
+    /// The operation the run's token is reserved under (its owner is the run).
+    pub fn operation(&self) -> &str {
+        self.operation_id.as_deref().unwrap_or(RUN_OPERATION)
+    }
+
+    /// Every field's syntax, each refusal naming its field.
+    pub fn check(&self) -> Result<(), ScopeError> {
+        check_scope_id(&self.scope)?;
+        check_harness(&self.harness).map_err(|rule| ScopeError::Invalid {
+            field: "budget.harness",
+            rule,
+        })?;
+        if let Some(op) = &self.operation_id {
+            check_id("budget.operation_id", op)?;
+        }
+        if let Some(p) = &self.per_harness {
+            check_policy(p)?;
+        }
+        if let Some(m) = &self.manifest {
+            check_manifest(m)?;
+        }
+        Ok(())
+    }
+}
+
+/// A scope id, an owner or an operation id: the run id rule (1 to 128 of
+/// `[A-Za-z0-9._:-]`), so each is safe in a path, a log line and a ledger key.
+pub fn check_id(field: &'static str, id: &str) -> Result<(), ScopeError> {
+    crate::validate::run_id(id).map_err(|rule| ScopeError::Invalid { field, rule })
+}
+
+fn check_scope_id(id: &str) -> Result<(), ScopeError> {
+    check_id("scope", id)
+}
+
+/// B1: a manifest's fields, checked.
+pub fn check_manifest(m: &Manifest) -> Result<(), ScopeError> {
+    let bad = |field: &'static str, rule: String| Err(ScopeError::Invalid { field, rule });
+    if m.path.is_empty() || m.path.len() > MANIFEST_PATH_MAX || m.path.contains('\0') {
+        return bad(
+            "manifest.path",
+            format!("must be 1 to {MANIFEST_PATH_MAX} bytes without NUL"),
+        );
+    }
+    if m.sha256.len() != 64
+        || !m
+            .sha256
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        return bad("manifest.sha256", "must be 64 lower-case hex digits".into());
+    }
+    if m.execution_ids.len() > MANIFEST_IDS_MAX {
+        return bad(
+            "manifest.execution_ids",
+            format!("at most {MANIFEST_IDS_MAX} entries"),
+        );
+    }
+    for id in &m.execution_ids {
+        if let Err(rule) = crate::validate::run_id(id) {
+            return bad("manifest.execution_ids", format!("{id:?}: {rule}"));
+        }
+    }
+    Ok(())
+}
 
 /// B1: a policy's fields, checked.
 pub fn check_policy(p: &Policy) -> Result<(), ScopeError> {
@@ -123,6 +228,7 @@ pub struct Token {
 pub struct Scope {
     pub id: String,
     pub policy: Policy,
+    pub manifest: Option<Manifest>,
     pub control: Control,
     /// Bumped by exactly one per accepted control request (B4).
     pub generation: u64,
@@ -130,16 +236,52 @@ pub struct Scope {
     pub receipts: Vec<Receipt>,
     /// Tokens held, by (owner, operation id).
     pub tokens: BTreeMap<(String, String), Token>,
+    /// Tokens held per harness: derived from `tokens` (recounted by
+    /// [`Scopes::restore`], checked by `check_invariants`), so an admission pass asks
+    /// for a count without walking the tokens.
+    pub held: BTreeMap<String, u32>,
 }
 
 impl Scope {
+    /// A scope frozen now with this policy and manifest: open, generation 0.
+    pub fn new(id: &str, policy: Policy, manifest: Option<Manifest>) -> Scope {
+        Scope {
+            id: id.into(),
+            policy,
+            manifest,
+            control: Control::Open,
+            generation: 0,
+            receipts: Vec::new(),
+            tokens: BTreeMap::new(),
+            held: BTreeMap::new(),
+        }
+    }
+
     /// Tokens held of `harness`.
     pub fn holders(&self, harness: &str) -> usize {
-        self.tokens
-            .values()
-            .filter(|t| t.harness == harness)
-            .count()
+        self.held.get(harness).copied().unwrap_or(0) as usize
     }
+
+    fn count(&mut self, harness: &str, up: bool) {
+        let n = self.held.entry(harness.to_string()).or_insert(0);
+        if up {
+            *n += 1;
+        } else {
+            *n -= 1;
+        }
+        if *n == 0 {
+            self.held.remove(harness);
+        }
+    }
+}
+
+/// Why a run's token cannot be taken now (rendered into a reason on demand only: an
+/// admission pass never formats strings).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Block {
+    Paused,
+    Stopped,
+    Full { limit: u32, holders: u32 },
 }
 
 /// Refusals; none changes anything.
@@ -150,6 +292,21 @@ pub enum ScopeError {
         scope: String,
         frozen: Policy,
         given: Policy,
+    },
+    /// B1: the scope's frozen manifest differs.
+    ManifestChanged {
+        scope: String,
+        frozen: Option<Manifest>,
+        given: Manifest,
+    },
+    /// B3: the token is part of a live run's claim: the run's release gives it back.
+    InUse {
+        scope: String,
+        run_id: String,
+    },
+    /// `SCOPES_MAX` scopes are remembered already.
+    TooMany {
+        max: usize,
     },
     /// The harness is not in the scope's policy.
     UnknownHarness {
@@ -197,6 +354,9 @@ impl ScopeError {
     pub fn code(&self) -> &'static str {
         match self {
             ScopeError::PolicyConflict { .. } => "budget_conflict",
+            ScopeError::ManifestChanged { .. } => "scope_manifest_changed",
+            ScopeError::InUse { .. } => "token_in_use",
+            ScopeError::TooMany { .. } => "scopes_full",
             ScopeError::UnknownHarness { .. } => "unknown_harness",
             ScopeError::ReservationConflict { .. } => "reservation_conflict",
             ScopeError::ControlConflict { .. } => "control_conflict",
@@ -209,10 +369,88 @@ impl ScopeError {
     }
 }
 
+impl std::fmt::Display for ScopeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let show = |p: &Policy| {
+            p.iter()
+                .map(|(h, n)| format!("{h}={n}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        match self {
+            ScopeError::PolicyConflict { scope, frozen, given } => write!(
+                f,
+                "scope {scope}'s policy is frozen as {{{}}}; this request gives {{{}}} (B1)",
+                show(frozen),
+                show(given)
+            ),
+            ScopeError::ManifestChanged { scope, frozen, given } => write!(
+                f,
+                "scope {scope}'s manifest is frozen as {}; this request gives {} sha256 {} (B1)",
+                frozen.as_ref().map_or("none".to_string(), |m| format!(
+                    "{} sha256 {}",
+                    m.path, m.sha256
+                )),
+                given.path,
+                given.sha256
+            ),
+            ScopeError::InUse { scope, run_id } => write!(
+                f,
+                "the token in scope {scope} is part of live run {run_id}'s claim: release the run (B3)"
+            ),
+            ScopeError::TooMany { max } => write!(f, "berth remembers its maximum of {max} scopes"),
+            ScopeError::UnknownHarness { scope, harness } => write!(
+                f,
+                "budget.harness: {harness} is not in scope {scope}'s policy"
+            ),
+            ScopeError::ReservationConflict { scope, held, given } => write!(
+                f,
+                "this (owner, operation_id) holds a {held} token in scope {scope}; it cannot also reserve {given} (B2)"
+            ),
+            ScopeError::ControlConflict {
+                scope,
+                request_id,
+                accepted,
+            } => write!(
+                f,
+                "request_id {request_id} was accepted for scope {scope} as {}; it cannot mean another mode (B4)",
+                accepted.as_str()
+            ),
+            ScopeError::Stopped { scope } => {
+                write!(f, "scope {scope} is stopped: it never admits again (B4)")
+            }
+            ScopeError::Paused { scope } => {
+                write!(f, "scope {scope} is paused: no new token until it resumes (B5)")
+            }
+            ScopeError::Full {
+                scope,
+                harness,
+                limit,
+                holders,
+            } => write!(
+                f,
+                "scope {scope}: {holders} of {limit} {harness} tokens are held"
+            ),
+            ScopeError::NotFound { what } => write!(f, "{what} is not known"),
+            ScopeError::Invalid { field, rule } => write!(f, "{field}: {rule}"),
+        }
+    }
+}
+
 fn no_scope(id: &str) -> ScopeError {
     ScopeError::NotFound {
         what: format!("scope {id}"),
     }
+}
+
+/// The keys `owner` holds in `s`: a range of the ordered map, not a walk of it.
+fn owner_keys(s: &Scope, owner: &str) -> Vec<(String, String)> {
+    let from = (owner.to_string(), String::new());
+    s.tokens
+        .range(from..)
+        .take_while(|((o, _), _)| o == owner)
+        .map(|(k, _)| k.clone())
+        .collect()
 }
 
 /// What a reservation did.
@@ -238,19 +476,34 @@ impl Scopes {
         self.scopes.values()
     }
 
-    /// Back from the ledger.
-    pub fn restore(&mut self, s: Scope) {
+    pub fn len(&self) -> usize {
+        self.scopes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.scopes.is_empty()
+    }
+
+    /// Back from the ledger; the per-harness counts are recounted from the tokens.
+    pub fn restore(&mut self, mut s: Scope) {
+        s.held.clear();
+        let harnesses: Vec<String> = s.tokens.values().map(|t| t.harness.clone()).collect();
+        for h in harnesses {
+            s.count(&h, true);
+        }
         self.scopes.insert(s.id.clone(), s);
     }
 
-    /// B1: the scope's policy, frozen at its first use. `given` must match it whenever
-    /// it is given, and is required the first time.
-    pub fn freeze(&mut self, id: &str, given: Option<&Policy>) -> Result<(), ScopeError> {
-        if let Err(rule) = crate::validate::run_id(id) {
-            return Err(ScopeError::Invalid {
-                field: "scope",
-                rule,
-            });
+    /// B1: whether `freeze` would accept this (nothing changes).
+    pub fn check_freeze(
+        &self,
+        id: &str,
+        given: Option<&Policy>,
+        manifest: Option<&Manifest>,
+    ) -> Result<(), ScopeError> {
+        check_scope_id(id)?;
+        if let Some(m) = manifest {
+            check_manifest(m)?;
         }
         match (self.scopes.get(id), given) {
             (Some(s), Some(g)) if s.policy != *g => Err(ScopeError::PolicyConflict {
@@ -258,27 +511,66 @@ impl Scopes {
                 frozen: s.policy.clone(),
                 given: g.clone(),
             }),
-            (Some(_), _) => Ok(()),
+            (Some(s), _) => match manifest {
+                Some(m) if s.manifest.as_ref() != Some(m) => Err(ScopeError::ManifestChanged {
+                    scope: id.into(),
+                    frozen: s.manifest.clone(),
+                    given: m.clone(),
+                }),
+                _ => Ok(()),
+            },
             (None, None) => Err(ScopeError::Invalid {
                 field: "per_harness",
                 rule: format!("is required the first time scope {id} is used"),
             }),
-            (None, Some(g)) => {
-                check_policy(g)?;
-                self.scopes.insert(
-                    id.into(),
-                    Scope {
-                        id: id.into(),
-                        policy: g.clone(),
-                        control: Control::Open,
-                        generation: 0,
-                        receipts: Vec::new(),
-                        tokens: BTreeMap::new(),
-                    },
-                );
-                Ok(())
+            (None, Some(_)) if self.scopes.len() >= SCOPES_MAX => {
+                Err(ScopeError::TooMany { max: SCOPES_MAX })
             }
+            (None, Some(g)) => check_policy(g),
         }
+    }
+
+    /// B1: the scope's policy (and manifest), frozen at its first use. `given` must
+    /// match it whenever it is given, and is required the first time. True if this
+    /// froze a new scope.
+    pub fn freeze(
+        &mut self,
+        id: &str,
+        given: Option<&Policy>,
+        manifest: Option<&Manifest>,
+    ) -> Result<bool, ScopeError> {
+        self.check_freeze(id, given, manifest)?;
+        if self.scopes.contains_key(id) {
+            return Ok(false);
+        }
+        let policy = given.expect("check_freeze requires it").clone();
+        self.scopes
+            .insert(id.into(), Scope::new(id, policy, manifest.cloned()));
+        Ok(true)
+    }
+
+    /// B5 and the limit, without allocating: why `owner`/`operation` cannot take a
+    /// token of `harness` now. A key that already holds one of that harness needs no
+    /// new token (B2), but a paused or stopped scope admits nothing.
+    pub fn blocked(&self, id: &str, harness: &str, owner: &str, operation: &str) -> Option<Block> {
+        let Some(s) = self.scopes.get(id) else {
+            return Some(Block::Stopped);
+        };
+        match s.control {
+            Control::Stopped => return Some(Block::Stopped),
+            Control::Paused => return Some(Block::Paused),
+            Control::Open => {}
+        }
+        if s
+            .tokens
+            .get(&(owner.to_string(), operation.to_string()))
+            .is_some_and(|t| t.harness == harness)
+        {
+            return None;
+        }
+        let limit = s.policy.get(harness).copied().unwrap_or(0);
+        let holders = s.holders(harness) as u32;
+        (holders >= limit).then_some(Block::Full { limit, holders })
     }
 
     /// Whether a new token of `harness` may be taken in scope `id` now (B5, the limit):
@@ -307,6 +599,14 @@ impl Scopes {
             });
         }
         Ok(())
+    }
+
+    /// B2: the token `owner` holds for `operation`, if any.
+    pub fn token(&self, id: &str, owner: &str, operation: &str) -> Option<&Token> {
+        self.scopes
+            .get(id)?
+            .tokens
+            .get(&(owner.to_string(), operation.to_string()))
     }
 
     /// B2: reserves a token keyed by (owner, operation). A retry gets the same one and
@@ -342,41 +642,85 @@ impl Scopes {
                 owner_lapsed: false,
             },
         );
+        s.count(harness, true);
         Ok(Reserved::New)
+    }
+
+    /// A run takes back the token its key already holds (B2: a retry reuses it): it is
+    /// the run's now, and its owner is no longer lapsed.
+    pub fn adopt(&mut self, id: &str, owner: &str, operation: &str, run_id: &str) {
+        let key = (owner.to_string(), operation.to_string());
+        if let Some(t) = self.scopes.get_mut(id).and_then(|s| s.tokens.get_mut(&key)) {
+            t.run_id = Some(run_id.to_string());
+            t.owner_lapsed = false;
+        }
     }
 
     /// B3: the owner gives its token back (the only way, with `reconcile`).
     pub fn release(&mut self, id: &str, owner: &str, operation: &str) -> Result<Token, ScopeError> {
         let key = (owner.to_string(), operation.to_string());
-        self.scopes
-            .get_mut(id)
-            .and_then(|s| s.tokens.remove(&key))
+        let s = self.scopes.get_mut(id);
+        let t = s
+            .and_then(|s| {
+                let t = s.tokens.remove(&key)?;
+                s.count(&t.harness, false);
+                Some(t)
+            })
             .ok_or_else(|| ScopeError::NotFound {
                 what: format!("reservation {owner}/{operation} in scope {id}"),
-            })
+            })?;
+        Ok(t)
     }
 
-    /// B3: an operator frees every token `owner` holds in the scope; returns them.
-    pub fn reconcile(&mut self, id: &str, owner: &str) -> Result<Vec<Token>, ScopeError> {
+    /// B3: an operator frees every token `owner` holds in the scope; returns them with
+    /// their operation ids.
+    pub fn reconcile(
+        &mut self,
+        id: &str,
+        owner: &str,
+    ) -> Result<Vec<(String, Token)>, ScopeError> {
         let s = self.scopes.get_mut(id).ok_or_else(|| no_scope(id))?;
-        let keys: Vec<_> = s
-            .tokens
-            .keys()
-            .filter(|(o, _)| o == owner)
-            .cloned()
-            .collect();
-        Ok(keys.iter().filter_map(|k| s.tokens.remove(k)).collect())
+        let keys = owner_keys(s, owner);
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            if let Some(t) = s.tokens.remove(&k) {
+                s.count(&t.harness, false);
+                out.push((k.1, t));
+            }
+        }
+        Ok(out)
     }
 
-    /// B3: a run's lease lapsed: its tokens stay held, marked `owner_lapsed`.
-    pub fn lapse_run(&mut self, run_id: &str) {
-        for s in self.scopes.values_mut() {
-            for t in s.tokens.values_mut() {
-                if t.run_id.as_deref() == Some(run_id) {
+    /// The operations `owner` holds tokens for in scope `id`, in order.
+    pub fn owner_operations(&self, id: &str, owner: &str) -> Vec<(String, Token)> {
+        match self.scopes.get(id) {
+            Some(s) => owner_keys(s, owner)
+                .into_iter()
+                .map(|k| {
+                    let t = s.tokens[&k].clone();
+                    (k.1, t)
+                })
+                .collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// B3: `owner`'s lease lapsed: its tokens in scope `id` stay held, marked
+    /// `owner_lapsed`. Returns the operations newly marked.
+    pub fn lapse_owner(&mut self, id: &str, owner: &str) -> Vec<String> {
+        let Some(s) = self.scopes.get_mut(id) else {
+            return Vec::new();
+        };
+        let mut marked = Vec::new();
+        for k in owner_keys(s, owner) {
+            if let Some(t) = s.tokens.get_mut(&k) {
+                if !t.owner_lapsed {
                     t.owner_lapsed = true;
+                    marked.push(k.1);
                 }
             }
         }
+        marked
     }
 
     /// B4: a control request. The same request id again returns its receipt; with
@@ -433,7 +777,20 @@ impl Scopes {
     /// What must always hold: no harness over its limit, tokens only of the policy's
     /// harnesses, generations equal to the receipts accepted (while none was dropped).
     pub fn check_invariants(&self) -> Result<(), String> {
+        if self.scopes.len() > SCOPES_MAX {
+            return Err(format!("{} scopes", self.scopes.len()));
+        }
         for s in self.scopes.values() {
+            let mut counted: BTreeMap<String, u32> = BTreeMap::new();
+            for t in s.tokens.values() {
+                *counted.entry(t.harness.clone()).or_insert(0) += 1;
+            }
+            if counted != s.held {
+                return Err(format!(
+                    "scope {}: counts {:?}, tokens say {counted:?}",
+                    s.id, s.held
+                ));
+            }
             for (h, &limit) in &s.policy {
                 let n = s.holders(h);
                 if n > limit as usize {

@@ -142,6 +142,9 @@ pub struct Request {
     pub contract: Option<ContractInfo>,
     pub ttl_ms: u64,
     pub wait_ms: u64,
+    /// B1/B2: the experiment budget whose token is part of the claim (boxed: most
+    /// runs have none, and a `Request` is kept for every run berth remembers).
+    pub budget: Option<Box<crate::scopes::Budget>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

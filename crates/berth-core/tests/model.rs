@@ -543,6 +543,7 @@ fn arb_request() -> impl Strategy<Value = Request> {
                     contract: None,
                     ttl_ms: ttl * 1000,
                     wait_ms: wait * 1000,
+                    budget: None,
                 }
             },
         )

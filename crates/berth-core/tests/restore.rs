@@ -19,6 +19,7 @@ fn req(id: &str, project: &str, mem_gib: u64, prio: Priority) -> Request {
         contract: None,
         ttl_ms: 60_000,
         wait_ms: 600_000,
+        budget: None,
     }
 }
 

@@ -116,6 +116,45 @@ fn request(id: &str, kv: &BTreeMap<String, String>, named: &[(String, u64)]) -> 
         contract: g("contract").map(contract),
         ttl_ms: g("ttl").map_or(60_000, dur),
         wait_ms: g("wait").map_or(600_000, dur),
+        budget: g("budget").map(|v| Box::new(budget(v, g("policy"), g("op")))),
+    }
+}
+
+/// `budget=scope:harness`, with `policy=claude:2,codex:1` and `op=ID` (B1, B2).
+fn budget(v: &str, policy: Option<&str>, op: Option<&str>) -> scopes::Budget {
+    let (scope, harness) = v.split_once(':').expect("budget=scope:harness");
+    scopes::Budget {
+        scope: scope.to_string(),
+        harness: harness.to_string(),
+        operation_id: op.map(str::to_string),
+        per_harness: policy.map(|p| {
+            p.split(',')
+                .map(|x| {
+                    let (h, n) = x.split_once(':').expect("policy=harness:limit,...");
+                    (h.to_string(), n.parse().unwrap())
+                })
+                .collect()
+        }),
+        manifest: None,
+    }
+}
+
+/// `scope ID`: the scope's control, generation and tokens (B6).
+fn show_scope(out: &mut String, e: &Engine, id: &str) {
+    let Some(s) = e.scopes().get(id) else {
+        writeln!(out, "  = no scope").unwrap();
+        return;
+    };
+    writeln!(out, "  = scope {id} {:?} gen={}", s.control, s.generation).unwrap();
+    for ((owner, op), t) in &s.tokens {
+        write!(out, "  | {owner}/{op} {}", t.harness).unwrap();
+        if t.owner_lapsed {
+            write!(out, " owner_lapsed").unwrap();
+        }
+        out.push('\n');
+    }
+    for v in e.scope_waiters(id, 100) {
+        show_view(out, &v);
     }
 }
 
@@ -210,6 +249,10 @@ pub fn run_script(script: &str) -> String {
                 show_snapshot(&mut out, &e.snapshot());
                 continue;
             }
+            "scope" => {
+                show_scope(&mut out, e, words[1]);
+                continue;
+            }
             "at" => {}
             other => panic!("unknown directive {other}"),
         }
@@ -262,6 +305,31 @@ pub fn run_script(script: &str) -> String {
                     commit: c.commit,
                 }
             }
+            "reserve" => Command::Reserve {
+                scope: id(),
+                owner: kv["owner"].clone(),
+                operation_id: kv["op"].clone(),
+                harness: kv["harness"].clone(),
+            },
+            "unreserve" => Command::Unreserve {
+                scope: id(),
+                owner: kv["owner"].clone(),
+                operation_id: kv["op"].clone(),
+            },
+            "reconcile" => Command::Reconcile {
+                scope: id(),
+                owner: kv["owner"].clone(),
+            },
+            "control" => Command::ScopeControl {
+                scope: id(),
+                request_id: kv["id"].clone(),
+                mode: match kv["mode"].as_str() {
+                    "pause" => scopes::Mode::Pause,
+                    "stop" => scopes::Mode::Stop,
+                    "resume" => scopes::Mode::Resume,
+                    m => panic!("bad mode {m}"),
+                },
+            },
             other => panic!("unknown verb {other}"),
         };
         let before = e.snapshot();

@@ -405,6 +405,7 @@ impl Sim {
             contract,
             ttl_ms: ttl,
             wait_ms,
+            budget: None,
         };
         self.clients.insert(run_id.clone(), Client::Waiting);
         self.apply(Command::Acquire(req.clone()))?;

@@ -101,6 +101,7 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
             }),
             ttl_ms: 300_000,
             wait_ms: 60_000,
+            budget: None,
         },
         worktree: Some("/src/acme".into()),
         labels,

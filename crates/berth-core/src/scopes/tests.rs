@@ -7,7 +7,7 @@ fn policy(pairs: &[(&str, u32)]) -> Policy {
 
 fn scopes() -> Scopes {
     let mut s = Scopes::default();
-    s.freeze("exp", Some(&policy(&[("claude", 2), ("codex", 1)])))
+    s.freeze("exp", Some(&policy(&[("claude", 2), ("codex", 1)])), None)
         .unwrap();
     s
 }
@@ -17,12 +17,12 @@ fn scopes() -> Scopes {
 #[test]
 fn the_first_policy_is_frozen() {
     let mut s = scopes();
-    assert_eq!(s.freeze("exp", None), Ok(()));
+    assert_eq!(s.freeze("exp", None, None), Ok(false));
     assert_eq!(
-        s.freeze("exp", Some(&policy(&[("claude", 2), ("codex", 1)]))),
-        Ok(())
+        s.freeze("exp", Some(&policy(&[("claude", 2), ("codex", 1)])), None),
+        Ok(false)
     );
-    match s.freeze("exp", Some(&policy(&[("claude", 3)]))) {
+    match s.freeze("exp", Some(&policy(&[("claude", 3)])), None) {
         Err(ScopeError::PolicyConflict { frozen, given, .. }) => {
             assert_eq!(frozen, policy(&[("claude", 2), ("codex", 1)]));
             assert_eq!(given, policy(&[("claude", 3)]));
@@ -30,7 +30,7 @@ fn the_first_policy_is_frozen() {
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        s.freeze("new", None),
+        s.freeze("new", None, None),
         Err(ScopeError::Invalid { .. })
     ));
     for bad in [
@@ -42,7 +42,7 @@ fn the_first_policy_is_frozen() {
     ] {
         assert!(
             matches!(
-                s.freeze("new", Some(&bad)),
+                s.freeze("new", Some(&bad), None),
                 Err(ScopeError::Invalid {
                     field: "per_harness",
                     ..
@@ -52,6 +52,41 @@ fn the_first_policy_is_frozen() {
         );
     }
     assert!(s.get("new").is_none(), "a refusal changes nothing");
+}
+
+/// B1: a manifest attached at first use is frozen with the policy; a later request with
+/// another manifest (or one where none was frozen) is refused; leaving it out is fine.
+#[test]
+fn a_frozen_manifest_cannot_change() {
+    let m = |sha: char| Manifest {
+        path: "exp/manifest.json".into(),
+        sha256: sha.to_string().repeat(64),
+        execution_ids: vec!["e1".into(), "e2".into()],
+    };
+    let p = policy(&[("claude", 1)]);
+    let mut s = Scopes::default();
+    assert_eq!(s.freeze("m", Some(&p), Some(&m('a'))), Ok(true));
+    assert_eq!(s.freeze("m", Some(&p), Some(&m('a'))), Ok(false));
+    assert_eq!(s.freeze("m", None, None), Ok(false));
+    match s.freeze("m", None, Some(&m('b'))) {
+        Err(e @ ScopeError::ManifestChanged { .. }) => {
+            assert_eq!(e.code(), "scope_manifest_changed");
+            assert!(e.to_string().contains(&"a".repeat(64)), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+    s.freeze("plain", Some(&p), None).unwrap();
+    assert!(matches!(
+        s.freeze("plain", None, Some(&m('a'))),
+        Err(ScopeError::ManifestChanged { frozen: None, .. })
+    ));
+    let mut bad = m('a');
+    bad.sha256 = "A".repeat(64);
+    assert!(matches!(
+        s.freeze("n", Some(&p), Some(&bad)),
+        Err(ScopeError::Invalid { field: "manifest.sha256", .. })
+    ));
+    assert!(s.get("n").is_none());
 }
 
 /// B4: the control state machine, as a table: each row is a request and what it must
@@ -126,7 +161,7 @@ fn reservations_are_idempotent_and_expiry_never_frees() {
         s.reserve(3, "exp", "w3", "op1", "gemini", None),
         Err(ScopeError::UnknownHarness { .. })
     ));
-    s.lapse_run("r1");
+    assert_eq!(s.lapse_owner("exp", "w1"), vec!["op1".to_string()]);
     let t = &s.get("exp").unwrap().tokens[&("w1".to_string(), "op1".to_string())];
     assert!(t.owner_lapsed, "marked, not freed");
     assert_eq!(s.get("exp").unwrap().holders("claude"), 2);
@@ -175,7 +210,7 @@ proptest! {
     fn limits_hold_and_lapses_never_free(ops in proptest::collection::vec(op(), 1..120)) {
         let harnesses = ["claude", "codex", "gemini"];
         let mut s = Scopes::default();
-        s.freeze("x", Some(&policy(&[("claude", 2), ("codex", 1), ("gemini", 3)]))).unwrap();
+        s.freeze("x", Some(&policy(&[("claude", 2), ("codex", 1), ("gemini", 3)])), None).unwrap();
         let mut now = 0;
         for o in ops {
             now += 1;
@@ -189,7 +224,7 @@ proptest! {
                     let _ = s.release("x", &format!("w{owner}"), &format!("op{op}"));
                 }
                 Op::Lapse { owner } => {
-                    s.lapse_run(&format!("r{owner}"));
+                    s.lapse_owner("x", &format!("w{owner}"));
                     let after = s.get("x").unwrap();
                     prop_assert_eq!(after.tokens.len(), before.tokens.len(), "a lapse freed a token");
                 }

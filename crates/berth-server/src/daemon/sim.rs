@@ -450,6 +450,7 @@ impl Sim {
             contract: None,
             ttl_ms: (n % 5 + 1) * 10_000,
             wait_ms: (n % 3) * 15_000,
+            budget: None,
         };
         // A waiter is detached (some ids mostly, others now and then: a retry with
         // `detach` lets an attached waiter go) or held by its client's connection (a

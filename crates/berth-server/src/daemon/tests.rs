@@ -126,6 +126,7 @@ fn request(run_id: &str, ttl_ms: u64, cpu_millis: u64) -> berth_core::Request {
         contract: None,
         ttl_ms,
         wait_ms: 0,
+        budget: None,
     }
 }
 
