@@ -69,6 +69,10 @@ pub const CHECKS: &[(&str, Check)] = &[
         "threads_and_the_drain_survive_a_reopen",
         threads_and_the_drain_survive_a_reopen,
     ),
+    (
+        "scopes_receipts_tokens_and_budgets_survive_a_reopen",
+        scopes_receipts_tokens_and_budgets_survive_a_reopen,
+    ),
 ];
 
 /// A record with every field set to something non-default.
@@ -633,4 +637,112 @@ pub fn threads_and_the_drain_survive_a_reopen(open: Open) {
         "the owner stays without a registration"
     );
     assert_eq!(l.drain, None);
+}
+
+/// B1–B5: a scope's frozen policy and manifest, its control and generation, its
+/// receipts (the newest `RECEIPTS_MAX`) and tokens, and a run's budget come back as
+/// written; a freed token stays freed; a lapse mark survives.
+pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
+    use crate::ScopeRecord;
+    use berth_core::scopes::{
+        Budget, Control, Manifest, Mode, Receipt, Token, RECEIPTS_MAX,
+    };
+    let policy: berth_core::scopes::Policy =
+        [("claude".to_string(), 2), ("codex".to_string(), 5)].into();
+    let manifest = Manifest {
+        path: "exp/manifest.json".into(),
+        sha256: "ab".repeat(32),
+        execution_ids: vec!["e1".into(), "e-2".into()],
+    };
+    let rec = ScopeRecord {
+        id: "exp-1".into(),
+        policy: policy.clone(),
+        manifest: Some(manifest.clone()),
+        control: Control::Paused,
+        generation: 1,
+    };
+    let receipt = |g: u64, mode: Mode, control: Control| Receipt {
+        request_id: format!("req-{g}"),
+        mode,
+        generation: g,
+        control,
+        at_ms: 1_000 + g,
+    };
+    let token = |h: &str, run: Option<&str>, lapsed: bool| Token {
+        harness: h.into(),
+        run_id: run.map(str::to_string),
+        since_ms: 77,
+        owner_lapsed: lapsed,
+    };
+    let tok = |owner: &str, op: &str, t: Option<Token>| Mutation::BudgetToken {
+        scope: "exp-1".into(),
+        owner: owner.into(),
+        operation: op.into(),
+        token: t,
+    };
+    let mut run = sample_run("r1", 1, RunState::Granted);
+    run.request.budget = Some(Box::new(Budget {
+        scope: "exp-1".into(),
+        harness: "claude".into(),
+        operation_id: None,
+        per_harness: Some(policy.clone()),
+        manifest: Some(manifest.clone()),
+    }));
+    let mut s = open();
+    let batch = |ms: Vec<Mutation>| Batch { mutations: ms };
+    s.write(&[&batch(vec![
+        Mutation::Fence(1_000),
+        Mutation::Run(run.clone()),
+        Mutation::Scope(rec.clone()),
+        Mutation::ScopeReceipt {
+            scope: "exp-1".into(),
+            receipt: receipt(1, Mode::Pause, Control::Paused),
+        },
+        tok("r1", "run", Some(token("claude", Some("r1"), false))),
+        tok("w1", "turn-1", Some(token("codex", None, false))),
+        tok("w1", "turn-2", Some(token("codex", None, false))),
+    ])])
+    .unwrap();
+    let l = open().load(10).unwrap();
+    assert_eq!(l.runs[0].request.budget, run.request.budget, "a run's budget");
+    assert_eq!(l.scopes.len(), 1);
+    let sc = &l.scopes[0];
+    assert_eq!(
+        (&sc.id, &sc.policy, &sc.manifest, sc.control, sc.generation),
+        (&rec.id, &policy, &Some(manifest), Control::Paused, 1)
+    );
+    assert_eq!(sc.receipts, vec![receipt(1, Mode::Pause, Control::Paused)]);
+    assert_eq!(sc.tokens.len(), 3);
+    assert_eq!(sc.holders("codex"), 2, "counts are recounted at load");
+    // A freed token stays freed; a lapse mark survives; receipts past RECEIPTS_MAX go.
+    let mut ms = vec![
+        tok("w1", "turn-1", None),
+        tok("r1", "run", Some(token("claude", Some("r1"), true))),
+    ];
+    let last = RECEIPTS_MAX as u64 + 3;
+    for g in 2..=last {
+        ms.push(Mutation::ScopeReceipt {
+            scope: "exp-1".into(),
+            receipt: receipt(g, Mode::Stop, Control::Stopped),
+        });
+    }
+    ms.push(Mutation::Scope(ScopeRecord {
+        control: Control::Stopped,
+        generation: last,
+        manifest: None,
+        ..rec
+    }));
+    s.write(&[&batch(ms)]).unwrap();
+    let l = open().load(10).unwrap();
+    let sc = &l.scopes[0];
+    assert_eq!((sc.control, sc.generation, sc.manifest.clone()), (Control::Stopped, last, None));
+    assert_eq!(sc.receipts.len(), RECEIPTS_MAX);
+    assert_eq!(sc.receipts.last().map(|r| r.generation), Some(last));
+    assert_eq!(sc.receipts[0].generation, last - RECEIPTS_MAX as u64 + 1);
+    let keys: Vec<_> = sc.tokens.keys().cloned().collect();
+    assert_eq!(
+        keys,
+        vec![("r1".into(), "run".into()), ("w1".into(), "turn-2".into())]
+    );
+    assert!(sc.tokens[&("r1".to_string(), "run".to_string())].owner_lapsed);
 }

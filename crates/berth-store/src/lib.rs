@@ -131,6 +131,30 @@ pub enum Mutation {
     Thread(ThreadRecord),
     /// G4: the host's drain, started (`Some`) or ended (`None`).
     Drain(Option<DrainRecord>),
+    /// B1/B4: a scope's frozen policy, control state and generation, replaced whole.
+    Scope(ScopeRecord),
+    /// B4: an accepted control request's receipt.
+    ScopeReceipt {
+        scope: String,
+        receipt: berth_core::scopes::Receipt,
+    },
+    /// B2/B3: a budget token taken or changed (`Some`), or freed (`None`).
+    BudgetToken {
+        scope: String,
+        owner: String,
+        operation: String,
+        token: Option<berth_core::scopes::Token>,
+    },
+}
+
+/// A scope as its own row keeps it (receipts and tokens are rows of their own).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScopeRecord {
+    pub id: String,
+    pub policy: berth_core::scopes::Policy,
+    pub manifest: Option<berth_core::scopes::Manifest>,
+    pub control: berth_core::scopes::Control,
+    pub generation: u64,
 }
 
 /// A thread as the ledger keeps it: the core's record and its workspace's identity.
@@ -236,6 +260,8 @@ pub struct Ledger {
     pub threads: Vec<ThreadRecord>,
     /// The drain in force, if any.
     pub drain: Option<DrainRecord>,
+    /// Every experiment scope, with its receipts and tokens (B1–B5).
+    pub scopes: Vec<berth_core::scopes::Scope>,
 }
 
 pub trait Store: Send + 'static {

@@ -189,6 +189,40 @@ const MIGRATIONS: &[&str] = &[
         reason TEXT NOT NULL
      ) STRICT;
      ALTER TABLE runs ADD COLUMN thread TEXT;",
+    // 12: experiment budgets (B1-B5): a scope's frozen policy (`harness=limit`
+    // comma-separated) and manifest (execution ids LF-separated), its control state and
+    // generation; the receipts of accepted control requests (the newest
+    // `RECEIPTS_MAX`); the tokens held by (owner, operation). A run's budget is its
+    // request's, as JSON.
+    "CREATE TABLE scopes (
+        id TEXT PRIMARY KEY,
+        policy TEXT NOT NULL,
+        manifest_path TEXT,
+        manifest_sha256 TEXT,
+        manifest_ids TEXT,
+        control TEXT NOT NULL,
+        generation INTEGER NOT NULL
+     ) STRICT;
+     CREATE TABLE scope_receipts (
+        scope TEXT NOT NULL,
+        request_id TEXT NOT NULL,
+        mode TEXT NOT NULL,
+        generation INTEGER NOT NULL,
+        control TEXT NOT NULL,
+        at_ms INTEGER NOT NULL,
+        PRIMARY KEY (scope, request_id)
+     ) STRICT;
+     CREATE TABLE scope_tokens (
+        scope TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        operation TEXT NOT NULL,
+        harness TEXT NOT NULL,
+        run_id TEXT,
+        since_ms INTEGER NOT NULL,
+        owner_lapsed INTEGER NOT NULL,
+        PRIMARY KEY (scope, owner, operation)
+     ) STRICT;
+     ALTER TABLE runs ADD COLUMN budget TEXT;",
 ];
 
 /// The part of a migration SQL cannot do, run after its SQL in its transaction.
@@ -365,7 +399,7 @@ fn u(v: i64) -> u64 {
 
 /// The columns `read_run` reads, in this order: by position, not by name (looking each
 /// name up was an eighth of a restart's CPU).
-const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread";
+const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread, budget";
 
 /// Positions of `RUN_COLUMNS`.
 mod col {
@@ -401,6 +435,7 @@ mod col {
     pub const STOP_GRACE_MS: usize = 29;
     pub const DETACHED: usize = 30;
     pub const THREAD: usize = 31;
+    pub const BUDGET: usize = 32;
 }
 
 fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
@@ -458,6 +493,12 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
             contract,
             ttl_ms: u(g(col::TTL_MS)?),
             wait_ms: u(g(col::WAIT_MS)?),
+            budget: match os(col::BUDGET)? {
+                Some(j) => Some(Box::new(serde_json::from_str(&j).map_err(|e| {
+                    StoreError::Corrupt(format!("a run's budget does not parse: {e}"))
+                })?)),
+                None => None,
+            },
         },
         worktree: os(col::WORKTREE)?,
         labels: decode_map(&s(col::LABELS)?)?,
@@ -487,9 +528,9 @@ const UPSERT: &str =
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
     expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms,
-    ended_unix_ms, detached, thread)
+    ended_unix_ms, detached, thread, budget)
   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
-    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34)
+    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34, ?35)
   ON CONFLICT (run_id) DO UPDATE SET
     state = excluded.state, fence = excluded.fence, deadline_ms = excluded.deadline_ms,
     granted_ms = excluded.granted_ms, expires_ms = excluded.expires_ms,
@@ -603,6 +644,7 @@ impl Store for SqliteStore {
         let journal_last = journal_last(&self.conn).map_err(corrupt)?;
         Ok(Ledger {
             threads: load_threads(&self.conn)?,
+            scopes: load_scopes(&self.conn)?,
             drain: load_drain(&self.conn)?,
             journal_last,
             evidence: load_evidence(&self.conn)?,
@@ -648,6 +690,16 @@ impl Store for SqliteStore {
                 }
                 Mutation::Thread(t) => write_thread(&tx, t)?,
                 Mutation::Drain(d) => write_drain(&tx, d.as_ref())?,
+                Mutation::Scope(r) => write_scope(&tx, r)?,
+                Mutation::ScopeReceipt { scope, receipt } => {
+                    write_receipt(&tx, scope, receipt)?
+                }
+                Mutation::BudgetToken {
+                    scope,
+                    owner,
+                    operation,
+                    token,
+                } => write_budget_token(&tx, scope, owner, operation, token.as_ref())?,
                 Mutation::Token { hash, scope } => {
                     tx.prepare_cached(
                         "INSERT OR REPLACE INTO tokens (hash, scope) VALUES (?1, ?2)",
@@ -1114,6 +1166,9 @@ fn upsert_run(
             terminal.then_some(now_ms as i64),
             r.detached as i64,
             r.thread,
+            q.budget
+                .as_ref()
+                .map(|b| serde_json::to_string(b).expect("a budget serializes")),
         ])
         .map_err(write_err)?;
     if changed == 0 {
@@ -1589,4 +1644,219 @@ mod tests {
         }
         assert_eq!(s.load(10).unwrap().journal_last, n);
     }
+}
+
+/// B1/B4: a scope's frozen policy and manifest, control state and generation.
+fn write_scope(tx: &rusqlite::Transaction, r: &crate::ScopeRecord) -> Result<(), StoreError> {
+    let policy: Vec<String> = r.policy.iter().map(|(h, n)| format!("{h}={n}")).collect();
+    let m = r.manifest.as_ref();
+    tx.prepare_cached(
+        "INSERT OR REPLACE INTO scopes (id, policy, manifest_path, manifest_sha256,
+           manifest_ids, control, generation) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            r.id,
+            policy.join(","),
+            m.map(|m| m.path.as_str()),
+            m.map(|m| m.sha256.as_str()),
+            m.map(|m| m.execution_ids.join("\n")),
+            control_word(r.control),
+            r.generation as i64,
+        ])
+    })
+    .map_err(write_err)?;
+    Ok(())
+}
+
+/// B4: an accepted control request's receipt; only the newest `RECEIPTS_MAX` are kept.
+fn write_receipt(
+    tx: &rusqlite::Transaction,
+    scope: &str,
+    r: &berth_core::scopes::Receipt,
+) -> Result<(), StoreError> {
+    tx.prepare_cached(
+        "INSERT INTO scope_receipts (scope, request_id, mode, generation, control, at_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )
+    .and_then(|mut st| {
+        st.execute(params![
+            scope,
+            r.request_id,
+            r.mode.as_str(),
+            r.generation as i64,
+            control_word(r.control),
+            r.at_ms as i64,
+        ])
+    })
+    .map_err(write_err)?;
+    let keep_from = r
+        .generation
+        .saturating_sub(berth_core::scopes::RECEIPTS_MAX as u64);
+    tx.prepare_cached("DELETE FROM scope_receipts WHERE scope = ?1 AND generation <= ?2")
+        .and_then(|mut st| st.execute(params![scope, keep_from as i64]))
+        .map_err(write_err)?;
+    Ok(())
+}
+
+/// B2/B3: a token taken (or marked lapsed), or freed (`None`).
+fn write_budget_token(
+    tx: &rusqlite::Transaction,
+    scope: &str,
+    owner: &str,
+    operation: &str,
+    token: Option<&berth_core::scopes::Token>,
+) -> Result<(), StoreError> {
+    let res = match token {
+        Some(t) => tx
+            .prepare_cached(
+                "INSERT OR REPLACE INTO scope_tokens (scope, owner, operation, harness, run_id,
+                   since_ms, owner_lapsed) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            )
+            .and_then(|mut st| {
+                st.execute(params![
+                    scope,
+                    owner,
+                    operation,
+                    t.harness,
+                    t.run_id,
+                    t.since_ms as i64,
+                    t.owner_lapsed as i64,
+                ])
+            }),
+        None => tx
+            .prepare_cached(
+                "DELETE FROM scope_tokens WHERE scope = ?1 AND owner = ?2 AND operation = ?3",
+            )
+            .and_then(|mut st| st.execute(params![scope, owner, operation])),
+    };
+    res.map_err(write_err)?;
+    Ok(())
+}
+
+fn control_word(c: berth_core::scopes::Control) -> &'static str {
+    use berth_core::scopes::Control;
+    match c {
+        Control::Open => "open",
+        Control::Paused => "paused",
+        Control::Stopped => "stopped",
+    }
+}
+
+fn control_of(w: &str) -> Result<berth_core::scopes::Control, StoreError> {
+    use berth_core::scopes::Control;
+    match w {
+        "open" => Ok(Control::Open),
+        "paused" => Ok(Control::Paused),
+        "stopped" => Ok(Control::Stopped),
+        _ => Err(StoreError::Corrupt(format!("bad scope control {w:?}"))),
+    }
+}
+
+fn mode_of(w: &str) -> Result<berth_core::scopes::Mode, StoreError> {
+    use berth_core::scopes::Mode;
+    match w {
+        "pause" => Ok(Mode::Pause),
+        "stop" => Ok(Mode::Stop),
+        "resume" => Ok(Mode::Resume),
+        _ => Err(StoreError::Corrupt(format!("bad scope control mode {w:?}"))),
+    }
+}
+
+/// Every scope with its receipts (oldest first) and tokens. A row that breaks the
+/// rules (a bad word, a policy that does not parse, a token of a harness outside the
+/// policy, a harness over its limit) is a corrupt ledger (D4), never a guess.
+fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Scope>, StoreError> {
+    use berth_core::scopes::{Manifest, Receipt, Scope, Scopes, Token};
+    let mut out: BTreeMap<String, Scope> = BTreeMap::new();
+    let mut st = conn
+        .prepare(
+            "SELECT id, policy, manifest_path, manifest_sha256, manifest_ids, control,
+                    generation FROM scopes ORDER BY id",
+        )
+        .map_err(corrupt)?;
+    let mut rows = st.query([]).map_err(corrupt)?;
+    while let Some(row) = rows.next().map_err(corrupt)? {
+        let id: String = row.get(0).map_err(corrupt)?;
+        let bad = |why: String| StoreError::Corrupt(format!("scope {id}: {why}"));
+        let mut policy = berth_core::scopes::Policy::new();
+        for pair in row.get::<_, String>(1).map_err(corrupt)?.split(',') {
+            let (h, n) = pair
+                .split_once('=')
+                .ok_or_else(|| bad(format!("policy entry {pair:?}")))?;
+            let n = n.parse().map_err(|_| bad(format!("limit {n:?}")))?;
+            policy.insert(h.to_string(), n);
+        }
+        berth_core::scopes::check_policy(&policy).map_err(|e| bad(e.to_string()))?;
+        let path: Option<String> = row.get(2).map_err(corrupt)?;
+        let sha: Option<String> = row.get(3).map_err(corrupt)?;
+        let ids: Option<String> = row.get(4).map_err(corrupt)?;
+        let manifest = match (path, sha, ids) {
+            (Some(path), Some(sha256), Some(ids)) => Some(Manifest {
+                path,
+                sha256,
+                execution_ids: ids
+                    .split('\n')
+                    .filter(|x| !x.is_empty())
+                    .map(str::to_string)
+                    .collect(),
+            }),
+            (None, None, None) => None,
+            _ => return Err(bad("a manifest in part".into())),
+        };
+        let mut s = Scope::new(&id, policy, manifest);
+        s.control = control_of(&row.get::<_, String>(5).map_err(corrupt)?)?;
+        s.generation = u(row.get(6).map_err(corrupt)?);
+        out.insert(id, s);
+    }
+    let mut st = conn
+        .prepare(
+            "SELECT scope, request_id, mode, generation, control, at_ms FROM scope_receipts
+             ORDER BY scope, generation",
+        )
+        .map_err(corrupt)?;
+    let mut rows = st.query([]).map_err(corrupt)?;
+    while let Some(row) = rows.next().map_err(corrupt)? {
+        let scope: String = row.get(0).map_err(corrupt)?;
+        let r = Receipt {
+            request_id: row.get(1).map_err(corrupt)?,
+            mode: mode_of(&row.get::<_, String>(2).map_err(corrupt)?)?,
+            generation: u(row.get(3).map_err(corrupt)?),
+            control: control_of(&row.get::<_, String>(4).map_err(corrupt)?)?,
+            at_ms: u(row.get(5).map_err(corrupt)?),
+        };
+        out.get_mut(&scope)
+            .ok_or_else(|| StoreError::Corrupt(format!("a receipt of unknown scope {scope}")))?
+            .receipts
+            .push(r);
+    }
+    let mut st = conn
+        .prepare(
+            "SELECT scope, owner, operation, harness, run_id, since_ms, owner_lapsed
+             FROM scope_tokens",
+        )
+        .map_err(corrupt)?;
+    let mut rows = st.query([]).map_err(corrupt)?;
+    while let Some(row) = rows.next().map_err(corrupt)? {
+        let scope: String = row.get(0).map_err(corrupt)?;
+        let key = (row.get(1).map_err(corrupt)?, row.get(2).map_err(corrupt)?);
+        let t = Token {
+            harness: row.get(3).map_err(corrupt)?,
+            run_id: row.get(4).map_err(corrupt)?,
+            since_ms: u(row.get(5).map_err(corrupt)?),
+            owner_lapsed: row.get::<_, i64>(6).map_err(corrupt)? != 0,
+        };
+        out.get_mut(&scope)
+            .ok_or_else(|| StoreError::Corrupt(format!("a token of unknown scope {scope}")))?
+            .tokens
+            .insert(key, t);
+    }
+    // The rules' own check: counts, limits, harnesses (D4: refuse, never guess).
+    let mut all = Scopes::default();
+    for s in out.values() {
+        all.restore(s.clone());
+    }
+    all.check_invariants()
+        .map_err(|e| StoreError::Corrupt(format!("scopes: {e}")))?;
+    Ok(all.iter().cloned().collect())
 }

@@ -192,3 +192,67 @@ fn kill_9_at_random_points_loses_no_acknowledged_write() {
         );
     }
 }
+
+/// D4 for budgets: a scope row that breaks the rules (a harness over its limit, a token
+/// of a harness outside the policy, a bad control word) refuses to load, naming the
+/// scope, rather than being guessed at.
+#[test]
+fn a_corrupt_scope_refuses_to_load() {
+    let cases = [
+        (
+            "INSERT INTO scope_tokens VALUES ('exp', 'w2', 'op', 'claude', NULL, 0, 0)",
+            "2 tokens of claude, limit 1",
+        ),
+        (
+            "INSERT INTO scope_tokens VALUES ('exp', 'w2', 'op', 'gemini', NULL, 0, 0)",
+            "a token of unknown gemini",
+        ),
+        ("UPDATE scopes SET control = 'maybe'", "bad scope control"),
+        ("UPDATE scopes SET policy = 'claude=x'", "scope exp: limit"),
+        (
+            "INSERT INTO scope_tokens VALUES ('nope', 'w', 'op', 'claude', NULL, 0, 0)",
+            "a token of unknown scope nope",
+        ),
+    ];
+    for (sql, want) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let mut s = SqliteStore::open(&path).unwrap();
+        let rec = berth_store::ScopeRecord {
+            id: "exp".into(),
+            policy: [("claude".to_string(), 1)].into(),
+            manifest: None,
+            control: berth_core::scopes::Control::Open,
+            generation: 0,
+        };
+        let token = berth_core::scopes::Token {
+            harness: "claude".into(),
+            run_id: None,
+            since_ms: 0,
+            owner_lapsed: false,
+        };
+        let b = Batch {
+            mutations: vec![
+                berth_store::Mutation::Scope(rec),
+                berth_store::Mutation::BudgetToken {
+                    scope: "exp".into(),
+                    owner: "w1".into(),
+                    operation: "op".into(),
+                    token: Some(token),
+                },
+            ],
+        };
+        s.write(&[&b]).unwrap();
+        assert_eq!(s.load(10).unwrap().scopes.len(), 1);
+        drop(s);
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(sql).unwrap();
+        drop(conn);
+        match SqliteStore::open(&path).and_then(|mut s| s.load(10)) {
+            Err(e @ StoreError::Corrupt(_)) => {
+                assert!(e.to_string().contains(want), "{sql}: {e}")
+            }
+            other => panic!("{sql}: expected a refusal, got {:?}", other.map(|_| ())),
+        }
+    }
+}
