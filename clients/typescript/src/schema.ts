@@ -325,11 +325,12 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** A prefix of the journal with its SHA-256 (header X-Berth-Journal-Sha256) */
+        /** A prefix of the journal with its SHA-256 (header X-Berth-Journal-Sha256); ?scope= keeps one experiment scope's entries */
         get: {
             parameters: {
                 query?: {
                     through?: number;
+                    scope?: string;
                 };
                 header?: never;
                 path?: never;
@@ -1277,6 +1278,307 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/scopes": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Every experiment scope: control, generation, tokens per harness */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ScopeList"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/scopes/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** A scope: policy, manifest, tokens with their owners, lapsed owners, control, generation, receipts, waiters (B6) */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Scope"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/scopes/{id}/reservations": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Reserve a turn's token by (owner, operation_id): 201 new, 200 a retry's; 409 budget_full never queues (B2) */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": components["schemas"]["ReservationRequest"];
+                };
+            };
+            responses: {
+                /** @description accepted */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Reservation"];
+                    };
+                };
+                /** @description success */
+                201: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Reservation"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/scopes/{id}/reservations/{owner}/{operation_id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /** The owner gives its token back (B3) */
+        delete: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ScopeToken"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/scopes/{id}/reconcile": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Free every token an owner holds (B3), journaled with its reason */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": components["schemas"]["ReconcileRequest"];
+                };
+            };
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Reconciled"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/scopes/{id}/control": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Pause, stop or resume the scope, idempotent by request_id (B4) */
+        post: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody: {
+                content: {
+                    "application/json": components["schemas"]["ControlRequest"];
+                };
+            };
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ControlReceipt"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
 }
 export type webhooks = Record<string, never>;
 export interface components {
@@ -1316,8 +1618,7 @@ export interface components {
                 [key: string]: number;
             } | null;
             singletons?: string[] | null;
-            /** @description Refused until experiment budgets exist. */
-            budget?: Record<string, never>;
+            budget?: null | components["schemas"]["BudgetClaim"];
             worktree?: string | null;
             /** Format: int64 */
             ttl_s?: number | null;
@@ -1346,6 +1647,21 @@ export interface components {
              */
             thread?: string | null;
         };
+        /**
+         * @description B1/B2: a run's budget. `per_harness` (limits 1 to 1024 per canonical harness name,
+         *     `[a-z][a-z0-9_-]*`) is required the first time `scope` is used and must equal the
+         *     frozen policy whenever it is given; so must `manifest`. The run's token is reserved
+         *     under (its run id, `operation_id`, default `run`).
+         */
+        BudgetClaim: {
+            scope: string;
+            harness: string;
+            per_harness?: {
+                [key: string]: number;
+            } | null;
+            operation_id?: string | null;
+            manifest?: null | components["schemas"]["ScopeManifest"];
+        };
         /** @description Something in flight: a live run or a live registration, and until when. */
         Busy: {
             /** @description `run` or `registration`. */
@@ -1362,6 +1678,28 @@ export interface components {
             resources: {
                 [key: string]: number;
             };
+        };
+        /** @description B4: an accepted control request (the same for its retries). */
+        ControlReceipt: {
+            scope: string;
+            request_id: string;
+            mode: string;
+            /**
+             * Format: int64
+             * @description The scope's generation this request made.
+             */
+            generation: number;
+            /** @description `open`, `paused` or `stopped`: the state it left the scope in. */
+            control: string;
+            at: string;
+        };
+        /**
+         * @description `POST /v1/scopes/{id}/control`: `mode` is `pause`, `stop` or `resume`; the same
+         *     `request_id` (1 to 256 characters) again returns the same receipt.
+         */
+        ControlRequest: {
+            request_id: string;
+            mode: string;
         };
         /** @description `GET /v1/drain`: the drain in force (if any) and what it waits for. */
         Drain: {
@@ -1407,6 +1745,13 @@ export interface components {
             current: boolean;
             /** @enum {string} */
             state?: "queued" | "granted" | "releasing" | "released" | "expired" | "cancelled" | "rejected" | "degraded";
+        };
+        /** @description Per harness: its limit and the tokens held now. */
+        HarnessFigures: {
+            /** Format: int32 */
+            limit: number;
+            /** Format: int32 */
+            held: number;
         };
         /** @description `GET /v1/idle`: whether the host may be taken away now. */
         Idle: {
@@ -1507,6 +1852,19 @@ export interface components {
             code: string;
             message: string;
         };
+        /** @description `POST /v1/scopes/{id}/reconcile`: an operator frees every token `owner` holds. */
+        ReconcileRequest: {
+            owner: string;
+            /** @description Why (one line, at most 1 KiB): journaled. */
+            reason: string;
+        };
+        /** @description `POST /v1/scopes/{id}/reconcile`: the tokens it freed. */
+        Reconciled: {
+            scope: string;
+            owner: string;
+            reason: string;
+            freed: components["schemas"]["ScopeToken"][];
+        };
         /** @description `POST /v1/runs/{id}/release`. */
         ReleaseRequest: {
             /** Format: int64 */
@@ -1518,6 +1876,21 @@ export interface components {
             fence?: number | null;
             /** Format: int64 */
             ttl_s?: number | null;
+        };
+        /**
+         * @description `POST /v1/scopes/{id}/reservations`: the token, and whether this request took it
+         *     (`false`: a retry of the same key got the same token).
+         */
+        Reservation: {
+            scope: string;
+            token: components["schemas"]["ScopeToken"];
+            new: boolean;
+        };
+        /** @description `POST /v1/scopes/{id}/reservations`: a turn's token, keyed by (owner, operation_id). */
+        ReservationRequest: {
+            owner: string;
+            operation_id: string;
+            harness: string;
         };
         /** @description A resource of the host as admission sees it. */
         ResourceStatus: {
@@ -1635,6 +2008,76 @@ export interface components {
             };
             promoted: boolean;
             events: components["schemas"]["RuntimeEvent"][];
+        };
+        /**
+         * @description `GET /v1/scopes/{id}` (B6): the frozen policy and manifest, tokens per harness with
+         *     their owners, the lapsed owners, the control state, generation and receipts, and
+         *     the waiters with their positions (at most `SCOPE_WAITERS_SHOWN`).
+         */
+        Scope: {
+            scope: string;
+            harnesses: {
+                [key: string]: components["schemas"]["HarnessFigures"];
+            };
+            manifest?: null | components["schemas"]["ScopeManifest"];
+            control: string;
+            /** Format: int64 */
+            generation: number;
+            tokens: components["schemas"]["ScopeToken"][];
+            lapsed_owners: string[];
+            receipts: components["schemas"]["ControlReceipt"][];
+            waiters: components["schemas"]["ScopeWaiter"][];
+            /**
+             * Format: int64
+             * @description All the scope's waiters (`waiters` may show fewer).
+             */
+            waiting: number;
+        };
+        /** @description `GET /v1/scopes`. */
+        ScopeList: {
+            scopes: components["schemas"]["ScopeSummary"][];
+        };
+        /**
+         * @description B1: an experiment's frozen manifest: its path, the SHA-256 of its bytes (64
+         *     lower-case hex digits) and the execution ids it names.
+         */
+        ScopeManifest: {
+            path: string;
+            sha256: string;
+            execution_ids?: string[];
+        };
+        /** @description `GET /v1/scopes`: one line per scope. */
+        ScopeSummary: {
+            scope: string;
+            control: string;
+            /** Format: int64 */
+            generation: number;
+            harnesses: {
+                [key: string]: components["schemas"]["HarnessFigures"];
+            };
+            /** Format: int64 */
+            lapsed: number;
+        };
+        /**
+         * @description B2/B6: one token held: by whom, for which operation, of which harness, for which
+         *     run (a run's claim) and since when. `owner_lapsed`: its owner's lease ran out; the
+         *     token stays held until its owner releases it or an operator reconciles (B3).
+         */
+        ScopeToken: {
+            owner: string;
+            operation_id: string;
+            harness: string;
+            run_id?: string | null;
+            since: string;
+            owner_lapsed: boolean;
+        };
+        /** @description B6: a waiter of the scope, in admission order. */
+        ScopeWaiter: {
+            run_id: string;
+            harness: string;
+            /** Format: int64 */
+            position: number;
+            reason?: null | components["schemas"]["Reason"];
         };
         /** @description `GET /v1/status`. */
         Status: {

@@ -105,3 +105,22 @@ export type DrainRecord = Schemas["DrainRecord"];
 export type Busy = Schemas["Busy"];
 export type Drain = Schemas["Drain"];
 export type Idle = Schemas["Idle"];
+
+// ---- experiment budgets (B1–B6) ------------------------------------------------------
+
+/** A run's budget in `POST /v1/runs`: its harness token is part of the run's claim. */
+export type BudgetClaim = Schemas["BudgetClaim"];
+export type ScopeManifest = Schemas["ScopeManifest"];
+export type ReservationRequest = Schemas["ReservationRequest"];
+export type ReconcileRequest = Schemas["ReconcileRequest"];
+export type ControlRequest = Schemas["ControlRequest"];
+export type ControlReceipt = Schemas["ControlReceipt"];
+/** A token held; `owner_lapsed`: held until its owner releases it or an operator reconciles. */
+export type ScopeToken = Schemas["ScopeToken"];
+export type Reservation = Schemas["Reservation"];
+export type Reconciled = Schemas["Reconciled"];
+export type ScopeWaiter = Schemas["ScopeWaiter"];
+export type HarnessFigures = Schemas["HarnessFigures"];
+export type Scope = Schemas["Scope"];
+export type ScopeSummary = Schemas["ScopeSummary"];
+export type ScopeList = Schemas["ScopeList"];

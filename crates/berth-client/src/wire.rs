@@ -72,10 +72,9 @@ pub struct AcquireRequest {
     pub resources: Option<UniqueMap<u64>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub singletons: Option<Vec<String>>,
-    /// Refused until experiment budgets exist.
+    /// B1/B2: the experiment budget whose harness token is part of this run's claim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schema(value_type = Object)]
-    pub budget: Option<Value>,
+    pub budget: Option<BudgetClaim>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub worktree: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -719,4 +718,157 @@ pub struct Drain {
 pub struct Idle {
     pub idle: bool,
     pub busy: Vec<Busy>,
+}
+
+/// B1/B2: a run's budget. `per_harness` (limits 1 to 1024 per canonical harness name,
+/// `[a-z][a-z0-9_-]*`) is required the first time `scope` is used and must equal the
+/// frozen policy whenever it is given; so must `manifest`. The run's token is reserved
+/// under (its run id, `operation_id`, default `run`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetClaim {
+    pub scope: String,
+    pub harness: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<BTreeMap<String, u32>>)]
+    pub per_harness: Option<UniqueMap<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operation_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<ScopeManifest>,
+}
+
+/// B1: an experiment's frozen manifest: its path, the SHA-256 of its bytes (64
+/// lower-case hex digits) and the execution ids it names.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ScopeManifest {
+    pub path: String,
+    pub sha256: String,
+    #[serde(default)]
+    pub execution_ids: Vec<String>,
+}
+
+/// `POST /v1/scopes/{id}/reservations`: a turn's token, keyed by (owner, operation_id).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReservationRequest {
+    pub owner: String,
+    pub operation_id: String,
+    pub harness: String,
+}
+
+/// `POST /v1/scopes/{id}/reconcile`: an operator frees every token `owner` holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReconcileRequest {
+    pub owner: String,
+    /// Why (one line, at most 1 KiB): journaled.
+    pub reason: String,
+}
+
+/// `POST /v1/scopes/{id}/control`: `mode` is `pause`, `stop` or `resume`; the same
+/// `request_id` (1 to 256 characters) again returns the same receipt.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ControlRequest {
+    pub request_id: String,
+    pub mode: String,
+}
+
+/// B4: an accepted control request (the same for its retries).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ControlReceipt {
+    pub scope: String,
+    pub request_id: String,
+    pub mode: String,
+    /// The scope's generation this request made.
+    pub generation: u64,
+    /// `open`, `paused` or `stopped`: the state it left the scope in.
+    pub control: String,
+    pub at: String,
+}
+
+/// B2/B6: one token held: by whom, for which operation, of which harness, for which
+/// run (a run's claim) and since when. `owner_lapsed`: its owner's lease ran out; the
+/// token stays held until its owner releases it or an operator reconciles (B3).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ScopeToken {
+    pub owner: String,
+    pub operation_id: String,
+    pub harness: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    pub since: String,
+    pub owner_lapsed: bool,
+}
+
+/// `POST /v1/scopes/{id}/reservations`: the token, and whether this request took it
+/// (`false`: a retry of the same key got the same token).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Reservation {
+    pub scope: String,
+    pub token: ScopeToken,
+    pub new: bool,
+}
+
+/// `POST /v1/scopes/{id}/reconcile`: the tokens it freed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Reconciled {
+    pub scope: String,
+    pub owner: String,
+    pub reason: String,
+    pub freed: Vec<ScopeToken>,
+}
+
+/// B6: a waiter of the scope, in admission order.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ScopeWaiter {
+    pub run_id: String,
+    pub harness: String,
+    pub position: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<Reason>,
+}
+
+/// Per harness: its limit and the tokens held now.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct HarnessFigures {
+    pub limit: u32,
+    pub held: u32,
+}
+
+/// `GET /v1/scopes/{id}` (B6): the frozen policy and manifest, tokens per harness with
+/// their owners, the lapsed owners, the control state, generation and receipts, and
+/// the waiters with their positions (at most `SCOPE_WAITERS_SHOWN`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct Scope {
+    pub scope: String,
+    pub harnesses: BTreeMap<String, HarnessFigures>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub manifest: Option<ScopeManifest>,
+    pub control: String,
+    pub generation: u64,
+    pub tokens: Vec<ScopeToken>,
+    pub lapsed_owners: Vec<String>,
+    pub receipts: Vec<ControlReceipt>,
+    pub waiters: Vec<ScopeWaiter>,
+    /// All the scope's waiters (`waiters` may show fewer).
+    pub waiting: u64,
+}
+
+/// `GET /v1/scopes`: one line per scope.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ScopeSummary {
+    pub scope: String,
+    pub control: String,
+    pub generation: u64,
+    pub harnesses: BTreeMap<String, HarnessFigures>,
+    pub lapsed: u64,
+}
+
+/// `GET /v1/scopes`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct ScopeList {
+    pub scopes: Vec<ScopeSummary>,
 }

@@ -406,21 +406,21 @@ impl Engine {
         &self.scopes
     }
 
-    /// B6: a scope's waiters in admission order with their positions, at most `limit`.
-    pub fn scope_waiters(&self, scope: &str, limit: usize) -> Vec<RunView> {
-        self.queues[0]
-            .iter()
-            .chain(self.queues[1].iter())
-            .filter(|&(_, s)| {
-                self.run(s)
-                    .req
-                    .budget
-                    .as_ref()
-                    .is_some_and(|b| b.scope == scope)
-            })
-            .take(limit)
-            .map(|(_, s)| self.view(s))
-            .collect()
+    /// B6: a scope's waiters in admission order with their positions (at most
+    /// `limit` of them), and how many it has in all.
+    pub fn scope_waiters(&self, scope: &str, limit: usize) -> (Vec<RunView>, usize) {
+        let mut views = Vec::new();
+        let mut all = 0;
+        for (_, s) in self.queues[0].iter().chain(self.queues[1].iter()) {
+            let b = self.run(s).req.budget.as_deref();
+            if b.is_some_and(|b| b.scope == scope) {
+                all += 1;
+                if views.len() < limit {
+                    views.push(self.view(s));
+                }
+            }
+        }
+        (views, all)
     }
 
     /// G4: whether the host is draining.

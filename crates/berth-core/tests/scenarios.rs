@@ -153,7 +153,7 @@ fn show_scope(out: &mut String, e: &Engine, id: &str) {
         }
         out.push('\n');
     }
-    for v in e.scope_waiters(id, 100) {
+    for v in e.scope_waiters(id, 100).0 {
         show_view(out, &v);
     }
 }

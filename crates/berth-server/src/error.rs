@@ -96,6 +96,68 @@ fn thread_refused(e: berth_core::threads::ThreadError) -> ApiError {
     }
 }
 
+/// B1–B5: a budget refusal, as the API says it (the details name what it is about).
+fn scope_refused(e: berth_core::scopes::ScopeError) -> ApiError {
+    use berth_core::scopes::ScopeError as S;
+    let code = e.code();
+    let message = e.to_string();
+    let (status, details) = match &e {
+        S::Invalid { field, .. } => return ApiError::invalid(field, rule_of(&message, field)),
+        S::PolicyConflict {
+            scope,
+            frozen,
+            given,
+        } => (409, json!({"scope": scope, "frozen": frozen, "given": given})),
+        S::ManifestChanged {
+            scope,
+            frozen,
+            given,
+        } => (409, json!({"scope": scope, "frozen": frozen, "given": given})),
+        S::InUse { scope, run_id } => (409, json!({"scope": scope, "run_id": run_id})),
+        S::TooMany { max } => (503, json!({"max": max})),
+        S::UnknownHarness { scope, harness } => (
+            400,
+            json!({"field": "harness", "scope": scope, "harness": harness}),
+        ),
+        S::ReservationConflict { scope, held, given } => {
+            (409, json!({"scope": scope, "held": held, "given": given}))
+        }
+        S::ControlConflict {
+            scope,
+            request_id,
+            accepted,
+        } => (
+            409,
+            json!({"scope": scope, "request_id": request_id, "accepted": accepted.as_str()}),
+        ),
+        S::Stopped { scope } | S::Paused { scope } => (409, json!({"scope": scope})),
+        S::Full {
+            scope,
+            harness,
+            limit,
+            holders,
+        } => (
+            409,
+            json!({"scope": scope, "harness": harness, "limit": limit, "holders": holders}),
+        ),
+        S::NotFound { what } => (404, json!({"what": what})),
+    };
+    ApiError {
+        status,
+        code: code.to_string(),
+        message,
+        details,
+    }
+}
+
+/// The rule part of a `field: rule` message.
+fn rule_of<'a>(message: &'a str, field: &str) -> &'a str {
+    message
+        .strip_prefix(field)
+        .and_then(|m| m.strip_prefix(": "))
+        .unwrap_or(message)
+}
+
 /// The one place the daemon's domain errors become HTTP statuses and wire codes.
 impl From<crate::daemon::Error> for ApiError {
     fn from(e: crate::daemon::Error) -> ApiError {
@@ -127,6 +189,10 @@ impl From<crate::daemon::Error> for ApiError {
 
 impl From<CoreError> for ApiError {
     fn from(e: CoreError) -> ApiError {
+        let e = match e {
+            CoreError::Scope(e) => return scope_refused(e),
+            e => e,
+        };
         let message = e.to_string();
         let (status, details) = match &e {
             CoreError::Invalid { field, .. } => (400, json!({ "field": field })),
@@ -157,6 +223,7 @@ impl From<CoreError> for ApiError {
             CoreError::QueueFull { max } => (503, json!({ "max": max })),
             CoreError::ContractDisabled { project } => (422, json!({ "project": project })),
             CoreError::NotEligible { run_id, .. } => (409, json!({ "run_id": run_id })),
+            CoreError::Scope(_) => (409, json!({})), // answered above
         };
         ApiError {
             status,

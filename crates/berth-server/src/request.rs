@@ -136,12 +136,7 @@ pub fn build_request(cfg: &Config, b: AcquireBody) -> Result<(CoreRequest, Extra
         None => new_run_id(),
     };
     validate::project(&b.project).map_err(|e| ApiError::invalid("project", e))?;
-    if b.budget.is_some() {
-        return Err(ApiError::invalid(
-            "budget",
-            "budgets are not supported by this berth yet",
-        ));
-    }
+    let budget = b.budget.map(budget).transpose()?.map(Box::new);
     let ttl_s = ttl_s(cfg, b.ttl_s.unwrap_or(cfg.ttl_ms_default / 1000))?;
     let wait_s = b.wait_s.unwrap_or(cfg.wait_ms_default / 1000);
     let wait_s_max = cfg.wait_ms_max / 1000;
@@ -173,6 +168,7 @@ pub fn build_request(cfg: &Config, b: AcquireBody) -> Result<(CoreRequest, Extra
         contract: None,
         ttl_ms: ttl_s * 1000,
         wait_ms: wait_s * 1000,
+        budget,
     };
     if let Some(t) = &b.thread {
         validate::run_id(t).map_err(|e| ApiError::invalid("thread", e))?;
@@ -270,4 +266,104 @@ fn singletons(singletons: Vec<String>) -> Result<Vec<String>, ApiError> {
         validate::resource_name(s).map_err(|e| ApiError::invalid("singletons", e))?;
     }
     Ok(singletons)
+}
+
+/// B1/B2: a run's budget, its syntax checked (the frozen policy is the engine's to
+/// compare). Each refusal names its field under `budget.`.
+fn budget(b: berth_client::wire::BudgetClaim) -> Result<berth_core::scopes::Budget, ApiError> {
+    let core = berth_core::scopes::Budget {
+        scope: b.scope,
+        harness: b.harness,
+        operation_id: b.operation_id,
+        per_harness: b.per_harness.map(|p| p.0),
+        manifest: b.manifest.map(manifest),
+    };
+    core.check().map_err(|e| match e {
+        berth_core::scopes::ScopeError::Invalid { field, rule } => {
+            let field = field.strip_prefix("budget.").unwrap_or(field);
+            ApiError::invalid(&format!("budget.{field}"), rule)
+        }
+        other => ApiError::invalid("budget", other),
+    })?;
+    Ok(core)
+}
+
+fn manifest(m: berth_client::wire::ScopeManifest) -> berth_core::scopes::Manifest {
+    berth_core::scopes::Manifest {
+        path: m.path,
+        sha256: m.sha256,
+        execution_ids: m.execution_ids,
+    }
+}
+
+/// The core's word for a field refusal, as the API's `400`.
+fn scope_invalid(e: berth_core::scopes::ScopeError) -> ApiError {
+    match e {
+        berth_core::scopes::ScopeError::Invalid { field, rule } => ApiError::invalid(field, rule),
+        other => ApiError::invalid("body", other),
+    }
+}
+
+/// A scope id in a path: the id rule.
+pub fn check_scope(id: &str) -> Result<(), ApiError> {
+    berth_core::scopes::check_id("scope", id).map_err(scope_invalid)
+}
+
+/// `POST /v1/scopes/{id}/reservations` and its `DELETE`: owner and operation id follow
+/// the id rule, the harness the canonical name rule.
+pub fn reservation(
+    owner: &str,
+    operation_id: &str,
+    harness: Option<&str>,
+) -> Result<(), ApiError> {
+    use berth_core::scopes::{check_harness, check_id};
+    check_id("owner", owner).map_err(scope_invalid)?;
+    check_id("operation_id", operation_id).map_err(scope_invalid)?;
+    if let Some(h) = harness {
+        check_harness(h).map_err(|e| ApiError::invalid("harness", e))?;
+    }
+    Ok(())
+}
+
+/// The most a reconciliation's reason may say (bytes).
+pub const RECONCILE_REASON_MAX: usize = 1_024;
+
+/// `POST /v1/scopes/{id}/reconcile`: an owner and a one-line reason.
+pub fn reconcile(b: &berth_client::wire::ReconcileRequest) -> Result<(), ApiError> {
+    berth_core::scopes::check_id("owner", &b.owner).map_err(scope_invalid)?;
+    if b.reason.is_empty()
+        || b.reason.len() > RECONCILE_REASON_MAX
+        || b.reason.contains(['\n', '\r', '\t', '\0'])
+    {
+        return Err(ApiError::invalid(
+            "reason",
+            format!("must be one line of 1 to {RECONCILE_REASON_MAX} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+/// `POST /v1/scopes/{id}/control`: the request id's length and the mode's word.
+pub fn control(
+    b: &berth_client::wire::ControlRequest,
+) -> Result<berth_core::scopes::Mode, ApiError> {
+    use berth_core::scopes::{Mode, REQUEST_ID_MAX};
+    if b.request_id.is_empty()
+        || b.request_id.len() > REQUEST_ID_MAX
+        || b.request_id.chars().any(char::is_control)
+    {
+        return Err(ApiError::invalid(
+            "request_id",
+            format!("must be 1 to {REQUEST_ID_MAX} characters, none of them a control character"),
+        ));
+    }
+    match b.mode.as_str() {
+        "pause" => Ok(Mode::Pause),
+        "stop" => Ok(Mode::Stop),
+        "resume" => Ok(Mode::Resume),
+        _ => Err(ApiError::invalid(
+            "mode",
+            "must be one of pause, stop, resume",
+        )),
+    }
 }

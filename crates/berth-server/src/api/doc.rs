@@ -174,9 +174,9 @@ fn observing() -> Vec<(Route, MethodRouter<Api>)> {
                 Get,
                 "/v1/journal/export",
                 r,
-                "A prefix of the journal with its SHA-256 (header X-Berth-Journal-Sha256)",
+                "A prefix of the journal with its SHA-256 (header X-Berth-Journal-Sha256); ?scope= keeps one experiment scope's entries",
             )
-            .query(&[("through", "integer")])
+            .query(&[("through", "integer"), ("scope", "string")])
             .answers(200, Body::Lines("JournalEntry")),
             get(observe::export),
         ),
@@ -269,7 +269,56 @@ fn changes() -> Vec<(Route, MethodRouter<Api>)> {
     .into_iter()
     .chain(public_and_admin())
     .chain(threads_and_drain())
+    .chain(budgets())
     .collect()
+}
+
+/// B1–B6: experiment scopes, their tokens and their control.
+fn budgets() -> Vec<(Route, MethodRouter<Api>)> {
+    use super::scopes as s;
+    use axum::routing::{delete, get, post};
+    use HttpMethod::{Delete, Get, Post};
+    let (r, o, a) = (
+        Some(Scope::Read),
+        Some(Scope::Operator),
+        Some(Scope::Admin),
+    );
+    vec![
+        (
+            route(Get, "/v1/scopes", r, "Every experiment scope: control, generation, tokens per harness")
+                .answers(200, Body::Json("ScopeList")),
+            get(s::list),
+        ),
+        (
+            route(Get, "/v1/scopes/{id}", r, "A scope: policy, manifest, tokens with their owners, lapsed owners, control, generation, receipts, waiters (B6)")
+                .answers(200, Body::Json("Scope")),
+            get(s::get_scope),
+        ),
+        (
+            route(Post, "/v1/scopes/{id}/reservations", o, "Reserve a turn's token by (owner, operation_id): 201 new, 200 a retry's; 409 budget_full never queues (B2)")
+                .takes("ReservationRequest")
+                .answers(201, Body::Json("Reservation"))
+                .or_answers(200, Body::Json("Reservation")),
+            post(s::reserve),
+        ),
+        (
+            route(Delete, "/v1/scopes/{id}/reservations/{owner}/{operation_id}", o, "The owner gives its token back (B3)")
+                .answers(200, Body::Json("ScopeToken")),
+            delete(s::unreserve),
+        ),
+        (
+            route(Post, "/v1/scopes/{id}/reconcile", a, "Free every token an owner holds (B3), journaled with its reason")
+                .takes("ReconcileRequest")
+                .answers(200, Body::Json("Reconciled")),
+            post(s::reconcile),
+        ),
+        (
+            route(Post, "/v1/scopes/{id}/control", o, "Pause, stop or resume the scope, idempotent by request_id (B4)")
+                .takes("ControlRequest")
+                .answers(200, Body::Json("ControlReceipt")),
+            post(s::control),
+        ),
+    ]
 }
 
 /// G0–G4: agent threads, the drain and the idle check.
@@ -515,6 +564,20 @@ fn build() -> OpenApi {
         .schema_from::<wire::Busy>()
         .schema_from::<wire::Drain>()
         .schema_from::<wire::Idle>()
+        .schema_from::<wire::BudgetClaim>()
+        .schema_from::<wire::ScopeManifest>()
+        .schema_from::<wire::ReservationRequest>()
+        .schema_from::<wire::ReconcileRequest>()
+        .schema_from::<wire::ControlRequest>()
+        .schema_from::<wire::ControlReceipt>()
+        .schema_from::<wire::ScopeToken>()
+        .schema_from::<wire::Reservation>()
+        .schema_from::<wire::Reconciled>()
+        .schema_from::<wire::ScopeWaiter>()
+        .schema_from::<wire::HarnessFigures>()
+        .schema_from::<wire::Scope>()
+        .schema_from::<wire::ScopeSummary>()
+        .schema_from::<wire::ScopeList>()
         .security_scheme(
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),

@@ -20,6 +20,7 @@ use tokio::sync::{mpsc, oneshot};
 pub mod doc;
 mod observe;
 mod runtime;
+mod scopes;
 mod threads;
 
 use crate::auth::{self, Scope};

@@ -90,11 +90,28 @@ pub async fn journal(AxState(api): AxState<Api>, params: Params) -> Result<Respo
         .into_response())
 }
 
-/// `GET /v1/journal/export?through=SEQ`: every kept entry from the first through
-/// `through` (default: the last), as ndjson, with the SHA-256 of exactly those bytes
-/// in `X-Berth-Journal-Sha256`. Entries are stored as they were first rendered, so the
-/// same prefix always gives the same bytes and the same digest.
+/// Whether a journal entry is about experiment scope `scope` (its `data.scope`). Only
+/// budget entries carry one; a cheap byte search comes first, so most lines are never
+/// parsed.
+fn of_scope(e: &JournalEntry, scope: &str) -> bool {
+    if !e.line.contains(&format!("\"scope\":\"{scope}\"")) {
+        return false;
+    }
+    serde_json::from_str::<serde_json::Value>(&e.line)
+        .is_ok_and(|v| v["data"]["scope"].as_str() == Some(scope))
+}
+
+/// `GET /v1/journal/export?through=SEQ[&scope=ID]`: every kept entry from the first
+/// through `through` (default: the last), as ndjson, with the SHA-256 of exactly those
+/// bytes in `X-Berth-Journal-Sha256`. Entries are stored as they were first rendered,
+/// so the same prefix always gives the same bytes and the same digest. With `scope`,
+/// only that experiment scope's entries (frozen, tokens, control), so an experiment
+/// can freeze exactly what happened to its budget.
 pub async fn export(AxState(api): AxState<Api>, params: Params) -> Result<Response, ApiError> {
+    let scope = params.0.get("scope").cloned();
+    if let Some(s) = &scope {
+        crate::request::check_scope(s)?;
+    }
     let j = &api.shared.journal;
     let last = j.last();
     let through = number(&params, "through")?.unwrap_or(last);
@@ -121,7 +138,14 @@ pub async fn export(AxState(api): AxState<Api>, params: Params) -> Result<Respon
         let Some(end) = got.last().map(|e| e.seq) else {
             break;
         };
-        ndjson(&got, &mut body);
+        match &scope {
+            Some(s) => {
+                let kept: Vec<Arc<JournalEntry>> =
+                    got.into_iter().filter(|e| of_scope(e, s)).collect();
+                ndjson(&kept, &mut body);
+            }
+            None => ndjson(&got, &mut body),
+        }
         after = end;
     }
     let digest = Sha256::digest(&body);

@@ -104,6 +104,8 @@ impl<H: Host> Daemon<H> {
             Msg::Drain { start, reply } => self.on_drain(start, reply),
             Msg::DrainGet { reply } => self.on_drain_get(reply),
             Msg::Idle { reply } => self.on_idle(reply),
+            Msg::Scope { op, reply } => self.on_scope(op, reply),
+            Msg::ScopeList { reply } => self.on_scope_list(reply),
         }
     }
 

@@ -20,6 +20,7 @@ mod ports;
 mod restore;
 mod runtime;
 mod runtimes;
+mod scopes;
 #[cfg(test)]
 mod sim;
 #[cfg(test)]
@@ -52,6 +53,7 @@ pub use host::{Host, ListenWatch, RealHost, StopOrder, StopSink, Supervision};
 pub use restore::Restore;
 pub use runtime::run;
 pub use runtimes::RuntimePlan;
+pub use scopes::{ScopeAnswer, ScopeOp};
 pub use threads::ThreadOp;
 
 /// A run as the API shows it: the engine's view plus what the server adds.
@@ -230,6 +232,14 @@ pub enum Msg {
     },
     Idle {
         reply: Reply<berth_client::wire::Idle>,
+    },
+    /// B1–B6: show, reserve, release, reconcile or control one scope.
+    Scope {
+        op: ScopeOp,
+        reply: Reply<ScopeAnswer>,
+    },
+    ScopeList {
+        reply: Reply<Vec<berth_client::wire::ScopeSummary>>,
     },
     /// C4: the worktree's contract or commit is no longer the run's.
     ContractChanged {
@@ -571,6 +581,13 @@ impl<H: Host> Daemon<H> {
             if let Some(run_id) = event_run(&ev) {
                 touched.insert(run_id.to_string());
             }
+            if let Event::Ended {
+                run_id,
+                state: RunState::Rejected,
+            } = &ev
+            {
+                self.scope_rejected(run_id);
+            }
             self.journal_event(&ev);
             if !matches!(
                 ev,
@@ -615,6 +632,11 @@ impl<H: Host> Daemon<H> {
                             evidence: None,
                         });
                 }
+                Event::ScopeFrozen { .. }
+                | Event::TokenTaken { .. }
+                | Event::TokenFreed { .. }
+                | Event::TokenLapsed { .. }
+                | Event::ScopeControlled { .. } => self.on_scope_event(&ev),
                 Event::Ended { run_id, state } => {
                     tracing::debug!(run_id, state = state.as_str(), "ended");
                     self.cleanup_retry.remove(run_id);
@@ -1003,6 +1025,11 @@ fn event_run(ev: &Event) -> Option<&str> {
         | Event::UpgradeGranted { run_id, .. } => Some(run_id),
         Event::Promoted { .. }
         | Event::EvidenceInvalidated { .. }
-        | Event::MemoryStabilized { .. } => None,
+        | Event::MemoryStabilized { .. }
+        | Event::ScopeFrozen { .. }
+        | Event::TokenTaken { .. }
+        | Event::TokenFreed { .. }
+        | Event::TokenLapsed { .. }
+        | Event::ScopeControlled { .. } => None,
     }
 }

@@ -120,6 +120,22 @@ fn restored_threads(
     }
 }
 
+/// Scopes back from the ledger (B1–B5): tokens and receipts as they were. After a
+/// reboot their monotonic times mean nothing, so they read as the restart's time.
+fn restored_scopes(
+    mut scopes: Vec<berth_core::scopes::Scope>,
+    now: u64,
+    same_boot: bool,
+) -> Vec<berth_core::scopes::Scope> {
+    if !same_boot {
+        for s in &mut scopes {
+            s.tokens.values_mut().for_each(|t| t.since_ms = now);
+            s.receipts.iter_mut().for_each(|r| r.at_ms = now);
+        }
+    }
+    scopes
+}
+
 impl<H: Host> Daemon<H> {
     /// Rebuilds the daemon from the ledger (P5). Times in the ledger are this boot's
     /// monotonic milliseconds; after a reboot every lease is over and every waiter has
@@ -170,7 +186,9 @@ impl<H: Host> Daemon<H> {
             extras.insert(id, Box::new(extra));
             restored.push(run);
         }
-        let mut engine = Engine::restore(how.cfg, ledger.last_fence, now, restored)?;
+        let scopes = restored_scopes(ledger.scopes, now, how.same_boot);
+        let mut engine =
+            Engine::restore_with_scopes(how.cfg, ledger.last_fence, now, restored, scopes)?;
         engine.restore_evidence(ledger.evidence)?;
         let g = (ledger.threads, ledger.drain);
         let th = restored_threads(how.threads, g, &mut engine, now, how.same_boot);

@@ -1,0 +1,113 @@
+//! B1–B6 over HTTP: `/v1/scopes/*`.
+
+use axum::body::Body;
+use axum::extract::{Path, State as AxState};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use berth_client::wire;
+
+use super::{ask, json_body, Api, Caller};
+use crate::daemon::{Msg, ScopeAnswer, ScopeOp};
+use crate::error::ApiError;
+use crate::request;
+
+async fn scope_op(api: &Api, op: ScopeOp) -> Result<Response, ApiError> {
+    let answer = ask(api, |reply| Msg::Scope { op, reply }).await?;
+    Ok(match answer {
+        ScopeAnswer::Scope(s) => Json(s).into_response(),
+        ScopeAnswer::Reservation(r) => {
+            let status = if r.new {
+                axum::http::StatusCode::CREATED
+            } else {
+                axum::http::StatusCode::OK
+            };
+            (status, Json(r)).into_response()
+        }
+        ScopeAnswer::Token(t) => Json(t).into_response(),
+        ScopeAnswer::Reconciled(r) => Json(r).into_response(),
+        ScopeAnswer::Receipt(r) => Json(r).into_response(),
+    })
+}
+
+pub async fn list(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
+    let scopes = ask(&api, |reply| Msg::ScopeList { reply }).await?;
+    Ok(Json(wire::ScopeList { scopes }).into_response())
+}
+
+pub async fn get_scope(
+    AxState(api): AxState<Api>,
+    Path(scope): Path<String>,
+) -> Result<Response, ApiError> {
+    request::check_scope(&scope)?;
+    scope_op(&api, ScopeOp::Get { scope }).await
+}
+
+/// B2: a turn's token; `201` when this request took it, `200` for a retry's.
+pub async fn reserve(
+    AxState(api): AxState<Api>,
+    Path(scope): Path<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    request::check_scope(&scope)?;
+    let b: wire::ReservationRequest = json_body(body, false).await?;
+    request::reservation(&b.owner, &b.operation_id, Some(&b.harness))?;
+    let op = ScopeOp::Reserve {
+        scope,
+        owner: b.owner,
+        operation_id: b.operation_id,
+        harness: b.harness,
+    };
+    scope_op(&api, op).await
+}
+
+/// B3: the owner gives its token back.
+pub async fn unreserve(
+    AxState(api): AxState<Api>,
+    Path((scope, owner, operation_id)): Path<(String, String, String)>,
+) -> Result<Response, ApiError> {
+    request::check_scope(&scope)?;
+    request::reservation(&owner, &operation_id, None)?;
+    let op = ScopeOp::Unreserve {
+        scope,
+        owner,
+        operation_id,
+    };
+    scope_op(&api, op).await
+}
+
+/// B3: an operator frees every token an owner holds (admin).
+pub async fn reconcile(
+    AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
+    Path(scope): Path<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    request::check_scope(&scope)?;
+    let b: wire::ReconcileRequest = json_body(body, false).await?;
+    request::reconcile(&b)?;
+    let by = format!("uid {} ({} token)", caller.uid, caller.scope.as_str());
+    let op = ScopeOp::Reconcile {
+        scope,
+        owner: b.owner,
+        reason: b.reason,
+        by,
+    };
+    scope_op(&api, op).await
+}
+
+/// B4: pause, stop or resume, idempotent by request id.
+pub async fn control(
+    AxState(api): AxState<Api>,
+    Path(scope): Path<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    request::check_scope(&scope)?;
+    let b: wire::ControlRequest = json_body(body, false).await?;
+    let mode = request::control(&b)?;
+    let op = ScopeOp::Control {
+        scope,
+        request_id: b.request_id,
+        mode,
+    };
+    scope_op(&api, op).await
+}

@@ -1,0 +1,413 @@
+//! B1–B6: experiment budgets, the daemon's side. The rules are the engine's (a run's
+//! token is part of its claim; `berth_core::scopes` keeps the policy, the tokens and
+//! the control state); this turns each budget event into its ledger row and its
+//! journal entry, in the transaction of the step that made it (D1, D5), and answers
+//! the scope routes once they are durable.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use berth_client::wire;
+use berth_core::scopes::{Control, Scope, ScopeError, Token};
+use berth_core::{Command, Error as CoreError, Event};
+use berth_store::{Mutation, ScopeRecord};
+use serde_json::json;
+
+use super::{Daemon, Error, Host, Reply};
+
+/// The waiters `GET /v1/scopes/{id}` lists at most (it counts them all).
+pub const SCOPE_WAITERS_SHOWN: usize = 100;
+
+/// What a scope message asks.
+pub enum ScopeOp {
+    Get {
+        scope: String,
+    },
+    Reserve {
+        scope: String,
+        owner: String,
+        operation_id: String,
+        harness: String,
+    },
+    Unreserve {
+        scope: String,
+        owner: String,
+        operation_id: String,
+    },
+    Reconcile {
+        scope: String,
+        owner: String,
+        reason: String,
+        by: String,
+    },
+    Control {
+        scope: String,
+        request_id: String,
+        mode: berth_core::scopes::Mode,
+    },
+}
+
+/// The answer to each [`ScopeOp`], in its own wire type.
+#[derive(Debug)]
+pub enum ScopeAnswer {
+    Scope(wire::Scope),
+    Reservation(wire::Reservation),
+    Token(wire::ScopeToken),
+    Reconciled(wire::Reconciled),
+    Receipt(wire::ControlReceipt),
+}
+
+fn control_word(c: Control) -> &'static str {
+    match c {
+        Control::Open => "open",
+        Control::Paused => "paused",
+        Control::Stopped => "stopped",
+    }
+}
+
+fn not_found(scope: &str) -> Error {
+    Error::Core(CoreError::Scope(ScopeError::NotFound {
+        what: format!("scope {scope}"),
+    }))
+}
+
+fn harnesses(s: &Scope) -> BTreeMap<String, wire::HarnessFigures> {
+    s.policy
+        .iter()
+        .map(|(h, &limit)| {
+            let held = s.holders(h) as u32;
+            (h.clone(), wire::HarnessFigures { limit, held })
+        })
+        .collect()
+}
+
+impl<H: Host> Daemon<H> {
+    pub(super) fn on_scope(&mut self, op: ScopeOp, reply: Reply<ScopeAnswer>) {
+        let (cmd, scope) = match op {
+            ScopeOp::Get { scope } => {
+                let v = self.scope_view(&scope).map(ScopeAnswer::Scope);
+                return self.answer(reply, v.ok_or_else(|| not_found(&scope)));
+            }
+            ScopeOp::Reserve {
+                scope,
+                owner,
+                operation_id,
+                harness,
+            } => {
+                let held = self.engine.scopes().token(&scope, &owner, &operation_id);
+                let new = held.is_none();
+                let cmd = Command::Reserve {
+                    scope: scope.clone(),
+                    owner: owner.clone(),
+                    operation_id: operation_id.clone(),
+                    harness,
+                };
+                let v = self.scope_step(cmd).and_then(|touched| {
+                    let t = self.token_out(&scope, &owner, &operation_id);
+                    let token = t.ok_or_else(|| Error::Internal("token vanished".into()))?;
+                    let r = wire::Reservation { scope, token, new };
+                    Ok((touched, ScopeAnswer::Reservation(r)))
+                });
+                return self.scope_answer(v, reply);
+            }
+            ScopeOp::Unreserve {
+                scope,
+                owner,
+                operation_id,
+            } => {
+                let before = self.token_out(&scope, &owner, &operation_id);
+                let cmd = Command::Unreserve {
+                    scope,
+                    owner,
+                    operation_id,
+                };
+                (cmd, before.map(ScopeAnswer::Token))
+            }
+            ScopeOp::Reconcile {
+                scope,
+                owner,
+                reason,
+                by,
+            } => return self.reconcile(scope, owner, reason, by, reply),
+            ScopeOp::Control {
+                scope,
+                request_id,
+                mode,
+            } => {
+                let cmd = Command::ScopeControl {
+                    scope: scope.clone(),
+                    request_id: request_id.clone(),
+                    mode,
+                };
+                let v = self.scope_step(cmd).and_then(|touched| {
+                    let r = self.receipt_out(&scope, &request_id);
+                    let r = r.ok_or_else(|| Error::Internal("receipt vanished".into()))?;
+                    Ok((touched, ScopeAnswer::Receipt(r)))
+                });
+                return self.scope_answer(v, reply);
+            }
+        };
+        let v = self.scope_step(cmd).and_then(|touched| {
+            let answer = scope.ok_or_else(|| Error::Internal("token vanished".into()))?;
+            Ok((touched, answer))
+        });
+        self.scope_answer(v, reply)
+    }
+
+    /// B3: an operator frees `owner`'s tokens (all or none), journaled with its reason.
+    fn reconcile(
+        &mut self,
+        scope: String,
+        owner: String,
+        reason: String,
+        by: String,
+        reply: Reply<ScopeAnswer>,
+    ) {
+        let held = self.engine.scopes().owner_operations(&scope, &owner);
+        let freed: Vec<wire::ScopeToken> = held
+            .iter()
+            .map(|(op, t)| self.wire_token(&owner, op, t))
+            .collect();
+        let cmd = Command::Reconcile {
+            scope: scope.clone(),
+            owner: owner.clone(),
+        };
+        let v = self.scope_step(cmd).map(|touched| {
+            let data = json!({"scope": scope, "owner": owner, "reason": reason, "by": by,
+                              "freed": freed.len()});
+            self.journal_entry("scope_reconciled", None, None, data);
+            let r = wire::Reconciled {
+                scope,
+                owner,
+                reason,
+                freed,
+            };
+            (touched, ScopeAnswer::Reconciled(r))
+        });
+        self.scope_answer(v, reply)
+    }
+
+    /// One budget command through the engine; the runs it touched (a freed token can
+    /// let a waiter in) are committed with it.
+    fn scope_step(&mut self, cmd: Command) -> Result<BTreeSet<String>, Error> {
+        let mut touched = BTreeSet::new();
+        self.apply(cmd, &mut touched)?;
+        Ok(touched)
+    }
+
+    fn scope_answer(
+        &mut self,
+        v: Result<(BTreeSet<String>, ScopeAnswer), Error>,
+        reply: Reply<ScopeAnswer>,
+    ) {
+        match v {
+            Ok((touched, answer)) => self.commit_and_answer(touched, reply, Ok(answer)),
+            // Refused: nothing changed; answered behind every write before it.
+            Err(e) => self.answer(reply, Err(e)),
+        }
+    }
+
+    pub(super) fn on_scope_list(&mut self, reply: Reply<Vec<wire::ScopeSummary>>) {
+        let list = self
+            .engine
+            .scopes()
+            .iter()
+            .map(|s| wire::ScopeSummary {
+                scope: s.id.clone(),
+                control: control_word(s.control).into(),
+                generation: s.generation,
+                harnesses: harnesses(s),
+                lapsed: s.tokens.values().filter(|t| t.owner_lapsed).count() as u64,
+            })
+            .collect();
+        self.answer(reply, Ok(list));
+    }
+
+    /// A waiter refused because its scope stopped (B4) is told why.
+    pub(super) fn scope_rejected(&mut self, run_id: &str) {
+        let scope = self
+            .engine
+            .record(run_id)
+            .and_then(|r| r.request.budget.map(|b| b.scope));
+        if let (Some(e), Some(scope)) = (self.extras.get_mut(run_id), scope) {
+            e.failure = Some(format!(
+                "scope {scope} was stopped: its waiters are refused (B4)"
+            ));
+        }
+    }
+
+    /// B1–B5: a budget event's ledger row and journal entry, in this step's commit.
+    pub(super) fn on_scope_event(&mut self, ev: &Event) {
+        match ev {
+            Event::ScopeFrozen { scope } => {
+                let Some(s) = self.engine.scopes().get(scope) else {
+                    return;
+                };
+                let data = json!({"scope": scope, "policy": s.policy,
+                                  "manifest": s.manifest});
+                self.push_scope(scope);
+                self.journal_entry("scope_frozen", None, None, data);
+            }
+            Event::TokenTaken {
+                scope,
+                owner,
+                operation,
+                harness,
+                run_id,
+            } => {
+                self.push_token(scope, owner, operation);
+                let data = json!({"scope": scope, "owner": owner, "operation_id": operation,
+                                  "harness": harness});
+                match run_id {
+                    Some(r) => self.journal("budget_token_taken", r, data),
+                    None => self.journal_entry("budget_token_taken", None, None, data),
+                }
+            }
+            Event::TokenFreed {
+                scope,
+                owner,
+                operation,
+                harness,
+                reconciled,
+            } => {
+                self.push_token(scope, owner, operation);
+                let by = if *reconciled { "operator" } else { "owner" };
+                let data = json!({"scope": scope, "owner": owner, "operation_id": operation,
+                                  "harness": harness, "by": by});
+                self.journal_entry("budget_token_freed", None, None, data);
+            }
+            Event::TokenLapsed {
+                scope,
+                owner,
+                operation,
+            } => {
+                self.push_token(scope, owner, operation);
+                let data = json!({"scope": scope, "owner": owner, "operation_id": operation});
+                self.journal_entry("budget_token_lapsed", None, None, data);
+            }
+            Event::ScopeControlled { scope, receipt } => {
+                self.push_scope(scope);
+                self.pending_mutations.push(Mutation::ScopeReceipt {
+                    scope: scope.clone(),
+                    receipt: receipt.clone(),
+                });
+                let data = json!({"scope": scope, "request_id": receipt.request_id,
+                                  "mode": receipt.mode.as_str(),
+                                  "generation": receipt.generation,
+                                  "control": control_word(receipt.control)});
+                self.journal_entry("scope_control", None, None, data);
+            }
+            _ => {}
+        }
+    }
+
+    fn push_scope(&mut self, scope: &str) {
+        if let Some(s) = self.engine.scopes().get(scope) {
+            let rec = ScopeRecord {
+                id: s.id.clone(),
+                policy: s.policy.clone(),
+                manifest: s.manifest.clone(),
+                control: s.control,
+                generation: s.generation,
+            };
+            self.pending_mutations.push(Mutation::Scope(rec));
+        }
+    }
+
+    /// The token as the engine holds it after this step (or its absence): the rows of
+    /// one step are written in order, so the last one is what the step left.
+    fn push_token(&mut self, scope: &str, owner: &str, operation: &str) {
+        let token = self.engine.scopes().token(scope, owner, operation).cloned();
+        self.pending_mutations.push(Mutation::BudgetToken {
+            scope: scope.to_string(),
+            owner: owner.to_string(),
+            operation: operation.to_string(),
+            token,
+        });
+    }
+
+    fn wire_token(&self, owner: &str, operation: &str, t: &Token) -> wire::ScopeToken {
+        wire::ScopeToken {
+            owner: owner.to_string(),
+            operation_id: operation.to_string(),
+            harness: t.harness.clone(),
+            run_id: t.run_id.clone(),
+            since: self.host.show_time(t.since_ms),
+            owner_lapsed: t.owner_lapsed,
+        }
+    }
+
+    fn token_out(&self, scope: &str, owner: &str, operation: &str) -> Option<wire::ScopeToken> {
+        let t = self.engine.scopes().token(scope, owner, operation)?;
+        Some(self.wire_token(owner, operation, t))
+    }
+
+    fn receipt_out(&self, scope: &str, request_id: &str) -> Option<wire::ControlReceipt> {
+        let s = self.engine.scopes().get(scope)?;
+        let r = s.receipts.iter().find(|r| r.request_id == request_id)?;
+        Some(self.wire_receipt(scope, r))
+    }
+
+    fn wire_receipt(&self, scope: &str, r: &berth_core::scopes::Receipt) -> wire::ControlReceipt {
+        wire::ControlReceipt {
+            scope: scope.to_string(),
+            request_id: r.request_id.clone(),
+            mode: r.mode.as_str().into(),
+            generation: r.generation,
+            control: control_word(r.control).into(),
+            at: self.host.show_time(r.at_ms),
+        }
+    }
+
+    /// B6: everything about one scope.
+    fn scope_view(&self, scope: &str) -> Option<wire::Scope> {
+        let s = self.engine.scopes().get(scope)?;
+        let tokens: Vec<wire::ScopeToken> = s
+            .tokens
+            .iter()
+            .map(|((o, op), t)| self.wire_token(o, op, t))
+            .collect();
+        let lapsed: BTreeSet<String> = s
+            .tokens
+            .iter()
+            .filter(|(_, t)| t.owner_lapsed)
+            .map(|((o, _), _)| o.clone())
+            .collect();
+        let (views, waiting) = self.engine.scope_waiters(scope, SCOPE_WAITERS_SHOWN);
+        let waiters = views
+            .into_iter()
+            .map(|v| wire::ScopeWaiter {
+                harness: self
+                    .engine
+                    .record(&v.run_id)
+                    .and_then(|r| r.request.budget.map(|b| b.harness))
+                    .unwrap_or_default(),
+                run_id: v.run_id,
+                position: v.position.unwrap_or(0),
+                reason: v.reason.map(|r| wire::Reason {
+                    code: r.code,
+                    message: r.message,
+                }),
+            })
+            .collect();
+        Some(wire::Scope {
+            scope: scope.to_string(),
+            harnesses: harnesses(s),
+            manifest: s.manifest.as_ref().map(|m| wire::ScopeManifest {
+                path: m.path.clone(),
+                sha256: m.sha256.clone(),
+                execution_ids: m.execution_ids.clone(),
+            }),
+            control: control_word(s.control).into(),
+            generation: s.generation,
+            tokens,
+            lapsed_owners: lapsed.into_iter().collect(),
+            receipts: s
+                .receipts
+                .iter()
+                .map(|r| self.wire_receipt(scope, r))
+                .collect(),
+            waiters,
+            waiting: waiting as u64,
+        })
+    }
+}
