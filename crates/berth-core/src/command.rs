@@ -251,7 +251,9 @@ pub enum Event {
         available: u64,
     },
     /// B1: a scope's policy (and manifest) was frozen by its first admission.
-    ScopeFrozen { scope: String },
+    ScopeFrozen {
+        scope: String,
+    },
     /// B2: a token was taken (a run's claim, `run_id` set, or a turn's reservation).
     TokenTaken {
         scope: String,

@@ -1449,13 +1449,16 @@ impl Engine {
         mode: crate::scopes::Mode,
         ev: &mut Vec<Event>,
     ) -> Result<Option<RunView>, Error> {
-        let before = self.scopes.get(scope).map(|s| s.generation);
+        let retry = self
+            .scopes
+            .get(scope)
+            .is_some_and(|s| s.receipts.iter().any(|r| r.request_id == request_id));
         let receipt = self
             .scopes
             .control(now, scope, request_id, mode)
             .map_err(Error::Scope)?;
-        if before == Some(receipt.generation) {
-            return Ok(None); // a retry: the same receipt, nothing changed
+        if retry {
+            return Ok(None); // the same receipt again: nothing changed
         }
         let stopped = receipt.control == crate::scopes::Control::Stopped;
         ev.push(Event::ScopeControlled {
@@ -1657,7 +1660,10 @@ impl Engine {
         }
         if let Some(b) = &run.req.budget {
             let owner = &run.req.run_id;
-            if let Some(block) = self.scopes.blocked(&b.scope, &b.harness, owner, b.operation()) {
+            if let Some(block) = self
+                .scopes
+                .blocked(&b.scope, &b.harness, owner, b.operation())
+            {
                 return Some(Blocker::Budget(s, block));
             }
         }

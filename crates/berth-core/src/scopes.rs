@@ -561,8 +561,7 @@ impl Scopes {
             Control::Paused => return Some(Block::Paused),
             Control::Open => {}
         }
-        if s
-            .tokens
+        if s.tokens
             .get(&(owner.to_string(), operation.to_string()))
             .is_some_and(|t| t.harness == harness)
         {
@@ -674,11 +673,7 @@ impl Scopes {
 
     /// B3: an operator frees every token `owner` holds in the scope; returns them with
     /// their operation ids.
-    pub fn reconcile(
-        &mut self,
-        id: &str,
-        owner: &str,
-    ) -> Result<Vec<(String, Token)>, ScopeError> {
+    pub fn reconcile(&mut self, id: &str, owner: &str) -> Result<Vec<(String, Token)>, ScopeError> {
         let s = self.scopes.get_mut(id).ok_or_else(|| no_scope(id))?;
         let keys = owner_keys(s, owner);
         let mut out = Vec::with_capacity(keys.len());

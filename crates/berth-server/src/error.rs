@@ -107,12 +107,18 @@ fn scope_refused(e: berth_core::scopes::ScopeError) -> ApiError {
             scope,
             frozen,
             given,
-        } => (409, json!({"scope": scope, "frozen": frozen, "given": given})),
+        } => (
+            409,
+            json!({"scope": scope, "frozen": frozen, "given": given}),
+        ),
         S::ManifestChanged {
             scope,
             frozen,
             given,
-        } => (409, json!({"scope": scope, "frozen": frozen, "given": given})),
+        } => (
+            409,
+            json!({"scope": scope, "frozen": frozen, "given": given}),
+        ),
         S::InUse { scope, run_id } => (409, json!({"scope": scope, "run_id": run_id})),
         S::TooMany { max } => (503, json!({"max": max})),
         S::UnknownHarness { scope, harness } => (

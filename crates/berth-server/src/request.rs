@@ -311,11 +311,7 @@ pub fn check_scope(id: &str) -> Result<(), ApiError> {
 
 /// `POST /v1/scopes/{id}/reservations` and its `DELETE`: owner and operation id follow
 /// the id rule, the harness the canonical name rule.
-pub fn reservation(
-    owner: &str,
-    operation_id: &str,
-    harness: Option<&str>,
-) -> Result<(), ApiError> {
+pub fn reservation(owner: &str, operation_id: &str, harness: Option<&str>) -> Result<(), ApiError> {
     use berth_core::scopes::{check_harness, check_id};
     check_id("owner", owner).map_err(scope_invalid)?;
     check_id("operation_id", operation_id).map_err(scope_invalid)?;

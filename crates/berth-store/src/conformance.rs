@@ -644,9 +644,7 @@ pub fn threads_and_the_drain_survive_a_reopen(open: Open) {
 /// written; a freed token stays freed; a lapse mark survives.
 pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
     use crate::ScopeRecord;
-    use berth_core::scopes::{
-        Budget, Control, Manifest, Mode, Receipt, Token, RECEIPTS_MAX,
-    };
+    use berth_core::scopes::{Budget, Control, Manifest, Mode, Receipt, Token, RECEIPTS_MAX};
     let policy: berth_core::scopes::Policy =
         [("claude".to_string(), 2), ("codex".to_string(), 5)].into();
     let manifest = Manifest {
@@ -704,7 +702,10 @@ pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
     ])])
     .unwrap();
     let l = open().load(10).unwrap();
-    assert_eq!(l.runs[0].request.budget, run.request.budget, "a run's budget");
+    assert_eq!(
+        l.runs[0].request.budget, run.request.budget,
+        "a run's budget"
+    );
     assert_eq!(l.scopes.len(), 1);
     let sc = &l.scopes[0];
     assert_eq!(
@@ -735,7 +736,10 @@ pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
     s.write(&[&batch(ms)]).unwrap();
     let l = open().load(10).unwrap();
     let sc = &l.scopes[0];
-    assert_eq!((sc.control, sc.generation, sc.manifest.clone()), (Control::Stopped, last, None));
+    assert_eq!(
+        (sc.control, sc.generation, sc.manifest.clone()),
+        (Control::Stopped, last, None)
+    );
     assert_eq!(sc.receipts.len(), RECEIPTS_MAX);
     assert_eq!(sc.receipts.last().map(|r| r.generation), Some(last));
     assert_eq!(sc.receipts[0].generation, last - RECEIPTS_MAX as u64 + 1);

@@ -691,9 +691,7 @@ impl Store for SqliteStore {
                 Mutation::Thread(t) => write_thread(&tx, t)?,
                 Mutation::Drain(d) => write_drain(&tx, d.as_ref())?,
                 Mutation::Scope(r) => write_scope(&tx, r)?,
-                Mutation::ScopeReceipt { scope, receipt } => {
-                    write_receipt(&tx, scope, receipt)?
-                }
+                Mutation::ScopeReceipt { scope, receipt } => write_receipt(&tx, scope, receipt)?,
                 Mutation::BudgetToken {
                     scope,
                     owner,

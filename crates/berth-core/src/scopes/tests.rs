@@ -84,7 +84,10 @@ fn a_frozen_manifest_cannot_change() {
     bad.sha256 = "A".repeat(64);
     assert!(matches!(
         s.freeze("n", Some(&p), Some(&bad)),
-        Err(ScopeError::Invalid { field: "manifest.sha256", .. })
+        Err(ScopeError::Invalid {
+            field: "manifest.sha256",
+            ..
+        })
     ));
     assert!(s.get("n").is_none());
 }

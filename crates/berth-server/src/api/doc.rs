@@ -278,11 +278,7 @@ fn budgets() -> Vec<(Route, MethodRouter<Api>)> {
     use super::scopes as s;
     use axum::routing::{delete, get, post};
     use HttpMethod::{Delete, Get, Post};
-    let (r, o, a) = (
-        Some(Scope::Read),
-        Some(Scope::Operator),
-        Some(Scope::Admin),
-    );
+    let (r, o, a) = (Some(Scope::Read), Some(Scope::Operator), Some(Scope::Admin));
     vec![
         (
             route(Get, "/v1/scopes", r, "Every experiment scope: control, generation, tokens per harness")
