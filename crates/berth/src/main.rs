@@ -5,6 +5,7 @@ mod args;
 mod client;
 mod events;
 mod run;
+mod scopes;
 mod serve;
 mod show;
 mod threads;
@@ -56,6 +57,11 @@ enum Cmd {
     /// Drain the host: no new runs or registrations; --wait until nothing is in flight,
     /// --off to end it (G4).
     Drain(threads::DrainArgs),
+    /// Show or control an experiment scope: show, pause, stop, resume, reconcile
+    /// (B1-B6).
+    Scope(scopes::ScopeArgs),
+    /// List the experiment scopes: control, generation, tokens held per harness.
+    Budget(client::ConnArgs),
     /// Print a completion script for a shell, e.g. `berth completions bash >
     /// /etc/bash_completion.d/berth`.
     Completions {
@@ -93,6 +99,8 @@ fn main() -> ExitCode {
         Cmd::Events(a) => events::events_main(a),
         Cmd::Threads(a) => threads::threads_main(a),
         Cmd::Drain(a) => threads::drain_main(a),
+        Cmd::Scope(a) => scopes::scope_main(a),
+        Cmd::Budget(a) => scopes::budget_main(a),
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
             Ok(0)

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
 use berth_client::wire::{
-    AcquireEvent, AcquireRequest, ErrorDetail, ProcessRequest, ReleaseRequest, RenewRequest, Run,
-    RuntimeEvent, RuntimeRequest, UniqueMap,
+    AcquireEvent, AcquireRequest, BudgetClaim, ErrorDetail, ProcessRequest, ReleaseRequest,
+    RenewRequest, Run, RuntimeEvent, RuntimeRequest, UniqueMap,
 };
 use berth_core::validate;
 use berth_core::RunState;
@@ -74,8 +74,54 @@ pub struct ClaimArgs {
     /// How long to wait in the queue, e.g. 30m; 0 = do not wait [default: 30m].
     #[arg(long, value_parser = crate::args::parse_duration)]
     pub wait: Option<u64>,
+    /// SCOPE:HARNESS: the experiment budget whose harness token is part of the claim
+    /// (B1/B2); the run waits with `budget.full` while the harness is at its limit.
+    #[arg(long, value_name = "SCOPE:HARNESS")]
+    pub budget: Option<String>,
+    /// HARNESS=LIMIT,...: the scope's per-harness limits, required the first time the
+    /// scope is used (then frozen; a different one is refused).
+    #[arg(long, value_name = "HARNESS=LIMIT,...", requires = "budget")]
+    pub budget_policy: Option<String>,
+    /// The operation the run's token is reserved under [default: run].
+    #[arg(long, requires = "budget")]
+    pub operation_id: Option<String>,
     #[command(flatten)]
     pub conn: ConnArgs,
+}
+
+/// `--budget`, `--budget-policy` and `--operation-id` as the acquire's budget.
+fn budget_of(c: &ClaimArgs) -> anyhow::Result<Option<BudgetClaim>> {
+    let Some(b) = &c.budget else {
+        return Ok(None);
+    };
+    let (scope, harness) = b
+        .split_once(':')
+        .ok_or_else(|| anyhow!("--budget {b:?}: expected SCOPE:HARNESS"))?;
+    let per_harness = match &c.budget_policy {
+        Some(p) => {
+            let mut m = BTreeMap::new();
+            for pair in p.split(',') {
+                let (h, n) = pair
+                    .split_once('=')
+                    .ok_or_else(|| anyhow!("--budget-policy {pair:?}: expected HARNESS=LIMIT"))?;
+                let n: u32 = n
+                    .parse()
+                    .map_err(|_| anyhow!("--budget-policy {pair:?}: LIMIT must be 1 to 1024"))?;
+                if m.insert(h.to_string(), n).is_some() {
+                    return Err(anyhow!("--budget-policy: {h} appears twice"));
+                }
+            }
+            Some(UniqueMap(m))
+        }
+        None => None,
+    };
+    Ok(Some(BudgetClaim {
+        scope: scope.into(),
+        harness: harness.into(),
+        per_harness,
+        operation_id: c.operation_id.clone(),
+        manifest: None,
+    }))
 }
 
 #[derive(Args)]
@@ -115,7 +161,7 @@ fn default_project() -> String {
         .unwrap_or_else(|| "default".into())
 }
 
-fn random_id() -> String {
+pub(crate) fn random_id() -> String {
     let mut buf = [0u8; 8];
     if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
         let _ = std::io::Read::read_exact(&mut f, &mut buf);
@@ -175,6 +221,7 @@ fn acquire_body(c: &ClaimArgs) -> anyhow::Result<AcquireRequest> {
         worktree,
         ttl_s: c.ttl.map(|t| (t / 1000).max(1)),
         wait_s: c.wait.map(|w| w / 1000),
+        budget: budget_of(c)?,
         ..Default::default()
     })
 }

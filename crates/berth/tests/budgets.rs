@@ -502,3 +502,78 @@ fn malformed_budget_requests_change_nothing() {
     assert_eq!((scope(&d, "m"), changes(&d)), before, "nothing changed");
     eprintln!("{} malformed budget requests refused", cases.len());
 }
+
+/// The CLI: `berth acquire --budget --budget-policy`, `berth budget`, and `berth scope
+/// show|pause|stop|resume` (a retried request id gives the same receipt; a refusal exits
+/// non-zero naming its code).
+#[test]
+fn the_cli_acquires_shows_and_controls_a_scope() {
+    let d = Daemon::start(ROOMY);
+    let run = |args: &[&str]| {
+        let out = d.cli().args(args).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let (ok, text) = run(&[
+        "acquire",
+        "--project",
+        "cli-a",
+        "--run-id",
+        "c1",
+        "--budget",
+        "exp:claude",
+        "--budget-policy",
+        "claude=1,codex=2",
+    ]);
+    assert!(ok, "{text}");
+    let (ok, text) = run(&[
+        "acquire",
+        "--project",
+        "cli-b",
+        "--run-id",
+        "c2",
+        "--budget",
+        "exp:claude",
+        "--detach",
+    ]);
+    assert!(ok, "{text}");
+    let (ok, text) = run(&["budget"]);
+    assert!(ok, "{text}");
+    assert!(
+        text.contains("exp\topen (generation 0); claude 1/1, codex 0/2"),
+        "{text}"
+    );
+    let (ok, text) = run(&["scope", "pause", "exp", "--request-id", "p1"]);
+    assert!(
+        ok && text.contains("scope exp: paused (generation 1)"),
+        "{text}"
+    );
+    let (ok, text) = run(&["scope", "pause", "exp", "--request-id", "p1"]);
+    assert!(
+        ok && text.contains("(generation 1)"),
+        "the same receipt: {text}"
+    );
+    let (ok, text) = run(&["scope", "show", "exp"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("claude c1/run run c1 since"), "{text}");
+    assert!(text.contains("1 c2 (claude)"), "{text}");
+    assert!(
+        text.contains("receipt p1 pause -> paused generation 1"),
+        "{text}"
+    );
+    let (ok, text) = run(&["scope", "stop", "exp"]);
+    assert!(ok && text.contains("stopped (generation 2)"), "{text}");
+    let (ok, text) = run(&["scope", "resume", "exp"]);
+    assert!(!ok && text.contains("scope_stopped"), "{text}");
+    let (ok, text) = run(&[
+        "acquire",
+        "--project",
+        "cli-c",
+        "--budget",
+        "exp:claude",
+        "--budget-policy",
+        "claude=9",
+    ]);
+    assert!(!ok && text.contains("budget_conflict"), "{text}");
+}
