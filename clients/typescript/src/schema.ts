@@ -1746,12 +1746,17 @@ export interface components {
             /** @enum {string} */
             state?: "queued" | "granted" | "releasing" | "released" | "expired" | "cancelled" | "rejected" | "degraded";
         };
-        /** @description Per harness: its limit and the tokens held now. */
+        /**
+         * @description Per harness: its limit, the tokens held now, and how many of those are held for an
+         *     owner whose lease lapsed (B3).
+         */
         HarnessFigures: {
             /** Format: int32 */
             limit: number;
             /** Format: int32 */
             held: number;
+            /** Format: int32 */
+            lapsed: number;
         };
         /** @description `GET /v1/idle`: whether the host may be taken away now. */
         Idle: {

@@ -831,11 +831,13 @@ pub struct ScopeWaiter {
     pub reason: Option<Reason>,
 }
 
-/// Per harness: its limit and the tokens held now.
+/// Per harness: its limit, the tokens held now, and how many of those are held for an
+/// owner whose lease lapsed (B3).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct HarnessFigures {
     pub limit: u32,
     pub held: u32,
+    pub lapsed: u32,
 }
 
 /// `GET /v1/scopes/{id}` (B6): the frozen policy and manifest, tokens per harness with

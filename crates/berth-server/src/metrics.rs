@@ -43,6 +43,12 @@ struct ResourceLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct HarnessLabels {
+    scope: String,
+    harness: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct HttpLabels {
     // Static: a route of the route table (or "unmatched") and a method's name, so that
     // counting a request builds no String (this runs for every request).
@@ -66,6 +72,9 @@ pub struct Metrics {
     capacity_total: Family<ResourceLabel, Gauge>,
     capacity_committed: Family<ResourceLabel, Gauge>,
     capacity_available: Family<ResourceLabel, Gauge>,
+    budget_held: Family<HarnessLabels, Gauge>,
+    budget_limit: Family<HarnessLabels, Gauge>,
+    budget_lapsed: Family<HarnessLabels, Gauge>,
     commit_seconds: Histogram,
     commit_batches: Histogram,
     http: Family<HttpLabels, Counter>,
@@ -93,6 +102,9 @@ impl Default for Metrics {
             capacity_total: Family::default(),
             capacity_committed: Family::default(),
             capacity_available: Family::default(),
+            budget_held: Family::default(),
+            budget_limit: Family::default(),
+            budget_lapsed: Family::default(),
             // 50 µs to ~1.6 s: an fsync here is ~0.2 ms, a stalled disk seconds.
             commit_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
             // 1 to 4096 batches (GROUP_MAX).
@@ -182,6 +194,21 @@ impl Metrics {
             "capacity_available",
             "Each resource's amount admission may still grant",
             self.capacity_available.clone(),
+        );
+        r.register(
+            "budget_tokens_held",
+            "Budget tokens held, by experiment scope and harness (B6)",
+            self.budget_held.clone(),
+        );
+        r.register(
+            "budget_tokens_limit",
+            "Each harness's frozen limit, by experiment scope (B1)",
+            self.budget_limit.clone(),
+        );
+        r.register(
+            "budget_tokens_owner_lapsed",
+            "Budget tokens held for an owner whose lease lapsed (B3), by scope and harness",
+            self.budget_lapsed.clone(),
         );
         r.register(
             "ledger_commit_seconds",
@@ -314,6 +341,20 @@ impl Metrics {
                 .get_or_create(&l)
                 .set(clamp(r.available));
         }
+        for f in [&self.budget_held, &self.budget_limit, &self.budget_lapsed] {
+            f.clear();
+        }
+        for s in &now.scopes {
+            for (harness, fig) in &s.harnesses {
+                let l = HarnessLabels {
+                    scope: s.scope.clone(),
+                    harness: harness.clone(),
+                };
+                self.budget_held.get_or_create(&l).set(fig.held.into());
+                self.budget_limit.get_or_create(&l).set(fig.limit.into());
+                self.budget_lapsed.get_or_create(&l).set(fig.lapsed.into());
+            }
+        }
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
@@ -329,4 +370,6 @@ pub struct Scrape {
     /// Waiters by reason code.
     pub reasons: std::collections::BTreeMap<String, u64>,
     pub resources: Vec<berth_client::wire::ResourceStatus>,
+    /// Budget tokens per scope and harness.
+    pub scopes: Vec<berth_client::wire::ScopeSummary>,
 }

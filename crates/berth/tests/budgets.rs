@@ -208,7 +208,10 @@ fn a_retried_reservation_gets_the_same_token() {
     assert_eq!(again.body["new"], false);
     assert_eq!(again.body["token"], first.body["token"], "the same token");
     let s = scope(&d, "s");
-    assert_eq!(s["harnesses"]["claude"], json!({"limit": 1, "held": 1}));
+    assert_eq!(
+        s["harnesses"]["claude"],
+        json!({"limit": 1, "held": 1, "lapsed": 0})
+    );
     let other = reserve("worker-1", "turn-7", "codex");
     assert_eq!(other.status, 409, "{:?}", other.body);
     assert_eq!(other.code(), "reservation_conflict");
@@ -257,6 +260,16 @@ fn a_lapsed_token_stays_held_until_reconciled_even_across_kill_9() {
     lapsed(&d);
     d.kill9_and_restart();
     lapsed(&d);
+    // Metrics count the tokens per scope and harness, lapsed ones too.
+    let m = d.get("/metrics").body;
+    let m = m.as_str().unwrap_or_default();
+    for line in [
+        r#"berth_budget_tokens_held{scope="s",harness="claude"} 1"#,
+        r#"berth_budget_tokens_limit{scope="s",harness="claude"} 1"#,
+        r#"berth_budget_tokens_owner_lapsed{scope="s",harness="claude"} 1"#,
+    ] {
+        assert!(m.lines().any(|l| l == line), "{line} in:\n{m}");
+    }
     // A read token may not reconcile; an admin may.
     let read = d.post("/v1/tokens", r#"{"scope":"read"}"#).body["token"]
         .as_str()

@@ -448,6 +448,7 @@ pub async fn metrics(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
         *scrape.reasons.entry(code.to_string()).or_default() += 1;
     }
     scrape.resources = super::status_out(&snap, &Default::default()).resources;
+    scrape.scopes = ask(&api, |reply| Msg::ScopeList { reply }).await?;
     let text = api.shared.metrics.render(&scrape);
     Ok((
         [(

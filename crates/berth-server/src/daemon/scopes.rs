@@ -71,11 +71,23 @@ fn not_found(scope: &str) -> Error {
 }
 
 fn harnesses(s: &Scope) -> BTreeMap<String, wire::HarnessFigures> {
+    let mut lapsed: BTreeMap<&str, u32> = BTreeMap::new();
+    for t in s.tokens.values().filter(|t| t.owner_lapsed) {
+        *lapsed.entry(&t.harness).or_default() += 1;
+    }
     s.policy
         .iter()
         .map(|(h, &limit)| {
             let held = s.holders(h) as u32;
-            (h.clone(), wire::HarnessFigures { limit, held })
+            let lapsed = lapsed.get(h.as_str()).copied().unwrap_or(0);
+            (
+                h.clone(),
+                wire::HarnessFigures {
+                    limit,
+                    held,
+                    lapsed,
+                },
+            )
         })
         .collect()
 }
