@@ -209,6 +209,8 @@ struct JournalModel {
     /// Per run since its latest `queued`: the fence its `granted` named, the state its
     /// `ended` named.
     runs: BTreeMap<String, (Option<u64>, Option<String>)>,
+    /// The budget tokens held, by (owner, operation), as the budget entries say (B2/B3).
+    tokens: BTreeSet<(String, String)>,
 }
 
 impl JournalModel {
@@ -219,6 +221,7 @@ impl JournalModel {
                 .unwrap(),
             seen: 0,
             runs: BTreeMap::new(),
+            tokens: BTreeSet::new(),
         }
     }
 
@@ -254,9 +257,22 @@ impl JournalModel {
     }
 
     fn fold(&mut self, e: &berth_store::JournalEntry) {
-        let Some(run) = &e.run_id else { return };
         let line: serde_json::Value = serde_json::from_str(&e.line).unwrap_or_default();
         let data = &line["data"];
+        let key = || {
+            let s = |f: &str| data[f].as_str().unwrap_or_default().to_string();
+            (s("owner"), s("operation_id"))
+        };
+        match e.kind.as_str() {
+            "budget_token_taken" => {
+                self.tokens.insert(key());
+            }
+            "budget_token_freed" => {
+                self.tokens.remove(&key());
+            }
+            _ => {}
+        }
+        let Some(run) = &e.run_id else { return };
         match e.kind.as_str() {
             // A run's life starts here (a forgotten id may come back as a new run).
             "queued" => {
@@ -413,6 +429,7 @@ impl Sim {
             71..=86 => self.pass_time(),
             87..=89 => self.reap(),
             90..=92 => self.restart(),
+            93..=94 => self.reconcile(),
             _ => self.inject_failure(),
         };
         self.trace.push(format!("{i} {line}"));
@@ -450,7 +467,17 @@ impl Sim {
             contract: None,
             ttl_ms: (n % 5 + 1) * 10_000,
             wait_ms: (n % 3) * 15_000,
-            budget: None,
+            // Some runs carry an experiment budget (B1/B2): its token is part of the
+            // claim, and it stays held (lapsed) when the lease expires.
+            budget: (n % 5 < 2).then(|| {
+                Box::new(berth_core::scopes::Budget {
+                    scope: "sim".into(),
+                    harness: ["a", "b"][(n % 2) as usize].into(),
+                    operation_id: None,
+                    per_harness: Some([("a".to_string(), 1), ("b".to_string(), 2)].into()),
+                    manifest: None,
+                })
+            }),
         };
         // A waiter is detached (some ids mostly, others now and then: a retry with
         // `detach` lets an attached waiter go) or held by its client's connection (a
@@ -638,6 +665,39 @@ impl Sim {
         format!("tick +{ms}ms")
     }
 
+    /// B3: an operator frees a lapsed owner's tokens (the only way besides the owner's
+    /// release; a lapse alone never does).
+    fn reconcile(&mut self) -> String {
+        let lapsed: Vec<String> = self
+            .d()
+            .engine
+            .scopes()
+            .get("sim")
+            .map(|s| {
+                s.tokens
+                    .iter()
+                    .filter(|(_, t)| t.owner_lapsed)
+                    .map(|((o, _), _)| o.clone())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if lapsed.is_empty() {
+            return "reconcile: no lapsed owner".into();
+        }
+        let owner = lapsed[self.rng.range(0, lapsed.len() as u64 - 1) as usize].clone();
+        let op = super::ScopeOp::Reconcile {
+            scope: "sim".into(),
+            owner: owner.clone(),
+            reason: "sim".into(),
+            by: "sim".into(),
+        };
+        let res = self.ask(|reply| Msg::Scope { op, reply });
+        format!(
+            "reconcile {owner} -> {}",
+            if res.is_ok() { "ok" } else { "refused" }
+        )
+    }
+
     fn reap(&mut self) -> String {
         let res = self.ask(|reply| Msg::Reap { reply });
         format!("reap -> {:?}", res.map(|(runs, _)| runs))
@@ -648,6 +708,7 @@ impl Sim {
     /// it; their processes live on.
     fn restart(&mut self) -> String {
         let before = runs(self.d());
+        let tokens_before = tokens(self.d());
         self.daemon.take().unwrap().close();
         self.machine.lock().unwrap().orders.clear();
         // Clients' connections die with the daemon.
@@ -663,6 +724,13 @@ impl Sim {
         if !same(&before, &after) || !same(&after, &before) {
             panic!(
                 "a restart changed the runs:\nbefore {before:?}\nafter  {after:?}\ntrace:\n{}",
+                self.trace.join("\n")
+            );
+        }
+        if tokens(self.d()) != tokens_before {
+            panic!(
+                "a restart changed the budget tokens:\nbefore {tokens_before:?}\nafter  {:?}\ntrace:\n{}",
+                tokens(self.d()),
                 self.trace.join("\n")
             );
         }
@@ -693,7 +761,16 @@ impl Sim {
                 self.journal.seen
             ));
         }
-        self.journal.agrees(&runs(d))
+        self.journal.agrees(&runs(d))?;
+        // D5: the budget entries and the tokens never disagree.
+        let held: BTreeSet<(String, String)> = tokens(d).into_keys().collect();
+        if held != self.journal.tokens {
+            return Err(format!(
+                "tokens held {held:?}, the journal says {:?}",
+                self.journal.tokens
+            ));
+        }
+        Ok(())
     }
 
     /// The daemon against the machine, and against its journal.
@@ -902,4 +979,17 @@ fn the_daemon_simulation_holds_its_invariants_and_repeats_exactly() {
         granted > seeds as usize * 10,
         "only {granted} acquires succeeded"
     );
+}
+
+/// The budget tokens the daemon holds: (owner, operation) -> (harness, lapsed).
+fn tokens(d: &Daemon<SimHost>) -> BTreeMap<(String, String), (String, bool)> {
+    d.engine
+        .scopes()
+        .get("sim")
+        .map_or_else(BTreeMap::new, |s| {
+            s.tokens
+                .iter()
+                .map(|(k, t)| (k.clone(), (t.harness.clone(), t.owner_lapsed)))
+                .collect()
+        })
 }
