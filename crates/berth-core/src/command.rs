@@ -112,8 +112,15 @@ pub enum Error {
         run_id: String,
         why: String,
     },
-    /// B1–B5: the budget rules said no.
-    Scope(crate::scopes::ScopeError),
+    /// B1–B5: the budget rules said no. Boxed: its conflicts carry both policies, and
+    /// every `Result` the engine returns would otherwise be that large.
+    Scope(Box<crate::scopes::ScopeError>),
+}
+
+impl From<crate::scopes::ScopeError> for Error {
+    fn from(e: crate::scopes::ScopeError) -> Error {
+        Error::Scope(Box::new(e))
+    }
 }
 
 impl Error {

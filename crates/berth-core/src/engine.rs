@@ -721,7 +721,7 @@ impl Engine {
             }
         }
         if let Some(b) = &req.budget {
-            b.check().map_err(Error::Scope)?;
+            b.check().map_err(Error::from)?;
         }
         Ok(())
     }
@@ -732,11 +732,11 @@ impl Engine {
     fn check_budget(&self, run_id: &str, b: &crate::scopes::Budget) -> Result<(), Error> {
         let sc = &self.scopes;
         sc.check_freeze(&b.scope, b.per_harness.as_ref(), b.manifest.as_ref())
-            .map_err(Error::Scope)?;
+            .map_err(Error::from)?;
         let policy = match sc.get(&b.scope) {
             Some(s) => {
                 if s.control == crate::scopes::Control::Stopped {
-                    return Err(Error::Scope(ScopeError::Stopped {
+                    return Err(Error::from(ScopeError::Stopped {
                         scope: b.scope.clone(),
                     }));
                 }
@@ -745,14 +745,14 @@ impl Engine {
             None => b.per_harness.as_ref().expect("check_freeze requires it"),
         };
         if !policy.contains_key(&b.harness) {
-            return Err(Error::Scope(ScopeError::UnknownHarness {
+            return Err(Error::from(ScopeError::UnknownHarness {
                 scope: b.scope.clone(),
                 harness: b.harness.clone(),
             }));
         }
         match sc.token(&b.scope, run_id, b.operation()) {
             Some(t) if t.harness != b.harness => {
-                Err(Error::Scope(ScopeError::ReservationConflict {
+                Err(Error::from(ScopeError::ReservationConflict {
                     scope: b.scope.clone(),
                     held: t.harness.clone(),
                     given: b.harness.clone(),
@@ -824,7 +824,7 @@ impl Engine {
             let frozen = self
                 .scopes
                 .freeze(&b.scope, b.per_harness.as_ref(), b.manifest.as_ref())
-                .map_err(Error::Scope)?;
+                .map_err(Error::from)?;
             if frozen {
                 ev.push(Event::ScopeFrozen {
                     scope: b.scope.clone(),
@@ -1361,10 +1361,10 @@ impl Engine {
         harness: &str,
         ev: &mut Vec<Event>,
     ) -> Result<Option<RunView>, Error> {
-        crate::scopes::check_id("owner", owner).map_err(Error::Scope)?;
-        crate::scopes::check_id("operation_id", operation).map_err(Error::Scope)?;
+        crate::scopes::check_id("owner", owner).map_err(Error::from)?;
+        crate::scopes::check_id("operation_id", operation).map_err(Error::from)?;
         crate::scopes::check_harness(harness).map_err(|rule| {
-            Error::Scope(ScopeError::Invalid {
+            Error::from(ScopeError::Invalid {
                 field: "harness",
                 rule,
             })
@@ -1372,7 +1372,7 @@ impl Engine {
         let taken = self
             .scopes
             .reserve(now, scope, owner, operation, harness, None)
-            .map_err(Error::Scope)?;
+            .map_err(Error::from)?;
         if taken == crate::scopes::Reserved::New {
             ev.push(Event::TokenTaken {
                 scope: scope.to_string(),
@@ -1396,12 +1396,12 @@ impl Engine {
     ) -> Result<Option<RunView>, Error> {
         if let Some(run_id) = self.claim_holder(scope, owner, operation) {
             let scope = scope.to_string();
-            return Err(Error::Scope(ScopeError::InUse { scope, run_id }));
+            return Err(Error::from(ScopeError::InUse { scope, run_id }));
         }
         let t = self
             .scopes
             .release(scope, owner, operation)
-            .map_err(Error::Scope)?;
+            .map_err(Error::from)?;
         ev.push(Event::TokenFreed {
             scope: scope.to_string(),
             owner: owner.to_string(),
@@ -1420,14 +1420,14 @@ impl Engine {
         owner: &str,
         ev: &mut Vec<Event>,
     ) -> Result<Option<RunView>, Error> {
-        crate::scopes::check_id("owner", owner).map_err(Error::Scope)?;
+        crate::scopes::check_id("owner", owner).map_err(Error::from)?;
         for (op, _) in self.scopes.owner_operations(scope, owner) {
             if let Some(run_id) = self.claim_holder(scope, owner, &op) {
                 let scope = scope.to_string();
-                return Err(Error::Scope(ScopeError::InUse { scope, run_id }));
+                return Err(Error::from(ScopeError::InUse { scope, run_id }));
             }
         }
-        for (operation, t) in self.scopes.reconcile(scope, owner).map_err(Error::Scope)? {
+        for (operation, t) in self.scopes.reconcile(scope, owner).map_err(Error::from)? {
             ev.push(Event::TokenFreed {
                 scope: scope.to_string(),
                 owner: owner.to_string(),
@@ -1456,7 +1456,7 @@ impl Engine {
         let receipt = self
             .scopes
             .control(now, scope, request_id, mode)
-            .map_err(Error::Scope)?;
+            .map_err(Error::from)?;
         if retry {
             return Ok(None); // the same receipt again: nothing changed
         }

@@ -294,10 +294,11 @@ pub enum ScopeError {
         given: Policy,
     },
     /// B1: the scope's frozen manifest differs.
+    /// (Boxed: a manifest may name thousands of execution ids.)
     ManifestChanged {
         scope: String,
-        frozen: Option<Manifest>,
-        given: Manifest,
+        frozen: Option<Box<Manifest>>,
+        given: Box<Manifest>,
     },
     /// B3: the token is part of a live run's claim: the run's release gives it back.
     InUse {
@@ -514,8 +515,8 @@ impl Scopes {
             (Some(s), _) => match manifest {
                 Some(m) if s.manifest.as_ref() != Some(m) => Err(ScopeError::ManifestChanged {
                     scope: id.into(),
-                    frozen: s.manifest.clone(),
-                    given: m.clone(),
+                    frozen: s.manifest.clone().map(Box::new),
+                    given: Box::new(m.clone()),
                 }),
                 _ => Ok(()),
             },

@@ -196,7 +196,7 @@ impl From<crate::daemon::Error> for ApiError {
 impl From<CoreError> for ApiError {
     fn from(e: CoreError) -> ApiError {
         let e = match e {
-            CoreError::Scope(e) => return scope_refused(e),
+            CoreError::Scope(e) => return scope_refused(*e),
             e => e,
         };
         let message = e.to_string();

@@ -380,8 +380,8 @@ fn the_control_state_machine_holds_across_restarts() {
     );
     // After a kill -9, every row answers as before: receipts, refusals, generation.
     d.kill9_and_restart();
-    for row in 0..rows.len() {
-        if rows[row].2.is_err() || ["p1", "s1"].contains(&rows[row].0) {
+    for (row, (id, _, want)) in rows.iter().enumerate() {
+        if want.is_err() || ["p1", "s1"].contains(id) {
             check(&d, row);
         }
     }

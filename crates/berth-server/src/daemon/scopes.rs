@@ -65,7 +65,7 @@ fn control_word(c: Control) -> &'static str {
 }
 
 fn not_found(scope: &str) -> Error {
-    Error::Core(CoreError::Scope(ScopeError::NotFound {
+    Error::Core(CoreError::from(ScopeError::NotFound {
         what: format!("scope {scope}"),
     }))
 }
