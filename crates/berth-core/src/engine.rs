@@ -781,10 +781,20 @@ impl Engine {
         ev: &mut Vec<Event>,
     ) -> Result<Option<RunView>, Error> {
         self.validate_request(&req)?;
+        let mut req = req;
+        if let Some(b) = req.budget.as_deref_mut() {
+            // B1: a policy or manifest given must match the frozen one, on a retry too;
+            // once checked, the run keeps only its scope, harness and operation (the
+            // scope holds the policy: a deep queue does not hold a copy per run).
+            if self.scopes.get(&b.scope).is_some() {
+                self.scopes
+                    .check_freeze(&b.scope, b.per_harness.as_ref(), b.manifest.as_ref())?;
+            }
+        }
         // L7: the same run_id re-attaches with the same body, conflicts with another.
         if let Some(&s) = self.by_id.get(&req.run_id) {
             let run = self.run(s);
-            if run.req != req {
+            if !same_request(&run.req, &req) {
                 return Err(Error::Conflict { run_id: req.run_id });
             }
             if run.state.is_terminal() {
@@ -819,7 +829,7 @@ impl Engine {
             });
         }
         // B1: the last refusal; past it the policy freezes with this admission.
-        if let Some(b) = &req.budget {
+        if let Some(b) = req.budget.as_deref_mut() {
             self.check_budget(&req.run_id, b)?;
             let frozen = self
                 .scopes
@@ -830,6 +840,8 @@ impl Engine {
                     scope: b.scope.clone(),
                 });
             }
+            b.per_harness = None;
+            b.manifest = None;
         }
 
         // The whole claim is known before queueing (A1): resources and every key.
@@ -2070,6 +2082,13 @@ impl Engine {
                         "scope.stopped".into(),
                         format!("scope {} is stopped: it never admits again", b.scope),
                     ),
+                    Block::HostFull => (
+                        "budget.host_full".into(),
+                        format!(
+                            "{} budget tokens are held on this host, its maximum",
+                            crate::scopes::TOKENS_HOST_MAX
+                        ),
+                    ),
                 }
             }
             Blocker::Draining => (
@@ -2212,6 +2231,23 @@ impl Engine {
             .take(limit)
             .map(|(_, s)| self.view(s))
             .collect()
+    }
+}
+
+/// L7: a retry is the same request. A budget's policy and manifest are not part of
+/// what a run keeps (they are the scope's, and were checked against it), so they are
+/// left out of the comparison.
+fn same_request(kept: &Request, given: &Request) -> bool {
+    match given.budget.as_deref() {
+        Some(b) if b.per_harness.is_some() || b.manifest.is_some() => {
+            let mut g = given.clone();
+            if let Some(b) = g.budget.as_deref_mut() {
+                b.per_harness = None;
+                b.manifest = None;
+            }
+            *kept == g
+        }
+        _ => kept == given,
     }
 }
 

@@ -19,10 +19,16 @@ pub const HARNESSES_MAX: usize = 64;
 /// A control request id's length (B4).
 pub const REQUEST_ID_MAX: usize = 256;
 /// Receipts a scope remembers (B4): a retry older than this many accepted requests is
-/// refused as unknown rather than kept forever.
-pub const RECEIPTS_MAX: usize = 1_024;
+/// taken as a new request rather than every receipt kept forever. With `SCOPES_MAX`
+/// and the 64 KiB body bound on a manifest, it bounds what all scopes hold to about
+/// 150 MB, whatever an operator token sends.
+pub const RECEIPTS_MAX: usize = 256;
 /// Scopes one host remembers: bounds the engine's memory and a listing.
-pub const SCOPES_MAX: usize = 4_096;
+pub const SCOPES_MAX: usize = 1_024;
+/// Tokens all scopes of a host hold at once: one scope's limits may add up to 65,536,
+/// and a hostile operator could fill every scope; past this a run waits
+/// (`budget.host_full`) and a turn is refused (`503 budget_tokens_full`).
+pub const TOKENS_HOST_MAX: usize = 131_072;
 /// A manifest's path, in bytes.
 pub const MANIFEST_PATH_MAX: usize = 4_096;
 /// Execution ids one manifest may name.
@@ -281,7 +287,12 @@ impl Scope {
 pub enum Block {
     Paused,
     Stopped,
-    Full { limit: u32, holders: u32 },
+    Full {
+        limit: u32,
+        holders: u32,
+    },
+    /// `TOKENS_HOST_MAX` tokens are held across all scopes.
+    HostFull,
 }
 
 /// Refusals; none changes anything.
@@ -307,6 +318,10 @@ pub enum ScopeError {
     },
     /// `SCOPES_MAX` scopes are remembered already.
     TooMany {
+        max: usize,
+    },
+    /// `TOKENS_HOST_MAX` tokens are held across all scopes.
+    TokensFull {
         max: usize,
     },
     /// The harness is not in the scope's policy.
@@ -358,6 +373,7 @@ impl ScopeError {
             ScopeError::ManifestChanged { .. } => "scope_manifest_changed",
             ScopeError::InUse { .. } => "token_in_use",
             ScopeError::TooMany { .. } => "scopes_full",
+            ScopeError::TokensFull { .. } => "budget_tokens_full",
             ScopeError::UnknownHarness { .. } => "unknown_harness",
             ScopeError::ReservationConflict { .. } => "reservation_conflict",
             ScopeError::ControlConflict { .. } => "control_conflict",
@@ -400,6 +416,9 @@ impl std::fmt::Display for ScopeError {
                 "the token in scope {scope} is part of live run {run_id}'s claim: release the run (B3)"
             ),
             ScopeError::TooMany { max } => write!(f, "berth remembers its maximum of {max} scopes"),
+            ScopeError::TokensFull { max } => {
+                write!(f, "{max} budget tokens are held on this host, its maximum")
+            }
             ScopeError::UnknownHarness { scope, harness } => write!(
                 f,
                 "budget.harness: {harness} is not in scope {scope}'s policy"
@@ -466,6 +485,8 @@ pub enum Reserved {
 #[derive(Clone, Debug, Default)]
 pub struct Scopes {
     scopes: BTreeMap<String, Scope>,
+    /// Tokens held across all scopes (derived; `TOKENS_HOST_MAX` bounds it).
+    total: usize,
 }
 
 impl Scopes {
@@ -492,7 +513,10 @@ impl Scopes {
         for h in harnesses {
             s.count(&h, true);
         }
-        self.scopes.insert(s.id.clone(), s);
+        self.total += s.tokens.len();
+        if let Some(old) = self.scopes.insert(s.id.clone(), s) {
+            self.total -= old.tokens.len();
+        }
     }
 
     /// B1: whether `freeze` would accept this (nothing changes).
@@ -570,7 +594,10 @@ impl Scopes {
         }
         let limit = s.policy.get(harness).copied().unwrap_or(0);
         let holders = s.holders(harness) as u32;
-        (holders >= limit).then_some(Block::Full { limit, holders })
+        if holders >= limit {
+            return Some(Block::Full { limit, holders });
+        }
+        (self.total >= TOKENS_HOST_MAX).then_some(Block::HostFull)
     }
 
     /// Whether a new token of `harness` may be taken in scope `id` now (B5, the limit):
@@ -596,6 +623,11 @@ impl Scopes {
                 harness: harness.into(),
                 limit,
                 holders,
+            });
+        }
+        if self.total >= TOKENS_HOST_MAX {
+            return Err(ScopeError::TokensFull {
+                max: TOKENS_HOST_MAX,
             });
         }
         Ok(())
@@ -643,6 +675,7 @@ impl Scopes {
             },
         );
         s.count(harness, true);
+        self.total += 1;
         Ok(Reserved::New)
     }
 
@@ -666,6 +699,7 @@ impl Scopes {
                 s.count(&t.harness, false);
                 Some(t)
             })
+            .inspect(|_| self.total -= 1)
             .ok_or_else(|| ScopeError::NotFound {
                 what: format!("reservation {owner}/{operation} in scope {id}"),
             })?;
@@ -681,6 +715,7 @@ impl Scopes {
         for k in keys {
             if let Some(t) = s.tokens.remove(&k) {
                 s.count(&t.harness, false);
+                self.total -= 1;
                 out.push((k.1, t));
             }
         }
@@ -775,6 +810,10 @@ impl Scopes {
     pub fn check_invariants(&self) -> Result<(), String> {
         if self.scopes.len() > SCOPES_MAX {
             return Err(format!("{} scopes", self.scopes.len()));
+        }
+        let total: usize = self.scopes.values().map(|s| s.tokens.len()).sum();
+        if total != self.total || total > TOKENS_HOST_MAX {
+            return Err(format!("{total} tokens held, counted {}", self.total));
         }
         for s in self.scopes.values() {
             let mut counted: BTreeMap<String, u32> = BTreeMap::new();

@@ -120,7 +120,7 @@ fn scope_refused(e: berth_core::scopes::ScopeError) -> ApiError {
             json!({"scope": scope, "frozen": frozen, "given": given}),
         ),
         S::InUse { scope, run_id } => (409, json!({"scope": scope, "run_id": run_id})),
-        S::TooMany { max } => (503, json!({"max": max})),
+        S::TooMany { max } | S::TokensFull { max } => (503, json!({"max": max})),
         S::UnknownHarness { scope, harness } => (
             400,
             json!({"field": "harness", "scope": scope, "harness": harness}),

@@ -20,6 +20,7 @@ pub enum ScopeCmd {
     /// Policy, manifest, tokens with their owners, lapsed owners, control, generation,
     /// receipts and waiters (B6).
     Show {
+        /// The scope's id.
         scope: String,
         #[command(flatten)]
         conn: ConnArgs,
@@ -32,9 +33,12 @@ pub enum ScopeCmd {
     Resume(ControlArgs),
     /// Free every token OWNER holds in the scope (B3; admin), with a reason.
     Reconcile {
+        /// The scope's id.
         scope: String,
+        /// Whose tokens: a run id (a run's own token) or a turn's owner.
         #[arg(long)]
         owner: String,
+        /// Why, one line (journaled with who asked).
         #[arg(long)]
         reason: String,
         #[command(flatten)]
@@ -44,6 +48,7 @@ pub enum ScopeCmd {
 
 #[derive(Args)]
 pub struct ControlArgs {
+    /// The scope's id.
     pub scope: String,
     /// The request's id: the same id again returns the same receipt, so a retry after a
     /// lost answer is safe [default: a new random id].

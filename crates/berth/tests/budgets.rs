@@ -414,7 +414,13 @@ fn the_frozen_policy_and_manifest_refuse_changes() {
     };
     let first = json!({"scope": "f", "harness": "claude", "per_harness": {"claude": 3},
                        "manifest": manifest("ab")});
-    assert_eq!(acquire(&d, "one", first).status, 201);
+    let granted = acquire(&d, "one", first.clone());
+    assert_eq!(granted.status, 201);
+    // L7: the same body again re-attaches to the same lease (the policy and manifest
+    // it repeats are checked against the scope's, not kept per run).
+    let again = acquire(&d, "one", first);
+    assert_eq!(again.status, 201, "{:?}", again.body);
+    assert_eq!(again.body["fence"], granted.body["fence"]);
     for _ in 0..2 {
         let r = acquire(
             &d,

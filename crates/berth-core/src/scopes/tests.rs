@@ -255,3 +255,52 @@ proptest! {
         }
     }
 }
+
+/// A hostile operator cannot make the scopes hold without bound: past
+/// `TOKENS_HOST_MAX` tokens across all scopes a turn is refused (`budget_tokens_full`)
+/// and a run waits (`HostFull`), until one comes back; past `SCOPES_MAX` no new scope
+/// freezes.
+#[test]
+fn tokens_and_scopes_are_bounded_host_wide() {
+    let wide: Policy = (0..HARNESSES_MAX)
+        .map(|i| (format!("h{i}"), HARNESS_LIMIT_MAX))
+        .collect();
+    let mut s = Scopes::default();
+    let per_scope = HARNESSES_MAX * HARNESS_LIMIT_MAX as usize;
+    let scopes = TOKENS_HOST_MAX.div_ceil(per_scope) + 1;
+    for i in 0..scopes {
+        s.freeze(&format!("s{i}"), Some(&wide), None).unwrap();
+    }
+    let mut n = 0;
+    'fill: for i in 0..scopes {
+        for k in 0..per_scope {
+            if n == TOKENS_HOST_MAX {
+                break 'fill;
+            }
+            let h = format!("h{}", k % HARNESSES_MAX);
+            s.reserve(0, &format!("s{i}"), &format!("o{k}"), "t", &h, None)
+                .unwrap();
+            n += 1;
+        }
+    }
+    let last = format!("s{}", scopes - 1);
+    assert_eq!(
+        s.reserve(1, &last, "late", "t", "h0", None)
+            .map_err(|e| e.code()),
+        Err("budget_tokens_full")
+    );
+    assert_eq!(s.blocked(&last, "h0", "late", "t"), Some(Block::HostFull));
+    s.release("s0", "o0", "t").unwrap();
+    assert_eq!(s.blocked(&last, "h0", "late", "t"), None);
+    assert!(s.reserve(2, &last, "late", "t", "h0", None).is_ok());
+    s.check_invariants().unwrap();
+    let mut few = Scopes::default();
+    let p = policy(&[("claude", 1)]);
+    for i in 0..SCOPES_MAX {
+        few.freeze(&format!("x{i}"), Some(&p), None).unwrap();
+    }
+    assert_eq!(
+        few.freeze("one-more", Some(&p), None).map_err(|e| e.code()),
+        Err("scopes_full")
+    );
+}
