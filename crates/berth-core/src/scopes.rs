@@ -188,15 +188,7 @@ pub enum Mode {
     Resume,
 }
 
-impl Mode {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Mode::Pause => "pause",
-            Mode::Stop => "stop",
-            Mode::Resume => "resume",
-        }
-    }
-}
+// Mode's and Control's words (`as_str`, `FromStr`, serde) are `types.rs`' one codec.
 
 /// B4/B5: a scope's control state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -3,6 +3,8 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use crate::scopes::{Control, Mode};
+
 /// One codec for the enums berth writes as words (the API, the ledger, the CLI):
 /// `as_str`, `ALL` and `FromStr` from one table, so no layer spells them its own way.
 macro_rules! words {
@@ -55,6 +57,8 @@ words!(ConcurrencyClass {
     ParallelCandidate => "parallel_candidate",
     ParallelSafe => "parallel_safe",
 });
+words!(Mode { Pause => "pause", Stop => "stop", Resume => "resume" });
+words!(Control { Open => "open", Paused => "paused", Stopped => "stopped" });
 words!(RunState {
     Queued => "queued",
     Granted => "granted",
@@ -300,6 +304,8 @@ mod word_tests {
         ($($ty:ident),+) => {$(impl WordOf for $ty { fn word(self) -> &'static str { self.as_str() } })+};
     }
     word_of!(
+        Mode,
+        Control,
         Priority,
         Class,
         KeyMode,
@@ -320,6 +326,8 @@ mod word_tests {
         round_trips(EndCause::ALL);
         round_trips(ConcurrencyClass::ALL);
         round_trips(RunState::ALL);
+        round_trips(Mode::ALL);
+        round_trips(Control::ALL);
         assert_eq!(RunState::ALL.len(), 8);
     }
 }

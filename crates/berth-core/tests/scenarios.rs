@@ -323,12 +323,7 @@ pub fn run_script(script: &str) -> String {
             "control" => Command::ScopeControl {
                 scope: id(),
                 request_id: kv["id"].clone(),
-                mode: match kv["mode"].as_str() {
-                    "pause" => scopes::Mode::Pause,
-                    "stop" => scopes::Mode::Stop,
-                    "resume" => scopes::Mode::Resume,
-                    m => panic!("bad mode {m}"),
-                },
+                mode: kv["mode"].parse().expect("mode=pause|stop|resume"),
             },
             other => panic!("unknown verb {other}"),
         };

@@ -118,6 +118,7 @@ impl Default for Metrics {
         };
         m.register();
         m.register_waiting();
+        m.register_budgets();
         m
     }
 }
@@ -134,6 +135,25 @@ impl Metrics {
             "state_messages",
             "Messages the daemon's state task handled (requests and process reports, not its timer): with nothing changing, it does not grow with the number of waiters",
             self.state_messages.clone(),
+        );
+    }
+
+    fn register_budgets(&mut self) {
+        let r = &mut self.registry;
+        r.register(
+            "budget_tokens_held",
+            "Budget tokens held, by experiment scope and harness (B6)",
+            self.budget_held.clone(),
+        );
+        r.register(
+            "budget_tokens_limit",
+            "Each harness's frozen limit, by experiment scope (B1)",
+            self.budget_limit.clone(),
+        );
+        r.register(
+            "budget_tokens_owner_lapsed",
+            "Budget tokens held for an owner whose lease lapsed (B3), by scope and harness",
+            self.budget_lapsed.clone(),
         );
     }
 
@@ -194,21 +214,6 @@ impl Metrics {
             "capacity_available",
             "Each resource's amount admission may still grant",
             self.capacity_available.clone(),
-        );
-        r.register(
-            "budget_tokens_held",
-            "Budget tokens held, by experiment scope and harness (B6)",
-            self.budget_held.clone(),
-        );
-        r.register(
-            "budget_tokens_limit",
-            "Each harness's frozen limit, by experiment scope (B1)",
-            self.budget_limit.clone(),
-        );
-        r.register(
-            "budget_tokens_owner_lapsed",
-            "Budget tokens held for an owner whose lease lapsed (B3), by scope and harness",
-            self.budget_lapsed.clone(),
         );
         r.register(
             "ledger_commit_seconds",

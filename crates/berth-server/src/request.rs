@@ -353,13 +353,7 @@ pub fn control(
             format!("must be 1 to {REQUEST_ID_MAX} characters, none of them a control character"),
         ));
     }
-    match b.mode.as_str() {
-        "pause" => Ok(Mode::Pause),
-        "stop" => Ok(Mode::Stop),
-        "resume" => Ok(Mode::Resume),
-        _ => Err(ApiError::invalid(
-            "mode",
-            "must be one of pause, stop, resume",
-        )),
-    }
+    b.mode
+        .parse::<Mode>()
+        .map_err(|e| ApiError::invalid("mode", e))
 }

@@ -1450,7 +1450,7 @@ fn write_scope(tx: &rusqlite::Transaction, r: &crate::ScopeRecord) -> Result<(),
             m.map(|m| m.path.as_str()),
             m.map(|m| m.sha256.as_str()),
             m.map(|m| m.execution_ids.join("\n")),
-            control_word(r.control),
+            r.control.as_str(),
             r.generation as i64,
         ])
     })
@@ -1474,7 +1474,7 @@ fn write_receipt(
             r.request_id,
             r.mode.as_str(),
             r.generation as i64,
-            control_word(r.control),
+            r.control.as_str(),
             r.at_ms as i64,
         ])
     })
@@ -1523,35 +1523,6 @@ fn write_budget_token(
     Ok(())
 }
 
-fn control_word(c: berth_core::scopes::Control) -> &'static str {
-    use berth_core::scopes::Control;
-    match c {
-        Control::Open => "open",
-        Control::Paused => "paused",
-        Control::Stopped => "stopped",
-    }
-}
-
-fn control_of(w: &str) -> Result<berth_core::scopes::Control, StoreError> {
-    use berth_core::scopes::Control;
-    match w {
-        "open" => Ok(Control::Open),
-        "paused" => Ok(Control::Paused),
-        "stopped" => Ok(Control::Stopped),
-        _ => Err(StoreError::Corrupt(format!("bad scope control {w:?}"))),
-    }
-}
-
-fn mode_of(w: &str) -> Result<berth_core::scopes::Mode, StoreError> {
-    use berth_core::scopes::Mode;
-    match w {
-        "pause" => Ok(Mode::Pause),
-        "stop" => Ok(Mode::Stop),
-        "resume" => Ok(Mode::Resume),
-        _ => Err(StoreError::Corrupt(format!("bad scope control mode {w:?}"))),
-    }
-}
-
 /// Every scope with its receipts (oldest first) and tokens. A row that breaks the
 /// rules (a bad word, a policy that does not parse, a token of a harness outside the
 /// policy, a harness over its limit) is a corrupt ledger (D4), never a guess.
@@ -1594,7 +1565,7 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
             _ => return Err(bad("a manifest in part".into())),
         };
         let mut s = Scope::new(&id, policy, manifest);
-        s.control = control_of(&row.get::<_, String>(5).map_err(corrupt)?)?;
+        s.control = word(&row.get::<_, String>(5).map_err(corrupt)?)?;
         s.generation = u(row.get(6).map_err(corrupt)?);
         out.insert(id, s);
     }
@@ -1609,9 +1580,9 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
         let scope: String = row.get(0).map_err(corrupt)?;
         let r = Receipt {
             request_id: row.get(1).map_err(corrupt)?,
-            mode: mode_of(&row.get::<_, String>(2).map_err(corrupt)?)?,
+            mode: word(&row.get::<_, String>(2).map_err(corrupt)?)?,
             generation: u(row.get(3).map_err(corrupt)?),
-            control: control_of(&row.get::<_, String>(4).map_err(corrupt)?)?,
+            control: word(&row.get::<_, String>(4).map_err(corrupt)?)?,
             at_ms: u(row.get(5).map_err(corrupt)?),
         };
         out.get_mut(&scope)

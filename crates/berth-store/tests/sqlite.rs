@@ -207,7 +207,10 @@ fn a_corrupt_scope_refuses_to_load() {
             "INSERT INTO scope_tokens VALUES ('exp', 'w2', 'op', 'gemini', NULL, 0, 0)",
             "a token of unknown gemini",
         ),
-        ("UPDATE scopes SET control = 'maybe'", "bad scope control"),
+        (
+            "UPDATE scopes SET control = 'maybe'",
+            "\"maybe\" is not a Control",
+        ),
         ("UPDATE scopes SET policy = 'claude=x'", "scope exp: limit"),
         (
             "INSERT INTO scope_tokens VALUES ('nope', 'w', 'op', 'claude', NULL, 0, 0)",

@@ -511,6 +511,24 @@ fn operation(r: &Route) -> utoipa::openapi::path::Operation {
     op.build()
 }
 
+/// B1–B6's wire types.
+fn budget_schemas(c: ComponentsBuilder) -> ComponentsBuilder {
+    c.schema_from::<wire::BudgetClaim>()
+        .schema_from::<wire::ScopeManifest>()
+        .schema_from::<wire::ReservationRequest>()
+        .schema_from::<wire::ReconcileRequest>()
+        .schema_from::<wire::ControlRequest>()
+        .schema_from::<wire::ControlReceipt>()
+        .schema_from::<wire::ScopeToken>()
+        .schema_from::<wire::Reservation>()
+        .schema_from::<wire::Reconciled>()
+        .schema_from::<wire::ScopeWaiter>()
+        .schema_from::<wire::HarnessFigures>()
+        .schema_from::<wire::Scope>()
+        .schema_from::<wire::ScopeSummary>()
+        .schema_from::<wire::ScopeList>()
+}
+
 fn build() -> OpenApi {
     let mut paths = PathsBuilder::new();
     for (r, _) in routes() {
@@ -559,21 +577,8 @@ fn build() -> OpenApi {
         .schema_from::<wire::DrainRecord>()
         .schema_from::<wire::Busy>()
         .schema_from::<wire::Drain>()
-        .schema_from::<wire::Idle>()
-        .schema_from::<wire::BudgetClaim>()
-        .schema_from::<wire::ScopeManifest>()
-        .schema_from::<wire::ReservationRequest>()
-        .schema_from::<wire::ReconcileRequest>()
-        .schema_from::<wire::ControlRequest>()
-        .schema_from::<wire::ControlReceipt>()
-        .schema_from::<wire::ScopeToken>()
-        .schema_from::<wire::Reservation>()
-        .schema_from::<wire::Reconciled>()
-        .schema_from::<wire::ScopeWaiter>()
-        .schema_from::<wire::HarnessFigures>()
-        .schema_from::<wire::Scope>()
-        .schema_from::<wire::ScopeSummary>()
-        .schema_from::<wire::ScopeList>()
+        .schema_from::<wire::Idle>();
+    let components = budget_schemas(components)
         .security_scheme(
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),

@@ -120,20 +120,33 @@ fn restored_threads(
     }
 }
 
-/// Scopes back from the ledger (B1–B5): tokens and receipts as they were. After a
-/// reboot their monotonic times mean nothing, so they read as the restart's time.
-fn restored_scopes(
-    mut scopes: Vec<berth_core::scopes::Scope>,
+/// The last fence, the scopes and the promotion evidence, as the ledger kept them.
+type Kept = (
+    u64,
+    Vec<berth_core::scopes::Scope>,
+    Vec<(String, berth_core::Evidence)>,
+);
+
+/// The engine back from the ledger: its runs, the scopes (B1–B5: tokens and receipts
+/// as they were; after a reboot their monotonic times mean nothing, so they read as
+/// the restart's time) and the promotion evidence (C3).
+fn restored_engine(
+    cfg: berth_core::Config,
     now: u64,
+    runs: Vec<RestoredRun>,
+    kept: Kept,
     same_boot: bool,
-) -> Vec<berth_core::scopes::Scope> {
+) -> Result<Engine, String> {
+    let (last_fence, mut scopes, evidence) = kept;
     if !same_boot {
         for s in &mut scopes {
             s.tokens.values_mut().for_each(|t| t.since_ms = now);
             s.receipts.iter_mut().for_each(|r| r.at_ms = now);
         }
     }
-    scopes
+    let mut engine = Engine::restore_with_scopes(cfg, last_fence, now, runs, scopes)?;
+    engine.restore_evidence(evidence)?;
+    Ok(engine)
 }
 
 impl<H: Host> Daemon<H> {
@@ -186,10 +199,8 @@ impl<H: Host> Daemon<H> {
             extras.insert(id, Box::new(extra));
             restored.push(run);
         }
-        let scopes = restored_scopes(ledger.scopes, now, how.same_boot);
-        let mut engine =
-            Engine::restore_with_scopes(how.cfg, ledger.last_fence, now, restored, scopes)?;
-        engine.restore_evidence(ledger.evidence)?;
+        let kept = (ledger.last_fence, ledger.scopes, ledger.evidence);
+        let mut engine = restored_engine(how.cfg, now, restored, kept, how.same_boot)?;
         let g = (ledger.threads, ledger.drain);
         let th = restored_threads(how.threads, g, &mut engine, now, how.same_boot);
         Ok(Daemon {

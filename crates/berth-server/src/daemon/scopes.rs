@@ -7,7 +7,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use berth_client::wire;
-use berth_core::scopes::{Control, Scope, ScopeError, Token};
+use berth_core::scopes::{Scope, ScopeError, Token};
 use berth_core::{Command, Error as CoreError, Event};
 use berth_store::{Mutation, ScopeRecord};
 use serde_json::json;
@@ -54,14 +54,6 @@ pub enum ScopeAnswer {
     Token(wire::ScopeToken),
     Reconciled(wire::Reconciled),
     Receipt(wire::ControlReceipt),
-}
-
-fn control_word(c: Control) -> &'static str {
-    match c {
-        Control::Open => "open",
-        Control::Paused => "paused",
-        Control::Stopped => "stopped",
-    }
 }
 
 fn not_found(scope: &str) -> Error {
@@ -225,7 +217,7 @@ impl<H: Host> Daemon<H> {
             .iter()
             .map(|s| wire::ScopeSummary {
                 scope: s.id.clone(),
-                control: control_word(s.control).into(),
+                control: s.control.as_str().into(),
                 generation: s.generation,
                 harnesses: harnesses(s),
                 lapsed: s.tokens.values().filter(|t| t.owner_lapsed).count() as u64,
@@ -305,7 +297,7 @@ impl<H: Host> Daemon<H> {
                 let data = json!({"scope": scope, "request_id": receipt.request_id,
                                   "mode": receipt.mode.as_str(),
                                   "generation": receipt.generation,
-                                  "control": control_word(receipt.control)});
+                                  "control": receipt.control.as_str()});
                 self.journal_entry("scope_control", None, None, data);
             }
             _ => {}
@@ -365,7 +357,7 @@ impl<H: Host> Daemon<H> {
             request_id: r.request_id.clone(),
             mode: r.mode.as_str().into(),
             generation: r.generation,
-            control: control_word(r.control).into(),
+            control: r.control.as_str().into(),
             at: self.host.show_time(r.at_ms),
         }
     }
@@ -409,7 +401,7 @@ impl<H: Host> Daemon<H> {
                 sha256: m.sha256.clone(),
                 execution_ids: m.execution_ids.clone(),
             }),
-            control: control_word(s.control).into(),
+            control: s.control.as_str().into(),
             generation: s.generation,
             tokens,
             lapsed_owners: lapsed.into_iter().collect(),
