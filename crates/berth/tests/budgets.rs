@@ -355,11 +355,32 @@ fn the_control_state_machine_holds_across_restarts() {
             assert_eq!(r.status, 202, "{:?}", r.body);
             assert_eq!(r.body["reason"]["code"], "scope.paused", "{:?}", r.body);
         }
+        let mut held = None;
         if row == 5 {
             let r = acquire(&d, "w-stopped", b("codex"));
             assert_eq!(r.body["reason"]["code"], "scope.paused", "{:?}", r.body);
+            // And one whose client holds its connection open while it waits.
+            let body = json!({"run_id": "w-attached", "project": "p-att", "budget": b("codex"),
+                              "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
+            held = Some(common::long_poll(&d, &body));
+            d.wait_until("the attached waiter queued", |d| {
+                d.get("/v1/runs/w-attached").body["state"] == "queued"
+            });
         }
         check(&d, row);
+        if let Some(mut sock) = held {
+            // The long poll is answered at once: refused, naming the stopped scope.
+            use std::io::Read;
+            sock.set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            let mut text = String::new();
+            let _ = sock.read_to_string(&mut text);
+            assert!(text.starts_with("HTTP/1.1 409"), "{text}");
+            assert!(
+                text.contains("scope_stopped") && text.contains("scope c was stopped"),
+                "{text}"
+            );
+        }
         if row == 5 {
             // Stopped: its waiter was refused at once, and says why.
             let w = d.get("/v1/runs/w-stopped").body;

@@ -236,6 +236,15 @@ fn reason(r: &berth_core::Reason) -> Reason {
 
 fn ended_error(i: &RunInfo) -> ApiError {
     let state = i.view.state;
+    if state == RunState::Rejected {
+        // B4: refused after it queued, because its scope stopped.
+        let why = i
+            .failure
+            .clone()
+            .unwrap_or_else(|| "refused after it queued".into());
+        return ApiError::new(409, "scope_stopped", why)
+            .with(json!({"run_id": i.view.run_id, "state": state.as_str()}));
+    }
     if let Some(why) = &i.failure {
         return ApiError::new(503, "workspace_unavailable", why.clone())
             .with(json!({"run_id": i.view.run_id, "state": state.as_str()}));

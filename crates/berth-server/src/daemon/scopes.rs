@@ -86,45 +86,10 @@ fn harnesses(s: &Scope) -> BTreeMap<String, wire::HarnessFigures> {
 
 impl<H: Host> Daemon<H> {
     pub(super) fn on_scope(&mut self, op: ScopeOp, reply: Reply<ScopeAnswer>) {
-        let (cmd, scope) = match op {
+        let (cmd, answer): (Command, Box<dyn FnOnce(&Self) -> Option<ScopeAnswer>>) = match op {
             ScopeOp::Get { scope } => {
                 let v = self.scope_view(&scope).map(ScopeAnswer::Scope);
                 return self.answer(reply, v.ok_or_else(|| not_found(&scope)));
-            }
-            ScopeOp::Reserve {
-                scope,
-                owner,
-                operation_id,
-                harness,
-            } => {
-                let held = self.engine.scopes().token(&scope, &owner, &operation_id);
-                let new = held.is_none();
-                let cmd = Command::Reserve {
-                    scope: scope.clone(),
-                    owner: owner.clone(),
-                    operation_id: operation_id.clone(),
-                    harness,
-                };
-                let v = self.scope_step(cmd).and_then(|touched| {
-                    let t = self.token_out(&scope, &owner, &operation_id);
-                    let token = t.ok_or_else(|| Error::Internal("token vanished".into()))?;
-                    let r = wire::Reservation { scope, token, new };
-                    Ok((touched, ScopeAnswer::Reservation(r)))
-                });
-                return self.scope_answer(v, reply);
-            }
-            ScopeOp::Unreserve {
-                scope,
-                owner,
-                operation_id,
-            } => {
-                let before = self.token_out(&scope, &owner, &operation_id);
-                let cmd = Command::Unreserve {
-                    scope,
-                    owner,
-                    operation_id,
-                };
-                (cmd, before.map(ScopeAnswer::Token))
             }
             ScopeOp::Reconcile {
                 scope,
@@ -132,6 +97,47 @@ impl<H: Host> Daemon<H> {
                 reason,
                 by,
             } => return self.reconcile(scope, owner, reason, by, reply),
+            ScopeOp::Reserve {
+                scope,
+                owner,
+                operation_id,
+                harness,
+            } => {
+                let new = self
+                    .engine
+                    .scopes()
+                    .token(&scope, &owner, &operation_id)
+                    .is_none();
+                let cmd = Command::Reserve {
+                    scope: scope.clone(),
+                    owner: owner.clone(),
+                    operation_id: operation_id.clone(),
+                    harness,
+                };
+                let answer = move |d: &Self| {
+                    let token = d.token_out(&scope, &owner, &operation_id)?;
+                    let r = wire::Reservation { scope, token, new };
+                    Some(ScopeAnswer::Reservation(r))
+                };
+                (cmd, Box::new(answer))
+            }
+            ScopeOp::Unreserve {
+                scope,
+                owner,
+                operation_id,
+            } => {
+                // The token as it was: once freed, it is gone.
+                let before = self.token_out(&scope, &owner, &operation_id);
+                let cmd = Command::Unreserve {
+                    scope,
+                    owner,
+                    operation_id,
+                };
+                (
+                    cmd,
+                    Box::new(move |_: &Self| before.map(ScopeAnswer::Token)),
+                )
+            }
             ScopeOp::Control {
                 scope,
                 request_id,
@@ -142,19 +148,18 @@ impl<H: Host> Daemon<H> {
                     request_id: request_id.clone(),
                     mode,
                 };
-                let v = self.scope_step(cmd).and_then(|touched| {
-                    let r = self.receipt_out(&scope, &request_id);
-                    let r = r.ok_or_else(|| Error::Internal("receipt vanished".into()))?;
-                    Ok((touched, ScopeAnswer::Receipt(r)))
-                });
-                return self.scope_answer(v, reply);
+                let answer = move |d: &Self| {
+                    let r = d.receipt_out(&scope, &request_id)?;
+                    Some(ScopeAnswer::Receipt(r))
+                };
+                (cmd, Box::new(answer))
             }
         };
-        let v = self.scope_step(cmd).and_then(|touched| {
-            let answer = scope.ok_or_else(|| Error::Internal("token vanished".into()))?;
-            Ok((touched, answer))
+        let (touched, done) = self.scope_step(cmd);
+        let v = done.and_then(|()| {
+            answer(self).ok_or_else(|| Error::Internal("the scope's answer vanished".into()))
         });
-        self.scope_answer(v, reply)
+        self.commit_and_answer(touched, reply, v);
     }
 
     /// B3: an operator frees `owner`'s tokens (all or none), journaled with its reason.
@@ -175,7 +180,8 @@ impl<H: Host> Daemon<H> {
             scope: scope.clone(),
             owner: owner.clone(),
         };
-        let v = self.scope_step(cmd).map(|touched| {
+        let (touched, done) = self.scope_step(cmd);
+        let v = done.map(|()| {
             let data = json!({"scope": scope, "owner": owner, "reason": reason, "by": by,
                               "freed": freed.len()});
             self.journal_entry("scope_reconciled", None, None, data);
@@ -185,29 +191,21 @@ impl<H: Host> Daemon<H> {
                 reason,
                 freed,
             };
-            (touched, ScopeAnswer::Reconciled(r))
+            ScopeAnswer::Reconciled(r)
         });
-        self.scope_answer(v, reply)
+        self.commit_and_answer(touched, reply, v);
     }
 
-    /// One budget command through the engine; the runs it touched (a freed token can
-    /// let a waiter in) are committed with it.
-    fn scope_step(&mut self, cmd: Command) -> Result<BTreeSet<String>, Error> {
+    /// One budget command through the engine. The runs it touched are committed with
+    /// its answer, refused or not: a freed token can let a waiter in, and the time the
+    /// command brought may have ended leases even when the command itself is refused.
+    fn scope_step(&mut self, cmd: Command) -> (BTreeSet<String>, Result<(), Error>) {
         let mut touched = BTreeSet::new();
-        self.apply(cmd, &mut touched)?;
-        Ok(touched)
-    }
-
-    fn scope_answer(
-        &mut self,
-        v: Result<(BTreeSet<String>, ScopeAnswer), Error>,
-        reply: Reply<ScopeAnswer>,
-    ) {
-        match v {
-            Ok((touched, answer)) => self.commit_and_answer(touched, reply, Ok(answer)),
-            // Refused: nothing changed; answered behind every write before it.
-            Err(e) => self.answer(reply, Err(e)),
-        }
+        let done = self
+            .apply(cmd, &mut touched)
+            .map(|_| ())
+            .map_err(Error::from);
+        (touched, done)
     }
 
     pub(super) fn on_scope_list(&mut self, reply: Reply<Vec<wire::ScopeSummary>>) {
