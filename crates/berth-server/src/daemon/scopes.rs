@@ -84,9 +84,12 @@ fn harnesses(s: &Scope) -> BTreeMap<String, wire::HarnessFigures> {
         .collect()
 }
 
+/// How a scope command's answer is read from the daemon once the command is applied.
+type Answer<D> = Box<dyn FnOnce(&D) -> Option<ScopeAnswer>>;
+
 impl<H: Host> Daemon<H> {
     pub(super) fn on_scope(&mut self, op: ScopeOp, reply: Reply<ScopeAnswer>) {
-        let (cmd, answer): (Command, Box<dyn FnOnce(&Self) -> Option<ScopeAnswer>>) = match op {
+        let (cmd, answer): (Command, Answer<Self>) = match op {
             ScopeOp::Get { scope } => {
                 let v = self.scope_view(&scope).map(ScopeAnswer::Scope);
                 return self.answer(reply, v.ok_or_else(|| not_found(&scope)));
