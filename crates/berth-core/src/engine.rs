@@ -1381,6 +1381,17 @@ impl Engine {
                 rule,
             })
         })?;
+        // A live run's own key is its claim's: a turn cannot take it from under it.
+        if let Some(&s) = self.by_id.get(owner) {
+            let r = self.run(s);
+            let b = r.req.budget.as_deref();
+            if !r.state.is_terminal()
+                && b.is_some_and(|b| b.scope == scope && b.operation() == operation)
+            {
+                let (scope, run_id) = (scope.to_string(), owner.to_string());
+                return Err(Error::from(ScopeError::InUse { scope, run_id }));
+            }
+        }
         let taken = self
             .scopes
             .reserve(now, scope, owner, operation, harness, None)
@@ -2081,6 +2092,15 @@ impl Engine {
                     Block::Stopped => (
                         "scope.stopped".into(),
                         format!("scope {} is stopped: it never admits again", b.scope),
+                    ),
+                    Block::Conflict => (
+                        "budget.conflict".into(),
+                        format!(
+                            "its key {}/{} in scope {} holds a token of another harness",
+                            self.run(s).req.run_id,
+                            b.operation(),
+                            b.scope
+                        ),
                     ),
                     Block::HostFull => (
                         "budget.host_full".into(),

@@ -285,6 +285,8 @@ pub enum Block {
     },
     /// `TOKENS_HOST_MAX` tokens are held across all scopes.
     HostFull,
+    /// The run's key holds a token of another harness (until that one is released).
+    Conflict,
 }
 
 /// Refusals; none changes anything.
@@ -405,7 +407,7 @@ impl std::fmt::Display for ScopeError {
             ),
             ScopeError::InUse { scope, run_id } => write!(
                 f,
-                "the token in scope {scope} is part of live run {run_id}'s claim: release the run (B3)"
+                "this key's token in scope {scope} belongs to live run {run_id}'s claim: the run's release gives it back (B3)"
             ),
             ScopeError::TooMany { max } => write!(f, "berth remembers its maximum of {max} scopes"),
             ScopeError::TokensFull { max } => {
@@ -578,11 +580,10 @@ impl Scopes {
             Control::Paused => return Some(Block::Paused),
             Control::Open => {}
         }
-        if s.tokens
-            .get(&(owner.to_string(), operation.to_string()))
-            .is_some_and(|t| t.harness == harness)
-        {
-            return None;
+        match s.tokens.get(&(owner.to_string(), operation.to_string())) {
+            Some(t) if t.harness == harness => return None,
+            Some(_) => return Some(Block::Conflict),
+            None => {}
         }
         let limit = s.policy.get(harness).copied().unwrap_or(0);
         let holders = s.holders(harness) as u32;

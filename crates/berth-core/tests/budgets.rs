@@ -40,7 +40,10 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0u8..24).prop_map(|run| Op::Release { run }),
         3 => (0u8..24).prop_map(|run| Op::StopDone { run }),
         2 => (0u8..20).prop_map(|advance_s| Op::Tick { advance_s }),
-        2 => (0u8..6, 0u8..3).prop_map(|(owner, harness)| Op::Reserve { owner, harness }),
+        // Owners 6.. are run ids with the run's own operation: a turn must never take
+        // a live run's key (a regression: a waiter granted with its key held by a
+        // turn of another harness brought the daemon down).
+        2 => (0u8..30, 0u8..3).prop_map(|(owner, harness)| Op::Reserve { owner, harness }),
         1 => (0u8..6).prop_map(|owner| Op::Unreserve { owner }),
         1 => (0u8..30).prop_map(|owner| Op::Reconcile { owner }),
         1 => (0u8..4, 0u8..3).prop_map(|(id, mode)| Op::Control { id, mode }),
@@ -124,8 +127,8 @@ proptest! {
                 }
                 Op::Reserve { owner, harness } => Command::Reserve {
                     scope: "x".into(),
-                    owner: format!("w{owner}"),
-                    operation_id: "turn".into(),
+                    owner: if owner < 6 { format!("w{owner}") } else { format!("r{}", owner - 6) },
+                    operation_id: if owner < 6 { "turn" } else { "run" }.into(),
                     harness: HARNESSES[harness as usize].into(),
                 },
                 Op::Unreserve { owner } => Command::Unreserve {
@@ -190,4 +193,57 @@ proptest! {
             }
         }
     }
+}
+
+/// Regression: a turn's reservation under a waiting run's own key (its id, `run`) with
+/// another harness was accepted, and the run's grant then found its key taken and
+/// brought the engine (and the daemon) down. The turn is refused, and the run is
+/// granted with its own token once one is free.
+#[test]
+fn regression_a_turn_under_a_waiting_runs_key_is_refused_and_the_grant_stands() {
+    let mut cfg = Config::for_host(8, 16 * GIB, 0);
+    cfg.memory_reserve = 0;
+    cfg.disk_reserve = 0;
+    cfg.default_request = Resources {
+        slots: 1,
+        ..Resources::default()
+    };
+    let mut e = Engine::new(cfg, 0).unwrap();
+    let a = e.apply(0, Command::Acquire(request(0, 0, 30)));
+    let fence = a.result.unwrap().unwrap().fence.unwrap();
+    let b = e.apply(0, Command::Acquire(request(1, 0, 30)));
+    assert_eq!(b.result.unwrap().unwrap().state, RunState::Queued);
+    let turn = Command::Reserve {
+        scope: "x".into(),
+        owner: "r1".into(),
+        operation_id: "run".into(),
+        harness: "codex".into(),
+    };
+    let refused = e.apply(1, turn).result.unwrap_err();
+    assert_eq!(refused.code(), "token_in_use", "{refused}");
+    e.apply(
+        2,
+        Command::Release {
+            run_id: "r0".into(),
+            fence,
+        },
+    );
+    let done = e.apply(
+        3,
+        Command::StopDone {
+            run_id: "r0".into(),
+            ok: true,
+        },
+    );
+    assert!(done
+        .events
+        .iter()
+        .any(|ev| matches!(ev, Event::Granted { run_id, .. } if run_id == "r1")));
+    assert_eq!(
+        e.scopes()
+            .token("x", "r1", "run")
+            .map(|t| t.harness.as_str()),
+        Some("claude")
+    );
+    e.check_invariants().unwrap();
 }

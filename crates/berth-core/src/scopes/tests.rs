@@ -304,3 +304,21 @@ fn tokens_and_scopes_are_bounded_host_wide() {
         Err("scopes_full")
     );
 }
+
+/// A key that holds a token of another harness blocks a run under that key
+/// (`Conflict`) rather than letting its grant find the key taken.
+#[test]
+fn a_key_holding_another_harness_blocks() {
+    let mut s = scopes();
+    s.reserve(0, "exp", "r1", "run", "codex", None).unwrap();
+    assert_eq!(
+        s.blocked("exp", "claude", "r1", "run"),
+        Some(Block::Conflict)
+    );
+    assert_eq!(
+        s.blocked("exp", "codex", "r1", "run"),
+        None,
+        "its own harness: reused"
+    );
+    assert_eq!(s.blocked("exp", "claude", "r2", "run"), None);
+}
