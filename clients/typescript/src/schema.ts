@@ -2016,8 +2016,9 @@ export interface components {
         };
         /**
          * @description `GET /v1/scopes/{id}` (B6): the frozen policy and manifest, tokens per harness with
-         *     their owners, the lapsed owners, the control state, generation and receipts, and
-         *     the waiters with their positions (at most `SCOPE_WAITERS_SHOWN`).
+         *     their owners (the first 1,000 by owner; `tokens_held` counts them all), the lapsed
+         *     owners, the control state, generation and receipts, and the waiters with their
+         *     positions (the first 100; `waiting` counts them all).
          */
         Scope: {
             scope: string;
@@ -2029,6 +2030,8 @@ export interface components {
             /** Format: int64 */
             generation: number;
             tokens: components["schemas"]["ScopeToken"][];
+            /** Format: int64 */
+            tokens_held: number;
             lapsed_owners: string[];
             receipts: components["schemas"]["ControlReceipt"][];
             waiters: components["schemas"]["ScopeWaiter"][];

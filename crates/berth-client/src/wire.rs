@@ -841,8 +841,9 @@ pub struct HarnessFigures {
 }
 
 /// `GET /v1/scopes/{id}` (B6): the frozen policy and manifest, tokens per harness with
-/// their owners, the lapsed owners, the control state, generation and receipts, and
-/// the waiters with their positions (at most `SCOPE_WAITERS_SHOWN`).
+/// their owners (the first 1,000 by owner; `tokens_held` counts them all), the lapsed
+/// owners, the control state, generation and receipts, and the waiters with their
+/// positions (the first 100; `waiting` counts them all).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Scope {
     pub scope: String,
@@ -852,6 +853,7 @@ pub struct Scope {
     pub control: String,
     pub generation: u64,
     pub tokens: Vec<ScopeToken>,
+    pub tokens_held: u64,
     pub lapsed_owners: Vec<String>,
     pub receipts: Vec<ControlReceipt>,
     pub waiters: Vec<ScopeWaiter>,

@@ -16,6 +16,9 @@ use super::{Daemon, Error, Host, Reply};
 
 /// The waiters `GET /v1/scopes/{id}` lists at most (it counts them all).
 pub const SCOPE_WAITERS_SHOWN: usize = 100;
+/// The tokens (and lapsed owners) it lists at most: a scope may hold 65,536, a
+/// megabytes-long answer (it counts them all).
+pub const SCOPE_TOKENS_SHOWN: usize = 1_000;
 
 /// What a scope message asks.
 pub enum ScopeOp {
@@ -369,6 +372,7 @@ impl<H: Host> Daemon<H> {
         let tokens: Vec<wire::ScopeToken> = s
             .tokens
             .iter()
+            .take(SCOPE_TOKENS_SHOWN)
             .map(|((o, op), t)| self.wire_token(o, op, t))
             .collect();
         let lapsed: BTreeSet<String> = s
@@ -376,6 +380,7 @@ impl<H: Host> Daemon<H> {
             .iter()
             .filter(|(_, t)| t.owner_lapsed)
             .map(|((o, _), _)| o.clone())
+            .take(SCOPE_TOKENS_SHOWN)
             .collect();
         let (views, waiting) = self.engine.scope_waiters(scope, SCOPE_WAITERS_SHOWN);
         let waiters = views
@@ -405,6 +410,7 @@ impl<H: Host> Daemon<H> {
             control: s.control.as_str().into(),
             generation: s.generation,
             tokens,
+            tokens_held: s.tokens.len() as u64,
             lapsed_owners: lapsed.into_iter().collect(),
             receipts: s
                 .receipts
