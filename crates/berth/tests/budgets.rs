@@ -243,6 +243,41 @@ fn a_retried_reservation_gets_the_same_token() {
     assert_eq!(reserve("worker-2", "turn-1", "claude").status, 201);
     let r = d.call("DELETE", "/v1/scopes/s/reservations/worker-1/turn-7", None);
     assert_eq!(r.status, 404, "freed once: {:?}", r.body);
+    // A connection dropped right after sending the reservation (the answer never
+    // read): whether or not it was taken, the retries that follow hold one token.
+    let body = json!({"owner": "worker-9", "operation_id": "turn-1", "harness": "codex"});
+    let r = d.call("DELETE", "/v1/runs/a", None);
+    assert_eq!(r.code(), "fence_required", "a is granted: {:?}", r.body);
+    let fence = d.get("/v1/runs/a").body["fence"].as_u64().unwrap();
+    assert_eq!(release(&d, "a", fence).status, 200, "codex is free again");
+    d.wait_until("a's codex token is back", |d| {
+        scope(d, "s")["harnesses"]["codex"]["held"] == 0
+    });
+    {
+        use std::io::Write;
+        let mut sock = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+        let text = body.to_string();
+        write!(
+            sock,
+            "POST /v1/scopes/s/reservations HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{text}",
+            d.token,
+            text.len()
+        )
+        .unwrap();
+        // Dropped here, unread.
+    }
+    let first = d.post("/v1/scopes/s/reservations", &body.to_string());
+    assert!(
+        first.status == 200 || first.status == 201,
+        "{:?}",
+        first.body
+    );
+    let again = d.post("/v1/scopes/s/reservations", &body.to_string());
+    assert_eq!(again.status, 200, "{:?}", again.body);
+    assert_eq!(again.body["new"], false);
+    assert_eq!(again.body["token"], first.body["token"], "the same token");
+    let s = scope(&d, "s");
+    assert_eq!(s["harnesses"]["codex"]["held"], 1, "one token: {s}");
 }
 
 /// B3: a run's lease expires: berth stops the run, but its token stays held, marked
