@@ -80,14 +80,22 @@ fn three_hundred_concurrent_acquires_never_exceed_a_harness_limit() {
         json!({"scope": "exp", "harness": "claude", "per_harness": policy()}),
     );
     assert!(r.status == 201 || r.status == 202, "{:?}", r.body);
-    // Releasers: whatever is granted is released, by four threads, until told to stop.
-    let done = Arc::new(AtomicBool::new(false));
+    // Releasers: whatever is granted is released, by four threads, from `go` until
+    // told to stop (they start once every acquire queued and the waiters were seen).
+    let (go, done) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
     let releasers: Vec<_> = (0..4)
         .map(|k| {
-            let (d, done) = (d.clone(), done.clone());
+            let (d, go, done) = (d.clone(), go.clone(), done.clone());
             std::thread::spawn(move || {
                 let mut released = BTreeSet::new();
                 while !done.load(Ordering::Relaxed) {
+                    if !go.load(Ordering::Relaxed) {
+                        std::thread::sleep(Duration::from_millis(10));
+                        continue;
+                    }
                     let runs = d.get("/v1/runs").body["runs"].clone();
                     for r in runs.as_array().into_iter().flatten() {
                         let id = r["run_id"].as_str().unwrap_or_default().to_string();
@@ -124,6 +132,7 @@ fn three_hundred_concurrent_acquires_never_exceed_a_harness_limit() {
     submitters.into_iter().for_each(|s| s.join().unwrap());
     // While the queue is deep, the waiters say which harness they wait for.
     let s = scope(&d, "exp");
+    assert_eq!(s["waiting"], 300 - 17, "all but the limits' sum wait: {s}");
     let waiters = s["waiters"].as_array().cloned().unwrap_or_default();
     let full: Vec<&Value> = waiters
         .iter()
@@ -134,6 +143,7 @@ fn three_hundred_concurrent_acquires_never_exceed_a_harness_limit() {
         let msg = w["reason"]["message"].as_str().unwrap();
         assert!(msg.contains(h), "the reason names the harness: {msg}");
     }
+    go.store(true, Ordering::Relaxed);
     d.wait_until("every run ended", |d| {
         let s = scope(d, "exp");
         s["waiting"] == 0 && s["tokens"].as_array().is_some_and(|t| t.is_empty())
