@@ -259,3 +259,35 @@ fn a_corrupt_scope_refuses_to_load() {
         }
     }
 }
+
+/// D4: a run whose stored budget does not parse refuses to load, naming it.
+#[test]
+fn a_corrupt_run_budget_refuses_to_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("l.db");
+    let mut s = SqliteStore::open(&path).unwrap();
+    let mut run = sample_run("b1", 1, RunState::Queued);
+    run.request.budget = Some(Box::new(berth_core::scopes::Budget {
+        scope: "exp".into(),
+        harness: "claude".into(),
+        operation_id: None,
+        per_harness: None,
+        manifest: None,
+    }));
+    s.write(&[&Batch::runs(0, vec![run.clone()])]).unwrap();
+    assert_eq!(
+        s.load(10).unwrap().runs[0].request.budget,
+        run.request.budget
+    );
+    drop(s);
+    let conn = rusqlite::Connection::open(&path).unwrap();
+    conn.execute_batch("UPDATE runs SET budget = '{\"scope\":'")
+        .unwrap();
+    drop(conn);
+    match SqliteStore::open(&path).and_then(|mut s| s.load(10)) {
+        Err(e @ StoreError::Corrupt(_)) => {
+            assert!(e.to_string().contains("budget does not parse"), "{e}")
+        }
+        other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
+    }
+}
