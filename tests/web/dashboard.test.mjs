@@ -393,6 +393,40 @@ test('the page shows a drain banner with its reason and the threads with their o
   assert.deepEqual(ctx.cspErrors, [], 'the page breaks no rule of its Content-Security-Policy');
 }, t));
 
+test('the budgets panel shows each scope with its control, generation and tokens', (t) => diagnosed(async () => {
+  const budget = { scope: 'exp-web', harness: 'claude', per_harness: { claude: 2, codex: 1 } };
+  const r = await api('POST', '/v1/runs', { project: 'budgets-web', detach: true, budget });
+  assert.ok(r.status === 201 || r.status === 202, `acquire: ${r.status} ${JSON.stringify(r.json)}`);
+  // The run may wait for a slot the earlier tests hold; a turn's token is taken at once.
+  const turn = await api('POST', '/v1/scopes/exp-web/reservations',
+    { owner: 'web-worker', operation_id: 'turn-1', harness: 'codex' });
+  assert.equal(turn.status, 201, `reserve: ${JSON.stringify(turn.json)}`);
+  const c = await api('POST', '/v1/scopes/exp-web/control', { request_id: 'web-1', mode: 'pause' });
+  assert.equal(c.status, 200, `pause: ${JSON.stringify(c.json)}`);
+  await within('the scope row', 15_000, ctx.page.waitForFunction(() => {
+    const row = document.querySelector('#scopes tbody tr[data-scope="exp-web"]');
+    return row && /paused/.test(row.textContent);
+  }));
+  const row = await ctx.page.textContent('#scopes tbody tr[data-scope="exp-web"]');
+  // Paused, nothing more is granted: the page must agree with the API (the run holds
+  // its own claude token only if it was granted).
+  const held = (await api('GET', '/v1/scopes/exp-web')).json.harnesses.claude.held;
+  assert.match(row, new RegExp(`claude ${held}/2, codex 1/1`),
+    'the row shows tokens held per harness and the limits');
+  assert.match(row, /paused\s*1/, 'the row shows the control and the generation');
+  const rid = r.json.run_id;
+  const fence = (await api('GET', `/v1/runs/${rid}`)).json.fence;
+  const end = fence === undefined || fence === null
+    ? await api('DELETE', `/v1/runs/${rid}`)
+    : await api('POST', `/v1/runs/${rid}/release`, { fence });
+  assert.equal(end.status, 200, `release or cancel: ${JSON.stringify(end.json)}`);
+  const un = await api('DELETE', '/v1/scopes/exp-web/reservations/web-worker/turn-1');
+  assert.equal(un.status, 200, `unreserve: ${JSON.stringify(un.json)}`);
+  await api('POST', '/v1/scopes/exp-web/control', { request_id: 'web-2', mode: 'resume' });
+  assert.deepEqual(ctx.pageErrors, [], 'the page throws no errors');
+  assert.deepEqual(ctx.cspErrors, [], 'the page breaks no rule of its Content-Security-Policy');
+}, t));
+
 test('a refused token brings the login form back', (t) => diagnosed(async () => {
   await ctx.page.evaluate(() => sessionStorage.setItem('berth.token', 'not-a-token'));
   await within('the page to reload', 15_000, ctx.page.reload({ waitUntil: 'load' }));
