@@ -5,6 +5,7 @@ use axum::extract::{Path, State as AxState};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_client::wire;
+use berth_core::Command;
 
 use super::{ask, json_body, Api, Caller};
 use crate::daemon::{Msg, ScopeAnswer, ScopeOp};
@@ -51,12 +52,12 @@ pub async fn reserve(
     request::check_scope(&scope)?;
     let b: wire::ReservationRequest = json_body(body, false).await?;
     request::reservation(&b.owner, &b.operation_id, Some(&b.harness))?;
-    let op = ScopeOp::Reserve {
+    let op = ScopeOp::Apply(Command::Reserve {
         scope,
         owner: b.owner,
         operation_id: b.operation_id,
         harness: b.harness,
-    };
+    });
     scope_op(&api, op).await
 }
 
@@ -67,11 +68,11 @@ pub async fn unreserve(
 ) -> Result<Response, ApiError> {
     request::check_scope(&scope)?;
     request::reservation(&owner, &operation_id, None)?;
-    let op = ScopeOp::Unreserve {
+    let op = ScopeOp::Apply(Command::Unreserve {
         scope,
         owner,
         operation_id,
-    };
+    });
     scope_op(&api, op).await
 }
 
@@ -104,10 +105,10 @@ pub async fn control(
     request::check_scope(&scope)?;
     let b: wire::ControlRequest = json_body(body, false).await?;
     let mode = request::control(&b)?;
-    let op = ScopeOp::Control {
+    let op = ScopeOp::Apply(Command::ScopeControl {
         scope,
         request_id: b.request_id,
         mode,
-    };
+    });
     scope_op(&api, op).await
 }

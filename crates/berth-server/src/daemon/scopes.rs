@@ -20,32 +20,19 @@ pub const SCOPE_WAITERS_SHOWN: usize = 100;
 /// megabytes-long answer (it counts them all).
 pub const SCOPE_TOKENS_SHOWN: usize = 1_000;
 
-/// What a scope message asks.
+/// What a scope message asks: show a scope, apply one of the engine's budget commands
+/// (`Reserve`, `Unreserve`, `ScopeControl`), or reconcile (the engine's `Reconcile` and
+/// the journal's record of who asked and why).
 pub enum ScopeOp {
     Get {
         scope: String,
     },
-    Reserve {
-        scope: String,
-        owner: String,
-        operation_id: String,
-        harness: String,
-    },
-    Unreserve {
-        scope: String,
-        owner: String,
-        operation_id: String,
-    },
+    Apply(Command),
     Reconcile {
         scope: String,
         owner: String,
         reason: String,
         by: String,
-    },
-    Control {
-        scope: String,
-        request_id: String,
-        mode: berth_core::scopes::Mode,
     },
 }
 
@@ -92,7 +79,7 @@ type Answer<D> = Box<dyn FnOnce(&D) -> Option<ScopeAnswer>>;
 
 impl<H: Host> Daemon<H> {
     pub(super) fn on_scope(&mut self, op: ScopeOp, reply: Reply<ScopeAnswer>) {
-        let (cmd, answer): (Command, Answer<Self>) = match op {
+        let cmd = match op {
             ScopeOp::Get { scope } => {
                 let v = self.scope_view(&scope).map(ScopeAnswer::Scope);
                 return self.answer(reply, v.ok_or_else(|| not_found(&scope)));
@@ -103,62 +90,50 @@ impl<H: Host> Daemon<H> {
                 reason,
                 by,
             } => return self.reconcile(scope, owner, reason, by, reply),
-            ScopeOp::Reserve {
+            ScopeOp::Apply(cmd) => cmd,
+        };
+        let answer: Answer<Self> = match &cmd {
+            Command::Reserve {
                 scope,
                 owner,
                 operation_id,
-                harness,
+                ..
             } => {
                 let new = self
                     .engine
                     .scopes()
-                    .token(&scope, &owner, &operation_id)
+                    .token(scope, owner, operation_id)
                     .is_none();
-                let cmd = Command::Reserve {
-                    scope: scope.clone(),
-                    owner: owner.clone(),
-                    operation_id: operation_id.clone(),
-                    harness,
-                };
-                let answer = move |d: &Self| {
+                let (scope, owner, operation_id) =
+                    (scope.clone(), owner.clone(), operation_id.clone());
+                Box::new(move |d: &Self| {
                     let token = d.token_out(&scope, &owner, &operation_id)?;
                     let r = wire::Reservation { scope, token, new };
                     Some(ScopeAnswer::Reservation(r))
-                };
-                (cmd, Box::new(answer))
+                })
             }
-            ScopeOp::Unreserve {
+            Command::Unreserve {
                 scope,
                 owner,
                 operation_id,
             } => {
                 // The token as it was: once freed, it is gone.
-                let before = self.token_out(&scope, &owner, &operation_id);
-                let cmd = Command::Unreserve {
-                    scope,
-                    owner,
-                    operation_id,
-                };
-                (
-                    cmd,
-                    Box::new(move |_: &Self| before.map(ScopeAnswer::Token)),
-                )
+                let before = self.token_out(scope, owner, operation_id);
+                Box::new(move |_: &Self| before.map(ScopeAnswer::Token))
             }
-            ScopeOp::Control {
-                scope,
-                request_id,
-                mode,
+            Command::ScopeControl {
+                scope, request_id, ..
             } => {
-                let cmd = Command::ScopeControl {
-                    scope: scope.clone(),
-                    request_id: request_id.clone(),
-                    mode,
-                };
-                let answer = move |d: &Self| {
+                let (scope, request_id) = (scope.clone(), request_id.clone());
+                Box::new(move |d: &Self| {
                     let r = d.receipt_out(&scope, &request_id)?;
                     Some(ScopeAnswer::Receipt(r))
-                };
-                (cmd, Box::new(answer))
+                })
+            }
+            // Not a budget command: refused here, nothing applied.
+            _ => {
+                let e = Error::Internal("not a budget command".into());
+                return self.answer(reply, Err(e));
             }
         };
         let (touched, done) = self.scope_step(cmd);
