@@ -2194,6 +2194,11 @@ impl Engine {
         (self.run(s).state == RunState::Queued).then(|| self.reason(s))
     }
 
+    /// The run's budget, if it has one (cheap: nothing is cloned).
+    pub fn budget_of(&self, run_id: &str) -> Option<&crate::scopes::Budget> {
+        self.run(*self.by_id.get(run_id)?).req.budget.as_deref()
+    }
+
     /// The run's fence, if it was ever granted (cheap: no view is built).
     pub fn fence_of(&self, run_id: &str) -> Option<u64> {
         self.run(*self.by_id.get(run_id)?).fence

@@ -568,22 +568,14 @@ impl Scopes {
         Ok(true)
     }
 
-    /// B5 and the limit, without allocating: why `owner`/`operation` cannot take a
-    /// token of `harness` now. A key that already holds one of that harness needs no
-    /// new token (B2), but a paused or stopped scope admits nothing.
-    pub fn blocked(&self, id: &str, harness: &str, owner: &str, operation: &str) -> Option<Block> {
-        let Some(s) = self.scopes.get(id) else {
-            return Some(Block::Stopped);
-        };
+    /// B5 and the limits, without allocating: why a new token of `harness` cannot be
+    /// taken in `s` now. The one statement of these rules: `blocked` (a run's claim)
+    /// and `can_take` (a turn's reservation) both ask it.
+    fn new_token_block(&self, s: &Scope, harness: &str) -> Option<Block> {
         match s.control {
             Control::Stopped => return Some(Block::Stopped),
             Control::Paused => return Some(Block::Paused),
             Control::Open => {}
-        }
-        match s.tokens.get(&(owner.to_string(), operation.to_string())) {
-            Some(t) if t.harness == harness => return None,
-            Some(_) => return Some(Block::Conflict),
-            None => {}
         }
         let limit = s.policy.get(harness).copied().unwrap_or(0);
         let holders = s.holders(harness) as u32;
@@ -593,37 +585,49 @@ impl Scopes {
         (self.total >= TOKENS_HOST_MAX).then_some(Block::HostFull)
     }
 
+    /// Why `owner`/`operation` cannot take a token of `harness` now. A key that already
+    /// holds one of that harness needs no new token (B2), but a paused or stopped scope
+    /// admits nothing.
+    pub fn blocked(&self, id: &str, harness: &str, owner: &str, operation: &str) -> Option<Block> {
+        let Some(s) = self.scopes.get(id) else {
+            return Some(Block::Stopped);
+        };
+        if s.control != Control::Open {
+            return self.new_token_block(s, harness);
+        }
+        match s.tokens.get(&(owner.to_string(), operation.to_string())) {
+            Some(t) if t.harness == harness => None,
+            Some(_) => Some(Block::Conflict),
+            None => self.new_token_block(s, harness),
+        }
+    }
+
     /// Whether a new token of `harness` may be taken in scope `id` now (B5, the limit):
     /// `Ok` or the reason a run waits (or, once stopped, is refused).
     pub fn can_take(&self, id: &str, harness: &str) -> Result<(), ScopeError> {
         let s = self.scopes.get(id).ok_or_else(|| no_scope(id))?;
-        let limit = *s
-            .policy
-            .get(harness)
-            .ok_or_else(|| ScopeError::UnknownHarness {
+        if !s.policy.contains_key(harness) {
+            return Err(ScopeError::UnknownHarness {
                 scope: id.into(),
                 harness: harness.into(),
-            })?;
-        match s.control {
-            Control::Stopped => return Err(ScopeError::Stopped { scope: id.into() }),
-            Control::Paused => return Err(ScopeError::Paused { scope: id.into() }),
-            Control::Open => {}
+            });
         }
-        let holders = s.holders(harness);
-        if holders >= limit as usize {
-            return Err(ScopeError::Full {
-                scope: id.into(),
+        let scope = || id.to_string();
+        match self.new_token_block(s, harness) {
+            None => Ok(()),
+            Some(Block::Stopped) => Err(ScopeError::Stopped { scope: scope() }),
+            Some(Block::Paused) => Err(ScopeError::Paused { scope: scope() }),
+            Some(Block::Full { limit, holders }) => Err(ScopeError::Full {
+                scope: scope(),
                 harness: harness.into(),
                 limit,
-                holders,
-            });
-        }
-        if self.total >= TOKENS_HOST_MAX {
-            return Err(ScopeError::TokensFull {
+                holders: holders as usize,
+            }),
+            // (`new_token_block` never names a key's conflict: that is `blocked`'s.)
+            Some(Block::HostFull | Block::Conflict) => Err(ScopeError::TokensFull {
                 max: TOKENS_HOST_MAX,
-            });
+            }),
         }
-        Ok(())
     }
 
     /// B2: the token `owner` holds for `operation`, if any.

@@ -207,10 +207,7 @@ impl<H: Host> Daemon<H> {
 
     /// A waiter refused because its scope stopped (B4) is told why.
     pub(super) fn scope_rejected(&mut self, run_id: &str) {
-        let scope = self
-            .engine
-            .record(run_id)
-            .and_then(|r| r.request.budget.map(|b| b.scope));
+        let scope = self.engine.budget_of(run_id).map(|b| b.scope.clone());
         if let (Some(e), Some(scope)) = (self.extras.get_mut(run_id), scope) {
             e.failure = Some(format!(
                 "scope {scope} was stopped: its waiters are refused (B4)"
@@ -363,8 +360,8 @@ impl<H: Host> Daemon<H> {
             .map(|v| wire::ScopeWaiter {
                 harness: self
                     .engine
-                    .record(&v.run_id)
-                    .and_then(|r| r.request.budget.map(|b| b.harness))
+                    .budget_of(&v.run_id)
+                    .map(|b| b.harness.clone())
                     .unwrap_or_default(),
                 run_id: v.run_id,
                 position: v.position.unwrap_or(0),
