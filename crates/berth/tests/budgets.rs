@@ -550,6 +550,10 @@ fn malformed_budget_requests_change_nothing() {
         let j = d.journal();
         j.into_iter().filter(|e| e["kind"] != "refused").count()
     };
+    let read = d.post("/v1/tokens", r#"{"scope":"read"}"#).body["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let before = (scope(&d, "m"), changes(&d));
     let run = |b: Value| json!({"project": "x", "budget": b, "detach": true}).to_string();
     let cases: Vec<(&str, &str, String, u16, &str)> = vec![
@@ -596,6 +600,23 @@ fn malformed_budget_requests_change_nothing() {
             );
         }
     }
+    // A read token may look but not reserve, release, control or reconcile.
+    let turn = json!({"owner": "w", "operation_id": "o", "harness": "claude"}).to_string();
+    let ctl = json!({"request_id": "r", "mode": "stop"}).to_string();
+    let rec = json!({"owner": "base", "reason": "r"}).to_string();
+    for (method, path, body) in [
+        ("POST", "/v1/scopes/m/reservations", Some(turn.as_str())),
+        ("DELETE", "/v1/scopes/m/reservations/base/run", None),
+        ("POST", "/v1/scopes/m/control", Some(ctl.as_str())),
+        ("POST", "/v1/scopes/m/reconcile", Some(rec.as_str())),
+    ] {
+        let r = d.call_as(Some(&read), method, path, body);
+        assert_eq!(r.status, 403, "{method} {path}: {:?}", r.body);
+    }
+    assert_eq!(
+        d.call_as(Some(&read), "GET", "/v1/scopes/m", None).status,
+        200
+    );
     assert_eq!(
         d.get("/v1/scopes").body["scopes"].as_array().unwrap().len(),
         1
