@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use berth_core::{EndCause, KeyMode, Request, RunState};
 
 pub mod conformance;
+pub mod fleet;
 mod sqlite;
 
 pub use sqlite::SqliteStore;

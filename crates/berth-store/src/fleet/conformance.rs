@@ -1,0 +1,352 @@
+//! The conformance suite every [`FleetStore`] must pass (F5): SQLite and PostgreSQL run
+//! the same checks. `Open` opens the *same* store again on each call (a new
+//! connection), fresh and empty on the first, so several "hosts" can race.
+
+use std::collections::BTreeSet;
+
+use super::{Claim, ClaimOutcome, Ending, FleetError, FleetStore, HostInfo, TokenClaim};
+
+pub type Open<'a> = &'a (dyn Fn() -> Box<dyn FleetStore> + Sync);
+pub type Check = fn(Open);
+
+pub const CHECKS: &[(&str, Check)] = &[
+    ("generations_and_heartbeats", generations_and_heartbeats),
+    (
+        "fences_unique_and_retries_idempotent",
+        fences_unique_and_retries_idempotent,
+    ),
+    ("budget_limit_holds_and_frees", budget_limit_holds_and_frees),
+    (
+        "a_refused_claim_writes_nothing",
+        a_refused_claim_writes_nothing,
+    ),
+    (
+        "a_lapse_marks_and_never_frees",
+        a_lapse_marks_and_never_frees,
+    ),
+    (
+        "a_dead_host_is_declared_exactly_once",
+        a_dead_host_is_declared_exactly_once,
+    ),
+    ("thread_owners_only_move_up", thread_owners_only_move_up),
+    ("a_restart_keeps_its_claims", a_restart_keeps_its_claims),
+    (
+        "a_stale_generation_changes_nothing",
+        a_stale_generation_changes_nothing,
+    ),
+    ("bad_input_is_refused", bad_input_is_refused),
+    (
+        "racing_hosts_never_exceed_a_limit",
+        racing_hosts_never_exceed_a_limit,
+    ),
+];
+
+fn host(s: &mut dyn FleetStore, id: &str) -> i64 {
+    s.register(&HostInfo {
+        host_id: id.into(),
+        address: format!("http://{id}"),
+        version: "test".into(),
+    })
+    .unwrap()
+}
+
+fn claim(run: &str, host: &str, gen: i64, token: Option<(&str, u32)>, keys: &[&str]) -> Claim {
+    Claim {
+        run_id: run.into(),
+        host_id: host.into(),
+        gen,
+        token: token.map(|(h, limit)| TokenClaim {
+            scope: "exp".into(),
+            harness: h.into(),
+            limit,
+        }),
+        keys: keys.iter().map(|k| k.to_string()).collect(),
+    }
+}
+
+fn fence(o: ClaimOutcome) -> u64 {
+    match o {
+        ClaimOutcome::Taken { fence } => fence,
+        other => panic!("expected a taken claim, got {other:?}"),
+    }
+}
+
+fn generations_and_heartbeats(open: Open) {
+    let mut s = open();
+    assert_eq!(host(&mut *s, "a"), 1);
+    assert_eq!(
+        host(&mut *s, "a"),
+        2,
+        "a re-registration is a new generation"
+    );
+    assert!(s.heartbeat("a", 2, "{\"slots\":4}").unwrap());
+    assert!(
+        !s.heartbeat("a", 1, "{}").unwrap(),
+        "an old generation's beat is refused"
+    );
+    let hosts = s.hosts().unwrap();
+    assert_eq!(hosts.len(), 1);
+    assert_eq!(hosts[0].load, "{\"slots\":4}");
+    assert!(hosts[0].alive && hosts[0].beat_age_ms < 60_000);
+}
+
+fn fences_unique_and_retries_idempotent(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    let b = host(&mut *s, "b");
+    let f1 = fence(s.claim(&claim("r1", "a", a, None, &[])).unwrap());
+    let f2 = fence(s.claim(&claim("r2", "b", b, None, &[])).unwrap());
+    assert_ne!(f1, f2);
+    assert!(f1 > 0 && f2 > 0);
+    assert_eq!(fence(s.claim(&claim("r1", "a", a, None, &[])).unwrap()), f1);
+    assert_eq!(
+        s.claim(&claim("r1", "b", b, None, &[])).unwrap(),
+        ClaimOutcome::RunIdTaken {
+            host_id: "a".into()
+        }
+    );
+    let ff = s.fence("r1").unwrap().unwrap();
+    assert_eq!(
+        (ff.fence, ff.host_id.as_str(), ff.host_alive),
+        (f1, "a", true)
+    );
+    assert!(s.end("r1", "a", a, Ending::Released).unwrap());
+    assert_eq!(s.fence("r1").unwrap(), None);
+    let f3 = fence(s.claim(&claim("r1", "b", b, None, &[])).unwrap());
+    assert!(f3 > f2, "the fleet's one sequence only moves up");
+}
+
+fn budget_limit_holds_and_frees(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    fence(s.claim(&claim("r1", "a", a, Some(("h", 2)), &[])).unwrap());
+    fence(s.claim(&claim("r2", "a", a, Some(("h", 2)), &[])).unwrap());
+    assert_eq!(
+        s.claim(&claim("r3", "a", a, Some(("h", 2)), &[])).unwrap(),
+        ClaimOutcome::BudgetFull {
+            holders: 2,
+            limit: 2
+        }
+    );
+    assert_eq!(
+        s.claim(&claim("r3", "a", a, Some(("h", 3)), &[])).unwrap(),
+        ClaimOutcome::BudgetConflict { frozen: 2 }
+    );
+    fence(
+        s.claim(&claim("r4", "a", a, Some(("other", 1)), &[]))
+            .unwrap(),
+    );
+    assert!(s.end("r1", "a", a, Ending::Released).unwrap());
+    fence(s.claim(&claim("r3", "a", a, Some(("h", 2)), &[])).unwrap());
+    let owners: Vec<String> = s
+        .tokens("exp")
+        .unwrap()
+        .into_iter()
+        .map(|t| t.owner)
+        .collect();
+    assert_eq!(owners, ["r2", "r3", "r4"]);
+}
+
+fn a_refused_claim_writes_nothing(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    fence(s.claim(&claim("r1", "a", a, None, &["db"])).unwrap());
+    assert_eq!(
+        s.claim(&claim("r2", "a", a, Some(("h", 1)), &["cache", "db"]))
+            .unwrap(),
+        ClaimOutcome::KeyHeld {
+            key: "db".into(),
+            run_id: "r1".into()
+        }
+    );
+    // Neither the run id, the token nor the first key was kept.
+    assert_eq!(s.fence("r2").unwrap(), None);
+    assert!(s.tokens("exp").unwrap().is_empty());
+    fence(
+        s.claim(&claim("r3", "a", a, Some(("h", 1)), &["cache"]))
+            .unwrap(),
+    );
+}
+
+fn a_lapse_marks_and_never_frees(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    fence(
+        s.claim(&claim("r1", "a", a, Some(("h", 1)), &["db"]))
+            .unwrap(),
+    );
+    assert!(s.end("r1", "a", a, Ending::Lapsed).unwrap());
+    let t = s.tokens("exp").unwrap();
+    assert!(t.len() == 1 && t[0].lapsed, "{t:?}");
+    // The key went with the run; the token did not (B3).
+    fence(s.claim(&claim("r2", "a", a, None, &["db"])).unwrap());
+    assert_eq!(
+        s.claim(&claim("r3", "a", a, Some(("h", 1)), &[])).unwrap(),
+        ClaimOutcome::BudgetFull {
+            holders: 1,
+            limit: 1
+        }
+    );
+    assert_eq!(
+        s.claim(&claim("r1", "a", a, Some(("h", 1)), &[])).unwrap(),
+        ClaimOutcome::BudgetFull {
+            holders: 1,
+            limit: 1
+        }
+    );
+    assert!(!s.reconcile("exp", "r2").unwrap(), "no lapsed token of r2");
+    assert!(s.reconcile("exp", "r1").unwrap());
+    fence(s.claim(&claim("r3", "a", a, Some(("h", 1)), &[])).unwrap());
+}
+
+fn a_dead_host_is_declared_exactly_once(open: Open) {
+    let mut s = open();
+    let (a, b) = (host(&mut *s, "a"), host(&mut *s, "b"));
+    let c = host(&mut *s, "c");
+    let fb = fence(
+        s.claim(&claim("rb", "b", b, Some(("h", 2)), &["db"]))
+            .unwrap(),
+    );
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(s.heartbeat("a", a, "{}").unwrap());
+    assert!(s.heartbeat("c", c, "{}").unwrap());
+    // a and c race to declare; b is declared once, by one of them.
+    let (mut s2, lapse) = (open(), 200);
+    let t = std::thread::spawn(move || s2.declare_dead("c", lapse).unwrap());
+    let mine = s.declare_dead("a", lapse).unwrap();
+    let theirs = t.join().unwrap();
+    let all: Vec<_> = mine.iter().chain(&theirs).cloned().collect();
+    assert_eq!(all, [("b".to_string(), b)]);
+    assert_eq!(s.declarations("b").unwrap().len(), 1);
+    assert!(s.declare_dead("a", lapse).unwrap().is_empty());
+    // Its key is free, its token lapsed but held, its fence refused everywhere.
+    fence(s.claim(&claim("ra", "a", a, None, &["db"])).unwrap());
+    let tk = s.tokens("exp").unwrap();
+    assert!(
+        tk.len() == 1 && tk[0].lapsed && tk[0].host_id == "b",
+        "{tk:?}"
+    );
+    let ff = s.fence("rb").unwrap().unwrap();
+    assert_eq!((ff.fence, ff.host_alive), (fb, false));
+    // The dead generation can neither beat, claim, declare nor end anything.
+    assert!(!s.heartbeat("b", b, "{}").unwrap());
+    assert_eq!(
+        s.claim(&claim("rx", "b", b, None, &[])).unwrap(),
+        ClaimOutcome::HostDead
+    );
+    assert!(s.declare_dead("b", 0).unwrap().is_empty());
+    // Coming back, it re-registers and finds nothing of its old claims but the lapsed
+    // token, which only an operator frees.
+    let b2 = host(&mut *s, "b");
+    assert!(b2 > b);
+    assert_eq!(s.fence("rb").unwrap(), None);
+    assert!(!s.end("rb", "b", b2, Ending::Released).unwrap());
+    assert!(s.tokens("exp").unwrap()[0].lapsed);
+}
+
+fn thread_owners_only_move_up(open: Open) {
+    let mut s = open();
+    assert!(s.thread_owner("t", 1, 10, "r1", "a").unwrap());
+    assert!(!s.thread_owner("t", 1, 5, "r0", "c").unwrap());
+    assert!(
+        s.thread_owner("t", 1, 10, "r1", "a").unwrap(),
+        "the same owner again"
+    );
+    assert!(s.thread_owner("t", 2, 1, "r2", "c").unwrap());
+    assert!(!s.thread_owner("t", 1, 99, "r1", "a").unwrap());
+}
+
+fn a_restart_keeps_its_claims(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    let f = fence(
+        s.claim(&claim("r1", "a", a, Some(("h", 1)), &["db"]))
+            .unwrap(),
+    );
+    let a2 = host(&mut *s, "a");
+    assert_eq!(
+        fence(
+            s.claim(&claim("r1", "a", a2, Some(("h", 1)), &["db"]))
+                .unwrap()
+        ),
+        f
+    );
+    assert!(s.end("r1", "a", a2, Ending::Released).unwrap());
+    fence(
+        s.claim(&claim("r2", "a", a2, Some(("h", 1)), &["db"]))
+            .unwrap(),
+    );
+}
+
+fn a_stale_generation_changes_nothing(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    fence(
+        s.claim(&claim("r1", "a", a, Some(("h", 1)), &["db"]))
+            .unwrap(),
+    );
+    assert!(!s.end("r1", "a", a + 7, Ending::Released).unwrap());
+    assert!(!s.end("r1", "b", a, Ending::Released).unwrap());
+    assert!(s.fence("r1").unwrap().is_some());
+    assert_eq!(s.tokens("exp").unwrap().len(), 1);
+}
+
+fn bad_input_is_refused(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    let keys: Vec<String> = (0..17).map(|i| format!("k{i}")).collect();
+    let mut c = claim("r1", "a", a, None, &[]);
+    c.keys = keys;
+    assert!(matches!(s.claim(&c), Err(FleetError::Invalid(m)) if m.contains("keys")));
+    let c = claim("r1", "a", a, Some(("h", 0)), &[]);
+    assert!(matches!(s.claim(&c), Err(FleetError::Invalid(m)) if m.contains("limit")));
+    let big = "x".repeat(super::LOAD_BYTES_MAX + 1);
+    assert!(matches!(
+        s.heartbeat("a", a, &big),
+        Err(FleetError::Invalid(_))
+    ));
+    assert_eq!(s.fence("r1").unwrap(), None);
+}
+
+fn racing_hosts_never_exceed_a_limit(open: Open) {
+    const HOSTS: usize = 4;
+    const RUNS: usize = 40;
+    let mut s = open();
+    let gens: Vec<i64> = (0..HOSTS)
+        .map(|h| host(&mut *s, &format!("h{h}")))
+        .collect();
+    let fences = std::thread::scope(|sc| {
+        let tasks: Vec<_> = (0..HOSTS)
+            .map(|h| {
+                let gen = gens[h];
+                sc.spawn(move || {
+                    let mut st = open();
+                    let mut fences = Vec::new();
+                    for i in 0..RUNS {
+                        let (run, me) = (format!("h{h}-r{i}"), format!("h{h}"));
+                        let c = claim(&run, &me, gen, Some(("h", 3)), &[]);
+                        if let ClaimOutcome::Taken { fence } = st.claim(&c).unwrap() {
+                            fences.push(fence);
+                            // Sampled while holding: never more than the limit.
+                            let held = st.tokens("exp").unwrap().len();
+                            assert!(held <= 3, "{held} tokens held under a limit of 3");
+                            st.end(&run, &me, gen, Ending::Released).unwrap();
+                        }
+                    }
+                    fences
+                })
+            })
+            .collect();
+        tasks
+            .into_iter()
+            .flat_map(|t| t.join().unwrap())
+            .collect::<Vec<u64>>()
+    });
+    let unique: BTreeSet<u64> = fences.iter().copied().collect();
+    assert_eq!(unique.len(), fences.len(), "a fence was given twice");
+    assert!(
+        fences.len() >= RUNS,
+        "too few claims succeeded: {}",
+        fences.len()
+    );
+}

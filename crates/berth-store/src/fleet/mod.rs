@@ -1,0 +1,297 @@
+//! Fleet mode's shared store (F1–F5): what must be decided fleet-wide, and nothing
+//! else. Each host keeps its own ledger ([`crate::Store`], SQLite) for its capacity,
+//! queue, workspaces and processes; a [`FleetStore`] holds the hosts and their
+//! heartbeats, run ids and their fences (one sequence for the whole fleet), budget
+//! tokens, fleet-wide keys and thread owners.
+//!
+//! Every decision is one conditional statement or one transaction, never a read then a
+//! write: two hosts racing for the last token, the same run id or the same key get one
+//! winner, whatever the interleaving. Time is the database's own clock (hosts' clocks
+//! may disagree; one judge of "lapsed" is what makes "declared dead exactly once" mean
+//! something).
+//!
+//! Two stores implement it: [`PgFleet`] (PostgreSQL, many hosts) and [`SqliteFleet`]
+//! (a file several daemons of one machine share; also the peer that keeps the
+//! conformance suite honest). [`conformance`] is the suite both pass (F5).
+
+pub mod conformance;
+mod pg;
+mod sqlite;
+
+pub use pg::PgFleet;
+pub use sqlite::SqliteFleet;
+
+/// Limits on what a fleet caller may send, checked before any SQL runs.
+pub const FLEET_KEYS_MAX: usize = 16;
+/// A host's load text (its capacity snapshot, JSON the server writes) at most.
+pub const LOAD_BYTES_MAX: usize = 16 * 1024;
+/// Rows `hosts()` returns at most (a fleet is 3 to 50 hosts; dead ones are kept).
+pub const HOSTS_MAX: i64 = 1024;
+
+/// What went wrong talking to the fleet store. Unlike the local ledger, the fleet store
+/// being away is not fatal: the host keeps serving its local runs and refuses new
+/// fleet-wide claims (`503 store_unavailable`) until it comes back.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    #[error("fleet store unavailable: {0}")]
+    Unavailable(String),
+    #[error(
+        "fleet store schema version {found} is newer than this berth understands ({supported})"
+    )]
+    TooNew { found: i64, supported: i64 },
+    #[error("fleet store refused the input: {0}")]
+    Invalid(String),
+}
+
+/// A host as it registers (F2).
+#[derive(Clone, Debug)]
+pub struct HostInfo {
+    pub host_id: String,
+    /// Where its HTTP API listens, for placement and for `berth fleet`.
+    pub address: String,
+    pub version: String,
+}
+
+/// A claim's budget token: the harness's fleet-wide limit, frozen by the first claim
+/// (B1; a claim with another limit is refused as `budget_conflict`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenClaim {
+    pub scope: String,
+    pub harness: String,
+    pub limit: u32,
+}
+
+/// Everything fleet-wide one run needs, taken all or nothing (A1): its run id, a fence
+/// from the fleet's one sequence, an optional budget token and its fleet-wide keys.
+#[derive(Clone, Debug)]
+pub struct Claim {
+    pub run_id: String,
+    pub host_id: String,
+    pub gen: i64,
+    pub token: Option<TokenClaim>,
+    pub keys: Vec<String>,
+}
+
+/// How a claim was answered. Only `Taken` wrote anything.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// Held (newly, or again by the same host generation: a retry gets the same fence).
+    Taken { fence: u64 },
+    /// The run id is held by another host (or another generation of this one).
+    RunIdTaken { host_id: String },
+    /// The harness holds `limit` tokens fleet-wide.
+    BudgetFull { holders: u32, limit: u32 },
+    /// The harness's limit was frozen at another value (B1).
+    BudgetConflict { frozen: u32 },
+    /// The run id still owns a lapsed token in the scope (an earlier run under the same
+    /// id expired holding it): an operator must reconcile it first (B3).
+    TokenLapsed,
+    /// A fleet-wide key is held by another run.
+    KeyHeld { key: String, run_id: String },
+    /// This host generation was declared dead: it must re-register first (F2).
+    HostDead,
+}
+
+/// How a run's fleet-wide claim ends. An owner's release frees its budget token; an
+/// expiry only marks it lapsed (B3). Keys are freed either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    Released,
+    Lapsed,
+}
+
+/// A host's row as `GET /v1/fleet` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostRow {
+    pub host_id: String,
+    pub gen: i64,
+    pub address: String,
+    pub version: String,
+    pub load: String,
+    pub alive: bool,
+    /// Milliseconds since its last heartbeat, by the store's clock.
+    pub beat_age_ms: i64,
+    /// The host that declared it dead, if one did.
+    pub declared_by: Option<String>,
+}
+
+/// A fence as the fleet knows it, for `/v1/fences/check` on a host that does not hold
+/// the run (L8 fleet-wide).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetFence {
+    pub fence: u64,
+    pub host_id: String,
+    pub gen: i64,
+    /// False once its host generation is declared dead: its fences are refused everywhere.
+    pub host_alive: bool,
+}
+
+/// A budget token's row (for tests and `berth fleet`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenRow {
+    pub scope: String,
+    pub harness: String,
+    pub owner: String,
+    pub host_id: String,
+    pub lapsed: bool,
+}
+
+/// The fleet-wide store. Methods are blocking; the server drives one from a thread of
+/// its own, as it drives the local ledger from the writer thread.
+pub trait FleetStore: Send {
+    /// Register (or re-register) a host under a new generation, which is returned.
+    /// Rows of its older generations that no rule keeps are removed; lapsed budget
+    /// tokens stay (B3: only an operator's reconcile frees them).
+    fn register(&mut self, host: &HostInfo) -> Result<i64, FleetError>;
+    /// Heartbeat with the host's load; false if this generation was declared dead.
+    fn heartbeat(&mut self, host_id: &str, gen: i64, load: &str) -> Result<bool, FleetError>;
+    /// Declare dead every other live host whose heartbeat is older than `lapse_ms`, each
+    /// exactly once (a conditional update), and in the same transaction free its keys,
+    /// mark its budget tokens lapsed and drop its thread registrations' liveness.
+    /// Returns the (host, generation) pairs this call declared.
+    fn declare_dead(&mut self, me: &str, lapse_ms: i64) -> Result<Vec<(String, i64)>, FleetError>;
+    /// Take a run's fleet-wide claim, all or nothing.
+    fn claim(&mut self, c: &Claim) -> Result<ClaimOutcome, FleetError>;
+    /// End a run's claim: keys freed, token freed or marked lapsed, run id released.
+    /// Only the generation that holds it can end it (a stale host changes nothing).
+    fn end(
+        &mut self,
+        run_id: &str,
+        host_id: &str,
+        gen: i64,
+        how: Ending,
+    ) -> Result<bool, FleetError>;
+    /// G2 fleet-wide: accept `(owner_gen, owner_fence)` for a thread only if no higher
+    /// pair was accepted before (the same pair is accepted again).
+    fn thread_owner(
+        &mut self,
+        thread_key: &str,
+        owner_gen: u64,
+        owner_fence: u64,
+        run_id: &str,
+        host_id: &str,
+    ) -> Result<bool, FleetError>;
+    /// The fleet's record of a run's fence.
+    fn fence(&mut self, run_id: &str) -> Result<Option<FleetFence>, FleetError>;
+    /// Every host, live first, then by id.
+    fn hosts(&mut self) -> Result<Vec<HostRow>, FleetError>;
+    /// Budget tokens of a scope.
+    fn tokens(&mut self, scope: &str) -> Result<Vec<TokenRow>, FleetError>;
+    /// B3: an operator frees a lapsed owner's token; false if there was none.
+    fn reconcile(&mut self, scope: &str, owner: &str) -> Result<bool, FleetError>;
+    /// Times a host generation was declared dead (the "exactly once" record).
+    fn declarations(&mut self, host_id: &str) -> Result<Vec<(i64, String)>, FleetError>;
+}
+
+/// The input rules every store checks before any SQL runs (the same refusals from
+/// both stores): bounded sizes, a positive limit, at most [`FLEET_KEYS_MAX`] keys.
+pub(crate) fn check_claim(c: &Claim) -> Result<(), FleetError> {
+    if c.keys.len() > FLEET_KEYS_MAX {
+        return Err(FleetError::Invalid(format!(
+            "keys: at most {FLEET_KEYS_MAX} fleet-wide keys per run, got {}",
+            c.keys.len()
+        )));
+    }
+    if let Some(t) = &c.token {
+        if t.limit == 0 || t.limit > 1024 {
+            return Err(FleetError::Invalid(format!(
+                "budget limit: 1..1024, got {}",
+                t.limit
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn check_load(load: &str) -> Result<(), FleetError> {
+    if load.len() > LOAD_BYTES_MAX {
+        return Err(FleetError::Invalid(format!(
+            "load: at most {LOAD_BYTES_MAX} bytes, got {}",
+            load.len()
+        )));
+    }
+    Ok(())
+}
+
+/// The channel fleet wake-ups are sent on (F3), and what a payload names.
+pub const CHANNEL: &str = "berth_fleet";
+
+/// A claim's answer as both stores spell it (`outcome`, `detail`): PostgreSQL's claim
+/// function returns these words, and the SQLite store uses the same ones.
+pub(crate) fn outcome(word: &str, fence: u64, detail: &str) -> Result<ClaimOutcome, FleetError> {
+    let num = |s: &str| s.parse::<u32>().unwrap_or(0);
+    Ok(match word {
+        "taken" => ClaimOutcome::Taken { fence },
+        "run_id_taken" => ClaimOutcome::RunIdTaken {
+            host_id: detail.to_owned(),
+        },
+        "budget_full" => {
+            let (h, l) = detail.split_once('/').unwrap_or(("0", "0"));
+            ClaimOutcome::BudgetFull {
+                holders: num(h),
+                limit: num(l),
+            }
+        }
+        "budget_conflict" => ClaimOutcome::BudgetConflict {
+            frozen: num(detail),
+        },
+        "token_lapsed" => ClaimOutcome::TokenLapsed,
+        "key_held" => {
+            let (k, r) = detail.split_once('\t').unwrap_or((detail, ""));
+            ClaimOutcome::KeyHeld {
+                key: k.to_owned(),
+                run_id: r.to_owned(),
+            }
+        }
+        "host_dead" => ClaimOutcome::HostDead,
+        other => {
+            return Err(FleetError::Unavailable(format!(
+                "the store answered a claim with {other:?}"
+            )))
+        }
+    })
+}
+
+/// Test support: a fresh PostgreSQL database on the server the environment names
+/// (`PGHOST`, `PGPORT`, `PGUSER`, `PGPASSWORD`, as `pg_virtualenv` sets them; the
+/// project's `scripts/test.sh` runs the tests under it). Here because only this crate
+/// knows SQL.
+pub mod testing {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+
+    /// The server's connection string without a database, or why there is none.
+    pub fn pg_server() -> Result<String, String> {
+        let var = |k: &str| std::env::var(k).map_err(|_| k.to_string());
+        let (host, port, user) = match (var("PGHOST"), var("PGPORT"), var("PGUSER")) {
+            (Ok(h), Ok(p), Ok(u)) => (h, p, u),
+            _ => {
+                return Err("no PostgreSQL server in the environment (PGHOST, PGPORT, \
+                            PGUSER): run the tests with scripts/test.sh, which starts one \
+                            with pg_virtualenv"
+                    .into())
+            }
+        };
+        let password = var("PGPASSWORD").unwrap_or_default();
+        Ok(format!(
+            "host={host} port={port} user={user} password={password}"
+        ))
+    }
+
+    /// Create an empty database and return its connection string.
+    pub fn pg_fresh_database(tag: &str) -> Result<String, String> {
+        let server = pg_server()?;
+        let name = format!(
+            "berth_{tag}_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let mut c =
+            postgres::Client::connect(&format!("{server} dbname=postgres"), postgres::NoTls)
+                .map_err(|e| format!("connect to the test server: {e}"))?;
+        c.batch_execute(&format!("CREATE DATABASE {name}"))
+            .map_err(|e| format!("create database {name}: {e}"))?;
+        Ok(format!("{server} dbname={name}"))
+    }
+}

@@ -1,0 +1,311 @@
+//! The PostgreSQL fleet store. Each decision is one statement: a claim, an ending and a
+//! dead-host declaration are PL/pgSQL functions the migration installs, so each costs
+//! one round trip and runs as one transaction on the server (a refusal inside a claim
+//! rolls its sub-block back: nothing of a refused claim is written).
+
+use std::time::Duration;
+
+use postgres::{Client, NoTls};
+
+use super::{
+    check_claim, check_load, Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetStore,
+    HostInfo, HostRow, TokenRow, HOSTS_MAX,
+};
+
+/// Migrations by version, applied in order under an advisory lock so that several
+/// daemons starting at once migrate exactly once (the version is the count applied).
+const MIGRATIONS: &[&str] = &[include_str!("pg_v1.sql")];
+/// The advisory lock id of the migration ("berth" in ASCII, as a number).
+const MIGRATION_LOCK: i64 = 0x6265_7274_68;
+
+/// A statement that waits longer than this is cancelled by the server, so a lock held
+/// by a hung peer cannot freeze this host's fleet thread.
+const STATEMENT_TIMEOUT_MS: u64 = 5_000;
+/// How long a connection attempt may take before the store is called unavailable.
+const CONNECT_TIMEOUT_MS: u64 = 3_000;
+/// Unacknowledged data older than this aborts the connection (a host cut off from the
+/// database notices within this, not after the kernel's ~15 minutes of retries).
+const TCP_USER_TIMEOUT_MS: u64 = 5_000;
+
+pub struct PgFleet {
+    config: postgres::Config,
+    client: Option<Client>,
+}
+
+fn unavailable(e: postgres::Error) -> FleetError {
+    FleetError::Unavailable(e.to_string())
+}
+
+impl PgFleet {
+    /// Connect (and migrate). `url` is a libpq-style URL or key=value string.
+    pub fn open(url: &str) -> Result<PgFleet, FleetError> {
+        let mut config: postgres::Config = url
+            .parse()
+            .map_err(|e| FleetError::Invalid(format!("store: not a PostgreSQL URL: {e}")))?;
+        config
+            .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
+            .tcp_user_timeout(Duration::from_millis(TCP_USER_TIMEOUT_MS))
+            .keepalives_idle(Duration::from_secs(5))
+            .options(&format!("-c statement_timeout={STATEMENT_TIMEOUT_MS}"))
+            .application_name("berth");
+        let mut s = PgFleet {
+            config,
+            client: None,
+        };
+        s.migrate()?;
+        Ok(s)
+    }
+
+    /// A second connection on the same database, for LISTEN (F3).
+    pub fn listener(&self) -> Result<Client, FleetError> {
+        let mut c = self.config.connect(NoTls).map_err(unavailable)?;
+        c.batch_execute(&format!("LISTEN {}", super::CHANNEL))
+            .map_err(unavailable)?;
+        Ok(c)
+    }
+
+    /// The connection, made again if the last one broke.
+    fn client(&mut self) -> Result<&mut Client, FleetError> {
+        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+            self.client = None;
+            self.client = Some(self.config.connect(NoTls).map_err(unavailable)?);
+        }
+        Ok(self.client.as_mut().expect("connected above"))
+    }
+
+    /// Run `f` on the connection; an error drops the connection so the next call
+    /// reconnects (a broken socket must not be reused).
+    fn with<T>(
+        &mut self,
+        f: impl FnOnce(&mut Client) -> Result<T, postgres::Error>,
+    ) -> Result<T, FleetError> {
+        let r = f(self.client()?);
+        if r.is_err() {
+            self.client = None;
+        }
+        r.map_err(unavailable)
+    }
+
+    fn migrate(&mut self) -> Result<(), FleetError> {
+        let supported = MIGRATIONS.len() as i64;
+        let found = self.with(|c| {
+            let mut tx = c.transaction()?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])?;
+            tx.batch_execute(
+                "CREATE TABLE IF NOT EXISTS berth_fleet_schema (version integer NOT NULL);
+                 INSERT INTO berth_fleet_schema SELECT 0
+                   WHERE NOT EXISTS (SELECT 1 FROM berth_fleet_schema);",
+            )?;
+            let found: i32 = tx
+                .query_one("SELECT version FROM berth_fleet_schema", &[])?
+                .get(0);
+            let found = i64::from(found);
+            if found < supported {
+                for m in &MIGRATIONS[found as usize..] {
+                    tx.batch_execute(m)?;
+                }
+                tx.execute(
+                    "UPDATE berth_fleet_schema SET version = $1",
+                    &[&(supported as i32)],
+                )?;
+            }
+            tx.commit()?;
+            Ok(found)
+        })?;
+        if found > supported {
+            return Err(FleetError::TooNew { found, supported });
+        }
+        Ok(())
+    }
+}
+
+fn to_fence(v: i64) -> u64 {
+    u64::try_from(v).unwrap_or(0)
+}
+
+impl FleetStore for PgFleet {
+    fn register(&mut self, host: &HostInfo) -> Result<i64, FleetError> {
+        let h = host.clone();
+        self.with(move |c| {
+            let row = c.query_one(
+                "SELECT berth_register($1, $2, $3)",
+                &[&h.host_id, &h.address, &h.version],
+            )?;
+            Ok(row.get(0))
+        })
+    }
+
+    fn heartbeat(&mut self, host_id: &str, gen: i64, load: &str) -> Result<bool, FleetError> {
+        check_load(load)?;
+        self.with(|c| {
+            let n = c.execute(
+                "UPDATE berth_hosts SET beat_at = clock_timestamp(), load = $3
+                  WHERE host_id = $1 AND gen = $2 AND alive",
+                &[&host_id, &gen, &load],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    fn declare_dead(&mut self, me: &str, lapse_ms: i64) -> Result<Vec<(String, i64)>, FleetError> {
+        self.with(|c| {
+            let rows = c.query(
+                "SELECT dead_host, dead_gen FROM berth_declare_dead($1, $2)",
+                &[&me, &lapse_ms],
+            )?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        })
+    }
+
+    fn claim(&mut self, cl: &Claim) -> Result<ClaimOutcome, FleetError> {
+        check_claim(cl)?;
+        let mut keys = cl.keys.clone();
+        keys.sort();
+        keys.dedup();
+        let (scope, harness, limit) = match &cl.token {
+            Some(t) => (
+                Some(t.scope.as_str()),
+                Some(t.harness.as_str()),
+                t.limit as i32,
+            ),
+            None => (None, None, 0),
+        };
+        let row = self.with(|c| {
+            c.query_one(
+                "SELECT outcome, fence, detail FROM berth_claim($1, $2, $3, $4, $5, $6, $7)",
+                &[
+                    &cl.run_id,
+                    &cl.host_id,
+                    &cl.gen,
+                    &scope,
+                    &harness,
+                    &limit,
+                    &keys,
+                ],
+            )
+        })?;
+        let outcome: String = row.get(0);
+        let fence: i64 = row.get(1);
+        let detail: String = row.get(2);
+        super::outcome(&outcome, to_fence(fence), &detail)
+    }
+
+    fn end(
+        &mut self,
+        run_id: &str,
+        host_id: &str,
+        gen: i64,
+        how: Ending,
+    ) -> Result<bool, FleetError> {
+        let lapsed = how == Ending::Lapsed;
+        self.with(|c| {
+            let row = c.query_one(
+                "SELECT berth_end($1, $2, $3, $4)",
+                &[&run_id, &host_id, &gen, &lapsed],
+            )?;
+            Ok(row.get(0))
+        })
+    }
+
+    fn thread_owner(
+        &mut self,
+        thread_key: &str,
+        owner_gen: u64,
+        owner_fence: u64,
+        run_id: &str,
+        host_id: &str,
+    ) -> Result<bool, FleetError> {
+        let (g, f) = (owner_gen as i64, owner_fence as i64);
+        self.with(|c| {
+            let n = c.execute(
+                "INSERT INTO berth_threads VALUES ($1, $2, $3, $4, $5, true)
+                 ON CONFLICT (thread_key) DO UPDATE SET owner_gen = excluded.owner_gen,
+                   owner_fence = excluded.owner_fence, run_id = excluded.run_id,
+                   host_id = excluded.host_id, live = true
+                 WHERE (berth_threads.owner_gen, berth_threads.owner_fence)
+                    <= (excluded.owner_gen, excluded.owner_fence)",
+                &[&thread_key, &g, &f, &run_id, &host_id],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    fn fence(&mut self, run_id: &str) -> Result<Option<FleetFence>, FleetError> {
+        self.with(|c| {
+            let row = c.query_opt(
+                "SELECT r.fence, r.host_id, r.gen, coalesce(h.alive AND h.gen = r.gen, false)
+                   FROM berth_runs r LEFT JOIN berth_hosts h ON h.host_id = r.host_id
+                  WHERE r.run_id = $1",
+                &[&run_id],
+            )?;
+            Ok(row.map(|r| FleetFence {
+                fence: to_fence(r.get(0)),
+                host_id: r.get(1),
+                gen: r.get(2),
+                host_alive: r.get(3),
+            }))
+        })
+    }
+
+    fn hosts(&mut self) -> Result<Vec<HostRow>, FleetError> {
+        self.with(|c| {
+            let rows = c.query(
+                "SELECT host_id, gen, address, version, load, alive,
+                        (extract(epoch FROM clock_timestamp() - beat_at) * 1000)::bigint,
+                        declared_by
+                   FROM berth_hosts ORDER BY alive DESC, host_id LIMIT $1",
+                &[&HOSTS_MAX],
+            )?;
+            Ok(rows
+                .iter()
+                .map(|r| HostRow {
+                    host_id: r.get(0),
+                    gen: r.get(1),
+                    address: r.get(2),
+                    version: r.get(3),
+                    load: r.get(4),
+                    alive: r.get(5),
+                    beat_age_ms: r.get(6),
+                    declared_by: r.get(7),
+                })
+                .collect())
+        })
+    }
+
+    fn tokens(&mut self, scope: &str) -> Result<Vec<TokenRow>, FleetError> {
+        self.with(|c| {
+            let rows = c.query(
+                "SELECT scope, harness, owner, host_id, lapsed FROM berth_tokens
+                  WHERE scope = $1 ORDER BY owner",
+                &[&scope],
+            )?;
+            Ok(rows
+                .iter()
+                .map(|r| TokenRow {
+                    scope: r.get(0),
+                    harness: r.get(1),
+                    owner: r.get(2),
+                    host_id: r.get(3),
+                    lapsed: r.get(4),
+                })
+                .collect())
+        })
+    }
+
+    fn reconcile(&mut self, scope: &str, owner: &str) -> Result<bool, FleetError> {
+        self.with(|c| {
+            let row = c.query_one("SELECT berth_reconcile($1, $2)", &[&scope, &owner])?;
+            Ok(row.get(0))
+        })
+    }
+
+    fn declarations(&mut self, host_id: &str) -> Result<Vec<(i64, String)>, FleetError> {
+        self.with(|c| {
+            let rows = c.query(
+                "SELECT gen, declared_by FROM berth_dead WHERE host_id = $1 ORDER BY gen",
+                &[&host_id],
+            )?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        })
+    }
+}

@@ -1,0 +1,432 @@
+//! The SQLite fleet store: the same rules as [`super::PgFleet`] in one file that the
+//! daemons of one machine can share (`BEGIN IMMEDIATE` serialises them). It has no
+//! LISTEN/NOTIFY, so its waiters rely on the periodic re-check alone.
+
+use std::time::Duration;
+
+use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
+
+use super::{
+    check_claim, check_load, Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetStore,
+    HostInfo, HostRow, TokenRow, HOSTS_MAX,
+};
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS fence_seq (id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL);
+INSERT OR IGNORE INTO fence_seq VALUES (1, 0);
+CREATE TABLE IF NOT EXISTS hosts (host_id TEXT PRIMARY KEY, gen INTEGER NOT NULL,
+  address TEXT NOT NULL, version TEXT NOT NULL, load TEXT NOT NULL DEFAULT '{}',
+  beat_at INTEGER NOT NULL, alive INTEGER NOT NULL, declared_by TEXT);
+CREATE TABLE IF NOT EXISTS dead (host_id TEXT NOT NULL, gen INTEGER NOT NULL,
+  declared_by TEXT NOT NULL, declared_at INTEGER NOT NULL, PRIMARY KEY (host_id, gen));
+CREATE TABLE IF NOT EXISTS runs (run_id TEXT PRIMARY KEY, host_id TEXT NOT NULL,
+  gen INTEGER NOT NULL, fence INTEGER NOT NULL UNIQUE);
+CREATE TABLE IF NOT EXISTS harness (scope TEXT NOT NULL, harness TEXT NOT NULL,
+  lim INTEGER NOT NULL, held INTEGER NOT NULL, PRIMARY KEY (scope, harness),
+  CHECK (held >= 0 AND held <= lim));
+CREATE TABLE IF NOT EXISTS tokens (scope TEXT NOT NULL, owner TEXT NOT NULL,
+  harness TEXT NOT NULL, host_id TEXT NOT NULL, gen INTEGER NOT NULL,
+  lapsed INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (scope, owner));
+CREATE TABLE IF NOT EXISTS keys (key TEXT PRIMARY KEY, run_id TEXT NOT NULL,
+  host_id TEXT NOT NULL, gen INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS threads (thread_key TEXT PRIMARY KEY, owner_gen INTEGER NOT NULL,
+  owner_fence INTEGER NOT NULL, run_id TEXT NOT NULL, host_id TEXT NOT NULL,
+  live INTEGER NOT NULL);
+";
+/// The schema version this build writes (`user_version`).
+const VERSION: i64 = 1;
+/// The store's clock, in milliseconds (one clock for every host sharing the file).
+const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
+
+pub struct SqliteFleet {
+    conn: Connection,
+}
+
+fn err(e: rusqlite::Error) -> FleetError {
+    FleetError::Unavailable(e.to_string())
+}
+
+type Tx<'a> = rusqlite::Transaction<'a>;
+
+impl SqliteFleet {
+    pub fn open(path: &str) -> Result<SqliteFleet, FleetError> {
+        let conn = Connection::open(path).map_err(err)?;
+        conn.busy_timeout(Duration::from_secs(5)).map_err(err)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(err)?;
+        conn.pragma_update(None, "synchronous", "FULL")
+            .map_err(err)?;
+        let found: i64 = conn
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .map_err(err)?;
+        if found > VERSION {
+            return Err(FleetError::TooNew {
+                found,
+                supported: VERSION,
+            });
+        }
+        conn.execute_batch(SCHEMA).map_err(err)?;
+        conn.pragma_update(None, "user_version", VERSION)
+            .map_err(err)?;
+        Ok(SqliteFleet { conn })
+    }
+
+    fn tx<T>(&mut self, f: impl FnOnce(&Tx) -> rusqlite::Result<T>) -> Result<T, FleetError> {
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(err)?;
+        let v = f(&tx).map_err(err)?;
+        tx.commit().map_err(err)?;
+        Ok(v)
+    }
+}
+
+/// The claim's writes; `Err(word, detail)` refuses it (the caller rolls back).
+fn take(tx: &Tx, c: &Claim, keys: &[String]) -> rusqlite::Result<Result<u64, (String, String)>> {
+    let fence: i64 = tx.query_row(
+        "UPDATE fence_seq SET last = last + 1 RETURNING last",
+        [],
+        |r| r.get(0),
+    )?;
+    tx.execute(
+        "INSERT INTO runs VALUES (?1, ?2, ?3, ?4)",
+        params![c.run_id, c.host_id, c.gen, fence],
+    )?;
+    if let Some(t) = &c.token {
+        tx.execute(
+            "INSERT OR IGNORE INTO harness VALUES (?1, ?2, ?3, 0)",
+            params![t.scope, t.harness, t.limit],
+        )?;
+        let n = tx.execute(
+            "UPDATE harness SET held = held + 1
+              WHERE scope = ?1 AND harness = ?2 AND lim = ?3 AND held < lim",
+            params![t.scope, t.harness, t.limit],
+        )?;
+        if n == 0 {
+            let (lim, held): (i64, i64) = tx.query_row(
+                "SELECT lim, held FROM harness WHERE scope = ?1 AND harness = ?2",
+                params![t.scope, t.harness],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            return Ok(Err(if lim != i64::from(t.limit) {
+                ("budget_conflict".into(), lim.to_string())
+            } else {
+                ("budget_full".into(), format!("{held}/{lim}"))
+            }));
+        }
+        let n = tx.execute(
+            "INSERT OR IGNORE INTO tokens VALUES (?1, ?2, ?3, ?4, ?5, 0)",
+            params![t.scope, c.run_id, t.harness, c.host_id, c.gen],
+        )?;
+        if n == 0 {
+            return Ok(Err(("token_lapsed".into(), t.scope.clone())));
+        }
+    }
+    for k in keys {
+        let n = tx.execute(
+            "INSERT OR IGNORE INTO keys VALUES (?1, ?2, ?3, ?4)",
+            params![k, c.run_id, c.host_id, c.gen],
+        )?;
+        if n == 0 {
+            let holder: String =
+                tx.query_row("SELECT run_id FROM keys WHERE key = ?1", [k], |r| r.get(0))?;
+            return Ok(Err(("key_held".into(), format!("{k}\t{holder}"))));
+        }
+    }
+    Ok(Ok(u64::try_from(fence).unwrap_or(0)))
+}
+
+impl FleetStore for SqliteFleet {
+    fn register(&mut self, host: &HostInfo) -> Result<i64, FleetError> {
+        self.tx(|tx| {
+            let old: Option<(i64, bool)> = tx
+                .query_row(
+                    "SELECT gen, alive FROM hosts WHERE host_id = ?1",
+                    [&host.host_id],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()?;
+            let gen = old.map_or(1, |(g, _)| g + 1);
+            tx.execute(
+                &format!(
+                    "INSERT INTO hosts VALUES (?1, ?2, ?3, ?4, '{{}}', {NOW}, 1, NULL)
+                     ON CONFLICT (host_id) DO UPDATE SET gen = ?2, address = ?3,
+                       version = ?4, beat_at = {NOW}, alive = 1, declared_by = NULL"
+                ),
+                params![host.host_id, gen, host.address, host.version],
+            )?;
+            match old {
+                Some((g, true)) => {
+                    for t in ["runs", "keys"] {
+                        tx.execute(
+                            &format!("UPDATE {t} SET gen = ?1 WHERE host_id = ?2 AND gen = ?3"),
+                            params![gen, host.host_id, g],
+                        )?;
+                    }
+                    tx.execute(
+                        "UPDATE tokens SET gen = ?1 WHERE host_id = ?2 AND gen = ?3 AND NOT lapsed",
+                        params![gen, host.host_id, g],
+                    )?;
+                }
+                Some((_, false)) => {
+                    tx.execute(
+                        "DELETE FROM runs WHERE host_id = ?1 AND gen < ?2",
+                        params![host.host_id, gen],
+                    )?;
+                }
+                None => {}
+            }
+            Ok(gen)
+        })
+    }
+
+    fn heartbeat(&mut self, host_id: &str, gen: i64, load: &str) -> Result<bool, FleetError> {
+        check_load(load)?;
+        self.tx(|tx| {
+            let n = tx.execute(
+                &format!(
+                    "UPDATE hosts SET beat_at = {NOW}, load = ?3
+                      WHERE host_id = ?1 AND gen = ?2 AND alive"
+                ),
+                params![host_id, gen, load],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    fn declare_dead(&mut self, me: &str, lapse_ms: i64) -> Result<Vec<(String, i64)>, FleetError> {
+        self.tx(|tx| {
+            let alive: Option<bool> = tx
+                .query_row("SELECT alive FROM hosts WHERE host_id = ?1", [me], |r| {
+                    r.get(0)
+                })
+                .optional()?;
+            if alive != Some(true) {
+                return Ok(Vec::new());
+            }
+            let dead: Vec<(String, i64)> = tx
+                .prepare(&format!(
+                    "UPDATE hosts SET alive = 0, declared_by = ?1
+                      WHERE alive AND host_id <> ?1 AND beat_at < {NOW} - ?2
+                      RETURNING host_id, gen"
+                ))?
+                .query_map(params![me, lapse_ms], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect::<Result<_, _>>()?;
+            for (h, g) in &dead {
+                tx.execute(
+                    &format!("INSERT INTO dead VALUES (?1, ?2, ?3, {NOW})"),
+                    params![h, g, me],
+                )?;
+                tx.execute("DELETE FROM keys WHERE host_id = ?1", [h])?;
+                tx.execute(
+                    "UPDATE tokens SET lapsed = 1 WHERE host_id = ?1 AND NOT lapsed",
+                    [h],
+                )?;
+                tx.execute("UPDATE threads SET live = 0 WHERE host_id = ?1", [h])?;
+            }
+            Ok(dead)
+        })
+    }
+
+    fn claim(&mut self, c: &Claim) -> Result<ClaimOutcome, FleetError> {
+        check_claim(c)?;
+        let mut keys = c.keys.clone();
+        keys.sort();
+        keys.dedup();
+        let tx = self
+            .conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .map_err(err)?;
+        let alive: bool = tx
+            .query_row(
+                "SELECT count(*) FROM hosts WHERE host_id = ?1 AND gen = ?2 AND alive",
+                params![c.host_id, c.gen],
+                |r| r.get(0),
+            )
+            .map_err(err)?;
+        if !alive {
+            return Ok(ClaimOutcome::HostDead);
+        }
+        let held: Option<(String, i64, i64)> = tx
+            .query_row(
+                "SELECT host_id, gen, fence FROM runs WHERE run_id = ?1",
+                [&c.run_id],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()
+            .map_err(err)?;
+        if let Some((h, g, f)) = held {
+            return Ok(if h == c.host_id && g == c.gen {
+                ClaimOutcome::Taken {
+                    fence: u64::try_from(f).unwrap_or(0),
+                }
+            } else {
+                ClaimOutcome::RunIdTaken { host_id: h }
+            });
+        }
+        match take(&tx, c, &keys).map_err(err)? {
+            Ok(fence) => {
+                tx.commit().map_err(err)?;
+                Ok(ClaimOutcome::Taken { fence })
+            }
+            // Dropping the transaction rolls the claim's writes back.
+            Err((word, detail)) => super::outcome(&word, 0, &detail),
+        }
+    }
+
+    fn end(
+        &mut self,
+        run_id: &str,
+        host_id: &str,
+        gen: i64,
+        how: Ending,
+    ) -> Result<bool, FleetError> {
+        self.tx(|tx| {
+            let n = tx.execute(
+                "DELETE FROM runs WHERE run_id = ?1 AND host_id = ?2 AND gen = ?3",
+                params![run_id, host_id, gen],
+            )?;
+            if n == 0 {
+                return Ok(false);
+            }
+            tx.execute(
+                "DELETE FROM keys WHERE run_id = ?1 AND host_id = ?2 AND gen = ?3",
+                params![run_id, host_id, gen],
+            )?;
+            if how == Ending::Lapsed {
+                tx.execute(
+                    "UPDATE tokens SET lapsed = 1 WHERE owner = ?1 AND host_id = ?2 AND gen = ?3",
+                    params![run_id, host_id, gen],
+                )?;
+            } else {
+                let freed: Vec<(String, String)> = tx
+                    .prepare(
+                        "DELETE FROM tokens WHERE owner = ?1 AND host_id = ?2 AND gen = ?3
+                           AND NOT lapsed RETURNING scope, harness",
+                    )?
+                    .query_map(params![run_id, host_id, gen], |r| {
+                        Ok((r.get(0)?, r.get(1)?))
+                    })?
+                    .collect::<Result<_, _>>()?;
+                for (s, h) in freed {
+                    tx.execute(
+                        "UPDATE harness SET held = held - 1 WHERE scope = ?1 AND harness = ?2",
+                        params![s, h],
+                    )?;
+                }
+            }
+            Ok(true)
+        })
+    }
+
+    fn thread_owner(
+        &mut self,
+        thread_key: &str,
+        owner_gen: u64,
+        owner_fence: u64,
+        run_id: &str,
+        host_id: &str,
+    ) -> Result<bool, FleetError> {
+        let (g, f) = (owner_gen as i64, owner_fence as i64);
+        self.tx(|tx| {
+            let n = tx.execute(
+                "INSERT INTO threads VALUES (?1, ?2, ?3, ?4, ?5, 1)
+                 ON CONFLICT (thread_key) DO UPDATE SET owner_gen = excluded.owner_gen,
+                   owner_fence = excluded.owner_fence, run_id = excluded.run_id,
+                   host_id = excluded.host_id, live = 1
+                 WHERE (threads.owner_gen, threads.owner_fence)
+                    <= (excluded.owner_gen, excluded.owner_fence)",
+                params![thread_key, g, f, run_id, host_id],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
+    fn fence(&mut self, run_id: &str) -> Result<Option<FleetFence>, FleetError> {
+        self.tx(|tx| {
+            tx.query_row(
+                "SELECT r.fence, r.host_id, r.gen, coalesce(h.alive AND h.gen = r.gen, 0)
+                   FROM runs r LEFT JOIN hosts h ON h.host_id = r.host_id
+                  WHERE r.run_id = ?1",
+                [run_id],
+                |r| {
+                    Ok(FleetFence {
+                        fence: u64::try_from(r.get::<_, i64>(0)?).unwrap_or(0),
+                        host_id: r.get(1)?,
+                        gen: r.get(2)?,
+                        host_alive: r.get(3)?,
+                    })
+                },
+            )
+            .optional()
+        })
+    }
+
+    fn hosts(&mut self) -> Result<Vec<HostRow>, FleetError> {
+        self.tx(|tx| {
+            tx.prepare(&format!(
+                "SELECT host_id, gen, address, version, load, alive, {NOW} - beat_at, declared_by
+                   FROM hosts ORDER BY alive DESC, host_id LIMIT ?1"
+            ))?
+            .query_map([HOSTS_MAX], |r| {
+                Ok(HostRow {
+                    host_id: r.get(0)?,
+                    gen: r.get(1)?,
+                    address: r.get(2)?,
+                    version: r.get(3)?,
+                    load: r.get(4)?,
+                    alive: r.get(5)?,
+                    beat_age_ms: r.get(6)?,
+                    declared_by: r.get(7)?,
+                })
+            })?
+            .collect()
+        })
+    }
+
+    fn tokens(&mut self, scope: &str) -> Result<Vec<TokenRow>, FleetError> {
+        self.tx(|tx| {
+            tx.prepare(
+                "SELECT scope, harness, owner, host_id, lapsed FROM tokens
+                  WHERE scope = ?1 ORDER BY owner",
+            )?
+            .query_map([scope], |r| {
+                Ok(TokenRow {
+                    scope: r.get(0)?,
+                    harness: r.get(1)?,
+                    owner: r.get(2)?,
+                    host_id: r.get(3)?,
+                    lapsed: r.get(4)?,
+                })
+            })?
+            .collect()
+        })
+    }
+
+    fn reconcile(&mut self, scope: &str, owner: &str) -> Result<bool, FleetError> {
+        self.tx(|tx| {
+            let h: Option<String> = tx
+                .query_row(
+                    "DELETE FROM tokens WHERE scope = ?1 AND owner = ?2 AND lapsed RETURNING harness",
+                    params![scope, owner],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            let Some(h) = h else { return Ok(false) };
+            tx.execute(
+                "UPDATE harness SET held = held - 1 WHERE scope = ?1 AND harness = ?2",
+                params![scope, h],
+            )?;
+            Ok(true)
+        })
+    }
+
+    fn declarations(&mut self, host_id: &str) -> Result<Vec<(i64, String)>, FleetError> {
+        self.tx(|tx| {
+            tx.prepare("SELECT gen, declared_by FROM dead WHERE host_id = ?1 ORDER BY gen")?
+                .query_map([host_id], |r| Ok((r.get(0)?, r.get(1)?)))?
+                .collect()
+        })
+    }
+}
