@@ -24,7 +24,24 @@ if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ]; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; } ||
     echo "could not install ${missing[*]}: the node tests will say so" >&2
 fi
-cargo test --workspace --locked
+# Fleet mode's tests need a real PostgreSQL server: pg_virtualenv (Debian's
+# postgresql-common) makes a throwaway cluster, runs the command with PGHOST, PGPORT,
+# PGUSER and PGPASSWORD set, and drops the cluster after. A server the caller already
+# names in PGHOST is used as it is.
+if ! command -v pg_virtualenv >/dev/null || ! ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql postgresql-common >/dev/null; } ||
+      echo "could not install postgresql: the fleet tests will say so" >&2
+  fi
+fi
+with_pg() {
+  if [ -n "${PGHOST:-}" ] || ! command -v pg_virtualenv >/dev/null; then
+    "$@"
+  else
+    pg_virtualenv "$@"
+  fi
+}
+with_pg cargo test --workspace --locked
 # Both node suites start the binary cargo just built, each on a free port with a fresh
 # state dir. Packages come from the lockfiles only (npm ci); no generator runs.
 if command -v node >/dev/null && command -v npm >/dev/null &&

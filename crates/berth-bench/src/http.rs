@@ -49,6 +49,7 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
         retain_ended_for_ms: berth_server::RETAIN_ENDED_FOR_MS_DEFAULT,
         port_range: berth_server::PORT_RANGE_DEFAULT,
         threads: Default::default(),
+        fleet: None,
     }
 }
 

@@ -70,6 +70,9 @@ pub enum Command {
         request_id: String,
         mode: crate::scopes::Mode,
     },
+    /// F1: the fleet store holds this queued run's fleet-wide claim; `fence` is the one
+    /// the fleet's sequence gave it, and the run's grant will carry it.
+    Permit { run_id: String, fence: Fence },
 }
 
 /// Refusals. Each is a value with a stable code; none changes state.
@@ -202,6 +205,12 @@ impl fmt::Display for Error {
 /// the ones that ask for action (`StopRequested`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Event {
+    /// F1: this waiter could be granted but for its fleet-wide claim: the caller takes
+    /// it from the fleet store and answers with `Command::Permit` (asked once per run;
+    /// while the claim is refused the caller retries on its own wake-ups).
+    PermitWanted {
+        run_id: String,
+    },
     Queued {
         run_id: String,
         position: u64,
@@ -293,6 +302,7 @@ pub enum Event {
 impl fmt::Display for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            Event::PermitWanted { run_id } => write!(f, "permit? {run_id}"),
             Event::Queued { run_id, position } => write!(f, "queued {run_id} pos={position}"),
             Event::Granted {
                 run_id,

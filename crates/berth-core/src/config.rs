@@ -51,6 +51,10 @@ pub struct Config {
     /// The request a run gets when it names no resources; also the "minimum-size run"
     /// that `status` reports the host can or cannot take (A12).
     pub default_request: Resources,
+    /// F1 fleet mode: a run is granted only once its fleet-wide claim (run id, fence,
+    /// budget token, fleet keys) is held; the caller takes it from the fleet store when
+    /// the engine asks (`Event::PermitWanted`) and hands it in (`Command::Permit`).
+    pub fleet: bool,
 }
 
 impl Config {
@@ -82,6 +86,7 @@ impl Config {
                 disk: 10 * GIB,
                 named: Default::default(),
             },
+            fleet: false,
         }
     }
 

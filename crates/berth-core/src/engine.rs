@@ -28,6 +28,19 @@ pub const PORTS_MAX: usize = 64;
 pub(crate) type KeyId = u32;
 type ProjectId = u32;
 
+/// A singleton whose name starts with this is fleet-wide (F1): the fleet store holds it
+/// as key NAME besides this host's own exclusion.
+pub const FLEET_SINGLETON_PREFIX: &str = "fleet:";
+
+/// What [`Engine::fleet_needs`] answers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetNeeds {
+    /// (scope, harness, limit)
+    pub token: Option<(String, String, u32)>,
+    pub keys: Vec<String>,
+    pub state: RunState,
+}
+
 #[derive(Clone, Debug)]
 pub(crate) struct Run {
     pub(crate) req: Request,
@@ -49,6 +62,10 @@ pub(crate) struct Run {
     /// C4: waiting to hold this (runtime) key exclusively; holds nothing on it meanwhile.
     pub(crate) upgrade: Option<KeyId>,
     pub(crate) pending_mem: bool,
+    /// F1: the fence of the fleet-wide claim the fleet store holds for this run, and
+    /// whether the caller was asked for one (once per run and restart).
+    pub(crate) permit: Option<Fence>,
+    pub(crate) permit_asked: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -109,6 +126,8 @@ pub(crate) enum Blocker {
     Draining,
     /// B5 / the harness limit: the run's budget token cannot be taken now.
     Budget(Slot, Block),
+    /// F1: everything local fits; the fleet-wide claim is not held yet.
+    Permit,
 }
 
 #[derive(Clone, Debug)]
@@ -373,6 +392,8 @@ impl Engine {
             cause: r.cause,
             upgrade: None,
             pending_mem: pending,
+            permit: None,
+            permit_asked: false,
         }));
         self.by_id.insert(id, slot);
         self.project_mut(p).waiting += 1;
@@ -489,6 +510,7 @@ impl Engine {
                 request_id,
                 mode,
             } => self.scope_control(now, &scope, &request_id, mode, &mut ev),
+            Command::Permit { run_id, fence } => self.permit(&run_id, fence),
         };
         // Every command ends with a bounded admission pass: whatever it changed may let
         // someone in, and passes on ticks rotate the window through a deep queue (A6).
@@ -920,6 +942,8 @@ impl Engine {
             cause: None,
             upgrade: None,
             pending_mem: false,
+            permit: None,
+            permit_asked: false,
         }));
         self.by_id.insert(run_id.clone(), slot);
         ev.push(Event::Queued {
@@ -1729,7 +1753,40 @@ impl Engine {
         if need > free {
             return Some(Blocker::Ambient { need, free });
         }
+        // Last: the fleet is asked only for a run that would otherwise be granted, so a
+        // fleet-wide token is not held while the run waits for local capacity.
+        if self.cfg.fleet && run.permit.is_none() {
+            return Some(Blocker::Permit);
+        }
         None
+    }
+
+    /// F1: ask the caller for this waiter's fleet-wide claim, once.
+    fn want_permit(&mut self, s: Slot, ev: &mut Vec<Event>) {
+        let run = self.run_mut(s);
+        if !run.permit_asked {
+            run.permit_asked = true;
+            let run_id = run.req.run_id.clone();
+            ev.push(Event::PermitWanted { run_id });
+        }
+    }
+
+    /// F1: the fleet store holds the queued run's claim; its grant will carry `fence`.
+    fn permit(&mut self, run_id: &str, fence: Fence) -> Result<Option<RunView>, Error> {
+        let Some(&s) = self.by_id.get(run_id) else {
+            return Err(Error::NotFound {
+                run_id: run_id.into(),
+            });
+        };
+        let run = self.run(s);
+        if !self.cfg.fleet || run.state != RunState::Queued || fence == 0 {
+            return Err(Error::Invalid {
+                field: "permit",
+                rule: format!("run {run_id} is not a queued run of a fleet host"),
+            });
+        }
+        self.run_mut(s).permit = Some(fence);
+        Ok(None)
     }
 
     /// Memory that the host really has for new grants (A2): stabilised MemAvailable less
@@ -1809,10 +1866,14 @@ impl Engine {
                 break; // A5: background only while no foreground run waits.
             }
             while let Some((_, h)) = self.queues[band].head() {
-                if self.blocker(h, true).is_some() {
-                    break;
+                match self.blocker(h, true) {
+                    None => self.grant(h, now, ev),
+                    Some(Blocker::Permit) => {
+                        self.want_permit(h, ev);
+                        break;
+                    }
+                    Some(_) => break,
                 }
-                self.grant(h, now, ev);
             }
             let Some((_, head)) = self.queues[band].head() else {
                 continue;
@@ -1836,8 +1897,12 @@ impl Engine {
                 if r.state != RunState::Queued || r.seq != seq {
                     continue;
                 }
-                if self.blocker(s, false).is_none() && (!guard || self.head_fits_after(head, s)) {
-                    self.grant(s, now, ev);
+                let blocker = self.blocker(s, false);
+                let fits = !guard || self.head_fits_after(head, s);
+                match blocker {
+                    None if fits => self.grant(s, now, ev),
+                    Some(Blocker::Permit) if fits => self.want_permit(s, ev),
+                    _ => {}
                 }
             }
         }
@@ -1884,8 +1949,10 @@ impl Engine {
         }
         self.unqueue(s);
         self.set_state(s, RunState::Granted);
-        let fence = self.last_fence + 1;
-        self.last_fence = fence;
+        // F1: a fleet host's fence comes from the fleet's one sequence (unique fleet-wide,
+        // not always above this host's last: another run's permit may have come first).
+        let fence = self.run(s).permit.unwrap_or(self.last_fence + 1);
+        self.last_fence = self.last_fence.max(fence);
         let settle = now.saturating_add(self.cfg.pending_settle_ms);
         let (keys, amounts) = {
             let r = self.run(s);
@@ -2111,6 +2178,12 @@ impl Engine {
                     ),
                 }
             }
+            Blocker::Permit => (
+                "fleet.claim".into(),
+                "waiting for its fleet-wide claim (run id, fence, budget token, fleet keys) \
+                 from the fleet store"
+                    .into(),
+            ),
             Blocker::Draining => (
                 "host.draining".into(),
                 "the host is draining: nothing new is granted until the drain ends".into(),
@@ -2197,6 +2270,29 @@ impl Engine {
     /// The run's budget, if it has one (cheap: nothing is cloned).
     pub fn budget_of(&self, run_id: &str) -> Option<&crate::scopes::Budget> {
         self.run(*self.by_id.get(run_id)?).req.budget.as_deref()
+    }
+
+    /// F1: what a run needs of the fleet besides its id and fence: its budget token
+    /// (scope, harness and the harness's limit as the scope froze it) and its
+    /// fleet-wide singletons (named `fleet:NAME`; the key is NAME).
+    pub fn fleet_needs(&self, run_id: &str) -> Option<FleetNeeds> {
+        let run = self.run(*self.by_id.get(run_id)?);
+        let token = run.req.budget.as_deref().and_then(|b| {
+            let limit = *self.scopes.get(&b.scope)?.policy.get(&b.harness)?;
+            Some((b.scope.clone(), b.harness.clone(), limit))
+        });
+        let keys = run
+            .req
+            .singletons
+            .iter()
+            .filter_map(|s| s.strip_prefix(FLEET_SINGLETON_PREFIX))
+            .map(str::to_owned)
+            .collect();
+        Some(FleetNeeds {
+            token,
+            keys,
+            state: run.state,
+        })
     }
 
     /// The run's fence, if it was ever granted (cheap: no view is built).

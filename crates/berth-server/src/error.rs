@@ -189,8 +189,20 @@ impl From<crate::daemon::Error> for ApiError {
                 ),
             )
             .with(json!({"drain": {"by": d.by, "at": d.at, "reason": d.reason}})),
+            Error::FleetUnavailable => fleet_unavailable("the fleet store cannot be reached"),
         }
     }
+}
+
+/// F1: the fleet store is away; this host refuses new fleet-wide claims (its local
+/// runs go on).
+pub fn fleet_unavailable(why: impl std::fmt::Display) -> ApiError {
+    ApiError::new(
+        503,
+        "store_unavailable",
+        format!("{why}: this host keeps serving its runs but takes no new fleet-wide claim until the fleet store is back"),
+    )
+    .with(json!({"store": "fleet"}))
 }
 
 impl From<CoreError> for ApiError {

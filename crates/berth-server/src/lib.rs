@@ -9,6 +9,7 @@ pub mod contract;
 pub mod daemon;
 pub mod error;
 pub mod failpoint;
+pub mod fleet;
 pub mod host;
 pub mod http;
 pub mod journal;
@@ -60,6 +61,8 @@ pub struct ServeConfig {
     pub port_range: (u16, u16),
     /// Agent threads' idle time, ttl and registration grace (G0, G1).
     pub threads: berth_core::threads::ThreadConfig,
+    /// Fleet mode (F1): the fleet store and this host's place in it.
+    pub fleet: Option<fleet::FleetConfig>,
 }
 
 /// Where runs' ports come from unless configured: a thousand ports below Linux's
@@ -278,7 +281,20 @@ fn spawn_state(
 ) -> anyhow::Result<(api::Api, tokio::sync::oneshot::Receiver<()>)> {
     let (tx, rx) = mpsc::channel(INBOX_MAX);
     st.host_mut().set_inbox(&tx);
+    let fleet = match &cfg.fleet {
+        Some(f) => {
+            let link = fleet::spawn(f.clone(), tx.downgrade())
+                .map_err(|e| anyhow::anyhow!("fleet store: {e}"))?;
+            // F2: stop runs holding fleet-wide claims before the lapse at which another
+            // host may take them: a quarter of the lapse (at least two heartbeats) early.
+            let early = (f.lapse_ms / 4).max(2 * f.beat_ms);
+            st.set_fleet(link.clone(), f.lapse_ms.saturating_sub(early), f.recheck_ms);
+            Some(link)
+        }
+        None => None,
+    };
     let api = api::Api {
+        fleet,
         tx,
         shared,
         auth: !cfg.insecure_no_auth,
@@ -517,6 +533,7 @@ mod tests {
             retain_ended_for_ms: RETAIN_ENDED_FOR_MS_DEFAULT,
             port_range: PORT_RANGE_DEFAULT,
             threads: Default::default(),
+            fleet: None,
         };
         let running = start(cfg).await.unwrap();
         assert!(base.is_dir(), "{} while serving", base.display());

@@ -114,6 +114,29 @@ pub struct ServeArgs {
     /// missing or empty (fences still continue above the fence marker).
     #[arg(long, env = "BERTH_INIT_LEDGER")]
     pub init_ledger: bool,
+    /// The longest lease a run may ask for (L4) [default: 24h]. In fleet mode a silent
+    /// host is declared dead this long plus --fleet-margin after its last heartbeat.
+    #[arg(long, env = "BERTH_TTL_MAX", value_parser = parse_duration)]
+    pub ttl_max: Option<u64>,
+    /// Fleet mode (F1): the fleet store, postgres://USER@HOST/DB (or a libpq
+    /// key=value string), or sqlite:PATH for daemons of one machine sharing a file.
+    /// The local ledger stays in the state dir.
+    #[arg(long, env = "BERTH_STORE")]
+    pub store: Option<String>,
+    /// Fleet mode: this host's id, unique in the fleet [default: the host name].
+    #[arg(long, env = "BERTH_HOST_ID")]
+    pub host_id: Option<String>,
+    /// Fleet mode: the URL other hosts and `berth fleet` show for this host [default:
+    /// http://LISTEN].
+    #[arg(long, env = "BERTH_ADVERTISE")]
+    pub advertise: Option<String>,
+    /// Fleet mode: heartbeat period [default: 1s].
+    #[arg(long, env = "BERTH_FLEET_BEAT", value_parser = parse_duration)]
+    pub fleet_beat: Option<u64>,
+    /// Fleet mode: how long past the longest lease a silent host is declared dead
+    /// [default: 30s].
+    #[arg(long, env = "BERTH_FLEET_MARGIN", value_parser = parse_duration)]
+    pub fleet_margin: Option<u64>,
 }
 
 /// `berth.toml`: the same keys as the flags, in snake case.
@@ -188,15 +211,23 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     let threads = thread_config(&a, &file)?;
     let mut c = engine_config(&a, &file, &state_dir)?;
     c.fit_default_request();
+    if let Some(ttl) = a.ttl_max {
+        c.ttl_ms_max = ttl;
+        c.ttl_ms_default = c.ttl_ms_default.min(ttl);
+    }
+    let listen = a
+        .listen
+        .or(file.listen)
+        .unwrap_or_else(|| "127.0.0.1:7420".parse().expect("addr"));
+    let fleet = fleet_config(&a, &c, listen)?;
+    c.fleet = fleet.is_some();
     if let Err(e) = c.validate() {
         bail!("configuration: {e}");
     }
     Ok(berth_server::ServeConfig {
+        fleet,
         state_dir,
-        listen: a
-            .listen
-            .or(file.listen)
-            .unwrap_or_else(|| "127.0.0.1:7420".parse().expect("addr")),
+        listen,
         insecure_no_auth: a.insecure_no_auth || file.insecure_no_auth.unwrap_or(false),
         engine: c,
         sample_memory: !(a.no_memory_sampling || file.no_memory_sampling.unwrap_or(false)),
@@ -236,6 +267,47 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             (None, None) => berth_server::PORT_RANGE_DEFAULT,
         },
     })
+}
+
+/// F1/F2: fleet mode's store, host id and timing, if `--store` names a store.
+fn fleet_config(
+    a: &ServeArgs,
+    c: &berth_core::Config,
+    listen: SocketAddr,
+) -> anyhow::Result<Option<berth_server::fleet::FleetConfig>> {
+    let Some(url) = a.store.clone() else {
+        return Ok(None);
+    };
+    let host_id = match &a.host_id {
+        Some(h) => h.clone(),
+        None => rustix::system::uname()
+            .nodename()
+            .to_string_lossy()
+            .into_owned(),
+    };
+    berth_core::validate::resource_name(&host_id).map_err(|e| anyhow!("--host-id: {e}"))?;
+    let beat_ms = a.fleet_beat.unwrap_or(1_000).max(10);
+    let margin_ms = a.fleet_margin.unwrap_or(30_000);
+    if margin_ms < 3 * beat_ms {
+        bail!(
+            "--fleet-margin must be at least three heartbeats ({} ms), got {margin_ms} ms",
+            3 * beat_ms
+        );
+    }
+    Ok(Some(berth_server::fleet::FleetConfig {
+        url,
+        host: berth_server::fleet::HostInfo {
+            host_id,
+            address: a
+                .advertise
+                .clone()
+                .unwrap_or_else(|| format!("http://{listen}")),
+            version: env!("CARGO_PKG_VERSION").into(),
+        },
+        beat_ms,
+        lapse_ms: c.ttl_ms_max.saturating_add(margin_ms),
+        recheck_ms: 2_000,
+    }))
 }
 
 /// G0/G1: the threads' idle time, ttl and grace: flags, then `berth.toml`, then defaults.

@@ -643,6 +643,7 @@ mod tests {
         // A daemon that is gone: routes that ask it answer 503, which is still routed.
         let (tx, _) = tokio::sync::mpsc::channel(1);
         Api {
+            fleet: None,
             tx,
             shared: Arc::default(),
             auth: false,

@@ -35,6 +35,8 @@ pub const LIST_MAX: usize = 10_000;
 
 #[derive(Clone)]
 pub struct Api {
+    /// Fleet mode (F1): the fleet thread, for fleet-wide questions.
+    pub fleet: Option<crate::fleet::Handle>,
     pub tx: mpsc::Sender<Msg>,
     pub shared: Arc<Shared>,
     pub auth: bool,

@@ -66,6 +66,16 @@ impl<H: Host> Daemon<H> {
                 reply,
             } => self.on_fence_check(run_id, fence, reply),
             Msg::Detach { run_id } => self.on_detach(run_id),
+            Msg::FleetClaimed {
+                run_id,
+                gen,
+                result,
+            } => self.on_fleet_claimed(run_id, gen, result),
+            Msg::FleetWake { payloads } => self.on_fleet_wake(payloads),
+            Msg::FleetGeneration { gen, resumed } => self.on_fleet_generation(gen, resumed),
+            Msg::FleetDeclared { host_id, gen } => {
+                tracing::debug!(host_id, gen, "fleet: declared dead by this host");
+            }
             Msg::Subscribe { run_id, reply } => self.on_subscribe(run_id, reply),
             Msg::RegisterProcess {
                 run_id,
@@ -125,6 +135,9 @@ impl<H: Host> Daemon<H> {
         // not new: it re-attaches).
         match (is_new, &self.th.drain) {
             (true, Some(d)) => Some(Error::Draining(d.clone())),
+            // F1: a new run's id and fence are fleet-wide claims; none is taken (or
+            // granted unrecorded) while the fleet store is away.
+            (true, None) if self.fleet.unavailable() => Some(Error::FleetUnavailable),
             _ => None,
         }
     }
@@ -441,6 +454,7 @@ impl<H: Host> Daemon<H> {
         }
         self.cancel_unclaimed(&mut touched);
         self.retry_due_cleanups(&mut touched);
+        self.fleet_tick(&mut touched);
         self.sweep_threads();
         self.tell_queue_moved();
         let (held, release) = super::release_due(self.held, self.extras.len(), now);

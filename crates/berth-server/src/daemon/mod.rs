@@ -13,6 +13,7 @@
 //! host, failed cleanups, stops and restarts.
 
 mod extra;
+mod fleet;
 mod handlers;
 mod host;
 mod journal;
@@ -97,6 +98,8 @@ pub enum Error {
     Thread(berth_core::threads::ThreadError),
     /// G4: the host drains; nothing new is admitted. Carries the drain's record.
     Draining(berth_store::DrainRecord),
+    /// F1: fleet mode, and the fleet store cannot be reached: no new fleet-wide claim.
+    FleetUnavailable,
 }
 
 impl From<CoreError> for Error {
@@ -233,6 +236,27 @@ pub enum Msg {
     Idle {
         reply: Reply<berth_client::wire::Idle>,
     },
+    /// F1: the fleet store's answer to a run's claim (from the fleet thread).
+    FleetClaimed {
+        run_id: String,
+        gen: i64,
+        result: crate::fleet::ClaimResult,
+    },
+    /// F3: fleet-wide claims came free (`token SCOPE/HARNESS`, `key NAME`).
+    FleetWake {
+        payloads: Vec<String>,
+    },
+    /// F2: this host registered under generation `gen`; `resumed` is false if its
+    /// previous generation had been declared dead.
+    FleetGeneration {
+        gen: i64,
+        resumed: bool,
+    },
+    /// F2: this host declared another host dead.
+    FleetDeclared {
+        host_id: String,
+        gen: i64,
+    },
     /// B1–B6: show, reserve, release, reconcile or control one scope.
     Scope {
         op: ScopeOp,
@@ -332,6 +356,8 @@ pub struct Daemon<H: Host> {
     held: Held,
     /// G0–G4: agent threads, their workspaces, the sweep and the drain.
     th: threads::ThreadState,
+    /// F1–F3: the fleet-wide claims of this host's runs (fleet mode only).
+    fleet: fleet::FleetState,
 }
 
 /// The runs the daemon holds (`extras`: live, queued and retained ended runs), as
@@ -637,8 +663,10 @@ impl<H: Host> Daemon<H> {
                 | Event::TokenFreed { .. }
                 | Event::TokenLapsed { .. }
                 | Event::ScopeControlled { .. } => self.on_scope_event(&ev),
+                Event::PermitWanted { run_id } => self.on_permit_wanted(run_id),
                 Event::Ended { run_id, state } => {
                     tracing::debug!(run_id, state = state.as_str(), "ended");
+                    self.on_fleet_ended(run_id, *state);
                     self.cleanup_retry.remove(run_id);
                     if let Some(e) = self.extras.get_mut(run_id) {
                         e.survivors.clear();
@@ -819,9 +847,15 @@ impl<H: Host> Daemon<H> {
         let fatal = self.fatal.clone();
         let stops = std::mem::take(&mut self.pending_stops);
         let sink = (!stops.is_empty()).then(|| self.host.stop_sink());
+        // F1: a run's fleet-wide claim ends only once its ending is durable here.
+        let fleet_jobs = self.fleet.take_pending();
+        let fleet = self.fleet.link.clone().filter(|_| !fleet_jobs.is_empty());
         self.writer.submit(Some(batch), move |res| {
             if let (Ok(()), Some(sink)) = (&res, sink) {
                 stops.into_iter().for_each(|o| sink(o));
+            }
+            if let (Ok(()), Some(fleet)) = (&res, fleet) {
+                fleet_jobs.into_iter().for_each(|j| fleet.send(j));
             }
             if granted {
                 crate::failpoint::hit("grant-committed");
@@ -1024,6 +1058,7 @@ fn event_run(ev: &Event) -> Option<&str> {
         | Event::UpgradeQueued { run_id, .. }
         | Event::UpgradeGranted { run_id, .. } => Some(run_id),
         Event::Promoted { .. }
+        | Event::PermitWanted { .. }
         | Event::EvidenceInvalidated { .. }
         | Event::MemoryStabilized { .. }
         | Event::ScopeFrozen { .. }

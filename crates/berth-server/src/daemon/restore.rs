@@ -231,6 +231,7 @@ impl<H: Host> Daemon<H> {
             queue_moves_told: (0, 0),
             held: Held::default(),
             th,
+            fleet: super::fleet::FleetState::default(),
         })
     }
 }

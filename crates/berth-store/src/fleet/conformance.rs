@@ -48,6 +48,7 @@ fn host(s: &mut dyn FleetStore, id: &str) -> i64 {
         version: "test".into(),
     })
     .unwrap()
+    .0
 }
 
 fn claim(run: &str, host: &str, gen: i64, token: Option<(&str, u32)>, keys: &[&str]) -> Claim {
@@ -237,8 +238,17 @@ fn a_dead_host_is_declared_exactly_once(open: Open) {
     assert!(s.declare_dead("b", 0).unwrap().is_empty());
     // Coming back, it re-registers and finds nothing of its old claims but the lapsed
     // token, which only an operator frees.
-    let b2 = host(&mut *s, "b");
-    assert!(b2 > b);
+    let (b2, resumed) = s
+        .register(&HostInfo {
+            host_id: "b".into(),
+            address: "http://b".into(),
+            version: "test".into(),
+        })
+        .unwrap();
+    assert!(
+        b2 > b && !resumed,
+        "a dead host comes back as a new generation, empty"
+    );
     assert_eq!(s.fence("rb").unwrap(), None);
     assert!(!s.end("rb", "b", b2, Ending::Released).unwrap());
     assert!(s.tokens("exp").unwrap()[0].lapsed);
@@ -263,7 +273,14 @@ fn a_restart_keeps_its_claims(open: Open) {
         s.claim(&claim("r1", "a", a, Some(("h", 1)), &["db"]))
             .unwrap(),
     );
-    let a2 = host(&mut *s, "a");
+    let (a2, resumed) = s
+        .register(&HostInfo {
+            host_id: "a".into(),
+            address: "http://a".into(),
+            version: "test".into(),
+        })
+        .unwrap();
+    assert!(resumed, "a restart nobody declared dead keeps its claims");
     assert_eq!(
         fence(
             s.claim(&claim("r1", "a", a2, Some(("h", 1)), &["db"]))

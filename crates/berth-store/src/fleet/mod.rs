@@ -18,7 +18,7 @@ pub mod conformance;
 mod pg;
 mod sqlite;
 
-pub use pg::PgFleet;
+pub use pg::{PgFleet, PgListener};
 pub use sqlite::SqliteFleet;
 
 /// Limits on what a fleet caller may send, checked before any SQL runs.
@@ -139,10 +139,12 @@ pub struct TokenRow {
 /// The fleet-wide store. Methods are blocking; the server drives one from a thread of
 /// its own, as it drives the local ledger from the writer thread.
 pub trait FleetStore: Send {
-    /// Register (or re-register) a host under a new generation, which is returned.
-    /// Rows of its older generations that no rule keeps are removed; lapsed budget
-    /// tokens stay (B3: only an operator's reconcile frees them).
-    fn register(&mut self, host: &HostInfo) -> Result<i64, FleetError>;
+    /// Register (or re-register) a host under a new generation. Returns it, and whether
+    /// the host's claims carried over: true for a new host or one whose last generation
+    /// was alive (a restart nobody declared dead); false if it had been declared dead,
+    /// in which case its runs' rows are gone (their fences stay refused) and only its
+    /// lapsed budget tokens remain (B3: only an operator's reconcile frees them).
+    fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError>;
     /// Heartbeat with the host's load; false if this generation was declared dead.
     fn heartbeat(&mut self, host_id: &str, gen: i64, load: &str) -> Result<bool, FleetError>;
     /// Declare dead every other live host whose heartbeat is older than `lapse_ms`, each

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, NoTls};
 
 use super::{
@@ -57,11 +58,11 @@ impl PgFleet {
     }
 
     /// A second connection on the same database, for LISTEN (F3).
-    pub fn listener(&self) -> Result<Client, FleetError> {
-        let mut c = self.config.connect(NoTls).map_err(unavailable)?;
-        c.batch_execute(&format!("LISTEN {}", super::CHANNEL))
-            .map_err(unavailable)?;
-        Ok(c)
+    pub fn listener(&self) -> PgListener {
+        PgListener {
+            config: self.config.clone(),
+            client: None,
+        }
     }
 
     /// The connection, made again if the last one broke.
@@ -124,14 +125,14 @@ fn to_fence(v: i64) -> u64 {
 }
 
 impl FleetStore for PgFleet {
-    fn register(&mut self, host: &HostInfo) -> Result<i64, FleetError> {
+    fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError> {
         let h = host.clone();
         self.with(move |c| {
             let row = c.query_one(
-                "SELECT berth_register($1, $2, $3)",
+                "SELECT new_gen, resumed FROM berth_register($1, $2, $3)",
                 &[&h.host_id, &h.address, &h.version],
             )?;
-            Ok(row.get(0))
+            Ok((row.get(0), row.get(1)))
         })
     }
 
@@ -307,5 +308,51 @@ impl FleetStore for PgFleet {
             )?;
             Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
         })
+    }
+}
+
+/// F3: the wake-ups other hosts send when a fleet-wide claim frees (a token, a key),
+/// on a connection of their own. It reconnects (and listens again) after an error;
+/// notifications sent while it was away are lost, which is what the daemon's slow
+/// periodic re-check is for.
+pub struct PgListener {
+    config: postgres::Config,
+    client: Option<Client>,
+}
+
+impl PgListener {
+    /// Payloads received within `timeout` (empty if none came).
+    pub fn wait(&mut self, timeout: Duration) -> Result<Vec<String>, FleetError> {
+        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+            let mut c = self.config.connect(NoTls).map_err(unavailable)?;
+            c.batch_execute(&format!("LISTEN {}", super::CHANNEL))
+                .map_err(unavailable)?;
+            self.client = Some(c);
+        }
+        let c = self.client.as_mut().expect("connected above");
+        let mut got = Vec::new();
+        let mut failed = None;
+        {
+            let mut it = c.notifications();
+            let mut iter = it.timeout_iter(timeout);
+            // Up to 1,024 payloads a call: what is already here comes without waiting.
+            while got.len() < 1024 {
+                match iter.next() {
+                    Ok(Some(n)) => got.push(n.payload().to_owned()),
+                    Ok(None) => break,
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(e) = failed {
+            self.client = None;
+            if got.is_empty() {
+                return Err(unavailable(e));
+            }
+        }
+        Ok(got)
     }
 }

@@ -69,29 +69,30 @@ CREATE TABLE berth_threads (
 -- it was declared dead, its runs are forgotten (their fences stay refused: no row is
 -- "not current") and nothing it held comes back.
 CREATE FUNCTION berth_register(p_host text, p_address text, p_version text)
-RETURNS bigint LANGUAGE plpgsql AS $$
+RETURNS TABLE (new_gen bigint, resumed boolean) LANGUAGE plpgsql AS $$
 DECLARE
   v_old bigint;
   v_alive boolean;
   v_gen bigint;
 BEGIN
-  SELECT gen, alive INTO v_old, v_alive FROM berth_hosts WHERE host_id = p_host FOR UPDATE;
+  SELECT h.gen, h.alive INTO v_old, v_alive FROM berth_hosts h WHERE h.host_id = p_host FOR UPDATE;
   IF NOT FOUND THEN
     INSERT INTO berth_hosts VALUES (p_host, 1, p_address, p_version, '{}', clock_timestamp(), true, NULL);
-    RETURN 1;
+    RETURN QUERY SELECT 1::bigint, true;
+    RETURN;
   END IF;
   v_gen := v_old + 1;
-  UPDATE berth_hosts SET gen = v_gen, address = p_address, version = p_version,
+  UPDATE berth_hosts h SET gen = v_gen, address = p_address, version = p_version,
          beat_at = clock_timestamp(), alive = true, declared_by = NULL
-   WHERE host_id = p_host;
+   WHERE h.host_id = p_host;
   IF v_alive THEN
-    UPDATE berth_runs SET gen = v_gen WHERE host_id = p_host AND gen = v_old;
-    UPDATE berth_keys SET gen = v_gen WHERE host_id = p_host AND gen = v_old;
-    UPDATE berth_tokens SET gen = v_gen WHERE host_id = p_host AND gen = v_old AND NOT lapsed;
+    UPDATE berth_runs r SET gen = v_gen WHERE r.host_id = p_host AND r.gen = v_old;
+    UPDATE berth_keys k SET gen = v_gen WHERE k.host_id = p_host AND k.gen = v_old;
+    UPDATE berth_tokens t SET gen = v_gen WHERE t.host_id = p_host AND t.gen = v_old AND NOT t.lapsed;
   ELSE
-    DELETE FROM berth_runs WHERE host_id = p_host AND gen < v_gen;
+    DELETE FROM berth_runs r WHERE r.host_id = p_host AND r.gen < v_gen;
   END IF;
-  RETURN v_gen;
+  RETURN QUERY SELECT v_gen, v_alive;
 END $$;
 
 -- A run's fleet-wide claim, all or nothing: run id, fence, budget token, keys.

@@ -138,7 +138,7 @@ fn take(tx: &Tx, c: &Claim, keys: &[String]) -> rusqlite::Result<Result<u64, (St
 }
 
 impl FleetStore for SqliteFleet {
-    fn register(&mut self, host: &HostInfo) -> Result<i64, FleetError> {
+    fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError> {
         self.tx(|tx| {
             let old: Option<(i64, bool)> = tx
                 .query_row(
@@ -177,7 +177,7 @@ impl FleetStore for SqliteFleet {
                 }
                 None => {}
             }
-            Ok(gen)
+            Ok((gen, old.is_none_or(|(_, alive)| alive)))
         })
     }
 

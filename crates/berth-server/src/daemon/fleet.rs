@@ -1,0 +1,338 @@
+//! F1–F3 in the daemon: a waiter the engine could grant but for its fleet-wide claim
+//! (`Event::PermitWanted`) has the claim taken by the fleet thread; the answer comes
+//! back (`Msg::FleetClaimed`) and is handed to the engine (`Command::Permit`), or the
+//! run waits for a wake-up on what refused it (LISTEN/NOTIFY, with a slow re-check as
+//! the fallback for lost notifications). A run's ending ends its claim, after the
+//! commit that ended it. A host that cannot heartbeat stops its runs that hold
+//! fleet-wide tokens or keys before the lapse at which another host may take them.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::Ordering;
+
+use berth_core::{Command, RunState};
+use berth_store::fleet::{Claim, ClaimOutcome, Ending, TokenClaim};
+
+use super::{Daemon, Host};
+use crate::fleet::{ClaimResult, Handle, Job};
+
+/// Waiters re-sent per re-check at most, per channel (a deep fleet queue is re-checked
+/// a bounded amount at a time; its wake-ups do the rest).
+const RECHECK_PER_CHANNEL_MAX: usize = 8;
+/// How often the host's load is written for its next heartbeat.
+const LOAD_EVERY_MS: u64 = 500;
+/// The channel of refusals that wait for no particular release (the store was away,
+/// the host was between generations).
+const RETRY: &str = "retry";
+
+#[derive(Default)]
+pub(super) struct FleetState {
+    pub(super) link: Option<Handle>,
+    /// Claims asked for and not answered yet.
+    asking: BTreeSet<String>,
+    /// Runs whose fleet-wide claim is held: (generation, holds a token or key).
+    held: BTreeMap<String, (i64, bool)>,
+    /// Refused claims waiting for a wake-up, by what refused them: `token SCOPE/HARNESS`,
+    /// `key NAME` (the payloads the store notifies), or `retry`.
+    waiting: BTreeMap<String, VecDeque<String>>,
+    /// Runs stopped by the host's own fence (F2): their claims end as lapsed.
+    fenced: BTreeSet<String>,
+    /// Endings to hand to the fleet thread after the commit that ended the run.
+    pending: Vec<Job>,
+    next_recheck_ms: u64,
+    next_load_ms: u64,
+    /// Stop runs holding fleet-wide tokens or keys once no heartbeat was accepted for
+    /// this long (below the lapse at which other hosts may declare this one dead).
+    pub(super) self_fence_ms: u64,
+    pub(super) recheck_ms: u64,
+}
+
+impl FleetState {
+    pub(super) fn enabled(&self) -> bool {
+        self.link.is_some()
+    }
+
+    /// New fleet-wide claims are refused while the store is away (`503`).
+    pub(super) fn unavailable(&self) -> bool {
+        self.link
+            .as_ref()
+            .is_some_and(|l| !l.status.available() || l.status.gen() == 0)
+    }
+
+    /// The endings decided by the step being committed (sent once it is durable).
+    pub(super) fn take_pending(&mut self) -> Vec<Job> {
+        std::mem::take(&mut self.pending)
+    }
+
+    fn park(&mut self, channel: String, run_id: String) {
+        self.waiting.entry(channel).or_default().push_back(run_id);
+    }
+}
+
+impl<H: Host> Daemon<H> {
+    /// `Event::PermitWanted`: take the run's claim from the fleet store.
+    pub(super) fn on_permit_wanted(&mut self, run_id: &str) {
+        self.send_claim(run_id);
+    }
+
+    fn send_claim(&mut self, run_id: &str) {
+        let Some(link) = self.fleet.link.clone() else {
+            return;
+        };
+        let Some(needs) = self.engine.fleet_needs(run_id) else {
+            return;
+        };
+        if needs.state != RunState::Queued || self.fleet.asking.contains(run_id) {
+            return;
+        }
+        let gen = link.status.gen();
+        if gen == 0 {
+            self.fleet.park(RETRY.into(), run_id.into());
+            return;
+        }
+        self.fleet.asking.insert(run_id.into());
+        link.send(Job::Claim(Claim {
+            run_id: run_id.into(),
+            host_id: link.status.host_id(),
+            gen,
+            token: needs.token.map(|(scope, harness, limit)| TokenClaim {
+                scope,
+                harness,
+                limit,
+            }),
+            keys: needs.keys,
+        }));
+    }
+
+    /// The fleet store's answer to a claim.
+    pub(super) fn on_fleet_claimed(&mut self, run_id: String, gen: i64, result: ClaimResult) {
+        self.fleet.asking.remove(&run_id);
+        let queued = self
+            .engine
+            .fleet_needs(&run_id)
+            .is_some_and(|n| n.state == RunState::Queued);
+        let mut touched = BTreeSet::new();
+        match result {
+            Ok(ClaimOutcome::Taken { fence }) if queued => {
+                let fleet_wide = self
+                    .engine
+                    .fleet_needs(&run_id)
+                    .is_some_and(|n| n.token.is_some() || !n.keys.is_empty());
+                self.fleet.held.insert(run_id.clone(), (gen, fleet_wide));
+                let cmd = Command::Permit {
+                    run_id: run_id.clone(),
+                    fence,
+                };
+                if self.apply(cmd, &mut touched).is_err() {
+                    self.end_claim(&run_id, Ending::Released);
+                }
+            }
+            // It stopped waiting meanwhile: what was taken for it goes back.
+            Ok(ClaimOutcome::Taken { .. }) => {
+                self.fleet.held.insert(run_id.clone(), (gen, false));
+                self.end_claim(&run_id, Ending::Released);
+            }
+            _ if !queued => {}
+            Ok(ClaimOutcome::BudgetFull { .. }) => {
+                let ch = self.engine.fleet_needs(&run_id).and_then(|n| n.token);
+                let ch = ch.map_or(RETRY.into(), |(s, h, _)| format!("token {s}/{h}"));
+                self.fleet.park(ch, run_id);
+            }
+            Ok(ClaimOutcome::KeyHeld { key, .. }) => self.fleet.park(format!("key {key}"), run_id),
+            Ok(ClaimOutcome::HostDead) | Err(_) => self.fleet.park(RETRY.into(), run_id),
+            Ok(refusal) => {
+                // Nothing but an operator can change these: the run cannot be admitted.
+                tracing::warn!(
+                    run_id,
+                    ?refusal,
+                    "fleet: claim refused for good; the run is cancelled"
+                );
+                let _ = self.apply(Command::Cancel { run_id }, &mut touched);
+            }
+        }
+        if !touched.is_empty() || !self.fleet.pending.is_empty() {
+            self.commit(touched, |_| {});
+        }
+    }
+
+    /// F3: something another host held came free.
+    pub(super) fn on_fleet_wake(&mut self, payloads: Vec<String>) {
+        for p in payloads {
+            self.resend(&p, 1);
+        }
+    }
+
+    /// Re-sends the claims of up to `n` waiters of `channel` that still wait.
+    fn resend(&mut self, channel: &str, n: usize) {
+        let mut sent = 0;
+        while sent < n {
+            let Some(run_id) = self
+                .fleet
+                .waiting
+                .get_mut(channel)
+                .and_then(|q| q.pop_front())
+            else {
+                break;
+            };
+            let queued = self
+                .engine
+                .fleet_needs(&run_id)
+                .is_some_and(|x| x.state == RunState::Queued);
+            if queued {
+                self.send_claim(&run_id);
+                sent += 1;
+            }
+        }
+        if self
+            .fleet
+            .waiting
+            .get(channel)
+            .is_some_and(|q| q.is_empty())
+        {
+            self.fleet.waiting.remove(channel);
+        }
+    }
+
+    /// A run ended: its fleet-wide claim ends with it (after this step's commit).
+    pub(super) fn on_fleet_ended(&mut self, run_id: &str, state: RunState) {
+        if !self.fleet.held.contains_key(run_id) {
+            return;
+        }
+        let fenced = self.fleet.fenced.remove(run_id);
+        let lapsed = fenced || state == RunState::Expired && self.engine.fence_of(run_id).is_some();
+        let how = if lapsed {
+            Ending::Lapsed
+        } else {
+            Ending::Released
+        };
+        self.end_claim(run_id, how);
+    }
+
+    fn end_claim(&mut self, run_id: &str, how: Ending) {
+        if let Some((gen, _)) = self.fleet.held.remove(run_id) {
+            self.fleet.pending.push(Job::End {
+                run_id: run_id.into(),
+                gen,
+                how,
+            });
+        }
+    }
+
+    /// F2: registered (again). If the last generation was declared dead, nothing it
+    /// held comes back: its runs are ended here (their fences are refused fleet-wide
+    /// already), and waiters ask again under the new generation.
+    pub(super) fn on_fleet_generation(&mut self, gen: i64, resumed: bool) {
+        let mut touched = BTreeSet::new();
+        let held: Vec<(String, i64)> = self
+            .fleet
+            .held
+            .iter()
+            .map(|(r, (g, _))| (r.clone(), *g))
+            .collect();
+        for (run_id, g) in held {
+            if g == gen {
+                continue;
+            }
+            if resumed {
+                if let Some(h) = self.fleet.held.get_mut(&run_id) {
+                    h.0 = gen;
+                }
+                continue;
+            }
+            self.fleet.held.remove(&run_id);
+            self.stop_for_fleet(&run_id, &mut touched);
+        }
+        let retry = self.fleet.waiting.remove(RETRY).unwrap_or_default();
+        for run_id in retry {
+            self.send_claim(&run_id);
+        }
+        if !touched.is_empty() {
+            self.commit(touched, |_| {});
+        }
+    }
+
+    /// Ends a run whose fleet-wide claim is not (or no longer) this host's to use.
+    fn stop_for_fleet(&mut self, run_id: &str, touched: &mut BTreeSet<String>) {
+        let cmd = match self.engine.fence_of(run_id) {
+            Some(fence) => Command::Release {
+                run_id: run_id.into(),
+                fence,
+            },
+            None => Command::Cancel {
+                run_id: run_id.into(),
+            },
+        };
+        if self.apply(cmd, touched).is_ok() {
+            tracing::warn!(
+                run_id,
+                "fleet: run stopped: its fleet-wide claim is no longer this host's to use"
+            );
+        }
+    }
+
+    /// At every tick: the host's own fence (F2), the fallback re-check (F3) and the
+    /// load the next heartbeat writes (F4).
+    pub(super) fn fleet_tick(&mut self, touched: &mut BTreeSet<String>) {
+        let Some(link) = self.fleet.link.clone() else {
+            return;
+        };
+        let beat_ok = link.status.beat_ok_ms.load(Ordering::Relaxed);
+        if link.status.gen() > 0 && self.now.saturating_sub(beat_ok) > self.fleet.self_fence_ms {
+            let fence: Vec<String> = self
+                .fleet
+                .held
+                .iter()
+                .filter(|(r, (_, wide))| *wide && !self.fleet.fenced.contains(*r))
+                .map(|(r, _)| r.clone())
+                .collect();
+            for run_id in fence {
+                self.fleet.fenced.insert(run_id.clone());
+                self.stop_for_fleet(&run_id, touched);
+            }
+        }
+        if self.now >= self.fleet.next_recheck_ms {
+            self.fleet.next_recheck_ms = self.now + self.fleet.recheck_ms;
+            let channels: Vec<String> = self.fleet.waiting.keys().cloned().collect();
+            for ch in channels {
+                self.resend(&ch, RECHECK_PER_CHANNEL_MAX);
+            }
+        }
+        if self.now >= self.fleet.next_load_ms {
+            self.fleet.next_load_ms = self.now + LOAD_EVERY_MS;
+            let load = self.load_json();
+            *link.status.load.lock().unwrap_or_else(|e| e.into_inner()) = load;
+        }
+    }
+
+    /// F4: what `GET /v1/fleet` shows of this host (written with each heartbeat).
+    fn load_json(&self) -> String {
+        let s = self.engine.snapshot();
+        let resources: serde_json::Map<String, serde_json::Value> = s
+            .resources
+            .iter()
+            .map(|r| {
+                let v = serde_json::json!({
+                    "total": r.allocatable,
+                    "committed": r.committed,
+                    "available": r.available,
+                });
+                (r.name.clone(), v)
+            })
+            .collect();
+        serde_json::json!({
+            "resources": resources,
+            "queue_depth": s.queued_foreground + s.queued_background,
+            "granted": s.granted,
+        })
+        .to_string()
+    }
+}
+
+impl<H: Host> Daemon<H> {
+    /// Fleet mode on: claims go to `link`'s thread. `self_fence_ms` and `recheck_ms`
+    /// as in [`FleetState`].
+    pub fn set_fleet(&mut self, link: Handle, self_fence_ms: u64, recheck_ms: u64) {
+        self.fleet.link = Some(link);
+        self.fleet.self_fence_ms = self_fence_ms;
+        self.fleet.recheck_ms = recheck_ms;
+    }
+}

@@ -1,0 +1,329 @@
+//! Fleet mode's I/O (F1–F4): one thread owns the fleet store and carries out what the
+//! daemon asks (claims, endings, questions), heartbeats, and declares lapsed hosts dead;
+//! a second thread LISTENs for wake-ups. Neither ever blocks the daemon: results come
+//! back as messages to its inbox, and the API asks through [`Handle::ask`].
+//!
+//! **Architecture invariant:** the fleet thread never changes the daemon's state; it
+//! reports (`Msg::Fleet*`) and the daemon decides.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use berth_store::fleet::HostInfo;
+use berth_store::fleet::{Claim, ClaimOutcome, Ending, FleetError, FleetStore};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::daemon::Msg;
+
+/// Endings not yet recorded (the store was away) kept for a retry at most; past it the
+/// oldest are dropped with a warning and the next registration's reconciliation (the
+/// dead-host rules) is what frees them.
+pub const ENDS_PENDING_MAX: usize = 65_536;
+/// How often the listener gives up waiting and looks again (its reconnect pace, too).
+const LISTEN_WAIT_MS: u64 = 1_000;
+
+/// How fleet mode is set up (`berth serve --store …`).
+#[derive(Clone, Debug)]
+pub struct FleetConfig {
+    /// `postgres://…` (or a libpq key=value string), or `sqlite:PATH` for a fleet of
+    /// daemons on one machine sharing a file.
+    pub url: String,
+    pub host: HostInfo,
+    /// Heartbeat period.
+    pub beat_ms: u64,
+    /// A host whose last heartbeat is older than this is declared dead (F2): the
+    /// longest lease ttl plus a margin, so no lease it granted can still be renewed.
+    pub lapse_ms: u64,
+    /// Fallback re-check of waiters whose wake-up may have been lost (F3).
+    pub recheck_ms: u64,
+}
+
+/// What the daemon and the API read of the fleet without asking the thread.
+#[derive(Debug, Default)]
+pub struct Status {
+    pub enabled: AtomicBool,
+    /// The last store operation succeeded.
+    pub available: AtomicBool,
+    /// This host's generation (0 until registered).
+    pub gen: AtomicI64,
+    /// CLOCK_MONOTONIC ms of the last heartbeat the store accepted.
+    pub beat_ok_ms: AtomicU64,
+    pub host_id: Mutex<String>,
+    /// The load the next heartbeat writes (the daemon refreshes it).
+    pub load: Mutex<String>,
+}
+
+impl Status {
+    pub fn available(&self) -> bool {
+        self.available.load(Ordering::Relaxed)
+    }
+    pub fn gen(&self) -> i64 {
+        self.gen.load(Ordering::Relaxed)
+    }
+    pub fn host_id(&self) -> String {
+        self.host_id
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+type Question = Box<dyn FnOnce(&mut dyn FleetStore) + Send>;
+
+pub enum Job {
+    Claim(Claim),
+    End {
+        run_id: String,
+        gen: i64,
+        how: Ending,
+    },
+    Ask(Question),
+}
+
+#[derive(Clone)]
+pub struct Handle {
+    tx: std::sync::mpsc::Sender<Job>,
+    pub status: Arc<Status>,
+}
+
+impl Handle {
+    pub fn send(&self, job: Job) {
+        let _ = self.tx.send(job);
+    }
+
+    /// Ask the store something from async code (the answer comes from the fleet
+    /// thread; the caller's task waits, its worker does not).
+    pub async fn ask<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut dyn FleetStore) -> Result<T, FleetError> + Send + 'static,
+    ) -> Result<T, FleetError> {
+        let (tx, rx) = oneshot::channel();
+        let job = Job::Ask(Box::new(move |s: &mut dyn FleetStore| {
+            let _ = tx.send(f(s));
+        }));
+        self.tx
+            .send(job)
+            .map_err(|_| FleetError::Unavailable("the fleet thread has stopped".into()))?;
+        rx.await
+            .map_err(|_| FleetError::Unavailable("the fleet thread has stopped".into()))?
+    }
+}
+
+/// Opens the store a `--store` URL names.
+pub fn open(url: &str) -> Result<Box<dyn FleetStore>, FleetError> {
+    if let Some(path) = url.strip_prefix("sqlite:") {
+        return Ok(Box::new(berth_store::fleet::SqliteFleet::open(path)?));
+    }
+    Ok(Box::new(berth_store::fleet::PgFleet::open(url)?))
+}
+
+fn mono_ms() -> u64 {
+    crate::clock::mono_ms()
+}
+
+/// Sends `msg` to the daemon; false once the daemon is gone.
+fn tell(inbox: &mpsc::WeakSender<Msg>, msg: Msg) -> bool {
+    match inbox.upgrade() {
+        Some(tx) => tx.blocking_send(msg).is_ok(),
+        None => false,
+    }
+}
+
+/// Starts the fleet thread (and, on PostgreSQL, the listener).
+pub fn spawn(cfg: FleetConfig, inbox: mpsc::WeakSender<Msg>) -> Result<Handle, FleetError> {
+    let store = open(&cfg.url)?;
+    let status = Arc::new(Status::default());
+    status.enabled.store(true, Ordering::Relaxed);
+    *status.host_id.lock().unwrap_or_else(|e| e.into_inner()) = cfg.host.host_id.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    if !cfg.url.starts_with("sqlite:") {
+        let listener = berth_store::fleet::PgFleet::open(&cfg.url)?.listener();
+        spawn_listener(listener, inbox.clone());
+    }
+    let st = status.clone();
+    std::thread::Builder::new()
+        .name("berth-fleet".into())
+        .spawn(move || Worker::new(store, cfg, st, inbox).run(rx))
+        .map_err(|e| FleetError::Unavailable(format!("fleet thread: {e}")))?;
+    Ok(Handle { tx, status })
+}
+
+fn spawn_listener(mut l: berth_store::fleet::PgListener, inbox: mpsc::WeakSender<Msg>) {
+    let _ = std::thread::Builder::new()
+        .name("berth-fleet-listen".into())
+        .spawn(move || loop {
+            match l.wait(Duration::from_millis(LISTEN_WAIT_MS)) {
+                Ok(payloads) if !payloads.is_empty() => {
+                    if !tell(&inbox, Msg::FleetWake { payloads }) {
+                        return;
+                    }
+                }
+                Ok(_) => {
+                    if inbox.upgrade().is_none() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!("fleet listener: {e}");
+                    std::thread::sleep(Duration::from_millis(LISTEN_WAIT_MS));
+                }
+            }
+        });
+}
+
+struct Worker {
+    store: Box<dyn FleetStore>,
+    cfg: FleetConfig,
+    status: Arc<Status>,
+    inbox: mpsc::WeakSender<Msg>,
+    ends: std::collections::VecDeque<(String, i64, Ending)>,
+    /// Whether the last failure was logged (one line per outage, not per call).
+    down_logged: bool,
+}
+
+impl Worker {
+    fn new(
+        store: Box<dyn FleetStore>,
+        cfg: FleetConfig,
+        status: Arc<Status>,
+        inbox: mpsc::WeakSender<Msg>,
+    ) -> Worker {
+        Worker {
+            store,
+            cfg,
+            status,
+            inbox,
+            ends: Default::default(),
+            down_logged: false,
+        }
+    }
+
+    fn run(mut self, rx: std::sync::mpsc::Receiver<Job>) {
+        let mut next_beat = Instant::now();
+        loop {
+            let wait = next_beat.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(wait) {
+                Ok(job) => self.job(job),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    next_beat = Instant::now() + Duration::from_millis(self.cfg.beat_ms);
+                    if !self.beat() {
+                        return;
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        }
+    }
+
+    /// Notes how the store answered: available or not (logged once per change).
+    fn seen<T>(&mut self, r: &Result<T, FleetError>) {
+        let ok = !matches!(r, Err(FleetError::Unavailable(_)));
+        self.status.available.store(ok, Ordering::Relaxed);
+        match (r, ok) {
+            (Err(e), false) if !self.down_logged => {
+                self.down_logged = true;
+                tracing::warn!("fleet store unavailable: {e}; local runs go on, new fleet-wide claims are refused until it is back");
+            }
+            (_, true) if self.down_logged => {
+                self.down_logged = false;
+                tracing::info!("fleet store available again");
+            }
+            _ => {}
+        }
+    }
+
+    fn job(&mut self, job: Job) {
+        match job {
+            Job::Claim(c) => {
+                let r = self.store.claim(&c);
+                self.seen(&r);
+                let result = r.map_err(|e| e.to_string());
+                tell(
+                    &self.inbox,
+                    Msg::FleetClaimed {
+                        run_id: c.run_id,
+                        gen: c.gen,
+                        result,
+                    },
+                );
+            }
+            Job::End { run_id, gen, how } => {
+                let r = self.store.end(&run_id, &self.cfg.host.host_id, gen, how);
+                self.seen(&r);
+                if r.is_err() {
+                    if self.ends.len() >= ENDS_PENDING_MAX {
+                        self.ends.pop_front();
+                        tracing::warn!("fleet: too many endings waiting for the store; the oldest is left to the dead-host rules");
+                    }
+                    self.ends.push_back((run_id, gen, how));
+                }
+            }
+            Job::Ask(f) => f(&mut *self.store),
+        }
+    }
+
+    /// One heartbeat: register if needed, beat, retry endings, declare lapsed hosts
+    /// dead. False once the daemon is gone.
+    fn beat(&mut self) -> bool {
+        let host = self.cfg.host.host_id.clone();
+        let gen = self.status.gen();
+        if gen == 0 {
+            let r = self.store.register(&self.cfg.host);
+            self.seen(&r);
+            if let Ok((gen, resumed)) = r {
+                self.status.gen.store(gen, Ordering::Relaxed);
+                self.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed);
+                tracing::info!(host, gen, resumed, "fleet: registered");
+                return tell(&self.inbox, Msg::FleetGeneration { gen, resumed });
+            }
+            return self.inbox.upgrade().is_some();
+        }
+        let load = self
+            .status
+            .load
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let r = self.store.heartbeat(&host, gen, &load);
+        self.seen(&r);
+        match r {
+            Ok(true) => self.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed),
+            Ok(false) => {
+                // F2: declared dead while away. Nothing it held comes back; it
+                // re-registers under a new generation at the next beat.
+                tracing::warn!(
+                    host,
+                    gen,
+                    "fleet: this host was declared dead; re-registering under a new generation"
+                );
+                self.status.gen.store(0, Ordering::Relaxed);
+                return self.inbox.upgrade().is_some();
+            }
+            Err(_) => return self.inbox.upgrade().is_some(),
+        }
+        while let Some((run_id, g, how)) = self.ends.pop_front() {
+            let r = self.store.end(&run_id, &host, g, how);
+            self.seen(&r);
+            if r.is_err() {
+                self.ends.push_front((run_id, g, how));
+                break;
+            }
+        }
+        let lapse = i64::try_from(self.cfg.lapse_ms).unwrap_or(i64::MAX);
+        let r = self.store.declare_dead(&host, lapse);
+        self.seen(&r);
+        if let Ok(dead) = r {
+            for (h, g) in dead {
+                tracing::warn!(host = h, gen = g, by = host, "fleet: declared a host dead (no heartbeat within the lapse): its keys are freed and its budget tokens marked lapsed");
+                if !tell(&self.inbox, Msg::FleetDeclared { host_id: h, gen: g }) {
+                    return false;
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The outcome of a claim, as the daemon reads it.
+pub type ClaimResult = Result<ClaimOutcome, String>;
