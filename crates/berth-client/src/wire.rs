@@ -353,6 +353,50 @@ pub struct FenceCheck {
     pub current: bool,
     #[schema(schema_with = words::<RunState>)]
     pub state: Option<RunState>,
+    /// Fleet mode: the host that holds a run this host does not (its fence is current
+    /// while that host is alive and the run holds its claim; a dead host's fences are
+    /// refused everywhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+}
+
+/// One resource summed over a host (or the fleet): what it has, what is granted and
+/// what is free now (F4).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct FleetResource {
+    pub total: u64,
+    pub committed: u64,
+    pub available: u64,
+}
+
+/// A host of the fleet as its last heartbeat described it (F4).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct FleetHost {
+    pub host_id: String,
+    /// Its registration's generation (a new one after each restart or death).
+    pub generation: i64,
+    pub address: String,
+    pub version: String,
+    /// Milliseconds since its last heartbeat, by the fleet store's clock.
+    pub heartbeat_age_ms: i64,
+    pub queue_depth: u64,
+    pub granted: u64,
+    pub resources: BTreeMap<String, FleetResource>,
+    /// A dead host: the live host that declared it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub declared_by: Option<String>,
+}
+
+/// `GET /v1/fleet`: every live host with its capacity, the fleet-wide sums of the live
+/// hosts, and the dead hosts (F4).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct Fleet {
+    /// The host that answered.
+    pub host_id: String,
+    pub hosts: Vec<FleetHost>,
+    pub totals: BTreeMap<String, FleetResource>,
+    pub queue_depth: u64,
+    pub dead: Vec<FleetHost>,
 }
 
 /// `POST /v1/tokens`: the token is shown once.

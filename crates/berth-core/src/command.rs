@@ -12,6 +12,9 @@ use crate::types::{
 pub enum Command {
     /// Queue a run (or re-attach to it, L7) and grant what fits.
     Acquire(Request),
+    /// F1: an acquire whose fleet-wide claim is already held (`fence` from the fleet's
+    /// sequence): a `wait_s = 0` run on a fleet host, tried at its arrival like any other.
+    AcquirePermitted { req: Request, fence: Fence },
     /// A queued run leaves the queue (A9). Granted runs are released, not cancelled.
     Cancel { run_id: String },
     /// L4: extends a lease, or a queued run's deadline (no fence then).

@@ -459,9 +459,12 @@ impl Engine {
         self.advance(now_ms, &mut ev);
         let advanced = !ev.is_empty();
         let now = self.now;
-        let is_acquire = matches!(cmd, Command::Acquire(_));
+        let is_acquire = matches!(cmd, Command::Acquire(_) | Command::AcquirePermitted { .. });
         let result = match cmd {
-            Command::Acquire(req) => self.acquire(now, req, &mut ev),
+            Command::Acquire(req) => self.acquire(now, req, None, &mut ev),
+            Command::AcquirePermitted { req, fence } => {
+                self.acquire(now, req, Some(fence), &mut ev)
+            }
             Command::Cancel { run_id } => self.cancel(&run_id, &mut ev),
             Command::Renew {
                 run_id,
@@ -800,9 +803,16 @@ impl Engine {
         &mut self,
         now: TimeMs,
         req: Request,
+        permit: Option<Fence>,
         ev: &mut Vec<Event>,
     ) -> Result<Option<RunView>, Error> {
         self.validate_request(&req)?;
+        if permit.is_some_and(|f| f == 0 || !self.cfg.fleet) {
+            return Err(Error::Invalid {
+                field: "permit",
+                rule: "a permit is a positive fence, on a fleet host only".into(),
+            });
+        }
         let mut req = req;
         if let Some(b) = req.budget.as_deref_mut() {
             // B1: a policy or manifest given must match the frozen one, on a retry too;
@@ -942,8 +952,8 @@ impl Engine {
             cause: None,
             upgrade: None,
             pending_mem: false,
-            permit: None,
-            permit_asked: false,
+            permit,
+            permit_asked: permit.is_some(),
         }));
         self.by_id.insert(run_id.clone(), slot);
         ev.push(Event::Queued {

@@ -110,12 +110,14 @@ impl Handle {
     }
 }
 
-/// Opens the store a `--store` URL names.
+/// Opens the store a `--store` URL names. PostgreSQL is connected lazily (by the fleet
+/// thread, at its first heartbeat): a host starts, and serves its own runs, while the
+/// database is away.
 pub fn open(url: &str) -> Result<Box<dyn FleetStore>, FleetError> {
     if let Some(path) = url.strip_prefix("sqlite:") {
         return Ok(Box::new(berth_store::fleet::SqliteFleet::open(path)?));
     }
-    Ok(Box::new(berth_store::fleet::PgFleet::open(url)?))
+    Ok(Box::new(berth_store::fleet::PgFleet::lazy(url)?))
 }
 
 fn mono_ms() -> u64 {
@@ -138,16 +140,24 @@ pub fn spawn(cfg: FleetConfig, inbox: mpsc::WeakSender<Msg>) -> Result<Handle, F
     *status.host_id.lock().unwrap_or_else(|e| e.into_inner()) = cfg.host.host_id.clone();
     let (tx, rx) = std::sync::mpsc::channel();
     if !cfg.url.starts_with("sqlite:") {
-        let listener = berth_store::fleet::PgFleet::open(&cfg.url)?.listener();
+        let listener = berth_store::fleet::PgFleet::lazy(&cfg.url)?.listener();
         spawn_listener(listener, inbox.clone());
     }
     let st = status.clone();
+    let (first_tx, first_rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("berth-fleet".into())
-        .spawn(move || Worker::new(store, cfg, st, inbox).run(rx))
+        .spawn(move || Worker::new(store, cfg, st, inbox).run(rx, first_tx))
         .map_err(|e| FleetError::Unavailable(format!("fleet thread: {e}")))?;
+    // The host registers before it serves, so its first requests find it in the
+    // fleet; a database that does not answer in time leaves it serving unregistered
+    // (new runs refused with 503) while the thread keeps trying.
+    let _ = first_rx.recv_timeout(Duration::from_millis(FIRST_REGISTRATION_WAIT_MS));
     Ok(Handle { tx, status })
 }
+
+/// How long a starting host waits for its first registration before it serves anyway.
+const FIRST_REGISTRATION_WAIT_MS: u64 = 5_000;
 
 fn spawn_listener(mut l: berth_store::fleet::PgListener, inbox: mpsc::WeakSender<Msg>) {
     let _ = std::thread::Builder::new()
@@ -199,8 +209,13 @@ impl Worker {
         }
     }
 
-    fn run(mut self, rx: std::sync::mpsc::Receiver<Job>) {
-        let mut next_beat = Instant::now();
+    fn run(mut self, rx: std::sync::mpsc::Receiver<Job>, first: std::sync::mpsc::Sender<()>) {
+        let alive = self.beat();
+        let _ = first.send(());
+        if !alive {
+            return;
+        }
+        let mut next_beat = Instant::now() + Duration::from_millis(self.cfg.beat_ms);
         loop {
             let wait = next_beat.saturating_duration_since(Instant::now());
             match rx.recv_timeout(wait) {

@@ -4,6 +4,7 @@
 mod args;
 mod client;
 mod events;
+mod fleet;
 mod run;
 mod scopes;
 mod serve;
@@ -62,6 +63,9 @@ enum Cmd {
     Scope(scopes::ScopeArgs),
     /// List the experiment scopes: control, generation, tokens held per harness.
     Budget(client::ConnArgs),
+    /// Fleet mode: every live host's free capacity and queue, the fleet's sums, the
+    /// dead hosts (F4).
+    Fleet(client::ConnArgs),
     /// Print a completion script for a shell, e.g. `berth completions bash >
     /// /etc/bash_completion.d/berth`.
     Completions {
@@ -101,6 +105,7 @@ fn main() -> ExitCode {
         Cmd::Drain(a) => threads::drain_main(a),
         Cmd::Scope(a) => scopes::scope_main(a),
         Cmd::Budget(a) => scopes::budget_main(a),
+        Cmd::Fleet(a) => fleet::fleet_main(a),
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
             Ok(0)

@@ -138,6 +138,16 @@ pub fn routes() -> Vec<(Route, MethodRouter<Api>)> {
         (
             route(
                 Get,
+                "/v1/fleet",
+                r,
+                "Fleet mode: every live host's capacity and queue, the fleet-wide sums, the dead hosts (F4)",
+            )
+            .answers(200, Body::Json("Fleet")),
+            get(super::fleet::fleet),
+        ),
+        (
+            route(
+                Get,
                 "/v1/fences/check",
                 r,
                 "Is this fence the run's current lease (L2)?",
@@ -549,6 +559,9 @@ fn build() -> OpenApi {
         .schema_from::<wire::Key>()
         .schema_from::<wire::Claim>()
         .schema_from::<wire::Run>()
+        .schema_from::<wire::Fleet>()
+        .schema_from::<wire::FleetHost>()
+        .schema_from::<wire::FleetResource>()
         .schema_from::<wire::RunList>()
         .schema_from::<wire::AcquireEvent>()
         .schema_from::<wire::ErrorBody>()

@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 use tokio::sync::{mpsc, oneshot};
 
 pub mod doc;
+mod fleet;
 mod observe;
 mod runtime;
 mod scopes;
@@ -844,11 +845,20 @@ async fn fence_check(
         reply,
     })
     .await?;
+    // F2/L8: a run this host does not hold is answered from the fleet's record.
+    let (current, host) = match state {
+        Some(_) => (current, None),
+        None => match fleet::foreign_fence(&api, &run_id, fence).await? {
+            Some((current, host)) => (current, Some(host)),
+            None => (current, None),
+        },
+    };
     Ok(Json(FenceCheck {
         run_id,
         fence,
         current,
         state,
+        host,
     }))
 }
 

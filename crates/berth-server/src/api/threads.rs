@@ -62,6 +62,9 @@ async fn claimed(api: &Api, key: String, body: Body, what: Claimed) -> Result<Re
     check_key(&key)?;
     let b: wire::ThreadClaim = json_body(body, false).await?;
     let (owner, budget_ms) = claim(&b, !matches!(what, Claimed::Detach))?;
+    if matches!(what, Claimed::Attach) {
+        super::fleet::check_thread_owner(api, &key, &owner).await?;
+    }
     let op = match what {
         Claimed::Attach => ThreadOp::Attach {
             key,

@@ -92,7 +92,14 @@ pub fn read(worktree: &Path) -> Result<Option<Contract>, String> {
     for (key, value) in &table {
         match key.as_str() {
             "concurrency" => concurrency = parse_concurrency(value)?,
-            "singletons" => singletons = parse_singletons(value)?,
+            "singletons" => singletons.extend(parse_singletons("singletons", value)?),
+            // F1: fleet-wide singletons are held in the fleet store as well as here;
+            // the engine knows them by their prefix.
+            "fleet_singletons" => singletons.extend(
+                parse_singletons("fleet_singletons", value)?
+                    .into_iter()
+                    .map(|s| format!("{}{s}", berth_core::FLEET_SINGLETON_PREFIX)),
+            ),
             "port" => ports = parse_ports(value)?,
             other => return Err(bad(format!("unknown key {other:?}"))),
         }
@@ -126,16 +133,13 @@ fn parse_concurrency(value: &toml::Value) -> Result<Concurrency, String> {
     }
 }
 
-fn parse_singletons(value: &toml::Value) -> Result<Vec<String>, String> {
-    let arr = value
-        .as_array()
-        .ok_or_else(|| bad("singletons must be an array of names"))?;
+fn parse_singletons(key: &str, value: &toml::Value) -> Result<Vec<String>, String> {
+    let not_names = || bad(format!("{key} must be an array of names"));
+    let arr = value.as_array().ok_or_else(not_names)?;
     let mut singletons = Vec::with_capacity(arr.len());
     for v in arr {
-        let s = v
-            .as_str()
-            .ok_or_else(|| bad("singletons must be an array of names"))?;
-        berth_core::validate::resource_name(s).map_err(|e| bad(format!("singletons: {e}")))?;
+        let s = v.as_str().ok_or_else(not_names)?;
+        berth_core::validate::resource_name(s).map_err(|e| bad(format!("{key}: {e}")))?;
         singletons.push(s.to_string());
     }
     Ok(singletons)

@@ -12,8 +12,21 @@ use std::sync::atomic::Ordering;
 use berth_core::{Command, RunState};
 use berth_store::fleet::{Claim, ClaimOutcome, Ending, TokenClaim};
 
-use super::{Daemon, Host};
+use super::extra::Extra;
+use super::{Daemon, Error, Host, Reply, RunInfo};
 use crate::fleet::{ClaimResult, Handle, Job};
+
+/// `wait_s = 0` acquires waiting for their fleet-wide claim at most; beyond it new ones
+/// are refused as if the store were away (each holds a caller's connection).
+const PRECLAIMS_MAX: usize = 4_096;
+
+/// A `wait_s = 0` acquire waiting for its fleet-wide claim before its one try.
+pub(super) struct Preclaim {
+    req: berth_core::Request,
+    extra: Extra,
+    attach: bool,
+    reply: Reply<RunInfo>,
+}
 
 /// Waiters re-sent per re-check at most, per channel (a deep fleet queue is re-checked
 /// a bounded amount at a time; its wake-ups do the rest).
@@ -23,12 +36,29 @@ const LOAD_EVERY_MS: u64 = 500;
 /// The channel of refusals that wait for no particular release (the store was away,
 /// the host was between generations).
 const RETRY: &str = "retry";
+/// Channels whose wake-ups are counted at most; past it the counts start over (a lost
+/// count costs a waiter the slow re-check, nothing more).
+const WAKE_CHANNELS_MAX: usize = 4_096;
+
+fn token_channel(scope: &str, harness: &str) -> String {
+    format!("token {scope}/{harness}")
+}
+
+fn key_channel(key: &str) -> String {
+    format!("key {key}")
+}
 
 #[derive(Default)]
 pub(super) struct FleetState {
+    // (`Preclaim` holds a reply channel: no Debug, no Clone.)
     pub(super) link: Option<Handle>,
-    /// Claims asked for and not answered yet.
-    asking: BTreeSet<String>,
+    /// Claims asked for and not answered yet, with the wake-up counts of the channels
+    /// that could refuse them, as they were when the claim was sent.
+    asking: BTreeMap<String, Vec<(String, u64)>>,
+    /// Wake-ups received per channel. A refusal whose channel woke after its claim was
+    /// sent is retried at once: the wake-up may have overtaken the refusal, and parking
+    /// the run would wait for one that already came (the slow re-check would find it).
+    wakes: BTreeMap<String, u64>,
     /// Runs whose fleet-wide claim is held: (generation, holds a token or key).
     held: BTreeMap<String, (i64, bool)>,
     /// Refused claims waiting for a wake-up, by what refused them: `token SCOPE/HARNESS`,
@@ -38,6 +68,8 @@ pub(super) struct FleetState {
     fenced: BTreeSet<String>,
     /// Endings to hand to the fleet thread after the commit that ended the run.
     pending: Vec<Job>,
+    /// `wait_s = 0` acquires whose claim was sent, by run id.
+    preclaims: BTreeMap<String, Preclaim>,
     next_recheck_ms: u64,
     next_load_ms: u64,
     /// Stop runs holding fleet-wide tokens or keys once no heartbeat was accepted for
@@ -47,15 +79,16 @@ pub(super) struct FleetState {
 }
 
 impl FleetState {
-    pub(super) fn enabled(&self) -> bool {
-        self.link.is_some()
-    }
-
     /// New fleet-wide claims are refused while the store is away (`503`).
     pub(super) fn unavailable(&self) -> bool {
         self.link
             .as_ref()
             .is_some_and(|l| !l.status.available() || l.status.gen() == 0)
+    }
+
+    /// A `wait_s = 0` acquire of this run is waiting for its claim.
+    pub(super) fn preclaiming(&self, run_id: &str) -> bool {
+        self.preclaims.contains_key(run_id)
     }
 
     /// The endings decided by the step being committed (sent once it is durable).
@@ -81,7 +114,7 @@ impl<H: Host> Daemon<H> {
         let Some(needs) = self.engine.fleet_needs(run_id) else {
             return;
         };
-        if needs.state != RunState::Queued || self.fleet.asking.contains(run_id) {
+        if needs.state != RunState::Queued || self.fleet.asking.contains_key(run_id) {
             return;
         }
         let gen = link.status.gen();
@@ -89,7 +122,17 @@ impl<H: Host> Daemon<H> {
             self.fleet.park(RETRY.into(), run_id.into());
             return;
         }
-        self.fleet.asking.insert(run_id.into());
+        let channels = needs
+            .token
+            .iter()
+            .map(|(s, h, _)| token_channel(s, h))
+            .chain(needs.keys.iter().map(|k| key_channel(k)))
+            .map(|c| {
+                let n = self.fleet.wakes.get(&c).copied().unwrap_or(0);
+                (c, n)
+            })
+            .collect();
+        self.fleet.asking.insert(run_id.into(), channels);
         link.send(Job::Claim(Claim {
             run_id: run_id.into(),
             host_id: link.status.host_id(),
@@ -103,9 +146,102 @@ impl<H: Host> Daemon<H> {
         }));
     }
 
+    /// F1: a `wait_s = 0` acquire takes its fleet-wide claim before its one try.
+    pub(super) fn preclaim(
+        &mut self,
+        req: berth_core::Request,
+        extra: Extra,
+        attach: bool,
+        reply: Reply<RunInfo>,
+    ) {
+        let Some(link) = self.fleet.link.clone() else {
+            return self.answer(reply, Err(Error::FleetUnavailable));
+        };
+        let gen = link.status.gen();
+        let run_id = req.run_id.clone();
+        if self.fleet.preclaims.contains_key(&run_id) {
+            let e = berth_core::Error::Conflict { run_id };
+            return self.answer(reply, Err(e.into()));
+        }
+        if gen == 0 || self.fleet.preclaims.len() >= PRECLAIMS_MAX {
+            return self.answer(reply, Err(Error::FleetUnavailable));
+        }
+        // The harness's limit: the request's policy, or the one its scope froze here.
+        let token = req.budget.as_deref().and_then(|b| {
+            let limit = b
+                .per_harness
+                .as_ref()
+                .and_then(|p| p.get(&b.harness).copied())
+                .or_else(|| {
+                    self.engine
+                        .scopes()
+                        .get(&b.scope)?
+                        .policy
+                        .get(&b.harness)
+                        .copied()
+                })?;
+            Some(TokenClaim {
+                scope: b.scope.clone(),
+                harness: b.harness.clone(),
+                limit,
+            })
+        });
+        let keys = req
+            .singletons
+            .iter()
+            .filter_map(|s| s.strip_prefix(berth_core::FLEET_SINGLETON_PREFIX))
+            .map(str::to_owned)
+            .collect();
+        link.send(Job::Claim(Claim {
+            run_id: run_id.clone(),
+            host_id: link.status.host_id(),
+            gen,
+            token,
+            keys,
+        }));
+        let p = Preclaim {
+            req,
+            extra,
+            attach,
+            reply,
+        };
+        self.fleet.preclaims.insert(run_id, p);
+    }
+
+    /// The answer to a `wait_s = 0` acquire's claim: its one try, with the claim or
+    /// without it (then it expires at once, as any run that cannot be granted on arrival).
+    fn preclaimed(&mut self, p: Preclaim, gen: i64, result: ClaimResult) {
+        let id = p.req.run_id.clone();
+        let cmd = match result {
+            Ok(ClaimOutcome::Taken { fence }) => {
+                let wide = p.req.budget.is_some()
+                    || p.req
+                        .singletons
+                        .iter()
+                        .any(|s| s.starts_with(berth_core::FLEET_SINGLETON_PREFIX));
+                self.fleet.held.insert(id.clone(), (gen, wide));
+                Command::AcquirePermitted { req: p.req, fence }
+            }
+            Ok(ClaimOutcome::HostDead) | Err(_) => {
+                return self.answer(p.reply, Err(Error::FleetUnavailable));
+            }
+            Ok(_) => Command::Acquire(p.req),
+        };
+        self.admit(cmd, id.clone(), true, p.extra, p.attach, p.reply);
+        // Refused by the engine: what the fleet gave it goes back.
+        if self.engine.view_of(&id).is_none() && self.fleet.held.contains_key(&id) {
+            self.end_claim(&id, Ending::Released);
+            self.commit(BTreeSet::new(), |_| {});
+        }
+    }
+
     /// The fleet store's answer to a claim.
     pub(super) fn on_fleet_claimed(&mut self, run_id: String, gen: i64, result: ClaimResult) {
-        self.fleet.asking.remove(&run_id);
+        tracing::debug!(run_id, gen, ?result, "fleet: claim answered");
+        if let Some(p) = self.fleet.preclaims.remove(&run_id) {
+            return self.preclaimed(p, gen, result);
+        }
+        let sent = self.fleet.asking.remove(&run_id).unwrap_or_default();
         let queued = self
             .engine
             .fleet_needs(&run_id)
@@ -134,10 +270,12 @@ impl<H: Host> Daemon<H> {
             _ if !queued => {}
             Ok(ClaimOutcome::BudgetFull { .. }) => {
                 let ch = self.engine.fleet_needs(&run_id).and_then(|n| n.token);
-                let ch = ch.map_or(RETRY.into(), |(s, h, _)| format!("token {s}/{h}"));
-                self.fleet.park(ch, run_id);
+                let ch = ch.map_or(RETRY.into(), |(s, h, _)| token_channel(&s, &h));
+                self.park_or_retry(ch, run_id, &sent);
             }
-            Ok(ClaimOutcome::KeyHeld { key, .. }) => self.fleet.park(format!("key {key}"), run_id),
+            Ok(ClaimOutcome::KeyHeld { key, .. }) => {
+                self.park_or_retry(key_channel(&key), run_id, &sent)
+            }
             Ok(ClaimOutcome::HostDead) | Err(_) => self.fleet.park(RETRY.into(), run_id),
             Ok(refusal) => {
                 // Nothing but an operator can change these: the run cannot be admitted.
@@ -154,9 +292,28 @@ impl<H: Host> Daemon<H> {
         }
     }
 
+    /// A refused claim waits on `channel`, unless that channel woke since the claim
+    /// was sent: then it is sent again at once.
+    fn park_or_retry(&mut self, channel: String, run_id: String, sent: &[(String, u64)]) {
+        let then = sent
+            .iter()
+            .find(|(c, _)| *c == channel)
+            .map_or(0, |(_, n)| *n);
+        if self.fleet.wakes.get(&channel).copied().unwrap_or(0) > then {
+            self.send_claim(&run_id);
+        } else {
+            self.fleet.park(channel, run_id);
+        }
+    }
+
     /// F3: something another host held came free.
     pub(super) fn on_fleet_wake(&mut self, payloads: Vec<String>) {
+        tracing::debug!(?payloads, "fleet: wake-up");
         for p in payloads {
+            if self.fleet.wakes.len() >= WAKE_CHANNELS_MAX && !self.fleet.wakes.contains_key(&p) {
+                self.fleet.wakes.clear();
+            }
+            *self.fleet.wakes.entry(p.clone()).or_insert(0) += 1;
             self.resend(&p, 1);
         }
     }
@@ -222,24 +379,32 @@ impl<H: Host> Daemon<H> {
     /// already), and waiters ask again under the new generation.
     pub(super) fn on_fleet_generation(&mut self, gen: i64, resumed: bool) {
         let mut touched = BTreeSet::new();
-        let held: Vec<(String, i64)> = self
-            .fleet
-            .held
-            .iter()
-            .map(|(r, (g, _))| (r.clone(), *g))
+        // Every run that holds (or held, before a restart) a fence: all of them were
+        // claimed in the fleet under an earlier generation of this host.
+        let fenced: Vec<String> = self
+            .extras
+            .keys()
+            .filter(|id| {
+                self.engine
+                    .view_of(id)
+                    .is_some_and(|v| !v.state.is_terminal() && v.fence.is_some())
+            })
+            .cloned()
             .collect();
-        for (run_id, g) in held {
-            if g == gen {
-                continue;
-            }
+        for run_id in fenced {
             if resumed {
-                if let Some(h) = self.fleet.held.get_mut(&run_id) {
-                    h.0 = gen;
-                }
-                continue;
+                // Its claim moved to the new generation with the host's.
+                let wide = self
+                    .engine
+                    .fleet_needs(&run_id)
+                    .is_some_and(|n| n.token.is_some() || !n.keys.is_empty());
+                self.fleet.held.insert(run_id, (gen, wide));
+            } else {
+                // Declared dead meanwhile: its claim is gone and its fence refused
+                // fleet-wide; it must not go on here either.
+                self.fleet.held.remove(&run_id);
+                self.stop_for_fleet(&run_id, &mut touched);
             }
-            self.fleet.held.remove(&run_id);
-            self.stop_for_fleet(&run_id, &mut touched);
         }
         let retry = self.fleet.waiting.remove(RETRY).unwrap_or_default();
         for run_id in retry {

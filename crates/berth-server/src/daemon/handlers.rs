@@ -147,7 +147,7 @@ impl<H: Host> Daemon<H> {
     fn on_acquire(
         &mut self,
         req: berth_core::Request,
-        mut extra: Extra,
+        extra: Extra,
         attach: bool,
         reply: Reply<RunInfo>,
     ) {
@@ -156,6 +156,25 @@ impl<H: Host> Daemon<H> {
         if let Some(e) = self.acquire_refusal(&id, &extra, is_new) {
             return self.answer(reply, Err(e));
         }
+        // F1: a `wait_s = 0` run on a fleet host is tried once, at its arrival: its
+        // fleet-wide claim is taken first, so that one try can grant it.
+        if is_new && self.fleet.link.is_some() && (req.wait_ms == 0 || self.fleet.preclaiming(&id))
+        {
+            return self.preclaim(req, extra, attach, reply);
+        }
+        self.admit(Command::Acquire(req), id, is_new, extra, attach, reply)
+    }
+
+    /// The acquire itself (`Acquire`, or `AcquirePermitted` once a fleet claim is held).
+    pub(super) fn admit(
+        &mut self,
+        cmd: Command,
+        id: String,
+        is_new: bool,
+        mut extra: Extra,
+        attach: bool,
+        reply: Reply<RunInfo>,
+    ) {
         let detach = extra.detached;
         if is_new {
             // Registered before the command so grants made by it find it.
@@ -163,7 +182,7 @@ impl<H: Host> Daemon<H> {
             self.extras.insert(id.clone(), Box::new(extra));
         }
         let mut touched = BTreeSet::new();
-        let res = self.apply(Command::Acquire(req), &mut touched);
+        let res = self.apply(cmd, &mut touched);
         if is_new {
             if self.engine.view_of(&id).is_some() {
                 self.next_seq += 1;

@@ -4,7 +4,9 @@
 
 use std::collections::BTreeSet;
 
-use super::{Claim, ClaimOutcome, Ending, FleetError, FleetStore, HostInfo, TokenClaim};
+use super::{
+    Claim, ClaimOutcome, Ending, FleetError, FleetStore, HostInfo, ThreadOwner, TokenClaim,
+};
 
 pub type Open<'a> = &'a (dyn Fn() -> Box<dyn FleetStore> + Sync);
 pub type Check = fn(Open);
@@ -254,16 +256,45 @@ fn a_dead_host_is_declared_exactly_once(open: Open) {
     assert!(s.tokens("exp").unwrap()[0].lapsed);
 }
 
+fn owner(gen: &str, fence: u64, run_id: &str) -> ThreadOwner {
+    ThreadOwner {
+        gen: gen.into(),
+        fence,
+        run_id: run_id.into(),
+    }
+}
+
 fn thread_owners_only_move_up(open: Open) {
     let mut s = open();
-    assert!(s.thread_owner("t", 1, 10, "r1", "a").unwrap());
-    assert!(!s.thread_owner("t", 1, 5, "r0", "c").unwrap());
-    assert!(
-        s.thread_owner("t", 1, 10, "r1", "a").unwrap(),
-        "the same owner again"
+    assert_eq!(
+        s.thread_owner("t", &owner("g1", 10, "r1"), "a").unwrap(),
+        None
     );
-    assert!(s.thread_owner("t", 2, 1, "r2", "c").unwrap());
-    assert!(!s.thread_owner("t", 1, 99, "r1", "a").unwrap());
+    assert_eq!(
+        s.thread_owner("t", &owner("g0", 5, "r0"), "c").unwrap(),
+        Some(owner("g1", 10, "r1")),
+        "an older owner on another host is refused, naming the owner"
+    );
+    assert_eq!(
+        s.thread_owner("t", &owner("g1", 10, "r1"), "a").unwrap(),
+        None
+    );
+    assert!(s
+        .thread_owner("t", &owner("g2", 10, "r1"), "c")
+        .unwrap()
+        .is_some());
+    assert_eq!(
+        s.thread_owner("t", &owner("g2", 11, "r2"), "c").unwrap(),
+        None
+    );
+    assert!(s
+        .thread_owner("t", &owner("g1", 10, "r1"), "a")
+        .unwrap()
+        .is_some());
+    assert_eq!(
+        s.thread_owner("u", &owner("g0", 1, "r0"), "c").unwrap(),
+        None
+    );
 }
 
 fn a_restart_keeps_its_claims(open: Open) {

@@ -126,6 +126,14 @@ pub struct FleetFence {
     pub host_alive: bool,
 }
 
+/// A thread's owner as the fleet remembers it (G2: ordered by fence).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ThreadOwner {
+    pub gen: String,
+    pub fence: u64,
+    pub run_id: String,
+}
+
 /// A budget token's row (for tests and `berth fleet`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TokenRow {
@@ -163,16 +171,15 @@ pub trait FleetStore: Send {
         gen: i64,
         how: Ending,
     ) -> Result<bool, FleetError>;
-    /// G2 fleet-wide: accept `(owner_gen, owner_fence)` for a thread only if no higher
-    /// pair was accepted before (the same pair is accepted again).
+    /// G2 fleet-wide: accept `owner` for a thread unless the thread's remembered owner
+    /// is newer (a higher fence, or the same fence of another generation or run).
+    /// Returns `None` if accepted, or the owner that refused it.
     fn thread_owner(
         &mut self,
         thread_key: &str,
-        owner_gen: u64,
-        owner_fence: u64,
-        run_id: &str,
+        owner: &ThreadOwner,
         host_id: &str,
-    ) -> Result<bool, FleetError>;
+    ) -> Result<Option<ThreadOwner>, FleetError>;
     /// The fleet's record of a run's fence.
     fn fence(&mut self, run_id: &str) -> Result<Option<FleetFence>, FleetError>;
     /// Every host, live first, then by id.

@@ -10,7 +10,7 @@ use postgres::{Client, NoTls};
 
 use super::{
     check_claim, check_load, Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetStore,
-    HostInfo, HostRow, TokenRow, HOSTS_MAX,
+    HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 
 /// Migrations by version, applied in order under an advisory lock so that several
@@ -31,6 +31,8 @@ const TCP_USER_TIMEOUT_MS: u64 = 5_000;
 pub struct PgFleet {
     config: postgres::Config,
     client: Option<Client>,
+    /// The schema was checked (and migrated) on a connection of this store.
+    migrated: bool,
 }
 
 fn unavailable(e: postgres::Error) -> FleetError {
@@ -40,6 +42,15 @@ fn unavailable(e: postgres::Error) -> FleetError {
 impl PgFleet {
     /// Connect (and migrate). `url` is a libpq-style URL or key=value string.
     pub fn open(url: &str) -> Result<PgFleet, FleetError> {
+        let mut s = PgFleet::lazy(url)?;
+        s.client()?;
+        Ok(s)
+    }
+
+    /// Parse `url` only: the first call connects (and migrates). For a host that must
+    /// start while the database is away, and for callers inside an async runtime (the
+    /// blocking client runs its own).
+    pub fn lazy(url: &str) -> Result<PgFleet, FleetError> {
         let mut config: postgres::Config = url
             .parse()
             .map_err(|e| FleetError::Invalid(format!("store: not a PostgreSQL URL: {e}")))?;
@@ -49,12 +60,11 @@ impl PgFleet {
             .keepalives_idle(Duration::from_secs(5))
             .options(&format!("-c statement_timeout={STATEMENT_TIMEOUT_MS}"))
             .application_name("berth");
-        let mut s = PgFleet {
+        Ok(PgFleet {
             config,
             client: None,
-        };
-        s.migrate()?;
-        Ok(s)
+            migrated: false,
+        })
     }
 
     /// A second connection on the same database, for LISTEN (F3).
@@ -65,11 +75,17 @@ impl PgFleet {
         }
     }
 
-    /// The connection, made again if the last one broke.
+    /// The connection, made again if the last one broke; the first one checks (and
+    /// migrates) the schema.
     fn client(&mut self) -> Result<&mut Client, FleetError> {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
             self.client = None;
-            self.client = Some(self.config.connect(NoTls).map_err(unavailable)?);
+            let mut c = self.config.connect(NoTls).map_err(unavailable)?;
+            if !self.migrated {
+                migrate(&mut c)?;
+                self.migrated = true;
+            }
+            self.client = Some(c);
         }
         Ok(self.client.as_mut().expect("connected above"))
     }
@@ -86,38 +102,41 @@ impl PgFleet {
         }
         r.map_err(unavailable)
     }
+}
 
-    fn migrate(&mut self) -> Result<(), FleetError> {
-        let supported = MIGRATIONS.len() as i64;
-        let found = self.with(|c| {
-            let mut tx = c.transaction()?;
-            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])?;
-            tx.batch_execute(
-                "CREATE TABLE IF NOT EXISTS berth_fleet_schema (version integer NOT NULL);
-                 INSERT INTO berth_fleet_schema SELECT 0
-                   WHERE NOT EXISTS (SELECT 1 FROM berth_fleet_schema);",
-            )?;
-            let found: i32 = tx
-                .query_one("SELECT version FROM berth_fleet_schema", &[])?
-                .get(0);
-            let found = i64::from(found);
-            if found < supported {
-                for m in &MIGRATIONS[found as usize..] {
-                    tx.batch_execute(m)?;
-                }
-                tx.execute(
-                    "UPDATE berth_fleet_schema SET version = $1",
-                    &[&(supported as i32)],
-                )?;
+/// Applies the migrations this build knows, exactly once fleet-wide; refuses a schema
+/// newer than this build.
+fn migrate(c: &mut Client) -> Result<(), FleetError> {
+    let supported = MIGRATIONS.len() as i64;
+    let found = (|| {
+        let mut tx = c.transaction()?;
+        tx.execute("SELECT pg_advisory_xact_lock($1)", &[&MIGRATION_LOCK])?;
+        tx.batch_execute(
+            "CREATE TABLE IF NOT EXISTS berth_fleet_schema (version integer NOT NULL);
+             INSERT INTO berth_fleet_schema SELECT 0
+               WHERE NOT EXISTS (SELECT 1 FROM berth_fleet_schema);",
+        )?;
+        let found: i32 = tx
+            .query_one("SELECT version FROM berth_fleet_schema", &[])?
+            .get(0);
+        let found = i64::from(found);
+        if found < supported {
+            for m in &MIGRATIONS[found as usize..] {
+                tx.batch_execute(m)?;
             }
-            tx.commit()?;
-            Ok(found)
-        })?;
-        if found > supported {
-            return Err(FleetError::TooNew { found, supported });
+            tx.execute(
+                "UPDATE berth_fleet_schema SET version = $1",
+                &[&(supported as i32)],
+            )?;
         }
-        Ok(())
+        tx.commit()?;
+        Ok::<_, postgres::Error>(found)
+    })()
+    .map_err(unavailable)?;
+    if found > supported {
+        return Err(FleetError::TooNew { found, supported });
     }
+    Ok(())
 }
 
 fn to_fence(v: i64) -> u64 {
@@ -211,23 +230,35 @@ impl FleetStore for PgFleet {
     fn thread_owner(
         &mut self,
         thread_key: &str,
-        owner_gen: u64,
-        owner_fence: u64,
-        run_id: &str,
+        owner: &ThreadOwner,
         host_id: &str,
-    ) -> Result<bool, FleetError> {
-        let (g, f) = (owner_gen as i64, owner_fence as i64);
+    ) -> Result<Option<ThreadOwner>, FleetError> {
+        let fence = i64::try_from(owner.fence)
+            .map_err(|_| FleetError::Invalid("owner_fence: at most 2^63-1".into()))?;
         self.with(|c| {
             let n = c.execute(
                 "INSERT INTO berth_threads VALUES ($1, $2, $3, $4, $5, true)
                  ON CONFLICT (thread_key) DO UPDATE SET owner_gen = excluded.owner_gen,
                    owner_fence = excluded.owner_fence, run_id = excluded.run_id,
                    host_id = excluded.host_id, live = true
-                 WHERE (berth_threads.owner_gen, berth_threads.owner_fence)
-                    <= (excluded.owner_gen, excluded.owner_fence)",
-                &[&thread_key, &g, &f, &run_id, &host_id],
+                 WHERE (berth_threads.owner_fence < excluded.owner_fence
+                    OR (berth_threads.owner_fence = excluded.owner_fence
+                        AND berth_threads.owner_gen = excluded.owner_gen
+                        AND berth_threads.run_id = excluded.run_id))",
+                &[&thread_key, &owner.gen, &fence, &owner.run_id, &host_id],
             )?;
-            Ok(n == 1)
+            if n == 1 {
+                return Ok(None);
+            }
+            let r = c.query_one(
+                "SELECT owner_gen, owner_fence, run_id FROM berth_threads WHERE thread_key = $1",
+                &[&thread_key],
+            )?;
+            Ok(Some(ThreadOwner {
+                gen: r.get(0),
+                fence: to_fence(r.get(1)),
+                run_id: r.get(2),
+            }))
         })
     }
 
@@ -333,16 +364,24 @@ impl PgListener {
         let mut got = Vec::new();
         let mut failed = None;
         {
-            let mut it = c.notifications();
-            let mut iter = it.timeout_iter(timeout);
-            // Up to 1,024 payloads a call: what is already here comes without waiting.
-            while got.len() < 1024 {
-                match iter.next() {
-                    Ok(Some(n)) => got.push(n.payload().to_owned()),
-                    Ok(None) => break,
-                    Err(e) => {
-                        failed = Some(e);
-                        break;
+            // Wait for the first; then take what else has already arrived, without
+            // waiting again (a wake-up must not sit here for another `timeout`).
+            let mut n = c.notifications();
+            match n.timeout_iter(timeout).next() {
+                Ok(Some(first)) => got.push(first.payload().to_owned()),
+                Ok(None) => {}
+                Err(e) => failed = Some(e),
+            }
+            if failed.is_none() && !got.is_empty() {
+                let mut rest = n.iter();
+                while got.len() < 1024 {
+                    match rest.next() {
+                        Ok(Some(more)) => got.push(more.payload().to_owned()),
+                        Ok(None) => break,
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
                     }
                 }
             }

@@ -57,7 +57,7 @@ CREATE INDEX berth_keys_run ON berth_keys (run_id);
 CREATE INDEX berth_keys_host ON berth_keys (host_id, gen);
 CREATE TABLE berth_threads (
   thread_key text PRIMARY KEY,
-  owner_gen bigint NOT NULL,
+  owner_gen text NOT NULL,
   owner_fence bigint NOT NULL,
   run_id text NOT NULL,
   host_id text NOT NULL,

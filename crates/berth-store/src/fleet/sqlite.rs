@@ -8,7 +8,7 @@ use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use super::{
     check_claim, check_load, Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetStore,
-    HostInfo, HostRow, TokenRow, HOSTS_MAX,
+    HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 
 const SCHEMA: &str = "
@@ -29,7 +29,7 @@ CREATE TABLE IF NOT EXISTS tokens (scope TEXT NOT NULL, owner TEXT NOT NULL,
   lapsed INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (scope, owner));
 CREATE TABLE IF NOT EXISTS keys (key TEXT PRIMARY KEY, run_id TEXT NOT NULL,
   host_id TEXT NOT NULL, gen INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS threads (thread_key TEXT PRIMARY KEY, owner_gen INTEGER NOT NULL,
+CREATE TABLE IF NOT EXISTS threads (thread_key TEXT PRIMARY KEY, owner_gen TEXT NOT NULL,
   owner_fence INTEGER NOT NULL, run_id TEXT NOT NULL, host_id TEXT NOT NULL,
   live INTEGER NOT NULL);
 ";
@@ -323,23 +323,37 @@ impl FleetStore for SqliteFleet {
     fn thread_owner(
         &mut self,
         thread_key: &str,
-        owner_gen: u64,
-        owner_fence: u64,
-        run_id: &str,
+        owner: &ThreadOwner,
         host_id: &str,
-    ) -> Result<bool, FleetError> {
-        let (g, f) = (owner_gen as i64, owner_fence as i64);
+    ) -> Result<Option<ThreadOwner>, FleetError> {
+        let fence = i64::try_from(owner.fence)
+            .map_err(|_| FleetError::Invalid("owner_fence: at most 2^63-1".into()))?;
         self.tx(|tx| {
             let n = tx.execute(
                 "INSERT INTO threads VALUES (?1, ?2, ?3, ?4, ?5, 1)
                  ON CONFLICT (thread_key) DO UPDATE SET owner_gen = excluded.owner_gen,
                    owner_fence = excluded.owner_fence, run_id = excluded.run_id,
                    host_id = excluded.host_id, live = 1
-                 WHERE (threads.owner_gen, threads.owner_fence)
-                    <= (excluded.owner_gen, excluded.owner_fence)",
-                params![thread_key, g, f, run_id, host_id],
+                 WHERE (threads.owner_fence < excluded.owner_fence
+                    OR (threads.owner_fence = excluded.owner_fence
+                        AND threads.owner_gen = excluded.owner_gen
+                        AND threads.run_id = excluded.run_id))",
+                params![thread_key, owner.gen, fence, owner.run_id, host_id],
             )?;
-            Ok(n == 1)
+            if n == 1 {
+                return Ok(None);
+            }
+            tx.query_row(
+                "SELECT owner_gen, owner_fence, run_id FROM threads WHERE thread_key = ?1",
+                [thread_key],
+                |r| {
+                    Ok(Some(ThreadOwner {
+                        gen: r.get(0)?,
+                        fence: u64::try_from(r.get::<_, i64>(1)?).unwrap_or(0),
+                        run_id: r.get(2)?,
+                    }))
+                },
+            )
         })
     }
 

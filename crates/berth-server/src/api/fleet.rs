@@ -1,0 +1,137 @@
+//! F1–F4 over HTTP: `GET /v1/fleet`, and the fleet's side of `/v1/fences/check` and of
+//! a thread's attach. Questions go to the fleet thread ([`crate::fleet::Handle::ask`]).
+
+use std::collections::BTreeMap;
+
+use axum::extract::State as AxState;
+use axum::Json;
+use berth_client::wire;
+use berth_core::threads::{Owner, ThreadError};
+use berth_store::fleet::{FleetError, HostRow, ThreadOwner};
+
+use super::Api;
+use crate::error::{fleet_unavailable, ApiError};
+
+fn refused(e: FleetError) -> ApiError {
+    match e {
+        FleetError::Invalid(m) => ApiError::new(400, "invalid_request", m),
+        e => fleet_unavailable(e),
+    }
+}
+
+/// A host's load as its heartbeat wrote it (what this berth writes; anything else,
+/// from a hostile or newer peer, reads as empty rather than failing the whole view).
+fn host_view(h: HostRow) -> wire::FleetHost {
+    #[derive(serde::Deserialize, Default)]
+    struct Load {
+        #[serde(default)]
+        resources: BTreeMap<String, wire::FleetResource>,
+        #[serde(default)]
+        queue_depth: u64,
+        #[serde(default)]
+        granted: u64,
+    }
+    let load: Load = serde_json::from_str(&h.load).unwrap_or_default();
+    wire::FleetHost {
+        host_id: h.host_id,
+        generation: h.gen,
+        address: h.address,
+        version: h.version,
+        heartbeat_age_ms: h.beat_age_ms,
+        queue_depth: load.queue_depth,
+        granted: load.granted,
+        resources: load.resources,
+        declared_by: h.declared_by,
+    }
+}
+
+/// F4: every live host's capacity, the live hosts' sums, and the dead hosts.
+pub async fn fleet(AxState(api): AxState<Api>) -> Result<Json<wire::Fleet>, ApiError> {
+    let Some(link) = &api.fleet else {
+        return Err(ApiError::new(
+            404,
+            "fleet_mode_off",
+            "this host is not in fleet mode (start it with berth serve --store postgres://…)",
+        ));
+    };
+    let rows = link.ask(|s| s.hosts()).await.map_err(refused)?;
+    let (mut hosts, mut dead) = (Vec::new(), Vec::new());
+    let mut totals: BTreeMap<String, wire::FleetResource> = BTreeMap::new();
+    let mut queue_depth = 0u64;
+    for row in rows {
+        let alive = row.alive;
+        let h = host_view(row);
+        if !alive {
+            dead.push(h);
+            continue;
+        }
+        queue_depth = queue_depth.saturating_add(h.queue_depth);
+        for (name, r) in &h.resources {
+            let t = totals.entry(name.clone()).or_default();
+            t.total = t.total.saturating_add(r.total);
+            t.committed = t.committed.saturating_add(r.committed);
+            t.available = t.available.saturating_add(r.available);
+        }
+        hosts.push(h);
+    }
+    Ok(Json(wire::Fleet {
+        host_id: link.status.host_id(),
+        hosts,
+        totals,
+        queue_depth,
+        dead,
+    }))
+}
+
+/// L8 fleet-wide: a run this host does not know, as the fleet knows it: whether
+/// `fence` is current (its holder alive and the claim held) and which host holds it.
+pub async fn foreign_fence(
+    api: &Api,
+    run_id: &str,
+    fence: u64,
+) -> Result<Option<(bool, String)>, ApiError> {
+    let Some(link) = &api.fleet else {
+        return Ok(None);
+    };
+    let id = run_id.to_owned();
+    let me = link.status.host_id();
+    let f = link.ask(move |s| s.fence(&id)).await.map_err(refused)?;
+    // This host's own runs are answered by its engine alone: a row of this host the
+    // engine does not know is a claim of a generation that is gone.
+    Ok(f.map(|f| {
+        (
+            f.fence == fence && f.host_alive && f.host_id != me,
+            f.host_id,
+        )
+    }))
+}
+
+/// G2 fleet-wide: an attach is refused if the fleet remembers a newer owner of the
+/// thread, whichever host it registered on.
+pub async fn check_thread_owner(api: &Api, key: &str, owner: &Owner) -> Result<(), ApiError> {
+    let Some(link) = &api.fleet else {
+        return Ok(());
+    };
+    let claim = ThreadOwner {
+        gen: owner.gen.clone(),
+        fence: owner.fence,
+        run_id: owner.run_id.clone(),
+    };
+    let (k, me) = (key.to_owned(), link.status.host_id());
+    let newer = link
+        .ask(move |s| s.thread_owner(&k, &claim, &me))
+        .await
+        .map_err(refused)?;
+    match newer {
+        None => Ok(()),
+        Some(cur) => Err(crate::daemon::Error::Thread(ThreadError::Mismatch {
+            key: key.to_owned(),
+            current: Owner {
+                gen: cur.gen,
+                fence: cur.fence,
+                run_id: cur.run_id,
+            },
+        })
+        .into()),
+    }
+}

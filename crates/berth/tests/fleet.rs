@@ -1,0 +1,383 @@
+//! Black-box tests of fleet mode (issue 15, F1–F5): several real daemons on loopback
+//! share one real PostgreSQL database (the server `scripts/test.sh` starts with
+//! pg_virtualenv). One budget limit and one fence sequence fleet-wide under 300
+//! concurrent acquires; a host killed with -9 declared dead exactly once, its keys
+//! freed, its tokens lapsed and its fences refused everywhere; thread owners ordered
+//! fleet-wide; a host cut off from the database keeps its runs, refuses new claims
+//! with 503 and never grants one it cannot record, and recovers.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_store::fleet::{FleetStore, PgFleet};
+use common::Daemon;
+use serde_json::{json, Value};
+
+const ROOMY: &[&str] = &["--slots-max", "64", "--cpu-total", "64000"];
+
+fn database() -> String {
+    berth_store::fleet::testing::pg_fresh_database("fleet").unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A fleet host: fast heartbeats, a lapse of `ttl_max + margin`.
+fn host(store: &str, id: &str, ttl_max: &str, margin: &str) -> Daemon {
+    let mut args: Vec<&str> = ROOMY.to_vec();
+    args.extend([
+        "--store",
+        store,
+        "--host-id",
+        id,
+        "--fleet-beat",
+        "100ms",
+        "--ttl-max",
+        ttl_max,
+        "--fleet-margin",
+        margin,
+    ]);
+    Daemon::start(&args)
+}
+
+fn acquire(d: &Daemon, run: &str, extra: Value) -> common::Resp {
+    let mut body = json!({"run_id": run, "project": format!("p-{run}"), "detach": true,
+                          "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    d.post("/v1/runs", &body.to_string())
+}
+
+/// Waits until the run is granted; its fence. (A long poll waits for a change: it is
+/// asked only while the run is queued, and briefly, since the grant may come between
+/// the look and the poll.)
+fn granted(d: &Daemon, run: &str) -> u64 {
+    let end = Instant::now() + Duration::from_secs(60);
+    let mut path = format!("/v1/runs/{run}");
+    while Instant::now() < end {
+        let r = d.get(&path);
+        path = format!("/v1/runs/{run}?wait_s=1");
+        assert_eq!(r.status, 200, "{run}: {:?}", r.body);
+        match r.body["state"].as_str() {
+            Some("granted") => return r.body["fence"].as_u64().unwrap(),
+            Some("queued") => continue,
+            other => panic!("{run} ended {other:?}: {}", r.body),
+        }
+    }
+    panic!("{run} was not granted within 60 s");
+}
+
+fn release(d: &Daemon, run: &str, fence: u64) {
+    let r = d.post(
+        &format!("/v1/runs/{run}/release"),
+        &json!({ "fence": fence }).to_string(),
+    );
+    assert_eq!(r.status, 200, "release {run}: {:?}", r.body);
+}
+
+fn fence_check(d: &Daemon, run: &str, fence: u64) -> Value {
+    let r = d.get(&format!("/v1/fences/check?run_id={run}&fence={fence}"));
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    r.body
+}
+
+fn budget(limit: u32) -> Value {
+    json!({"budget": {"scope": "fleet-exp", "harness": "claude", "per_harness": {"claude": limit}}})
+}
+
+/// F1/B2: 300 concurrent acquires over three hosts, each with a token of one harness
+/// limited to 5 fleet-wide. Sampled at every grant (the fleet's own token rows) the
+/// holders never exceed 5 and reach 5 (there is contention to fail on); every fence is
+/// unique fleet-wide; every run ends and every token comes back.
+#[test]
+fn three_hosts_share_one_budget_limit_and_one_fence_sequence() {
+    let db = database();
+    let hosts: Vec<Arc<Daemon>> = (0..3)
+        .map(|i| Arc::new(host(&db, &format!("h{i}"), "60s", "5s")))
+        .collect();
+    let peak = Arc::new(AtomicUsize::new(0));
+    let fences = Arc::new(Mutex::new(Vec::new()));
+    let threads: Vec<_> = (0..30)
+        .map(|t| {
+            let (d, peak, fences, db) = (
+                hosts[t % 3].clone(),
+                peak.clone(),
+                fences.clone(),
+                db.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut pg = PgFleet::open(&db).unwrap();
+                for i in 0..10 {
+                    let run = format!("r{t}-{i}");
+                    let r = acquire(&d, &run, budget(5));
+                    assert!(r.status == 200 || r.status == 202, "{run}: {:?}", r.body);
+                    let fence = granted(&d, &run);
+                    let held = pg
+                        .tokens("fleet-exp")
+                        .unwrap()
+                        .iter()
+                        .filter(|t| !t.lapsed)
+                        .count();
+                    assert!(
+                        held <= 5,
+                        "{held} tokens held fleet-wide at the grant of {run}"
+                    );
+                    peak.fetch_max(held, Ordering::Relaxed);
+                    fences.lock().unwrap().push(fence);
+                    std::thread::sleep(Duration::from_millis(5));
+                    release(&d, &run, fence);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let fences = fences.lock().unwrap();
+    let unique: BTreeSet<u64> = fences.iter().copied().collect();
+    assert_eq!(fences.len(), 300);
+    assert_eq!(unique.len(), 300, "a fence was granted twice in the fleet");
+    assert_eq!(
+        peak.load(Ordering::Relaxed),
+        5,
+        "the limit was never reached: no contention"
+    );
+    let mut pg = PgFleet::open(&db).unwrap();
+    hosts[0].wait_until("every token back", |_| {
+        pg.tokens("fleet-exp").unwrap().is_empty()
+    });
+    // The fleet view sums the three live hosts.
+    let f = hosts[1].get("/v1/fleet");
+    assert_eq!(f.status, 200, "{:?}", f.body);
+    assert_eq!(f.body["hosts"].as_array().unwrap().len(), 3, "{}", f.body);
+    assert_eq!(f.body["totals"]["slots"]["total"], 192, "{}", f.body);
+}
+
+/// F2: a host killed with -9 while it holds a budget token and a fleet key. After the
+/// lapse another host declares it dead exactly once; its key is free for another host,
+/// its token is marked lapsed and still counts; its fences are refused on every host
+/// (they were current before the kill).
+#[test]
+fn a_killed_host_is_declared_dead_once_and_its_fences_are_refused_everywhere() {
+    let db = database();
+    let a = host(&db, "a", "3s", "1s");
+    let mut b = host(&db, "b", "3s", "1s");
+    let c = host(&db, "c", "3s", "1s");
+    let r = acquire(&b, "rb-token", budget(2));
+    assert!(r.status < 300, "{:?}", r.body);
+    let f_token = granted(&b, "rb-token");
+    let r = acquire(&b, "rb-key", json!({"singletons": ["fleet:staging-db"]}));
+    assert!(r.status < 300, "{:?}", r.body);
+    let f_key = granted(&b, "rb-key");
+    // Before: the other hosts see the fences as current, and the key as held.
+    for d in [&a, &c] {
+        assert_eq!(fence_check(d, "rb-token", f_token)["current"], true);
+        assert_eq!(fence_check(d, "rb-key", f_key)["host"], "b");
+    }
+    // A `wait_s = 0` run is tried once: the key is b's, so it is not granted.
+    let r = acquire(
+        &a,
+        "ra-key",
+        json!({"singletons": ["fleet:staging-db"], "wait_s": 0}),
+    );
+    assert_eq!(r.code(), "expired", "the key is held by b: {:?}", r.body);
+    let r = acquire(&a, "ra-now", json!({"wait_s": 0}));
+    assert_eq!(
+        r.status, 201,
+        "a run with nothing held elsewhere: {:?}",
+        r.body
+    );
+    assert_eq!(r.body["state"], "granted");
+    b.kill9();
+    let mut pg = PgFleet::open(&db).unwrap();
+    a.wait_until("b declared dead", |_| {
+        !pg.declarations("b").unwrap().is_empty()
+    });
+    std::thread::sleep(Duration::from_millis(1_500));
+    let decl = pg.declarations("b").unwrap();
+    assert_eq!(decl.len(), 1, "declared more than once: {decl:?}");
+    assert!(decl[0].1 == "a" || decl[0].1 == "c", "{decl:?}");
+    // Its fences are refused on every live host.
+    for d in [&a, &c] {
+        for (run, f) in [("rb-token", f_token), ("rb-key", f_key)] {
+            let v = fence_check(d, run, f);
+            assert_eq!(v["current"], false, "{run} on a dead host: {v}");
+        }
+    }
+    // Its key is free; its token is lapsed, held, not freed (B3).
+    let r = acquire(&c, "rc-key", json!({"singletons": ["fleet:staging-db"]}));
+    assert!(r.status < 300, "{:?}", r.body);
+    granted(&c, "rc-key");
+    let t = pg.tokens("fleet-exp").unwrap();
+    assert!(
+        t.len() == 1 && t[0].lapsed && t[0].owner == "rb-token",
+        "{t:?}"
+    );
+    // The dead host is listed as dead, by the host that declared it.
+    let f = a.get("/v1/fleet").body;
+    assert_eq!(f["dead"][0]["host_id"], "b", "{f}");
+    assert_eq!(f["hosts"].as_array().unwrap().len(), 2, "{f}");
+    // Back from the dead, b re-registers empty and its old runs are ended: its old
+    // fences are refused on b too.
+    b.spawn();
+    b.wait_until("b's old run ended", |d| {
+        fence_check(d, "rb-key", f_key)["current"] == false
+    });
+    assert_eq!(fence_check(&b, "rb-token", f_token)["current"], false);
+    assert_eq!(pg.declarations("b").unwrap().len(), 1);
+}
+
+/// G2 fleet-wide: a thread registered on host A refuses an older owner on host C.
+#[test]
+fn a_thread_registered_on_one_host_refuses_an_older_owner_on_another() {
+    let db = database();
+    let a = host(&db, "a", "60s", "5s");
+    let c = host(&db, "c", "60s", "5s");
+    assert!(acquire(&c, "rc", json!({})).status < 300);
+    let fc = granted(&c, "rc");
+    assert!(acquire(&a, "ra", json!({})).status < 300);
+    let fa = granted(&a, "ra");
+    assert!(fa > fc, "the fleet's sequence orders the two grants");
+    let claim = |run: &str, fence: u64| {
+        json!({"owner_gen": "orch-1", "owner_fence": fence, "run_id": run,
+               "run_budget_ms": 60_000})
+        .to_string()
+    };
+    let r = a.post("/v1/threads/t1/attach", &claim("ra", fa));
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let r = c.post("/v1/threads/t1/attach", &claim("rc", fc));
+    assert_eq!(r.status, 409, "{:?}", r.body);
+    assert_eq!(r.code(), "registration_mismatch");
+    // A newer owner takes it on C.
+    let r = c.post("/v1/threads/t1/attach", &claim("rc", fa + 1000));
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let r = a.post("/v1/threads/t1/attach", &claim("ra", fa));
+    assert_eq!(r.status, 409, "A's owner is older now: {:?}", r.body);
+}
+
+/// A TCP relay to the database that the test can cut (every connection closed, new
+/// ones closed at once) and restore.
+struct Relay {
+    port: u16,
+    cut: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl Relay {
+    fn start(target: String) -> Relay {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let cut = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (cut2, conns2) = (cut.clone(), conns.clone());
+        std::thread::spawn(move || {
+            for s in l.incoming().flatten() {
+                if cut2.load(Ordering::SeqCst) {
+                    let _ = s.shutdown(Shutdown::Both);
+                    continue;
+                }
+                let Ok(up) = TcpStream::connect(&target) else {
+                    continue;
+                };
+                conns2
+                    .lock()
+                    .unwrap()
+                    .extend([s.try_clone().unwrap(), up.try_clone().unwrap()]);
+                for (mut from, mut to) in
+                    [(s.try_clone().unwrap(), up.try_clone().unwrap()), (up, s)]
+                {
+                    std::thread::spawn(move || {
+                        let mut buf = [0u8; 16384];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 || to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                        }
+                        let _ = to.shutdown(Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Relay { port, cut, conns }
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().drain(..) {
+            let _ = c.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn restore(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+/// F1/F2: a host cut off from the database keeps serving its runs (renew, fence check,
+/// release), refuses new runs with 503 store_unavailable, never grants a run whose
+/// claim it cannot record (a token another host frees meanwhile stays unclaimed), and
+/// takes claims again once the database is back.
+#[test]
+fn a_host_cut_off_from_the_database_keeps_its_runs_and_takes_no_new_claim() {
+    let db = database();
+    let target = format!(
+        "{}:{}",
+        std::env::var("PGHOST").unwrap(),
+        std::env::var("PGPORT").unwrap()
+    );
+    let relay = Relay::start(target.clone());
+    let relayed = db.replace(
+        &format!("port={}", std::env::var("PGPORT").unwrap()),
+        &format!("port={}", relay.port),
+    );
+    let relayed = relayed.replace(
+        &format!("host={}", std::env::var("PGHOST").unwrap()),
+        "host=127.0.0.1",
+    );
+    let d = host(&relayed, "d", "60s", "5s");
+    let e = host(&db, "e", "60s", "5s");
+    // d holds a plain run; e holds the only token of a harness d's waiter wants.
+    assert!(acquire(&d, "rd", json!({})).status < 300);
+    let fd = granted(&d, "rd");
+    assert!(acquire(&e, "re", budget(1)).status < 300);
+    let fe = granted(&e, "re");
+    assert!(acquire(&d, "rq", budget(1)).status < 300);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(d.get("/v1/runs/rq").body["state"], "queued");
+    relay.cut();
+    let mut probe = 0;
+    d.wait_until("d sees the store gone", |d| {
+        probe += 1;
+        acquire(d, &format!("probe-{probe}"), json!({})).status == 503
+    });
+    let r = acquire(&d, "rn", budget(1));
+    assert_eq!(
+        (r.status, r.code()),
+        (503, "store_unavailable"),
+        "{:?}",
+        r.body
+    );
+    // Its own run goes on.
+    let r = d.post("/v1/runs/rd/renew", &json!({"fence": fd}).to_string());
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(fence_check(&d, "rd", fd)["current"], true);
+    // e frees the token; d cannot record a claim, so its waiter stays queued.
+    release(&e, "re", fe);
+    std::thread::sleep(Duration::from_millis(2_500));
+    assert_eq!(
+        d.get("/v1/runs/rq").body["state"],
+        "queued",
+        "granted without a record"
+    );
+    relay.restore();
+    let fq = granted(&d, "rq");
+    assert!(fq > fe);
+    let r = acquire(&d, "rn2", json!({}));
+    assert!(r.status < 300, "{:?}", r.body);
+    granted(&d, "rn2");
+    release(&d, "rd", fd);
+}
