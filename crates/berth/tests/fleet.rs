@@ -381,3 +381,82 @@ fn a_host_cut_off_from_the_database_keeps_its_runs_and_takes_no_new_claim() {
     granted(&d, "rn2");
     release(&d, "rd", fd);
 }
+
+/// F2: a host that cannot heartbeat fences itself first. Cut off from the database, it
+/// stops its run holding a fleet-wide key before the lapse at which another host may
+/// declare it dead and hand the key on (its client kept renewing it), while its plain
+/// run goes on; the key is then taken on another host only after the lapse.
+#[test]
+fn a_host_that_cannot_heartbeat_stops_its_fleet_wide_runs_before_the_lapse() {
+    let db = database();
+    let port = std::env::var("PGPORT").unwrap();
+    let relay = Relay::start(format!("{}:{port}", std::env::var("PGHOST").unwrap()));
+    let relayed = db
+        .replace(&format!("port={port}"), &format!("port={}", relay.port))
+        .replace(
+            &format!("host={}", std::env::var("PGHOST").unwrap()),
+            "host=127.0.0.1",
+        );
+    // Lapse 4 s (ttl max 2 s + 2 s); the host fences itself a quarter earlier.
+    let d = host(&relayed, "d", "2s", "2s");
+    let e = host(&db, "e", "2s", "2s");
+    assert!(acquire(&d, "rd-key", json!({"singletons": ["fleet:staging-db"]})).status < 300);
+    let f_key = granted(&d, "rd-key");
+    assert!(acquire(&d, "rd-plain", json!({})).status < 300);
+    let f_plain = granted(&d, "rd-plain");
+    let cut_at = Instant::now();
+    relay.cut();
+    // The client renews both all along; the fleet-wide one is stopped by d itself.
+    let mut stopped_after = None;
+    while cut_at.elapsed() < Duration::from_secs(6) {
+        for (run, f) in [("rd-key", f_key), ("rd-plain", f_plain)] {
+            d.post(
+                &format!("/v1/runs/{run}/renew"),
+                &json!({ "fence": f }).to_string(),
+            );
+        }
+        let state = d.get("/v1/runs/rd-key").body["state"].clone();
+        if stopped_after.is_none() && state != "granted" {
+            stopped_after = Some(cut_at.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let stopped_after = stopped_after.expect("the fleet-wide run was never stopped");
+    assert!(
+        stopped_after < Duration::from_millis(3_900),
+        "stopped {stopped_after:?} after the cut: not before the 4 s lapse"
+    );
+    assert_eq!(d.get("/v1/runs/rd-plain").body["state"], "granted");
+    // e declared d dead after the lapse; the key is e's to give now.
+    let mut pg = PgFleet::open(&db).unwrap();
+    e.wait_until("d declared dead", |_| {
+        !pg.declarations("d").unwrap().is_empty()
+    });
+    assert!(acquire(&e, "re-key", json!({"singletons": ["fleet:staging-db"]})).status < 300);
+    granted(&e, "re-key");
+    relay.restore();
+}
+
+/// F4: `berth fleet` shows every live host and the fleet's sums.
+#[test]
+fn berth_fleet_lists_the_live_hosts() {
+    let db = database();
+    let a = host(&db, "fa", "60s", "5s");
+    let _b = host(&db, "fb", "60s", "5s");
+    // Each host's capacity arrives with its heartbeat.
+    a.wait_until("both hosts' capacity known", |a| {
+        a.get("/v1/fleet").body["totals"]["slots"]["total"] == 128
+    });
+    let out = a.cli().arg("fleet").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("2 live host(s)"), "{text}");
+    assert!(text.contains("fa\t") && text.contains("fb\t"), "{text}");
+    let out = a.cli().args(["fleet", "--json"]).output().unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["totals"]["slots"]["total"], 128, "{v}");
+    // Without fleet mode the route says so.
+    let plain = Daemon::start(&[]);
+    let r = plain.get("/v1/fleet");
+    assert_eq!((r.status, r.code()), (404, "fleet_mode_off"));
+}

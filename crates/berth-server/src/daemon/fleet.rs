@@ -496,6 +496,8 @@ impl<H: Host> Daemon<H> {
     /// Fleet mode on: claims go to `link`'s thread. `self_fence_ms` and `recheck_ms`
     /// as in [`FleetState`].
     pub fn set_fleet(&mut self, link: Handle, self_fence_ms: u64, recheck_ms: u64) {
+        // Its capacity is known before its first heartbeat.
+        *link.status.load.lock().unwrap_or_else(|e| e.into_inner()) = self.load_json();
         self.fleet.link = Some(link);
         self.fleet.self_fence_ms = self_fence_ms;
         self.fleet.recheck_ms = recheck_ms;
