@@ -222,6 +222,51 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/fleet": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Fleet mode: every live host's capacity and queue, the fleet-wide sums, the dead hosts (F4) */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["Fleet"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/fences/check": {
         parameters: {
             query?: never;
@@ -1745,6 +1790,64 @@ export interface components {
             current: boolean;
             /** @enum {string} */
             state?: "queued" | "granted" | "releasing" | "released" | "expired" | "cancelled" | "rejected" | "degraded";
+            /**
+             * @description Fleet mode: the host that holds a run this host does not (its fence is current
+             *     while that host is alive and the run holds its claim; a dead host's fences are
+             *     refused everywhere).
+             */
+            host?: string | null;
+        };
+        /**
+         * @description `GET /v1/fleet`: every live host with its capacity, the fleet-wide sums of the live
+         *     hosts, and the dead hosts (F4).
+         */
+        Fleet: {
+            /** @description The host that answered. */
+            host_id: string;
+            hosts: components["schemas"]["FleetHost"][];
+            totals: {
+                [key: string]: components["schemas"]["FleetResource"];
+            };
+            /** Format: int64 */
+            queue_depth: number;
+            dead: components["schemas"]["FleetHost"][];
+        };
+        /** @description A host of the fleet as its last heartbeat described it (F4). */
+        FleetHost: {
+            host_id: string;
+            /**
+             * Format: int64
+             * @description Its registration's generation (a new one after each restart or death).
+             */
+            generation: number;
+            address: string;
+            version: string;
+            /**
+             * Format: int64
+             * @description Milliseconds since its last heartbeat, by the fleet store's clock.
+             */
+            heartbeat_age_ms: number;
+            /** Format: int64 */
+            queue_depth: number;
+            /** Format: int64 */
+            granted: number;
+            resources: {
+                [key: string]: components["schemas"]["FleetResource"];
+            };
+            /** @description A dead host: the live host that declared it. */
+            declared_by?: string | null;
+        };
+        /**
+         * @description One resource summed over a host (or the fleet): what it has, what is granted and
+         *     what is free now (F4).
+         */
+        FleetResource: {
+            /** Format: int64 */
+            total: number;
+            /** Format: int64 */
+            committed: number;
+            /** Format: int64 */
+            available: number;
         };
         /**
          * @description Per harness: its limit, the tokens held now, and how many of those are held for an

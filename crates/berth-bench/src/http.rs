@@ -12,12 +12,12 @@ use std::time::{Duration, Instant};
 /// Load before the measurement starts.
 const WARMUP: Duration = Duration::from_secs(2);
 
-struct Outcome {
-    lifecycles: u64,
-    seconds: f64,
-    grant_ms: Vec<f64>,
-    commits: u64,
-    errors: u64,
+pub(crate) struct Outcome {
+    pub(crate) lifecycles: u64,
+    pub(crate) seconds: f64,
+    pub(crate) grant_ms: Vec<f64>,
+    pub(crate) commits: u64,
+    pub(crate) errors: u64,
     /// Events each subscriber received while measuring.
     events: Vec<u64>,
     /// Subscribers the daemon cut off for falling behind.
@@ -53,7 +53,7 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
     }
 }
 
-fn run(clients: usize, subscribers: usize, seconds: u64, group_commit: bool) -> Outcome {
+pub(crate) fn run(clients: usize, subscribers: usize, seconds: u64, group_commit: bool) -> Outcome {
     // Whatever ran before (a build, the other half of this benchmark) leaves dirty pages
     // whose writeback would compete with the daemon's fsyncs: flush them first.
     rustix::fs::sync();
@@ -66,11 +66,32 @@ fn run(clients: usize, subscribers: usize, seconds: u64, group_commit: bool) -> 
     let running = rt
         .block_on(berth_server::start(config(dir.path(), group_commit)))
         .expect("daemon");
+    let hosts = vec![(
+        format!("http://{}", running.addr),
+        format!("Bearer {}", running.admin_token.clone().unwrap()),
+    )];
+    let commits = || running.commits();
+    let out = drive(hosts, clients, subscribers, seconds, false, &commits);
+    rt.block_on(running.stop()).unwrap();
+    out
+}
+
+/// `clients` lifecycles in a loop against `hosts` (and `subscribers` following the
+/// first host's events) for WARMUP, then `seconds` measured. `commits` reads the
+/// ledger commits so far.
+pub(crate) fn drive(
+    hosts: Vec<(String, String)>,
+    clients: usize,
+    subscribers: usize,
+    seconds: u64,
+    budget: bool,
+    commits: &dyn Fn() -> u64,
+) -> Outcome {
     // Steady state is what is measured: the clients first run for WARMUP (the
     // daemon's workspace pool fills, connections open), then the counting starts.
     let load = Arc::new(Load {
-        url: format!("http://{}", running.addr),
-        auth: format!("Bearer {}", running.admin_token.clone().unwrap()),
+        hosts,
+        budget,
         measuring: AtomicBool::new(false),
         stop: AtomicBool::new(false),
         count: AtomicU64::new(0),
@@ -108,15 +129,14 @@ fn run(clients: usize, subscribers: usize, seconds: u64, group_commit: bool) -> 
         })
     };
     std::thread::sleep(WARMUP);
-    let commits_before = running.commits();
+    let commits_before = commits();
     let started = Instant::now();
     load.measuring.store(true, Ordering::Relaxed);
     std::thread::sleep(Duration::from_secs(seconds));
     let secs = started.elapsed().as_secs_f64();
-    let commits = running.commits() - commits_before;
+    let commits = commits() - commits_before;
     load.stop.store(true, Ordering::Relaxed);
     clients_thread.join().unwrap();
-    rt.block_on(running.stop()).unwrap();
     let mut grant_ms = std::mem::take(&mut *load.grant_ms.lock().unwrap());
     grant_ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
     Outcome {
@@ -134,7 +154,7 @@ fn run(clients: usize, subscribers: usize, seconds: u64, group_commit: bool) -> 
     }
 }
 
-fn pct(v: &[f64], p: f64) -> f64 {
+pub(crate) fn pct(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {
         return 0.0;
     }
@@ -166,9 +186,11 @@ pub fn main(clients: usize, subscribers: usize, seconds: u64) {
 }
 
 /// What the clients share: where to go, when to count and stop, and the tallies.
-struct Load {
-    url: String,
-    auth: String,
+pub(crate) struct Load {
+    /// The daemons' URLs and bearer headers: client `c` talks to `hosts[c % len]`.
+    hosts: Vec<(String, String)>,
+    /// Each acquire carries a budget token (fleet benchmark).
+    budget: bool,
     measuring: AtomicBool,
     stop: AtomicBool,
     count: AtomicU64,
@@ -182,9 +204,15 @@ struct Load {
 /// The load generator's acquire body, written by hand: the client shares the machine's
 /// cores with the daemon, so it spends as little as it can per request. A unit test
 /// keeps it what API v1's `AcquireRequest` says.
-fn acquire_body(c: usize, id: &str) -> String {
+fn acquire_body(c: usize, id: &str, budget: bool) -> String {
+    // A limit no load here reaches: the token's cost is measured, not a wait for one.
+    let budget = if budget {
+        r#","budget":{"scope":"bench","harness":"h","per_harness":{"h":1024}}"#
+    } else {
+        ""
+    };
     format!(
-        r#"{{"run_id":"{id}","project":"bench-{c}","resources":{{"memory":1048576,"cpu_millis":1,"disk":0}}}}"#
+        r#"{{"run_id":"{id}","project":"bench-{c}","resources":{{"memory":1048576,"cpu_millis":1,"disk":0}}{budget}}}"#
     )
 }
 
@@ -195,7 +223,8 @@ fn release_body(fence: u64) -> String {
 
 /// One client: acquire -> release lifecycles until `stop`.
 async fn client(c: usize, load: Arc<Load>) {
-    let (url, token) = (load.url.as_str(), load.auth.as_str());
+    let (url, token) = &load.hosts[c % load.hosts.len()];
+    let (url, token) = (url.as_str(), token.as_str());
     let (measuring, stop, count, errors) = (&load.measuring, &load.stop, &load.count, &load.errors);
     let mut conn = Conn::open(url).await;
     let mut mine = Vec::new();
@@ -203,7 +232,7 @@ async fn client(c: usize, load: Arc<Load>) {
     while !stop.load(Ordering::Relaxed) {
         i += 1;
         let id = format!("c{c}-{i}");
-        let body = acquire_body(c, &id);
+        let body = acquire_body(c, &id, load.budget);
         let t = Instant::now();
         let Some((status, resp)) = conn.post("/v1/runs", token, &body).await else {
             errors.fetch_add(1, Ordering::Relaxed);
@@ -241,10 +270,10 @@ async fn client(c: usize, load: Arc<Load>) {
 /// with an `id:`) it receives while measuring, until aborted or cut off.
 async fn subscriber(s: usize, load: Arc<Load>) {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
-    let mut conn = Conn::open(&load.url).await;
+    let mut conn = Conn::open(&load.hosts[0].0).await;
     let req = format!(
         "GET /v1/events HTTP/1.1\r\nHost: {}\r\nAuthorization: {}\r\nAccept: text/event-stream\r\n\r\n",
-        conn.host, load.auth
+        conn.host, load.hosts[0].1
     );
     conn.stream
         .get_mut()
@@ -382,10 +411,15 @@ mod tests {
 
     #[test]
     fn the_hand_written_bodies_are_api_v1() {
-        let a: AcquireRequest = serde_json::from_str(&super::acquire_body(3, "c3-9")).unwrap();
+        let a: AcquireRequest =
+            serde_json::from_str(&super::acquire_body(3, "c3-9", false)).unwrap();
         assert_eq!(a.run_id.as_deref(), Some("c3-9"));
         assert_eq!(a.project, "bench-3");
         assert_eq!(a.resources.unwrap().0["memory"], 1 << 20);
+        assert!(a.budget.is_none());
+        let b: AcquireRequest =
+            serde_json::from_str(&super::acquire_body(3, "c3-9", true)).unwrap();
+        assert_eq!(b.budget.unwrap().harness, "h");
         let r: ReleaseRequest = serde_json::from_str(&super::release_body(42)).unwrap();
         assert_eq!(r.fence, 42);
         // The answer's fence is found where the server writes it.

@@ -100,11 +100,23 @@ enum Bench {
         #[arg(long, default_value_t = 100_000)]
         detached: usize,
     },
+    /// Fleet mode: N daemons on one PostgreSQL (PGHOST, PGPORT, PGUSER, PGPASSWORD),
+    /// lifecycles per second fleet-wide with and without a budget token, beside the
+    /// single-host SQLite figure and pgbench's insert-then-delete lifecycle.
+    Fleet {
+        #[arg(long, default_value_t = 3)]
+        hosts: usize,
+        #[arg(long, default_value_t = 64)]
+        clients: usize,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+    },
     /// (The daemon `waiters` measures, in its own process.)
     #[command(hide = true)]
     WaitersDaemon { state_dir: std::path::PathBuf },
 }
 
+mod fleet;
 mod http;
 mod recovery;
 mod retention;
@@ -283,6 +295,11 @@ fn main() {
             seconds,
         } => http::main(clients, subscribers, seconds),
         Bench::Recovery { runs } => recovery::main(runs),
+        Bench::Fleet {
+            hosts,
+            clients,
+            seconds,
+        } => fleet::main(hosts, clients, seconds),
         Bench::Retention { runs } => retention::main(runs),
         Bench::RetentionDaemon { state_dir } => retention::daemon(&state_dir),
         Bench::Waiters { attached, detached } => waiters::main(attached, detached),

@@ -165,7 +165,7 @@ fn spawn_listener(mut l: berth_store::fleet::PgListener, inbox: mpsc::WeakSender
         .spawn(move || loop {
             match l.wait(Duration::from_millis(LISTEN_WAIT_MS)) {
                 Ok(payloads) if !payloads.is_empty() => {
-                    if !tell(&inbox, Msg::FleetWake { payloads }) {
+                    if !tell(&inbox, Msg::Fleet(Report::Wake { payloads })) {
                         return;
                     }
                 }
@@ -254,13 +254,14 @@ impl Worker {
                 let r = self.store.claim(&c);
                 self.seen(&r);
                 let result = r.map_err(|e| e.to_string());
+                let (run_id, gen) = (c.run_id, c.gen);
                 tell(
                     &self.inbox,
-                    Msg::FleetClaimed {
-                        run_id: c.run_id,
-                        gen: c.gen,
+                    Msg::Fleet(Report::Claimed {
+                        run_id,
+                        gen,
                         result,
-                    },
+                    }),
                 );
             }
             Job::End { run_id, gen, how } => {
@@ -290,7 +291,7 @@ impl Worker {
                 self.status.gen.store(gen, Ordering::Relaxed);
                 self.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed);
                 tracing::info!(host, gen, resumed, "fleet: registered");
-                return tell(&self.inbox, Msg::FleetGeneration { gen, resumed });
+                return tell(&self.inbox, Msg::Fleet(Report::Generation { gen, resumed }));
             }
             return self.inbox.upgrade().is_some();
         }
@@ -331,7 +332,10 @@ impl Worker {
         if let Ok(dead) = r {
             for (h, g) in dead {
                 tracing::warn!(host = h, gen = g, by = host, "fleet: declared a host dead (no heartbeat within the lapse): its keys are freed and its budget tokens marked lapsed");
-                if !tell(&self.inbox, Msg::FleetDeclared { host_id: h, gen: g }) {
+                if !tell(
+                    &self.inbox,
+                    Msg::Fleet(Report::Declared { host_id: h, gen: g }),
+                ) {
                     return false;
                 }
             }
@@ -342,3 +346,21 @@ impl Worker {
 
 /// The outcome of a claim, as the daemon reads it.
 pub type ClaimResult = Result<ClaimOutcome, String>;
+
+/// What the fleet threads tell the daemon (`Msg::Fleet`).
+#[derive(Debug)]
+pub enum Report {
+    /// F1: the store's answer to a run's claim.
+    Claimed {
+        run_id: String,
+        gen: i64,
+        result: ClaimResult,
+    },
+    /// F3: fleet-wide claims came free (`token SCOPE/HARNESS`, `key NAME`).
+    Wake { payloads: Vec<String> },
+    /// F2: this host registered under generation `gen`; `resumed` is false if its
+    /// previous generation had been declared dead.
+    Generation { gen: i64, resumed: bool },
+    /// F2: this host declared another host dead.
+    Declared { host_id: String, gen: i64 },
+}

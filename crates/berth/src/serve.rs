@@ -211,10 +211,6 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     let threads = thread_config(&a, &file)?;
     let mut c = engine_config(&a, &file, &state_dir)?;
     c.fit_default_request();
-    if let Some(ttl) = a.ttl_max {
-        c.ttl_ms_max = ttl;
-        c.ttl_ms_default = c.ttl_ms_default.min(ttl);
-    }
     let listen = a
         .listen
         .or(file.listen)
@@ -403,6 +399,10 @@ fn engine_config(
         .or(duration("starvation_guard", file.starvation_guard.clone())?)
     {
         c.starvation_guard_ms = v;
+    }
+    if let Some(ttl) = a.ttl_max {
+        c.ttl_ms_max = ttl;
+        c.ttl_ms_default = c.ttl_ms_default.min(ttl);
     }
     named_and_defaults(&mut c, a, file)?;
     Ok(c)

@@ -14,7 +14,7 @@ use berth_store::fleet::{Claim, ClaimOutcome, Ending, TokenClaim};
 
 use super::extra::Extra;
 use super::{Daemon, Error, Host, Reply, RunInfo};
-use crate::fleet::{ClaimResult, Handle, Job};
+use crate::fleet::{ClaimResult, Handle, Job, Report};
 
 /// `wait_s = 0` acquires waiting for their fleet-wide claim at most; beyond it new ones
 /// are refused as if the store were away (each holds a caller's connection).
@@ -102,6 +102,22 @@ impl FleetState {
 }
 
 impl<H: Host> Daemon<H> {
+    /// A report of the fleet threads.
+    pub(super) fn on_fleet(&mut self, report: Report) {
+        match report {
+            Report::Claimed {
+                run_id,
+                gen,
+                result,
+            } => self.on_fleet_claimed(run_id, gen, result),
+            Report::Wake { payloads } => self.on_fleet_wake(payloads),
+            Report::Generation { gen, resumed } => self.on_fleet_generation(gen, resumed),
+            Report::Declared { host_id, gen } => {
+                tracing::debug!(host_id, gen, "fleet: declared dead by this host");
+            }
+        }
+    }
+
     /// `Event::PermitWanted`: take the run's claim from the fleet store.
     pub(super) fn on_permit_wanted(&mut self, run_id: &str) {
         self.send_claim(run_id);
@@ -236,7 +252,7 @@ impl<H: Host> Daemon<H> {
     }
 
     /// The fleet store's answer to a claim.
-    pub(super) fn on_fleet_claimed(&mut self, run_id: String, gen: i64, result: ClaimResult) {
+    fn on_fleet_claimed(&mut self, run_id: String, gen: i64, result: ClaimResult) {
         tracing::debug!(run_id, gen, ?result, "fleet: claim answered");
         if let Some(p) = self.fleet.preclaims.remove(&run_id) {
             return self.preclaimed(p, gen, result);
@@ -307,7 +323,7 @@ impl<H: Host> Daemon<H> {
     }
 
     /// F3: something another host held came free.
-    pub(super) fn on_fleet_wake(&mut self, payloads: Vec<String>) {
+    fn on_fleet_wake(&mut self, payloads: Vec<String>) {
         tracing::debug!(?payloads, "fleet: wake-up");
         for p in payloads {
             if self.fleet.wakes.len() >= WAKE_CHANNELS_MAX && !self.fleet.wakes.contains_key(&p) {
@@ -377,7 +393,7 @@ impl<H: Host> Daemon<H> {
     /// F2: registered (again). If the last generation was declared dead, nothing it
     /// held comes back: its runs are ended here (their fences are refused fleet-wide
     /// already), and waiters ask again under the new generation.
-    pub(super) fn on_fleet_generation(&mut self, gen: i64, resumed: bool) {
+    fn on_fleet_generation(&mut self, gen: i64, resumed: bool) {
         let mut touched = BTreeSet::new();
         // Every run that holds (or held, before a restart) a fence: all of them were
         // claimed in the fleet under an earlier generation of this host.

@@ -66,16 +66,7 @@ impl<H: Host> Daemon<H> {
                 reply,
             } => self.on_fence_check(run_id, fence, reply),
             Msg::Detach { run_id } => self.on_detach(run_id),
-            Msg::FleetClaimed {
-                run_id,
-                gen,
-                result,
-            } => self.on_fleet_claimed(run_id, gen, result),
-            Msg::FleetWake { payloads } => self.on_fleet_wake(payloads),
-            Msg::FleetGeneration { gen, resumed } => self.on_fleet_generation(gen, resumed),
-            Msg::FleetDeclared { host_id, gen } => {
-                tracing::debug!(host_id, gen, "fleet: declared dead by this host");
-            }
+            Msg::Fleet(report) => self.on_fleet(report),
             Msg::Subscribe { run_id, reply } => self.on_subscribe(run_id, reply),
             Msg::RegisterProcess {
                 run_id,

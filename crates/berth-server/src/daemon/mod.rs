@@ -236,27 +236,8 @@ pub enum Msg {
     Idle {
         reply: Reply<berth_client::wire::Idle>,
     },
-    /// F1: the fleet store's answer to a run's claim (from the fleet thread).
-    FleetClaimed {
-        run_id: String,
-        gen: i64,
-        result: crate::fleet::ClaimResult,
-    },
-    /// F3: fleet-wide claims came free (`token SCOPE/HARNESS`, `key NAME`).
-    FleetWake {
-        payloads: Vec<String>,
-    },
-    /// F2: this host registered under generation `gen`; `resumed` is false if its
-    /// previous generation had been declared dead.
-    FleetGeneration {
-        gen: i64,
-        resumed: bool,
-    },
-    /// F2: this host declared another host dead.
-    FleetDeclared {
-        host_id: String,
-        gen: i64,
-    },
+    /// F1–F3: what the fleet thread reports.
+    Fleet(crate::fleet::Report),
     /// B1–B6: show, reserve, release, reconcile or control one scope.
     Scope {
         op: ScopeOp,

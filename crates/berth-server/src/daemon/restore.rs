@@ -152,7 +152,8 @@ fn restored_engine(
 impl<H: Host> Daemon<H> {
     /// Rebuilds the daemon from the ledger (P5). Times in the ledger are this boot's
     /// monotonic milliseconds; after a reboot every lease is over and every waiter has
-    /// one reconnect window.
+    /// one reconnect window. The ledger's runs are moved, not copied: a restart's peak
+    /// memory is one copy of what it loads.
     pub fn restore(
         now: u64,
         how: Restore,
@@ -172,7 +173,6 @@ impl<H: Host> Daemon<H> {
         let reboot_window = (!how.same_boot).then_some(how.reconnect_window_ms);
         let mut ports = super::PortBroker::new(how.port_range);
         let mut rewatch = Vec::new();
-        // Moved, not copied: a restart's peak memory is one copy of what it loads.
         for r in ledger.runs {
             let id = r.request.run_id.clone();
             match r.state {

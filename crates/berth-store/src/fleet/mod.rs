@@ -288,6 +288,13 @@ pub mod testing {
         ))
     }
 
+    /// Runs `sql` (several statements) on the database `db` names.
+    pub fn pg_execute(db: &str, sql: &str) -> Result<(), String> {
+        let mut c =
+            postgres::Client::connect(db, postgres::NoTls).map_err(|e| format!("connect: {e}"))?;
+        c.batch_execute(sql).map_err(|e| e.to_string())
+    }
+
     /// Create an empty database and return its connection string.
     pub fn pg_fresh_database(tag: &str) -> Result<String, String> {
         let server = pg_server()?;

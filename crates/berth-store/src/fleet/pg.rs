@@ -17,7 +17,7 @@ use super::{
 /// daemons starting at once migrate exactly once (the version is the count applied).
 const MIGRATIONS: &[&str] = &[include_str!("pg_v1.sql")];
 /// The advisory lock id of the migration ("berth" in ASCII, as a number).
-const MIGRATION_LOCK: i64 = 0x6265_7274_68;
+const MIGRATION_LOCK: i64 = 0x0062_6572_7468;
 
 /// A statement that waits longer than this is cancelled by the server, so a lock held
 /// by a hung peer cannot freeze this host's fleet thread.

@@ -1,0 +1,123 @@
+//! `berth-bench fleet`: N daemons in fleet mode on one PostgreSQL database, driven by
+//! the same lifecycle clients as `http` (spread over the hosts), with and without a
+//! budget token in each claim; beside them, in the same run, the single-host SQLite
+//! figure and pgbench doing a bare lifecycle (insert with a sequence, then delete)
+//! against the same server with as many clients. The database is the one the
+//! environment names (`PGHOST`, `PGPORT`, `PGUSER`, `PGPASSWORD`); `scripts/bench-fleet.sh`
+//! starts a throwaway one with pg_virtualenv.
+
+use crate::http::{config, drive, pct, Outcome};
+
+fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> Outcome {
+    rustix::fs::sync();
+    let db = berth_store::fleet::testing::pg_fresh_database("bench").expect("a PostgreSQL server");
+    let dirs: Vec<_> = (0..hosts).map(|_| tempfile::tempdir().unwrap()).collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let running: Vec<_> = dirs
+        .iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let mut cfg = config(d.path(), true);
+            cfg.engine.fleet = true;
+            cfg.fleet = Some(berth_server::fleet::FleetConfig {
+                url: db.clone(),
+                host: berth_server::fleet::HostInfo {
+                    host_id: format!("bench-{i}"),
+                    address: String::new(),
+                    version: env!("CARGO_PKG_VERSION").into(),
+                },
+                beat_ms: 1_000,
+                lapse_ms: cfg.engine.ttl_ms_max + 30_000,
+                recheck_ms: 2_000,
+            });
+            rt.block_on(berth_server::start(cfg)).expect("daemon")
+        })
+        .collect();
+    let targets = running
+        .iter()
+        .map(|r| {
+            let url = format!("http://{}", r.addr);
+            (url, format!("Bearer {}", r.admin_token.clone().unwrap()))
+        })
+        .collect();
+    let commits = || running.iter().map(|r| r.commits()).sum();
+    let out = drive(targets, clients, 0, seconds, budget, &commits);
+    for r in running {
+        rt.block_on(r.stop()).unwrap();
+    }
+    out
+}
+
+/// pgbench's lifecycle: a row with the next sequence value, then its delete, each
+/// committed (what a fleet claim and its ending cost the database at the least).
+fn pgbench(clients: usize, seconds: u64) -> Result<f64, String> {
+    let db = berth_store::fleet::testing::pg_fresh_database("pgbench")?;
+    let name = db
+        .split_whitespace()
+        .find_map(|kv| kv.strip_prefix("dbname="))
+        .ok_or("no database name")?
+        .to_owned();
+    berth_store::fleet::testing::pg_execute(
+        &db,
+        "CREATE SEQUENCE lifecycle_seq; CREATE TABLE lifecycle (id bigint PRIMARY KEY);",
+    )?;
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let script = dir.path().join("lifecycle.sql");
+    std::fs::write(
+        &script,
+        "INSERT INTO lifecycle VALUES (nextval('lifecycle_seq')) RETURNING id \\gset\n\
+         DELETE FROM lifecycle WHERE id = :id;\n",
+    )
+    .map_err(|e| e.to_string())?;
+    let out = std::process::Command::new("pgbench")
+        .args([
+            "-n",
+            "-c",
+            &clients.to_string(),
+            "-j",
+            "2",
+            "-T",
+            &seconds.to_string(),
+        ])
+        .arg("-f")
+        .arg(&script)
+        .arg(&name)
+        .output()
+        .map_err(|e| format!("pgbench: {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("tps = "))
+        .and_then(|l| l.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| {
+            format!(
+                "pgbench said: {text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            )
+        })
+}
+
+pub fn main(hosts: usize, clients: usize, seconds: u64) {
+    let plain = fleet_run(hosts, clients, seconds, false);
+    let token = fleet_run(hosts, clients, seconds, true);
+    let single = crate::http::run(clients, 0, seconds, true);
+    let pg = pgbench(clients, seconds).unwrap_or_else(|e| {
+        eprintln!("pgbench: {e}");
+        0.0
+    });
+    let rate = |o: &Outcome| o.lifecycles as f64 / o.seconds;
+    println!(
+        "{{\"hosts\":{hosts},\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
+        rate(&plain),
+        pct(&plain.grant_ms, 0.5),
+        pct(&plain.grant_ms, 0.99),
+        rate(&token),
+        pct(&token.grant_ms, 0.99),
+        rate(&single),
+        plain.errors + token.errors + single.errors,
+    );
+}
