@@ -210,7 +210,9 @@ impl fmt::Display for Error {
 pub enum Event {
     /// F1: this waiter could be granted but for its fleet-wide claim: the caller takes
     /// it from the fleet store and answers with `Command::Permit` (asked once per run;
-    /// while the claim is refused the caller retries on its own wake-ups).
+    /// while the claim is refused the caller retries on its own wake-ups). Asked again
+    /// for a run whose permit went stale (its fence is not above the host's last): the
+    /// caller keeps the claim and gives it a new fence.
     PermitWanted {
         run_id: String,
     },

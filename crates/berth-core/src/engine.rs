@@ -31,6 +31,9 @@ type ProjectId = u32;
 /// A singleton whose name starts with this is fleet-wide (F1): the fleet store holds it
 /// as key NAME besides this host's own exclusion.
 pub const FLEET_SINGLETON_PREFIX: &str = "fleet:";
+/// Fleet-wide singletons a run may name at most (each is a row the fleet's claim
+/// writes in its one statement).
+pub const FLEET_KEYS_MAX: usize = 16;
 
 /// What [`Engine::fleet_needs`] answers.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -716,6 +719,20 @@ impl Engine {
             if let Err(e) = validate::resource_name(s) {
                 return inv("singletons", e);
             }
+            if s.strip_prefix(FLEET_SINGLETON_PREFIX) == Some("") {
+                return inv("singletons", format!("{s:?} names no fleet-wide key"));
+            }
+        }
+        let fleet_keys = req
+            .singletons
+            .iter()
+            .filter(|s| s.starts_with(FLEET_SINGLETON_PREFIX))
+            .count();
+        if fleet_keys > FLEET_KEYS_MAX {
+            return inv(
+                "singletons",
+                format!("at most {FLEET_KEYS_MAX} fleet-wide (fleet:NAME) entries"),
+            );
         }
         if req.ttl_ms == 0 || req.ttl_ms > self.cfg.ttl_ms_max {
             return inv(
@@ -1764,16 +1781,24 @@ impl Engine {
             return Some(Blocker::Ambient { need, free });
         }
         // Last: the fleet is asked only for a run that would otherwise be granted, so a
-        // fleet-wide token is not held while the run waits for local capacity.
-        if self.cfg.fleet && run.permit.is_none() {
+        // fleet-wide token is not held while the run waits for local capacity. A permit
+        // whose fence is not above the host's last is stale (another run's permit, taken
+        // later, was granted first): granting it would break L1's order.
+        if self.cfg.fleet && run.permit.is_none_or(|f| f <= self.last_fence) {
             return Some(Blocker::Permit);
         }
         None
     }
 
-    /// F1: ask the caller for this waiter's fleet-wide claim, once.
+    /// F1: ask the caller for this waiter's fleet-wide claim, once per permit it needs
+    /// (again when the one it holds went stale: the caller then renews its fence).
     fn want_permit(&mut self, s: Slot, ev: &mut Vec<Event>) {
+        let last = self.last_fence;
         let run = self.run_mut(s);
+        if run.permit.is_some_and(|f| f <= last) {
+            run.permit = None;
+            run.permit_asked = false;
+        }
         if !run.permit_asked {
             run.permit_asked = true;
             let run_id = run.req.run_id.clone();

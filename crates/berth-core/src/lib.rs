@@ -20,7 +20,8 @@ pub mod validate;
 pub use command::{Command, Error, Event, Output};
 pub use config::{Config, GIB, MIB, SLOTS_MAX_LIMIT, STABILIZE_SAMPLES_MAX, WINDOW_MAX};
 pub use engine::{
-    Engine, FleetNeeds, RestoredRun, FLEET_SINGLETON_PREFIX, PORTS_MAX, SINGLETONS_MAX,
+    Engine, FleetNeeds, RestoredRun, FLEET_KEYS_MAX, FLEET_SINGLETON_PREFIX, PORTS_MAX,
+    SINGLETONS_MAX,
 };
 pub use snapshot::{ProjectFigures, ResourceFigures, Snapshot};
 pub use types::*;

@@ -1,7 +1,8 @@
 //! Fleet mode's I/O (F1–F4): one thread owns the fleet store and carries out what the
-//! daemon asks (claims, endings, questions), heartbeats, and declares lapsed hosts dead;
-//! a second thread LISTENs for wake-ups. Neither ever blocks the daemon: results come
-//! back as messages to its inbox, and the API asks through [`Handle::ask`].
+//! daemon asks (claims, endings), heartbeats, and declares lapsed hosts dead; a second
+//! answers the API's questions ([`Handle::ask`]) on a connection of its own, so they
+//! never delay a claim or a heartbeat; a third LISTENs for wake-ups. None ever blocks
+//! the daemon: results come back as messages to its inbox.
 //!
 //! **Architecture invariant:** the fleet thread never changes the daemon's state; it
 //! reports (`Msg::Fleet*`) and the daemon decides.
@@ -73,17 +74,27 @@ type Question = Box<dyn FnOnce(&mut dyn FleetStore) + Send>;
 
 pub enum Job {
     Claim(Claim),
+    /// A held claim's permit went stale on this host: a new fence for it.
+    Refence {
+        run_id: String,
+        gen: i64,
+    },
     End {
         run_id: String,
         gen: i64,
         how: Ending,
     },
-    Ask(Question),
 }
+
+/// API questions in flight at most. They have a thread and a connection of their own,
+/// so that no number of them (a token holder checking fences in a loop) delays a claim
+/// or a heartbeat, and past this many the next is refused (`503`) instead of queued.
+pub const QUESTIONS_MAX: usize = 256;
 
 #[derive(Clone)]
 pub struct Handle {
     tx: std::sync::mpsc::Sender<Job>,
+    questions: std::sync::mpsc::SyncSender<Question>,
     pub status: Arc<Status>,
 }
 
@@ -99,12 +110,17 @@ impl Handle {
         f: impl FnOnce(&mut dyn FleetStore) -> Result<T, FleetError> + Send + 'static,
     ) -> Result<T, FleetError> {
         let (tx, rx) = oneshot::channel();
-        let job = Job::Ask(Box::new(move |s: &mut dyn FleetStore| {
+        let q: Question = Box::new(move |s: &mut dyn FleetStore| {
             let _ = tx.send(f(s));
-        }));
-        self.tx
-            .send(job)
-            .map_err(|_| FleetError::Unavailable("the fleet thread has stopped".into()))?;
+        });
+        self.questions.try_send(q).map_err(|e| match e {
+            std::sync::mpsc::TrySendError::Full(_) => FleetError::Unavailable(format!(
+                "{QUESTIONS_MAX} fleet questions are in flight already"
+            )),
+            std::sync::mpsc::TrySendError::Disconnected(_) => {
+                FleetError::Unavailable("the fleet thread has stopped".into())
+            }
+        })?;
         rx.await
             .map_err(|_| FleetError::Unavailable("the fleet thread has stopped".into()))?
     }
@@ -143,6 +159,16 @@ pub fn spawn(cfg: FleetConfig, inbox: mpsc::WeakSender<Msg>) -> Result<Handle, F
         let listener = berth_store::fleet::PgFleet::lazy(&cfg.url)?.listener();
         spawn_listener(listener, inbox.clone());
     }
+    let (questions, asked) = std::sync::mpsc::sync_channel::<Question>(QUESTIONS_MAX);
+    let mut answering = open(&cfg.url)?;
+    std::thread::Builder::new()
+        .name("berth-fleet-ask".into())
+        .spawn(move || {
+            while let Ok(q) = asked.recv() {
+                q(&mut *answering);
+            }
+        })
+        .map_err(|e| FleetError::Unavailable(format!("fleet thread: {e}")))?;
     let st = status.clone();
     let (first_tx, first_rx) = std::sync::mpsc::channel();
     std::thread::Builder::new()
@@ -153,7 +179,11 @@ pub fn spawn(cfg: FleetConfig, inbox: mpsc::WeakSender<Msg>) -> Result<Handle, F
     // fleet; a database that does not answer in time leaves it serving unregistered
     // (new runs refused with 503) while the thread keeps trying.
     let _ = first_rx.recv_timeout(Duration::from_millis(FIRST_REGISTRATION_WAIT_MS));
-    Ok(Handle { tx, status })
+    Ok(Handle {
+        tx,
+        questions,
+        status,
+    })
 }
 
 /// How long a starting host waits for its first registration before it serves anyway.
@@ -251,10 +281,21 @@ impl Worker {
     fn job(&mut self, job: Job) {
         match job {
             Job::Claim(c) => {
-                let r = self.store.claim(&c);
-                self.seen(&r);
-                let result = r.map_err(|e| e.to_string());
+                let result = self.store.claim(&c);
+                self.seen(&result);
                 let (run_id, gen) = (c.run_id, c.gen);
+                tell(
+                    &self.inbox,
+                    Msg::Fleet(Report::Claimed {
+                        run_id,
+                        gen,
+                        result,
+                    }),
+                );
+            }
+            Job::Refence { run_id, gen } => {
+                let result = self.store.refence(&run_id, &self.cfg.host.host_id, gen);
+                self.seen(&result);
                 tell(
                     &self.inbox,
                     Msg::Fleet(Report::Claimed {
@@ -275,7 +316,6 @@ impl Worker {
                     self.ends.push_back((run_id, gen, how));
                 }
             }
-            Job::Ask(f) => f(&mut *self.store),
         }
     }
 
@@ -345,7 +385,7 @@ impl Worker {
 }
 
 /// The outcome of a claim, as the daemon reads it.
-pub type ClaimResult = Result<ClaimOutcome, String>;
+pub type ClaimResult = Result<ClaimOutcome, FleetError>;
 
 /// What the fleet threads tell the daemon (`Msg::Fleet`).
 #[derive(Debug)]

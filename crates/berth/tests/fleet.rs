@@ -434,7 +434,27 @@ fn a_host_that_cannot_heartbeat_stops_its_fleet_wide_runs_before_the_lapse() {
     });
     assert!(acquire(&e, "re-key", json!({"singletons": ["fleet:staging-db"]})).status < 300);
     granted(&e, "re-key");
+    // Back, d finds itself dead: it re-registers and ends the runs of its dead
+    // generation (the plain one too: its fence is refused fleet-wide already), and
+    // takes claims again.
+    assert_eq!(fence_check(&e, "rd-plain", f_plain)["current"], false);
     relay.restore();
+    d.wait_until("d's old plain run ended", |d| {
+        d.post(
+            "/v1/runs/rd-plain/renew",
+            &json!({ "fence": f_plain }).to_string(),
+        );
+        d.get("/v1/runs/rd-plain").body["state"] != "granted"
+    });
+    assert_eq!(fence_check(&d, "rd-plain", f_plain)["current"], false);
+    assert!(acquire(&d, "rd-new", json!({})).status < 300);
+    granted(&d, "rd-new");
+    let r = acquire(
+        &d,
+        "rd-key2",
+        json!({"singletons": ["fleet:staging-db"], "wait_s": 0}),
+    );
+    assert_eq!(r.code(), "expired", "e holds the key now: {:?}", r.body);
 }
 
 /// F4: `berth fleet` shows every live host and the fleet's sums.

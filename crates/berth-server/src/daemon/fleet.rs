@@ -10,7 +10,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::Ordering;
 
 use berth_core::{Command, RunState};
-use berth_store::fleet::{Claim, ClaimOutcome, Ending, TokenClaim};
+use berth_store::fleet::{Claim, ClaimOutcome, Ending, FleetError, TokenClaim};
 
 use super::extra::Extra;
 use super::{Daemon, Error, Host, Reply, RunInfo};
@@ -138,6 +138,15 @@ impl<H: Host> Daemon<H> {
             self.fleet.park(RETRY.into(), run_id.into());
             return;
         }
+        // Its claim is held, its permit went stale (L1's order): a new fence only.
+        if let Some(&(held_gen, _)) = self.fleet.held.get(run_id) {
+            self.fleet.asking.insert(run_id.into(), Vec::new());
+            link.send(Job::Refence {
+                run_id: run_id.into(),
+                gen: held_gen,
+            });
+            return;
+        }
         let channels = needs
             .token
             .iter()
@@ -241,6 +250,7 @@ impl<H: Host> Daemon<H> {
             Ok(ClaimOutcome::HostDead) | Err(_) => {
                 return self.answer(p.reply, Err(Error::FleetUnavailable));
             }
+            // Refused (full, held, taken elsewhere): its one try fails with the reason.
             Ok(_) => Command::Acquire(p.req),
         };
         self.admit(cmd, id.clone(), true, p.extra, p.attach, p.reply);
@@ -292,8 +302,10 @@ impl<H: Host> Daemon<H> {
             Ok(ClaimOutcome::KeyHeld { key, .. }) => {
                 self.park_or_retry(key_channel(&key), run_id, &sent)
             }
-            Ok(ClaimOutcome::HostDead) | Err(_) => self.fleet.park(RETRY.into(), run_id),
-            Ok(refusal) => {
+            Ok(ClaimOutcome::HostDead) | Err(FleetError::Unavailable(_)) => {
+                self.fleet.park(RETRY.into(), run_id)
+            }
+            refusal => {
                 // Nothing but an operator can change these: the run cannot be admitted.
                 tracing::warn!(
                     run_id,
@@ -395,19 +407,20 @@ impl<H: Host> Daemon<H> {
     /// already), and waiters ask again under the new generation.
     fn on_fleet_generation(&mut self, gen: i64, resumed: bool) {
         let mut touched = BTreeSet::new();
-        // Every run that holds (or held, before a restart) a fence: all of them were
-        // claimed in the fleet under an earlier generation of this host.
-        let fenced: Vec<String> = self
-            .extras
-            .keys()
-            .filter(|id| {
-                self.engine
-                    .view_of(id)
-                    .is_some_and(|v| !v.state.is_terminal() && v.fence.is_some())
-            })
-            .cloned()
-            .collect();
-        for run_id in fenced {
+        // Every run that holds (or held, before a restart) a fence, and every waiter
+        // holding a permit: all were claimed under an earlier generation of this host.
+        let mut claimed: BTreeSet<String> = self.fleet.held.keys().cloned().collect();
+        claimed.extend(
+            self.extras
+                .keys()
+                .filter(|id| {
+                    self.engine
+                        .view_of(id)
+                        .is_some_and(|v| !v.state.is_terminal() && v.fence.is_some())
+                })
+                .cloned(),
+        );
+        for run_id in claimed {
             if resumed {
                 // Its claim moved to the new generation with the host's.
                 let wide = self
@@ -417,7 +430,7 @@ impl<H: Host> Daemon<H> {
                 self.fleet.held.insert(run_id, (gen, wide));
             } else {
                 // Declared dead meanwhile: its claim is gone and its fence refused
-                // fleet-wide; it must not go on here either.
+                // fleet-wide; it must not go on here, nor be granted on a dead permit.
                 self.fleet.held.remove(&run_id);
                 self.stop_for_fleet(&run_id, &mut touched);
             }

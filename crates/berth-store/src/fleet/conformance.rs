@@ -33,6 +33,10 @@ pub const CHECKS: &[(&str, Check)] = &[
     ("thread_owners_only_move_up", thread_owners_only_move_up),
     ("a_restart_keeps_its_claims", a_restart_keeps_its_claims),
     (
+        "a_refence_moves_the_fence_only",
+        a_refence_moves_the_fence_only,
+    ),
+    (
         "a_stale_generation_changes_nothing",
         a_stale_generation_changes_nothing,
     ),
@@ -324,6 +328,42 @@ fn a_restart_keeps_its_claims(open: Open) {
         s.claim(&claim("r2", "a", a2, Some(("h", 1)), &["db"]))
             .unwrap(),
     );
+}
+
+fn a_refence_moves_the_fence_only(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    let f = fence(
+        s.claim(&claim("r1", "a", a, Some(("h", 1)), &["db"]))
+            .unwrap(),
+    );
+    let other = fence(s.claim(&claim("r2", "a", a, None, &[])).unwrap());
+    let g = fence(s.refence("r1", "a", a).unwrap());
+    assert!(
+        g > other && g > f,
+        "a new fence from the one sequence: {f} -> {g}"
+    );
+    assert_eq!(s.fence("r1").unwrap().unwrap().fence, g);
+    // Token and key stay with the run; a retried claim answers the new fence.
+    assert_eq!(
+        fence(
+            s.claim(&claim("r1", "a", a, Some(("h", 1)), &["db"]))
+                .unwrap()
+        ),
+        g
+    );
+    assert_eq!(s.tokens("exp").unwrap().len(), 1);
+    assert_eq!(
+        s.claim(&claim("r3", "a", a, None, &["db"])).unwrap(),
+        ClaimOutcome::KeyHeld {
+            key: "db".into(),
+            run_id: "r1".into()
+        }
+    );
+    // Not this generation's, or not held: nothing moves.
+    assert_eq!(s.refence("r1", "a", a + 1).unwrap(), ClaimOutcome::HostDead);
+    assert_eq!(s.refence("nope", "a", a).unwrap(), ClaimOutcome::HostDead);
+    assert_eq!(s.fence("r1").unwrap().unwrap().fence, g);
 }
 
 fn a_stale_generation_changes_nothing(open: Open) {

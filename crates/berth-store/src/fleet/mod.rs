@@ -21,8 +21,9 @@ mod sqlite;
 pub use pg::{PgFleet, PgListener};
 pub use sqlite::SqliteFleet;
 
-/// Limits on what a fleet caller may send, checked before any SQL runs.
-pub const FLEET_KEYS_MAX: usize = 16;
+/// Limits on what a fleet caller may send, checked before any SQL runs (the engine
+/// refuses a run with more, so a claim never meets this limit from berth itself).
+pub const FLEET_KEYS_MAX: usize = berth_core::FLEET_KEYS_MAX;
 /// A host's load text (its capacity snapshot, JSON the server writes) at most.
 pub const LOAD_BYTES_MAX: usize = 16 * 1024;
 /// Rows `hosts()` returns at most (a fleet is 3 to 50 hosts; dead ones are kept).
@@ -162,6 +163,15 @@ pub trait FleetStore: Send {
     fn declare_dead(&mut self, me: &str, lapse_ms: i64) -> Result<Vec<(String, i64)>, FleetError>;
     /// Take a run's fleet-wide claim, all or nothing.
     fn claim(&mut self, c: &Claim) -> Result<ClaimOutcome, FleetError>;
+    /// Give a held claim a new fence from the sequence (its token and keys stay): for a
+    /// permit that went stale on its host before it was granted (L1's order). `HostDead`
+    /// if this generation no longer holds the claim.
+    fn refence(
+        &mut self,
+        run_id: &str,
+        host_id: &str,
+        gen: i64,
+    ) -> Result<ClaimOutcome, FleetError>;
     /// End a run's claim: keys freed, token freed or marked lapsed, run id released.
     /// Only the generation that holds it can end it (a stale host changes nothing).
     fn end(

@@ -210,6 +210,30 @@ impl FleetStore for PgFleet {
         super::outcome(&outcome, to_fence(fence), &detail)
     }
 
+    fn refence(
+        &mut self,
+        run_id: &str,
+        host_id: &str,
+        gen: i64,
+    ) -> Result<ClaimOutcome, FleetError> {
+        let row = self.with(|c| {
+            c.query_opt(
+                "UPDATE berth_runs r SET fence = nextval('berth_fence')
+                  WHERE r.run_id = $1 AND r.host_id = $2 AND r.gen = $3
+                    AND EXISTS (SELECT 1 FROM berth_hosts h
+                                 WHERE h.host_id = $2 AND h.gen = $3 AND h.alive)
+                 RETURNING r.fence",
+                &[&run_id, &host_id, &gen],
+            )
+        })?;
+        Ok(match row {
+            Some(r) => ClaimOutcome::Taken {
+                fence: to_fence(r.get(0)),
+            },
+            None => ClaimOutcome::HostDead,
+        })
+    }
+
     fn end(
         &mut self,
         run_id: &str,

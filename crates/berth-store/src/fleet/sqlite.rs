@@ -275,6 +275,41 @@ impl FleetStore for SqliteFleet {
         }
     }
 
+    fn refence(
+        &mut self,
+        run_id: &str,
+        host_id: &str,
+        gen: i64,
+    ) -> Result<ClaimOutcome, FleetError> {
+        self.tx(|tx| {
+            let alive: bool = tx.query_row(
+                "SELECT count(*) FROM hosts WHERE host_id = ?1 AND gen = ?2 AND alive",
+                params![host_id, gen],
+                |r| r.get(0),
+            )?;
+            let held: bool = tx.query_row(
+                "SELECT count(*) FROM runs WHERE run_id = ?1 AND host_id = ?2 AND gen = ?3",
+                params![run_id, host_id, gen],
+                |r| r.get(0),
+            )?;
+            if !(alive && held) {
+                return Ok(ClaimOutcome::HostDead);
+            }
+            let fence: i64 = tx.query_row(
+                "UPDATE fence_seq SET last = last + 1 RETURNING last",
+                [],
+                |r| r.get(0),
+            )?;
+            tx.execute(
+                "UPDATE runs SET fence = ?1 WHERE run_id = ?2",
+                params![fence, run_id],
+            )?;
+            Ok(ClaimOutcome::Taken {
+                fence: u64::try_from(fence).unwrap_or(0),
+            })
+        })
+    }
+
     fn end(
         &mut self,
         run_id: &str,
