@@ -110,8 +110,10 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
         0.0
     });
     let rate = |o: &Outcome| o.lifecycles as f64 / o.seconds;
+    // Whether the server syncs its commits (pg_virtualenv turns fsync off unless told).
+    let fsync = berth_store::fleet::testing::pg_setting("fsync").unwrap_or_else(|e| e);
     println!(
-        "{{\"hosts\":{hosts},\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
+        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
         rate(&plain),
         pct(&plain.grant_ms, 0.5),
         pct(&plain.grant_ms, 0.99),

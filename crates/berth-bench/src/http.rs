@@ -249,10 +249,15 @@ async fn client(c: usize, load: Arc<Load>) {
         }
         let fence = field_u64(&resp, "\"fence\":").unwrap_or(0);
         let release = release_body(fence);
-        match conn
-            .post(&format!("/v1/runs/{id}/release"), token, &release)
-            .await
-        {
+        let path = format!("/v1/runs/{id}/release");
+        let mut released = conn.post(&path, token, &release).await;
+        if released.is_none() {
+            // An acquire that queued first is answered with `connection: close` (a
+            // fleet host's runs always do, while their claim is taken): reconnect.
+            conn = Conn::open(url).await;
+            released = conn.post(&path, token, &release).await;
+        }
+        match released {
             Some((200, _)) => {
                 if counted {
                     count.fetch_add(1, Ordering::Relaxed);

@@ -286,6 +286,13 @@ fn release_memory() {
 }
 
 fn main() {
+    // The daemons' logs, when asked for (`BERTH_LOG=info`), on stderr beside the figures.
+    if let Ok(filter) = std::env::var("BERTH_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .init();
+    }
     berth_server::memory::set_release(release_memory);
     let args = Args::parse();
     match args.bench {

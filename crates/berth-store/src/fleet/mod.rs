@@ -298,6 +298,19 @@ pub mod testing {
         ))
     }
 
+    /// A setting of the test server (`SHOW name`).
+    pub fn pg_setting(name: &str) -> Result<String, String> {
+        let mut c = postgres::Client::connect(
+            &format!("{} dbname=postgres", pg_server()?),
+            postgres::NoTls,
+        )
+        .map_err(|e| format!("connect: {e}"))?;
+        let row = c
+            .query_one(&format!("SHOW {name}"), &[])
+            .map_err(|e| e.to_string())?;
+        Ok(row.get(0))
+    }
+
     /// Runs `sql` (several statements) on the database `db` names.
     pub fn pg_execute(db: &str, sql: &str) -> Result<(), String> {
         let mut c =
