@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use berth_store::fleet::HostInfo;
 use berth_store::fleet::{Claim, ClaimOutcome, Ending, FleetError, FleetStore};
@@ -148,33 +148,57 @@ fn tell(inbox: &mpsc::WeakSender<Msg>, msg: Msg) -> bool {
     }
 }
 
-/// Starts the fleet thread (and, on PostgreSQL, the listener).
+/// Threads (each with its connection) that carry out claims and endings: a host's
+/// claims are one round trip each, so several in flight let the database's group
+/// commit serve them together instead of one fsync after another.
+pub const CLAIM_WORKERS: usize = 4;
+
+/// Starts the fleet threads: the heartbeat, the claim workers, the questions' and, on
+/// PostgreSQL, the listener.
 pub fn spawn(cfg: FleetConfig, inbox: mpsc::WeakSender<Msg>) -> Result<Handle, FleetError> {
-    let store = open(&cfg.url)?;
     let status = Arc::new(Status::default());
     status.enabled.store(true, Ordering::Relaxed);
     *status.host_id.lock().unwrap_or_else(|e| e.into_inner()) = cfg.host.host_id.clone();
-    let (tx, rx) = std::sync::mpsc::channel();
     if !cfg.url.starts_with("sqlite:") {
         let listener = berth_store::fleet::PgFleet::lazy(&cfg.url)?.listener();
         spawn_listener(listener, inbox.clone());
     }
     let (questions, asked) = std::sync::mpsc::sync_channel::<Question>(QUESTIONS_MAX);
     let mut answering = open(&cfg.url)?;
-    std::thread::Builder::new()
-        .name("berth-fleet-ask".into())
-        .spawn(move || {
-            while let Ok(q) = asked.recv() {
-                q(&mut *answering);
+    thread("berth-fleet-ask", move || {
+        while let Ok(q) = asked.recv() {
+            q(&mut *answering);
+        }
+    })?;
+    let common = Arc::new(Common {
+        cfg,
+        status: status.clone(),
+        inbox,
+        ends: Mutex::default(),
+        down_logged: AtomicBool::new(false),
+    });
+    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+    let rx = Arc::new(Mutex::new(rx));
+    for _ in 0..CLAIM_WORKERS {
+        let mut w = Worker {
+            store: open(&common.cfg.url)?,
+            common: common.clone(),
+        };
+        let rx = rx.clone();
+        thread("berth-fleet-claim", move || loop {
+            let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
+            match job {
+                Ok(job) => w.job(job),
+                Err(_) => return,
             }
-        })
-        .map_err(|e| FleetError::Unavailable(format!("fleet thread: {e}")))?;
-    let st = status.clone();
+        })?;
+    }
     let (first_tx, first_rx) = std::sync::mpsc::channel();
-    std::thread::Builder::new()
-        .name("berth-fleet".into())
-        .spawn(move || Worker::new(store, cfg, st, inbox).run(rx, first_tx))
-        .map_err(|e| FleetError::Unavailable(format!("fleet thread: {e}")))?;
+    let w = Worker {
+        store: open(&common.cfg.url)?,
+        common,
+    };
+    thread("berth-fleet", move || w.run(first_tx))?;
     // The host registers before it serves, so its first requests find it in the
     // fleet; a database that does not answer in time leaves it serving unregistered
     // (new runs refused with 503) while the thread keeps trying.
@@ -186,165 +210,148 @@ pub fn spawn(cfg: FleetConfig, inbox: mpsc::WeakSender<Msg>) -> Result<Handle, F
     })
 }
 
+fn thread(name: &str, f: impl FnOnce() + Send + 'static) -> Result<(), FleetError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map(|_| ())
+        .map_err(|e| FleetError::Unavailable(format!("fleet thread: {e}")))
+}
+
 /// How long a starting host waits for its first registration before it serves anyway.
 const FIRST_REGISTRATION_WAIT_MS: u64 = 5_000;
 
 fn spawn_listener(mut l: berth_store::fleet::PgListener, inbox: mpsc::WeakSender<Msg>) {
-    let _ = std::thread::Builder::new()
-        .name("berth-fleet-listen".into())
-        .spawn(move || loop {
-            match l.wait(Duration::from_millis(LISTEN_WAIT_MS)) {
-                Ok(payloads) if !payloads.is_empty() => {
-                    if !tell(&inbox, Msg::Fleet(Report::Wake { payloads })) {
-                        return;
-                    }
-                }
-                Ok(_) => {
-                    if inbox.upgrade().is_none() {
-                        return;
-                    }
-                }
-                Err(e) => {
-                    tracing::debug!("fleet listener: {e}");
-                    std::thread::sleep(Duration::from_millis(LISTEN_WAIT_MS));
+    let _ = thread("berth-fleet-listen", move || loop {
+        match l.wait(Duration::from_millis(LISTEN_WAIT_MS)) {
+            Ok(payloads) if !payloads.is_empty() => {
+                if !tell(&inbox, Msg::Fleet(Report::Wake { payloads })) {
+                    return;
                 }
             }
-        });
+            Ok(_) => {
+                if inbox.upgrade().is_none() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::debug!("fleet listener: {e}");
+                std::thread::sleep(Duration::from_millis(LISTEN_WAIT_MS));
+            }
+        }
+    });
 }
 
-struct Worker {
-    store: Box<dyn FleetStore>,
+/// What the fleet threads share.
+struct Common {
     cfg: FleetConfig,
     status: Arc<Status>,
     inbox: mpsc::WeakSender<Msg>,
-    ends: std::collections::VecDeque<(String, i64, Ending)>,
-    /// Whether the last failure was logged (one line per outage, not per call).
-    down_logged: bool,
+    /// Endings the store missed (it was away), retried at each heartbeat.
+    ends: Mutex<std::collections::VecDeque<(String, i64, Ending)>>,
+    /// Whether the outage was logged (one line per outage, not per call).
+    down_logged: AtomicBool,
 }
 
-impl Worker {
-    fn new(
-        store: Box<dyn FleetStore>,
-        cfg: FleetConfig,
-        status: Arc<Status>,
-        inbox: mpsc::WeakSender<Msg>,
-    ) -> Worker {
-        Worker {
-            store,
-            cfg,
-            status,
-            inbox,
-            ends: Default::default(),
-            down_logged: false,
-        }
-    }
-
-    fn run(mut self, rx: std::sync::mpsc::Receiver<Job>, first: std::sync::mpsc::Sender<()>) {
-        let alive = self.beat();
-        let _ = first.send(());
-        if !alive {
-            return;
-        }
-        let mut next_beat = Instant::now() + Duration::from_millis(self.cfg.beat_ms);
-        loop {
-            let wait = next_beat.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(wait) {
-                Ok(job) => self.job(job),
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                    next_beat = Instant::now() + Duration::from_millis(self.cfg.beat_ms);
-                    if !self.beat() {
-                        return;
-                    }
-                }
-                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
-            }
-        }
-    }
-
+impl Common {
     /// Notes how the store answered: available or not (logged once per change).
-    fn seen<T>(&mut self, r: &Result<T, FleetError>) {
+    fn seen<T>(&self, r: &Result<T, FleetError>) {
         let ok = !matches!(r, Err(FleetError::Unavailable(_)));
         self.status.available.store(ok, Ordering::Relaxed);
-        match (r, ok) {
-            (Err(e), false) if !self.down_logged => {
-                self.down_logged = true;
+        let logged = self.down_logged.swap(!ok, Ordering::Relaxed);
+        match r {
+            Err(e) if !ok && !logged => {
                 tracing::warn!("fleet store unavailable: {e}; local runs go on, new fleet-wide claims are refused until it is back");
             }
-            (_, true) if self.down_logged => {
-                self.down_logged = false;
-                tracing::info!("fleet store available again");
-            }
+            _ if ok && logged => tracing::info!("fleet store available again"),
             _ => {}
         }
     }
 
+    fn missed(&self, run_id: String, gen: i64, how: Ending) {
+        let mut ends = self.ends.lock().unwrap_or_else(|e| e.into_inner());
+        if ends.len() >= ENDS_PENDING_MAX {
+            ends.pop_front();
+            tracing::warn!("fleet: too many endings waiting for the store; the oldest is left to the dead-host rules");
+        }
+        ends.push_back((run_id, gen, how));
+    }
+}
+
+/// A fleet thread with its own connection: the heartbeat's, or a claim worker's.
+struct Worker {
+    store: Box<dyn FleetStore>,
+    common: Arc<Common>,
+}
+
+impl Worker {
+    fn run(mut self, first: std::sync::mpsc::Sender<()>) {
+        let alive = self.beat();
+        let _ = first.send(());
+        while alive && {
+            std::thread::sleep(Duration::from_millis(self.common.cfg.beat_ms));
+            self.beat()
+        } {}
+    }
+
     fn job(&mut self, job: Job) {
-        match job {
-            Job::Claim(c) => {
-                let result = self.store.claim(&c);
-                self.seen(&result);
-                let (run_id, gen) = (c.run_id, c.gen);
-                tell(
-                    &self.inbox,
-                    Msg::Fleet(Report::Claimed {
-                        run_id,
-                        gen,
-                        result,
-                    }),
-                );
+        let c = &self.common;
+        let host = &c.cfg.host.host_id;
+        let (run_id, gen, result) = match job {
+            Job::Claim(cl) => {
+                let result = self.store.claim(&cl);
+                (cl.run_id, cl.gen, result)
             }
             Job::Refence { run_id, gen } => {
-                let result = self.store.refence(&run_id, &self.cfg.host.host_id, gen);
-                self.seen(&result);
-                tell(
-                    &self.inbox,
-                    Msg::Fleet(Report::Claimed {
-                        run_id,
-                        gen,
-                        result,
-                    }),
-                );
+                let result = self.store.refence(&run_id, host, gen);
+                (run_id, gen, result)
             }
             Job::End { run_id, gen, how } => {
-                let r = self.store.end(&run_id, &self.cfg.host.host_id, gen, how);
-                self.seen(&r);
+                let r = self.store.end(&run_id, host, gen, how);
+                c.seen(&r);
                 if r.is_err() {
-                    if self.ends.len() >= ENDS_PENDING_MAX {
-                        self.ends.pop_front();
-                        tracing::warn!("fleet: too many endings waiting for the store; the oldest is left to the dead-host rules");
-                    }
-                    self.ends.push_back((run_id, gen, how));
+                    c.missed(run_id, gen, how);
                 }
+                return;
             }
-        }
+        };
+        c.seen(&result);
+        tell(
+            &c.inbox,
+            Msg::Fleet(Report::Claimed {
+                run_id,
+                gen,
+                result,
+            }),
+        );
     }
 
     /// One heartbeat: register if needed, beat, retry endings, declare lapsed hosts
     /// dead. False once the daemon is gone.
     fn beat(&mut self) -> bool {
-        let host = self.cfg.host.host_id.clone();
-        let gen = self.status.gen();
+        let c = self.common.clone();
+        let (host, gen) = (c.cfg.host.host_id.as_str(), c.status.gen());
         if gen == 0 {
-            let r = self.store.register(&self.cfg.host);
-            self.seen(&r);
+            let r = self.store.register(&c.cfg.host);
+            c.seen(&r);
             if let Ok((gen, resumed)) = r {
-                self.status.gen.store(gen, Ordering::Relaxed);
-                self.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed);
+                c.status.gen.store(gen, Ordering::Relaxed);
+                c.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed);
                 tracing::info!(host, gen, resumed, "fleet: registered");
-                return tell(&self.inbox, Msg::Fleet(Report::Generation { gen, resumed }));
+                return tell(&c.inbox, Msg::Fleet(Report::Generation { gen, resumed }));
             }
-            return self.inbox.upgrade().is_some();
+            return c.inbox.upgrade().is_some();
         }
-        let load = self
+        let load = c
             .status
             .load
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
-        let r = self.store.heartbeat(&host, gen, &load);
-        self.seen(&r);
+        let r = self.store.heartbeat(host, gen, &load);
+        c.seen(&r);
         match r {
-            Ok(true) => self.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed),
+            Ok(true) => c.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed),
             Ok(false) => {
                 // F2: declared dead while away. Nothing it held comes back; it
                 // re-registers under a new generation at the next beat.
@@ -353,34 +360,45 @@ impl Worker {
                     gen,
                     "fleet: this host was declared dead; re-registering under a new generation"
                 );
-                self.status.gen.store(0, Ordering::Relaxed);
-                return self.inbox.upgrade().is_some();
+                c.status.gen.store(0, Ordering::Relaxed);
+                return c.inbox.upgrade().is_some();
             }
-            Err(_) => return self.inbox.upgrade().is_some(),
+            Err(_) => return c.inbox.upgrade().is_some(),
         }
-        while let Some((run_id, g, how)) = self.ends.pop_front() {
-            let r = self.store.end(&run_id, &host, g, how);
-            self.seen(&r);
-            if r.is_err() {
-                self.ends.push_front((run_id, g, how));
-                break;
-            }
-        }
-        let lapse = i64::try_from(self.cfg.lapse_ms).unwrap_or(i64::MAX);
-        let r = self.store.declare_dead(&host, lapse);
-        self.seen(&r);
-        if let Ok(dead) = r {
-            for (h, g) in dead {
-                tracing::warn!(host = h, gen = g, by = host, "fleet: declared a host dead (no heartbeat within the lapse): its keys are freed and its budget tokens marked lapsed");
-                if !tell(
-                    &self.inbox,
-                    Msg::Fleet(Report::Declared { host_id: h, gen: g }),
-                ) {
-                    return false;
-                }
+        self.retry_ends(host);
+        let lapse = i64::try_from(c.cfg.lapse_ms).unwrap_or(i64::MAX);
+        let r = self.store.declare_dead(host, lapse);
+        c.seen(&r);
+        for (h, g) in r.unwrap_or_default() {
+            tracing::warn!(host = h, gen = g, by = host, "fleet: declared a host dead (no heartbeat within the lapse): its keys are freed and its budget tokens marked lapsed");
+            if !tell(
+                &c.inbox,
+                Msg::Fleet(Report::Declared { host_id: h, gen: g }),
+            ) {
+                return false;
             }
         }
         true
+    }
+
+    /// Endings the store missed, oldest first, until one fails again.
+    fn retry_ends(&mut self, host: &str) {
+        loop {
+            let next = self
+                .common
+                .ends
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .pop_front();
+            let Some((run_id, g, how)) = next else { return };
+            let r = self.store.end(&run_id, host, g, how);
+            self.common.seen(&r);
+            if r.is_err() {
+                let mut ends = self.common.ends.lock().unwrap_or_else(|e| e.into_inner());
+                ends.push_front((run_id, g, how));
+                return;
+            }
+        }
     }
 }
 

@@ -91,12 +91,19 @@ impl PgFleet {
     }
 
     /// Run `f` on the connection; an error drops the connection so the next call
-    /// reconnects (a broken socket must not be reused).
+    /// reconnects (a broken socket must not be reused). A connection found broken
+    /// (an error that is not the server's answer: a peer that went away while this one
+    /// sat idle) is made again and `f` tried once more: every statement here is
+    /// idempotent or harmless twice (a claim retried by its generation gets its fence).
     fn with<T>(
         &mut self,
-        f: impl FnOnce(&mut Client) -> Result<T, postgres::Error>,
+        mut f: impl FnMut(&mut Client) -> Result<T, postgres::Error>,
     ) -> Result<T, FleetError> {
-        let r = f(self.client()?);
+        let mut r = f(self.client()?);
+        if r.as_ref().is_err_and(|e| e.as_db_error().is_none()) {
+            self.client = None;
+            r = f(self.client()?);
+        }
         if r.is_err() {
             self.client = None;
         }
@@ -145,8 +152,8 @@ fn to_fence(v: i64) -> u64 {
 
 impl FleetStore for PgFleet {
     fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError> {
-        let h = host.clone();
-        self.with(move |c| {
+        let h = host;
+        self.with(|c| {
             let row = c.query_one(
                 "SELECT new_gen, resumed FROM berth_register($1, $2, $3)",
                 &[&h.host_id, &h.address, &h.version],
