@@ -222,6 +222,12 @@ pub(crate) fn check_claim(c: &Claim) -> Result<(), FleetError> {
     Ok(())
 }
 
+/// A thread owner's fence as the stores keep it (a signed 64-bit column).
+pub(crate) fn owner_fence(owner: &ThreadOwner) -> Result<i64, FleetError> {
+    i64::try_from(owner.fence)
+        .map_err(|_| FleetError::Invalid("owner_fence: at most 2^63-1".into()))
+}
+
 pub(crate) fn check_load(load: &str) -> Result<(), FleetError> {
     if load.len() > LOAD_BYTES_MAX {
         return Err(FleetError::Invalid(format!(

@@ -264,8 +264,7 @@ impl FleetStore for PgFleet {
         owner: &ThreadOwner,
         host_id: &str,
     ) -> Result<Option<ThreadOwner>, FleetError> {
-        let fence = i64::try_from(owner.fence)
-            .map_err(|_| FleetError::Invalid("owner_fence: at most 2^63-1".into()))?;
+        let fence = super::owner_fence(owner)?;
         self.with(|c| {
             let n = c.execute(
                 "INSERT INTO berth_threads VALUES ($1, $2, $3, $4, $5, true)

@@ -361,8 +361,7 @@ impl FleetStore for SqliteFleet {
         owner: &ThreadOwner,
         host_id: &str,
     ) -> Result<Option<ThreadOwner>, FleetError> {
-        let fence = i64::try_from(owner.fence)
-            .map_err(|_| FleetError::Invalid("owner_fence: at most 2^63-1".into()))?;
+        let fence = super::owner_fence(owner)?;
         self.tx(|tx| {
             let n = tx.execute(
                 "INSERT INTO threads VALUES (?1, ?2, ?3, ?4, ?5, 1)
