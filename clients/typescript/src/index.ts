@@ -8,6 +8,7 @@ import type {
   AcquireRequest,
   ErrorBody,
   FenceCheck,
+  Fleet,
   JournalEntry,
   JsonValue,
   ProcessRequest,
@@ -215,6 +216,14 @@ export class BerthClient {
   checkFence(runId: string, fence: number, opts: CallOptions = {}): Promise<FenceCheck> {
     const q = new URLSearchParams({ run_id: runId, fence: String(fence) });
     return this.#call<FenceCheck>("GET", `/v1/fences/check?${q}`, undefined, opts);
+  }
+
+  /**
+   * `GET /v1/fleet`: every live host's capacity and queue, the fleet's sums and the dead
+   * hosts (F4; `404 fleet_mode_off` on a host without `--store`).
+   */
+  fleet(opts: CallOptions = {}): Promise<Fleet> {
+    return this.#call<Fleet>("GET", "/v1/fleet", undefined, opts);
   }
 
   /**

@@ -75,6 +75,10 @@ export type LedgerStatus = Schemas["LedgerStatus"];
 export type Status = Schemas["Status"];
 export type ReapReport = Schemas["ReapReport"];
 export type FenceCheck = Schemas["FenceCheck"];
+// Fleet mode (F4): `GET /v1/fleet`.
+export type Fleet = Schemas["Fleet"];
+export type FleetHost = Schemas["FleetHost"];
+export type FleetResource = Schemas["FleetResource"];
 export type TokenCreated = Schemas["TokenCreated"];
 
 // ---- runtime (C7) ------------------------------------------------------------------

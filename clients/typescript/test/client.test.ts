@@ -242,6 +242,15 @@ test("a stale fence is refused with 409 stale_fence", { timeout: 30_000 }, async
   }
 });
 
+test("fleet() on a host without fleet mode is refused with 404 fleet_mode_off", { timeout: 30_000 }, async () => {
+  await assert.rejects(client.fleet(), (e: unknown) => {
+    assert.ok(e instanceof BerthError, `not a BerthError: ${String(e)}`);
+    assert.equal(e.status, 404);
+    assert.equal(e.code, "fleet_mode_off");
+    return true;
+  });
+});
+
 test("withBerth runs fn with a lease and releases it after", { timeout: 30_000 }, async () => {
   let seen: Run | undefined;
   let signal: AbortSignal | undefined;
