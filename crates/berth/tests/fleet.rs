@@ -480,3 +480,52 @@ fn berth_fleet_lists_the_live_hosts() {
     let r = plain.get("/v1/fleet");
     assert_eq!((r.status, r.code()), (404, "fleet_mode_off"));
 }
+
+/// Malformed fleet flags are refused at start with the flag and the rule named, and
+/// nothing is written to the fleet's database.
+#[test]
+fn malformed_fleet_flags_refuse_to_start_and_write_nothing() {
+    let db = database();
+    let d = Daemon::unstarted(&[]);
+    let cases: [(&[&str], &str); 4] = [
+        (&["--store", "postgres://[::1", "--host-id", "ok"], "store"),
+        (
+            &["--store", &db, "--host-id", "bad host/../id"],
+            "--host-id",
+        ),
+        (
+            &[
+                "--store",
+                &db,
+                "--host-id",
+                "ok",
+                "--fleet-beat",
+                "1s",
+                "--fleet-margin",
+                "2s",
+            ],
+            "--fleet-margin",
+        ),
+        (
+            &["--store", &db, "--host-id", "ok", "--ttl-max", "soon"],
+            "--ttl-max",
+        ),
+    ];
+    for (args, names) in cases {
+        let (st, out) = d.start_fails(args);
+        assert!(!st.success(), "{args:?} started");
+        assert!(
+            out.contains(names),
+            "{args:?}: the refusal does not name {names}: {out}"
+        );
+    }
+    let mut c = postgres::Client::connect(&db, postgres::NoTls).unwrap();
+    let tables: i64 = c
+        .query_one(
+            "SELECT count(*) FROM pg_tables WHERE tablename LIKE 'berth_%'",
+            &[],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(tables, 0, "a refused start wrote to the fleet's database");
+}
