@@ -204,7 +204,7 @@ pub(crate) struct Load {
 /// The load generator's acquire body, written by hand: the client shares the machine's
 /// cores with the daemon, so it spends as little as it can per request. A unit test
 /// keeps it what API v1's `AcquireRequest` says.
-fn acquire_body(c: usize, id: &str, budget: bool) -> String {
+pub(crate) fn acquire_body(c: usize, id: &str, budget: bool) -> String {
     // A limit no load here reaches: the token's cost is measured, not a wait for one.
     let budget = if budget {
         r#","budget":{"scope":"bench","harness":"h","per_harness":{"h":1024}}"#
@@ -217,7 +217,7 @@ fn acquire_body(c: usize, id: &str, budget: bool) -> String {
 }
 
 /// The release body, by hand like `acquire_body`.
-fn release_body(fence: u64) -> String {
+pub(crate) fn release_body(fence: u64) -> String {
     format!(r#"{{"fence":{fence}}}"#)
 }
 
@@ -359,7 +359,7 @@ impl Conn {
     }
 
     /// POSTs `body` and returns (status, response body), or None if the connection broke.
-    async fn post(&mut self, path: &str, auth: &str, body: &str) -> Option<(u16, String)> {
+    pub(crate) async fn post(&mut self, path: &str, auth: &str, body: &str) -> Option<(u16, String)> {
         self.request("POST", path, auth, body).await
     }
 
@@ -372,8 +372,14 @@ impl Conn {
         body: &str,
     ) -> Option<(u16, String)> {
         use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+        // (An empty `auth` sends no Authorization header: etcd's gateway is asked too.)
+        let auth = if auth.is_empty() {
+            String::new()
+        } else {
+            format!("Authorization: {auth}\r\n")
+        };
         let req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             self.host,
             body.len()
         );

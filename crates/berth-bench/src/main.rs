@@ -114,10 +114,25 @@ enum Bench {
     /// (The daemon `waiters` measures, in its own process.)
     #[command(hide = true)]
     WaitersDaemon { state_dir: std::path::PathBuf },
+    /// berth beside Redis (appendfsync always), PostgreSQL and etcd: the same durable
+    /// fenced-lease lifecycle against each server in turn, each started here with a
+    /// fresh data dir (scripts/peers.sh installs them). One JSON line per peer and
+    /// client count, then berth's ratios to each.
+    Peers {
+        /// Client counts, each measured against every peer.
+        #[arg(long, value_delimiter = ',', default_value = "1,64")]
+        clients: Vec<usize>,
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
+        /// Which servers: berth, berth-lease (no workspace), redis, postgres, etcd.
+        #[arg(long, value_delimiter = ',', default_value = "berth,berth-lease,redis,postgres,etcd")]
+        peers: Vec<String>,
+    },
 }
 
 mod fleet;
 mod http;
+mod peers;
 mod recovery;
 mod retention;
 mod waiters;
@@ -308,6 +323,11 @@ fn main() {
             seconds,
         } => fleet::main(hosts, clients, seconds),
         Bench::Retention { runs } => retention::main(runs),
+        Bench::Peers {
+            clients,
+            seconds,
+            peers,
+        } => peers::main(&peers, &clients, seconds),
         Bench::RetentionDaemon { state_dir } => retention::daemon(&state_dir),
         Bench::Waiters { attached, detached } => waiters::main(attached, detached),
         Bench::WaitersDaemon { state_dir } => waiters::daemon(&state_dir),
