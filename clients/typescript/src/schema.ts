@@ -1691,6 +1691,13 @@ export interface components {
              *     evicted.
              */
             thread?: string | null;
+            /**
+             * @description `false`: a lease only, for an orchestrator that needs the fence and not a place
+             *     to work: no workspace is made at the grant (the answer has no `workspace`, the
+             *     run's environment no `BERTH_WORKSPACE`), so a lifecycle costs less. Not with
+             *     `thread`. Default `true`.
+             */
+            workspace?: boolean | null;
         };
         /**
          * @description B1/B2: a run's budget. `per_harness` (limits 1 to 1024 per canonical harness name,

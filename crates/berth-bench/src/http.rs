@@ -359,7 +359,12 @@ impl Conn {
     }
 
     /// POSTs `body` and returns (status, response body), or None if the connection broke.
-    pub(crate) async fn post(&mut self, path: &str, auth: &str, body: &str) -> Option<(u16, String)> {
+    pub(crate) async fn post(
+        &mut self,
+        path: &str,
+        auth: &str,
+        body: &str,
+    ) -> Option<(u16, String)> {
         self.request("POST", path, auth, body).await
     }
 

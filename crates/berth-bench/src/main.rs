@@ -114,6 +114,29 @@ enum Bench {
     /// (The daemon `waiters` measures, in its own process.)
     #[command(hide = true)]
     WaitersDaemon { state_dir: std::path::PathBuf },
+    /// Reliability from real runs: daemon kill -9s (plain and at every failpoint) under
+    /// load with acknowledged operations lost, fences repeated and capacity leaked;
+    /// killed `berth run` clients; strangers signalled under forced pid reuse.
+    /// scripts/reliability.sh runs it with a failpoints build, and the fuzz and
+    /// linearizability tests in their long form.
+    Reliability {
+        /// The berth binary (a `--features failpoints` build crashes at each point).
+        #[arg(long)]
+        berth: std::path::PathBuf,
+        /// Daemon crashes: every other one at a failpoint, in turn.
+        #[arg(long, default_value_t = 20)]
+        kills: usize,
+        /// `berth run` clients killed.
+        #[arg(long, default_value_t = 10)]
+        client_kills: usize,
+        /// Forced pid reuse trials (root only).
+        #[arg(long, default_value_t = 20)]
+        strangers: usize,
+        /// KEY=VALUE for the fuzz and linearizability tests run first (repeatable),
+        /// e.g. BERTH_FUZZ_CASES=20000.
+        #[arg(long = "test-env", value_parser = parse_kv)]
+        test_env: Vec<(String, String)>,
+    },
     /// berth beside Redis (appendfsync always), PostgreSQL and etcd: the same durable
     /// fenced-lease lifecycle against each server in turn, each started here with a
     /// fresh data dir (scripts/peers.sh installs them). One JSON line per peer and
@@ -125,7 +148,11 @@ enum Bench {
         #[arg(long, default_value_t = 10)]
         seconds: u64,
         /// Which servers: berth, berth-lease (no workspace), redis, postgres, etcd.
-        #[arg(long, value_delimiter = ',', default_value = "berth,berth-lease,redis,postgres,etcd")]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "berth,berth-lease,redis,postgres,etcd"
+        )]
         peers: Vec<String>,
     },
 }
@@ -134,6 +161,7 @@ mod fleet;
 mod http;
 mod peers;
 mod recovery;
+mod reliability;
 mod retention;
 mod waiters;
 
@@ -300,6 +328,12 @@ fn release_memory() {
     unsafe { libmimalloc_sys::mi_collect(true) }
 }
 
+fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?}: expected KEY=VALUE"))
+}
+
 fn main() {
     // The daemons' logs, when asked for (`BERTH_LOG=info`), on stderr beside the figures.
     if let Ok(filter) = std::env::var("BERTH_LOG") {
@@ -323,6 +357,13 @@ fn main() {
             seconds,
         } => fleet::main(hosts, clients, seconds),
         Bench::Retention { runs } => retention::main(runs),
+        Bench::Reliability {
+            berth,
+            kills,
+            client_kills,
+            strangers,
+            test_env,
+        } => reliability::main(&berth, kills, client_kills, strangers, &test_env),
         Bench::Peers {
             clients,
             seconds,

@@ -67,7 +67,7 @@ impl Drop for Server {
     }
 }
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
     l.local_addr().unwrap().port()
 }
@@ -98,9 +98,22 @@ fn start_berth() -> Server {
         .arg(dir.path().join("state"))
         .args(["--listen", &format!("127.0.0.1:{port}")])
         // Room for every client at once, as in `berth-bench http`.
-        .args(["--slots-max", "4096", "--memory-total", "1TiB", "--memory-reserve", "0"])
+        .args([
+            "--slots-max",
+            "4096",
+            "--memory-total",
+            "1TiB",
+            "--memory-reserve",
+            "0",
+        ])
         .args(["--cpu-total", "64000", "--cpu-reserve", "0"])
-        .args(["--disk-total", "16TiB", "--disk-reserve", "0", "--no-memory-sampling"])
+        .args([
+            "--disk-total",
+            "16TiB",
+            "--disk-reserve",
+            "0",
+            "--no-memory-sampling",
+        ])
         .env("BERTH_LOG", "warn")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -130,7 +143,14 @@ fn start_redis() -> Server {
         .args(["--bind", "127.0.0.1", "--port", &port.to_string()])
         .arg("--dir")
         .arg(dir.path())
-        .args(["--appendonly", "yes", "--appendfsync", "always", "--save", ""])
+        .args([
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+        ])
         .args(["--daemonize", "no", "--loglevel", "warning"])
         .stdout(Stdio::null())
         .spawn()
@@ -164,7 +184,11 @@ fn pg_bin(name: &str) -> PathBuf {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .collect();
     versions.sort();
-    versions.last().expect("a PostgreSQL version").join("bin").join(name)
+    versions
+        .last()
+        .expect("a PostgreSQL version")
+        .join("bin")
+        .join(name)
 }
 
 fn as_pg_user(cmd: &mut Command) -> &mut Command {
@@ -241,7 +265,11 @@ fn start_etcd() -> Server {
 
 /// One client's connection to the server being measured.
 enum Client {
-    Berth { conn: Conn, auth: String, lease_only: bool },
+    Berth {
+        conn: Conn,
+        auth: String,
+        lease_only: bool,
+    },
     Redis(BufReader<TcpStream>),
     Postgres(Pg),
     Etcd(Conn),
@@ -357,7 +385,9 @@ impl Pg {
             .expect("connect to postgres");
         tokio::spawn(connection);
         let insert = client
-            .prepare("INSERT INTO leases (key, fence) VALUES ($1, nextval('fence')) RETURNING fence")
+            .prepare(
+                "INSERT INTO leases (key, fence) VALUES ($1, nextval('fence')) RETURNING fence",
+            )
             .await
             .unwrap();
         let delete = client
@@ -412,7 +442,10 @@ fn base64(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = String::new();
     for chunk in b.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |n, (k, &x)| n | (x as u32) << (16 - 8 * k));
+        let n = chunk
+            .iter()
+            .enumerate()
+            .fold(0u32, |n, (k, &x)| n | (x as u32) << (16 - 8 * k));
         for k in 0..4 {
             if k <= chunk.len() {
                 out.push(A[(n >> (18 - 6 * k) & 63) as usize] as char);
@@ -439,8 +472,15 @@ async fn etcd_post(conn: &mut Conn, path: &str, body: &str) -> Result<String, St
 }
 
 async fn etcd_lifecycle(conn: &mut Conn, c: usize) -> Result<u64, String> {
-    let grant = etcd_post(conn, "/v3/lease/grant", &format!(r#"{{"TTL":{LEASE_TTL_S}}}"#)).await?;
-    let lease = field_str(&grant, "\"ID\"").ok_or("lease grant: no ID")?.to_string();
+    let grant = etcd_post(
+        conn,
+        "/v3/lease/grant",
+        &format!(r#"{{"TTL":{LEASE_TTL_S}}}"#),
+    )
+    .await?;
+    let lease = field_str(&grant, "\"ID\"")
+        .ok_or("lease grant: no ID")?
+        .to_string();
     let key = base64(&format!("lock/bench-{c}"));
     let txn = format!(
         r#"{{"compare":[{{"key":"{key}","target":"CREATE","result":"EQUAL","create_revision":"0"}}],"success":[{{"request_put":{{"key":"{key}","value":"{}","lease":"{lease}"}}}}]}}"#,
@@ -605,7 +645,10 @@ fn print_ratios(rates: &[(String, usize, f64, f64)], clients: &[usize]) {
                 continue;
             };
             let mut line = format!("{{\"ratios_of\":\"{ours}\",\"clients\":{n}");
-            for r in rates.iter().filter(|r| r.1 == n && !r.0.starts_with("berth")) {
+            for r in rates
+                .iter()
+                .filter(|r| r.1 == n && !r.0.starts_with("berth"))
+            {
                 line.push_str(&format!(
                     ",\"throughput_vs_{}\":{:.2},\"p50_vs_{}\":{:.2}",
                     r.0,
@@ -631,7 +674,10 @@ mod tests {
     #[test]
     fn etcd_fields_are_read_from_its_answers() {
         let grant = r#"{"header":{"revision":"7"},"ID":"7587848807587160114","TTL":"30"}"#;
-        assert_eq!(super::field_str(grant, "\"ID\""), Some("7587848807587160114"));
+        assert_eq!(
+            super::field_str(grant, "\"ID\""),
+            Some("7587848807587160114")
+        );
         assert_eq!(super::field_str(grant, "\"revision\""), Some("7"));
     }
 }

@@ -99,6 +99,12 @@ pub struct AcquireRequest {
     /// evicted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thread: Option<String>,
+    /// `false`: a lease only, for an orchestrator that needs the fence and not a place
+    /// to work: no workspace is made at the grant (the answer has no `workspace`, the
+    /// run's environment no `BERTH_WORKSPACE`), so a lifecycle costs less. Not with
+    /// `thread`. Default `true`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace: Option<bool>,
 }
 
 /// `POST /v1/runs/{id}/renew`: a lease (with its fence) or a waiter (without).

@@ -44,13 +44,14 @@ fn new_run_id() -> String {
 /// Longest stop grace a run may ask for.
 pub const STOP_GRACE_S_MAX: u64 = 3_600;
 
-/// The server-side parts of an acquire: (worktree, labels, stop grace).
-/// (worktree, labels, stop grace, thread)
+/// The server-side parts of an acquire: (worktree, labels, stop grace, thread, lease
+/// only).
 pub type Extras = (
     Option<String>,
     BTreeMap<String, String>,
     Option<u64>,
     Option<String>,
+    bool,
 );
 
 /// Longest worktree path accepted.
@@ -173,8 +174,18 @@ pub fn build_request(cfg: &Config, b: AcquireBody) -> Result<(CoreRequest, Extra
     if let Some(t) = &b.thread {
         validate::run_id(t).map_err(|e| ApiError::invalid("thread", e))?;
     }
+    let lease_only = b.workspace == Some(false);
+    if lease_only && b.thread.is_some() {
+        return Err(ApiError::invalid(
+            "workspace",
+            "cannot be false with `thread`: a thread's runs work in its workspace",
+        ));
+    }
     let stop_grace_ms = b.stop_grace_s.map(|g| g * 1000);
-    Ok((req, (b.worktree, labels, stop_grace_ms, b.thread)))
+    Ok((
+        req,
+        (b.worktree, labels, stop_grace_ms, b.thread, lease_only),
+    ))
 }
 
 /// A lease's ttl in seconds, within the engine's `ttl_ms_max` (the one limit).

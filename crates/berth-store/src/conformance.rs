@@ -150,6 +150,7 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
         },
         // Both values round-trip: queued samples are detached waiters.
         detached: state == RunState::Queued,
+        lease_only: false,
         thread: Some("thread-1".into()),
     }
 }

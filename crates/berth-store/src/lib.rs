@@ -100,6 +100,8 @@ pub struct RunRecord {
     pub detached: bool,
     /// G0: the agent thread the run works in.
     pub thread: Option<String>,
+    /// A lease only: no workspace is made at its grant (`"workspace": false`).
+    pub lease_only: bool,
 }
 
 /// One durable change. Closed on purpose: every store must handle every arm, and each

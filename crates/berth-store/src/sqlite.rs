@@ -223,6 +223,9 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (scope, owner, operation)
      ) STRICT;
      ALTER TABLE runs ADD COLUMN budget TEXT;",
+    // 17: lease-only runs (no workspace is made at the grant: issue 16), so a waiter
+    // restored after a restart is granted as it asked.
+    "ALTER TABLE runs ADD COLUMN lease_only INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// The part of a migration SQL cannot do, run after its SQL in its transaction.
@@ -399,7 +402,7 @@ fn u(v: i64) -> u64 {
 
 /// The columns `read_run` reads, in this order: by position, not by name (looking each
 /// name up was an eighth of a restart's CPU).
-const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread, budget";
+const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread, budget, lease_only";
 
 /// Positions of `RUN_COLUMNS`.
 mod col {
@@ -436,6 +439,7 @@ mod col {
     pub const DETACHED: usize = 30;
     pub const THREAD: usize = 31;
     pub const BUDGET: usize = 32;
+    pub const LEASE_ONLY: usize = 33;
 }
 
 fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
@@ -517,6 +521,7 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         stop_grace_ms: oi(col::STOP_GRACE_MS)?.map(u),
         detached: g(col::DETACHED)? != 0,
         thread: os(col::THREAD)?,
+        lease_only: g(col::LEASE_ONLY)? != 0,
     })
 }
 
@@ -528,9 +533,9 @@ const UPSERT: &str =
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
     expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms,
-    ended_unix_ms, detached, thread, budget)
+    ended_unix_ms, detached, thread, budget, lease_only)
   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
-    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34, ?35)
+    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34, ?35, ?36)
   ON CONFLICT (run_id) DO UPDATE SET
     state = excluded.state, fence = excluded.fence, deadline_ms = excluded.deadline_ms,
     granted_ms = excluded.granted_ms, expires_ms = excluded.expires_ms,
@@ -1167,6 +1172,7 @@ fn upsert_run(
             q.budget
                 .as_ref()
                 .map(|b| serde_json::to_string(b).expect("a budget serializes")),
+            r.lease_only as i64,
         ])
         .map_err(write_err)?;
     if changed == 0 {

@@ -858,3 +858,91 @@ fn every_route_has_the_scope_of_its_router() {
         405
     );
 }
+
+/// The runs' workspaces in the state dir (`runs/`, without the pool and the trash).
+fn workspace_dirs(d: &Daemon) -> usize {
+    std::fs::read_dir(d.state.join("runs")).map_or(0, |rd| {
+        rd.filter(|e| {
+            e.as_ref()
+                .is_ok_and(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        })
+        .count()
+    })
+}
+
+/// Issue 16: `"workspace": false` is a lease only. It is granted with a fence and no
+/// workspace (none is made, none is removed), a restart keeps a queued one as it asked,
+/// a retry that differs in it is another request, and it cannot go with `thread`.
+#[test]
+fn a_lease_only_acquire_gets_a_fence_and_no_workspace_even_across_a_restart() {
+    let mut d = Daemon::start(&["--slots-max", "1"]);
+    let body = |id: &str| json!({"run_id": id, "project": id, "workspace": false, "wait_s": 600, "detach": true});
+    let a = acquire(&d, body("a"));
+    assert_eq!(
+        (a.status, a.body["state"].as_str()),
+        (201, Some("granted")),
+        "{:?}",
+        a.body
+    );
+    assert!(a.body["fence"].as_u64().is_some());
+    assert!(a.body["workspace"].is_null(), "{:?}", a.body);
+    assert!(
+        a.body["env"].get("BERTH_WORKSPACE").is_none(),
+        "{:?}",
+        a.body
+    );
+    assert_eq!(workspace_dirs(&d), 0, "a lease only made a workspace");
+    let with_ws = acquire(
+        &d,
+        json!({"run_id": "w", "project": "w", "wait_s": 600, "detach": true}),
+    );
+    assert_eq!(with_ws.status, 202, "{:?}", with_ws.body);
+    let b = acquire(&d, body("b"));
+    assert_eq!(b.status, 202, "{:?}", b.body);
+    // The same id without the option is another request (L7).
+    let differs = acquire(
+        &d,
+        json!({"run_id": "b", "project": "b", "wait_s": 600, "detach": true}),
+    );
+    assert_eq!(
+        (differs.status, differs.code()),
+        (409, "conflict"),
+        "{:?}",
+        differs.body
+    );
+    // Restored after kill -9, the queued lease-only run is granted without a workspace
+    // and the one that asked for a workspace gets one.
+    d.kill9_and_restart();
+    let fence = a.body["fence"].as_u64().unwrap();
+    let r = d.post("/v1/runs/a/release", &json!({"fence": fence}).to_string());
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    d.wait_until("w is granted", |d| {
+        d.get("/v1/runs/w").body["state"] == "granted"
+    });
+    let w = d.get("/v1/runs/w");
+    assert!(w.body["workspace"].as_str().is_some(), "{:?}", w.body);
+    let wf = w.body["fence"].as_u64().unwrap();
+    let r = d.post("/v1/runs/w/release", &json!({"fence": wf}).to_string());
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    d.wait_until("b is granted", |d| {
+        d.get("/v1/runs/b").body["state"] == "granted"
+    });
+    let b = d.get("/v1/runs/b");
+    assert!(b.body["workspace"].is_null(), "{:?}", b.body);
+    d.wait_until("w's workspace is gone", |d| workspace_dirs(d) == 0);
+    let refused = acquire(
+        &d,
+        json!({"project": "t", "workspace": false, "thread": "t1"}),
+    );
+    assert_eq!(
+        (refused.status, refused.code()),
+        (400, "invalid"),
+        "{:?}",
+        refused.body
+    );
+    assert_eq!(
+        refused.body["error"]["details"]["field"], "workspace",
+        "{:?}",
+        refused.body
+    );
+}

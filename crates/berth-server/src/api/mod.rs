@@ -360,7 +360,8 @@ async fn long_poll_answer(api: &Api, first: RunInfo, guard: Option<AttachGuard>)
 async fn enqueue(api: &Api, body: Body) -> Result<(RunInfo, Option<AttachGuard>, bool), ApiError> {
     let b: berth_client::wire::AcquireRequest = json_body(body, false).await?;
     let detach = b.detach == Some(true);
-    let (mut req, (worktree, labels, stop_grace_ms, thread)) = build_request(&api.cfg, b)?;
+    let (mut req, (worktree, labels, stop_grace_ms, thread, lease_only)) =
+        build_request(&api.cfg, b)?;
     let ports = match &worktree {
         Some(wt) => read_worktree(&mut req, wt).await?,
         None => Vec::new(),
@@ -383,6 +384,7 @@ async fn enqueue(api: &Api, body: Body) -> Result<(RunInfo, Option<AttachGuard>,
         attach: waits,
         detach,
         thread,
+        lease_only,
         reply,
     })
     .await;

@@ -28,6 +28,8 @@ pub(super) struct Extra {
     pub(super) detached: bool,
     /// G0: the agent thread the run works in.
     pub(super) thread: Option<String>,
+    /// A lease only: no workspace is made at its grant (`"workspace": false`).
+    pub(super) lease_only: bool,
 }
 
 /// What an acquire carries besides the engine's request, as one digest.
@@ -62,6 +64,7 @@ impl Extra {
             ended_digest: None,
             detached: false,
             thread: None,
+            lease_only: false,
         }
     }
 
@@ -78,6 +81,7 @@ impl Extra {
         extra.ports = std::mem::take(&mut r.ports);
         extra.detached = r.detached;
         extra.thread = r.thread.take();
+        extra.lease_only = r.lease_only;
         if r.state.is_terminal() {
             extra.shrink();
         }

@@ -44,10 +44,12 @@ impl<H: Host> Daemon<H> {
                 attach,
                 detach,
                 thread,
+                lease_only,
                 reply,
             } => {
                 let mut extra = Extra::new(worktree, labels, stop_grace_ms, 0);
                 extra.thread = thread;
+                extra.lease_only = lease_only;
                 extra.ports = ports.into_iter().map(|p| (p, 0)).collect();
                 extra.detached = detach;
                 self.on_acquire(req, extra, attach, reply)
@@ -113,10 +115,12 @@ impl<H: Host> Daemon<H> {
     /// Why an acquire is refused before the engine sees it, if it is.
     fn acquire_refusal(&self, id: &str, extra: &Extra, is_new: bool) -> Option<Error> {
         if let Some(ex) = self.extras.get(id) {
-            // L7: a retry is the same request; a different thread is another one (the
-            // thread's key is kept when an ended run shrinks: it is at most 128 bytes).
+            // L7: a retry is the same request; a different thread or workspace choice is
+            // another one (both are kept when an ended run shrinks: the thread's key is
+            // at most 128 bytes).
             if ex.differs(&extra.worktree, &extra.labels, extra.stop_grace_ms)
                 || ex.thread != extra.thread
+                || ex.lease_only != extra.lease_only
             {
                 let run_id = id.to_string();
                 return Some(CoreError::Conflict { run_id }.into());

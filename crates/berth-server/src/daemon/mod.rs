@@ -135,6 +135,8 @@ pub enum Msg {
         detach: bool,
         /// G0: the agent thread it works in.
         thread: Option<String>,
+        /// A lease only: no workspace at its grant.
+        lease_only: bool,
         reply: Reply<RunInfo>,
     },
     Command {
@@ -567,6 +569,7 @@ impl<H: Host> Daemon<H> {
             ports: extra.ports.clone(),
             detached: extra.detached,
             thread: extra.thread.clone(),
+            lease_only: extra.lease_only,
         })
     }
 
@@ -681,6 +684,11 @@ impl<H: Host> Daemon<H> {
     fn on_granted(&mut self, run_id: &str, fence: u64) -> Vec<Event> {
         if let Err(e) = self.allocate_ports(run_id) {
             return self.release_at_grant(run_id, fence, e);
+        }
+        // A lease only (an orchestrator that needs the fence, not a place to work):
+        // no workspace, so nothing to make now or to remove at its end.
+        if self.extras.get(run_id).is_some_and(|e| e.lease_only) {
+            return Vec::new();
         }
         match self.host.create_workspace(run_id) {
             Ok(ws) => {

@@ -494,6 +494,7 @@ impl Sim {
             attach,
             detach,
             thread: None,
+            lease_only: false,
             reply,
         });
         // The connection holds its place only if it had to wait (the guard is armed

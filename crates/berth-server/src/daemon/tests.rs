@@ -147,6 +147,7 @@ fn send_acquire(
             attach: false,
             detach,
             thread: None,
+            lease_only: false,
             reply,
         },
     );
