@@ -136,6 +136,9 @@ enum Bench {
         /// e.g. BERTH_FUZZ_CASES=20000.
         #[arg(long = "test-env", value_parser = parse_kv)]
         test_env: Vec<(String, String)>,
+        /// Skip the fuzz and linearizability tests (their figures print as absent).
+        #[arg(long)]
+        no_tests: bool,
     },
     /// berth beside Redis (appendfsync always), PostgreSQL and etcd: the same durable
     /// fenced-lease lifecycle against each server in turn, each started here with a
@@ -363,7 +366,11 @@ fn main() {
             client_kills,
             strangers,
             test_env,
-        } => reliability::main(&berth, kills, client_kills, strangers, &test_env),
+            no_tests,
+        } => {
+            let tests = (!no_tests).then_some(test_env.as_slice());
+            reliability::main(&berth, kills, client_kills, strangers, tests)
+        }
         Bench::Peers {
             clients,
             seconds,

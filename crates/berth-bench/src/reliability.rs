@@ -45,6 +45,8 @@ const FAILPOINT_WAIT: Duration = Duration::from_secs(5);
 const LOAD_CLIENTS: usize = 4;
 /// The lease `berth run` clients ask for: short, so a killed client's run lapses soon.
 const CLIENT_TTL_S: u64 = 2;
+/// Longer than two clock ticks of /proc's start times (see `strangers`).
+const SAME_TICK_GAP: Duration = Duration::from_millis(30);
 /// How long anything the checks wait for may take before it counts as a failure.
 const SETTLE: Duration = Duration::from_secs(30);
 
@@ -231,10 +233,19 @@ fn load_client(d: &Daemon, cycle: usize, c: usize, stop: &AtomicBool, book: &Mut
     while !stop.load(Ordering::Relaxed) {
         j += 1;
         let run = format!("k{cycle}-c{c}-{j}");
-        let body = json!({"run_id": run, "project": format!("p{c}"), "ttl_s": 600, "wait_s": 0,
+        // Analysis runs: no project key, so a run still being stopped does not hold
+        // back its client's next one.
+        let body = json!({"run_id": run, "project": format!("p{c}"), "class": "analysis",
+            "ttl_s": 600, "wait_s": 0,
             "resources": {"cpu_millis": 1, "memory": 1 << 20, "disk": 0}});
-        let Some((201, r)) = d.call("POST", "/v1/runs", Some(body)) else {
-            return; // the daemon is gone (or refused): this cycle's load is over
+        let r = match d.call("POST", "/v1/runs", Some(body)) {
+            Some((201, r)) => r,
+            // No room this moment (runs being stopped hold theirs): try again.
+            Some(_) => {
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            }
+            None => return, // the daemon is gone: this cycle's load is over
         };
         let fence = r["fence"].as_u64().unwrap_or(0);
         book.lock().unwrap().grant(run.clone(), fence);
@@ -395,7 +406,11 @@ fn daemon_kills(bin: &Path, n: usize) -> KillFigures {
 fn crash(d: &Daemon, point: Option<&'static str>, arm: &Path) -> Option<&'static str> {
     let at = point.and_then(|p| {
         std::fs::write(arm, b"").unwrap();
-        d.exited_within(FAILPOINT_WAIT).then_some(p)
+        let reached = d.exited_within(FAILPOINT_WAIT);
+        if !reached {
+            eprintln!("failpoint {p} was not reached within {FAILPOINT_WAIT:?}: SIGKILL instead");
+        }
+        reached.then_some(p)
     });
     d.kill9();
     at
@@ -586,6 +601,11 @@ fn strangers(bin: &Path, n: usize) -> Option<(u64, u64)> {
             continue;
         };
         let pid = own.child.id() as i32;
+        // A process's identity is its pid and its start time in clock ticks (10 ms):
+        // a stranger started in the same tick as the process it replaces is the same
+        // process to /proc. A real pid cycle takes far longer; here it is forced, so
+        // the stranger is started a few ticks later, as any reuse would be.
+        std::thread::sleep(SAME_TICK_GAP);
         let _ = own.child.kill();
         let _ = own.child.wait();
         let Some(mut stranger) = (0..5).find_map(|_| stranger_at(pid)) else {
@@ -666,10 +686,10 @@ pub fn main(
     kills: usize,
     client_kills_n: usize,
     stranger_trials: usize,
-    test_env: &[(String, String)],
+    tests: Option<&[(String, String)]>,
 ) {
     let started = Instant::now();
-    let figures = test_figures(test_env);
+    let figures = tests.map(test_figures).unwrap_or_default();
     let k = daemon_kills(bin, kills);
     let (c_kills, c_live, c_alive) = client_kills(bin, client_kills_n);
     let s = strangers(bin, stranger_trials);
@@ -683,7 +703,7 @@ pub fn main(
         None => ("null".into(), "null".into()),
     };
     println!(
-        "{{\"daemon_kill9s\":{},\"daemon_crashes_at_failpoints\":{{{}}},\"client_kill9s\":{c_kills},\"acknowledged_ops\":{},\"acknowledged_ops_lost\":{},\"fences_repeated\":{},\"capacity_leaked_runs\":{},\"capacity_leaked_resources\":{},\"processes_leaked\":{},\"killed_clients_runs_left_live\":{c_live},\"killed_clients_commands_left_alive\":{c_alive},\"stranger_trials\":{s_trials},\"strangers_signalled\":{s_signalled},{},\"seconds\":{:.0}}}",
+        "{{\"daemon_kill9s\":{},\"daemon_crashes_at_failpoints\":{{{}}},\"client_kill9s\":{c_kills},\"acknowledged_ops\":{},\"acknowledged_ops_lost\":{},\"fences_repeated\":{},\"capacity_leaked_runs\":{},\"capacity_leaked_resources\":{},\"processes_leaked\":{},\"killed_clients_runs_left_live\":{c_live},\"killed_clients_commands_left_alive\":{c_alive},\"stranger_trials\":{s_trials},\"strangers_signalled\":{s_signalled},{}\"seconds\":{:.0}}}",
         k.kills,
         at.join(","),
         k.acknowledged_ops,
@@ -692,7 +712,7 @@ pub fn main(
         k.leaked_runs,
         k.leaked_resources,
         k.leaked_processes,
-        figures.join(","),
+        figures.iter().map(|f| format!("{f},")).collect::<String>(),
         started.elapsed().as_secs_f64()
     );
 }
