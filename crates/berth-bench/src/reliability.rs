@@ -643,16 +643,9 @@ fn test_figures(env: &[(String, String)]) -> Vec<String> {
             "--test",
             "fuzz_config",
             "--test",
-            "linearizability",
-        ])
-        .args([
-            "-p",
-            "berth-store",
-            "--test",
             "fuzz_ledger",
-            "--",
-            "--nocapture",
         ])
+        .args(["--test", "linearizability", "--", "--nocapture"])
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .output()
