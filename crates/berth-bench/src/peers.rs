@@ -401,12 +401,21 @@ impl Pg {
         }
     }
 
-    /// The schema, once per server: the key is the primary key (one holder).
+    /// The schema, once per server: the key is the primary key (one holder). The
+    /// server listens before it accepts sessions ("the database system is starting
+    /// up"): connecting is tried again until START_TIMEOUT.
     async fn schema(port: u16) {
         let conf = format!("host=127.0.0.1 port={port} user=bench dbname=postgres");
-        let (client, connection) = tokio_postgres::connect(&conf, tokio_postgres::NoTls)
-            .await
-            .expect("connect to postgres");
+        let deadline = Instant::now() + START_TIMEOUT;
+        let (client, connection) = loop {
+            match tokio_postgres::connect(&conf, tokio_postgres::NoTls).await {
+                Ok(c) => break c,
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("connect to postgres: {e}"),
+            }
+        };
         tokio::spawn(connection);
         client
             .batch_execute(
