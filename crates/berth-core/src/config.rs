@@ -137,6 +137,18 @@ impl Config {
                 "retain_ended (ended_retained_max) must be 1..={ENDED_RETAINED_LIMIT}"
             ));
         }
+        // Names first: the bound below names the figure it refuses, and a named
+        // resource's name is only fit to be shown once it is valid (an empty one was not).
+        for (i, (name, _)) in self.named.iter().enumerate() {
+            if crate::validate::resource_name(name).is_err() {
+                return Err(format!("named resource {name:?} is not a valid name"));
+            }
+            if ["slots", "memory", "cpu", "cpu_millis", "disk"].contains(&name.as_str())
+                || self.named[..i].iter().any(|(n, _)| n == name)
+            {
+                return Err(format!("named resource {name:?} is declared twice"));
+            }
+        }
         for (name, v) in [
             ("memory_total", self.memory_total),
             ("memory_reserve", self.memory_reserve),
@@ -154,16 +166,6 @@ impl Config {
         }
         if self.default_request.slots == 0 {
             return Err("default_request.slots must be positive".into());
-        }
-        for (i, (name, _)) in self.named.iter().enumerate() {
-            if crate::validate::resource_name(name).is_err() {
-                return Err(format!("named resource {name:?} is not a valid name"));
-            }
-            if ["slots", "memory", "cpu", "cpu_millis", "disk"].contains(&name.as_str())
-                || self.named[..i].iter().any(|(n, _)| n == name)
-            {
-                return Err(format!("named resource {name:?} is declared twice"));
-            }
         }
         Ok(())
     }

@@ -323,6 +323,11 @@ impl SqliteStore {
             .query_row("PRAGMA user_version", [], |r| r.get(0))
             .map_err(corrupt)?;
         let supported = MIGRATIONS.len() as i64;
+        // A negative version is no version berth wrote (D4; `as usize` below would
+        // skip every migration).
+        if version < 0 {
+            return Err(StoreError::Corrupt(format!("schema version {version}")));
+        }
         if version > supported {
             return Err(StoreError::TooNew {
                 found: version,
@@ -396,8 +401,19 @@ fn decode_map(s: &str) -> Result<BTreeMap<String, String>, StoreError> {
     Ok(m)
 }
 
-fn u(v: i64) -> u64 {
-    v as u64
+/// A count, time, sequence number or id as berth wrote it: never negative. One that is
+/// was not written by berth, and is refused (D4) rather than read as a huge number.
+fn u(v: i64) -> Result<u64, StoreError> {
+    u64::try_from(v)
+        .map_err(|_| StoreError::Corrupt(format!("{v}, where berth writes no negative number")))
+}
+
+/// A corrupt ledger's reason, said of `what` (a run, a thread, a scope).
+fn of(what: &str, e: StoreError) -> StoreError {
+    match e {
+        StoreError::Corrupt(why) => StoreError::Corrupt(format!("{what}: {why}")),
+        e => e,
+    }
 }
 
 /// The columns `read_run` reads, in this order: by position, not by name (looking each
@@ -442,7 +458,15 @@ mod col {
     pub const LEASE_ONLY: usize = 33;
 }
 
+/// A run's record; what it refuses names the run.
 fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
+    read_run_fields(row).map_err(|e| {
+        let id: String = row.get(col::RUN_ID).unwrap_or_else(|_| "?".into());
+        of(&format!("run {id}"), e)
+    })
+}
+
+fn read_run_fields(row: &Row) -> Result<RunRecord, StoreError> {
     let g = |i: usize| -> Result<i64, StoreError> { row.get::<_, i64>(i).map_err(corrupt) };
     let s = |i: usize| -> Result<String, StoreError> { row.get::<_, String>(i).map_err(corrupt) };
     let os = |i: usize| -> Result<Option<String>, StoreError> {
@@ -472,12 +496,12 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         }),
         None => None,
     };
-    let workspace = match (os(col::WS_PATH)?, oi(col::WS_DEV)?, oi(col::WS_INO)?) {
-        (Some(path), Some(dev), Some(ino)) => Some(WorkspaceIdentity {
-            path,
-            dev: u(dev),
-            ino: u(ino),
-        }),
+    let (dev, ino) = (
+        oi(col::WS_DEV)?.map(u).transpose()?,
+        oi(col::WS_INO)?.map(u).transpose()?,
+    );
+    let workspace = match (os(col::WS_PATH)?, dev, ino) {
+        (Some(path), Some(dev), Some(ino)) => Some(WorkspaceIdentity { path, dev, ino }),
         _ => None,
     };
     Ok(RunRecord {
@@ -487,16 +511,16 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
             class: word(&s(col::CLASS)?)?,
             priority: word(&s(col::PRIORITY)?)?,
             resources: Resources {
-                slots: u(g(col::SLOTS)?),
-                memory: u(g(col::MEMORY)?),
-                cpu_millis: u(g(col::CPU_MILLIS)?),
-                disk: u(g(col::DISK)?),
+                slots: u(g(col::SLOTS)?)?,
+                memory: u(g(col::MEMORY)?)?,
+                cpu_millis: u(g(col::CPU_MILLIS)?)?,
+                disk: u(g(col::DISK)?)?,
                 named,
             },
             singletons,
             contract,
-            ttl_ms: u(g(col::TTL_MS)?),
-            wait_ms: u(g(col::WAIT_MS)?),
+            ttl_ms: u(g(col::TTL_MS)?)?,
+            wait_ms: u(g(col::WAIT_MS)?)?,
             budget: match os(col::BUDGET)? {
                 Some(j) => Some(Box::new(serde_json::from_str(&j).map_err(|e| {
                     StoreError::Corrupt(format!("a run's budget does not parse: {e}"))
@@ -507,18 +531,18 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
         worktree: os(col::WORKTREE)?,
         labels: decode_map(&s(col::LABELS)?)?,
         state: word(&s(col::STATE)?)?,
-        fence: oi(col::FENCE)?.map(u),
-        queue_seq: u(g(col::QUEUE_SEQ)?),
-        enqueued_ms: u(g(col::ENQUEUED_MS)?),
-        deadline_ms: u(g(col::DEADLINE_MS)?),
-        granted_ms: oi(col::GRANTED_MS)?.map(u),
-        expires_ms: oi(col::EXPIRES_MS)?.map(u),
+        fence: oi(col::FENCE)?.map(u).transpose()?,
+        queue_seq: u(g(col::QUEUE_SEQ)?)?,
+        enqueued_ms: u(g(col::ENQUEUED_MS)?)?,
+        deadline_ms: u(g(col::DEADLINE_MS)?)?,
+        granted_ms: oi(col::GRANTED_MS)?.map(u).transpose()?,
+        expires_ms: oi(col::EXPIRES_MS)?.map(u).transpose()?,
         end_cause: os(col::END_CAUSE)?.as_deref().map(word).transpose()?,
         primary_mode: word(&s(col::PRIMARY_MODE)?)?,
         workspace,
         processes: Vec::new(),
         ports: Vec::new(),
-        stop_grace_ms: oi(col::STOP_GRACE_MS)?.map(u),
+        stop_grace_ms: oi(col::STOP_GRACE_MS)?.map(u).transpose()?,
         detached: g(col::DETACHED)? != 0,
         thread: os(col::THREAD)?,
         lease_only: g(col::LEASE_ONLY)? != 0,
@@ -565,6 +589,23 @@ impl Store for SqliteStore {
             })
             .optional()
             .map_err(corrupt)?;
+        // D4: `terminal` says which half of the load a run is in; any other value would
+        // leave the run out of both, silently.
+        let astray: Option<String> = self
+            .conn
+            .query_row(
+                "SELECT CAST(run_id AS TEXT) FROM runs
+                 WHERE terminal IS NOT 0 AND terminal IS NOT 1 LIMIT 1",
+                [],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(corrupt)?;
+        if let Some(id) = astray {
+            return Err(StoreError::Corrupt(format!(
+                "run {id}: terminal is neither 0 nor 1"
+            )));
+        }
         let mut runs = Vec::new();
         {
             let mut stmt = self
@@ -605,9 +646,16 @@ impl Store for SqliteStore {
             while let Some(row) = rows.next().map_err(corrupt)? {
                 let run_id: String = row.get(0).map_err(corrupt)?;
                 if let Some(&i) = index.get(&run_id) {
+                    // A pid is 1..=i32::MAX: another number cut to 32 bits could name
+                    // any process (D4: refused, never a guess).
+                    let pid: i64 = row.get(1).map_err(corrupt)?;
+                    let pid = i32::try_from(pid).ok().filter(|p| *p > 0).ok_or_else(|| {
+                        StoreError::Corrupt(format!("run {run_id}: process id {pid}"))
+                    })?;
                     runs[i].processes.push(ProcessRecord {
-                        pid: row.get::<_, i64>(1).map_err(corrupt)? as i32,
-                        start_ticks: row.get::<_, i64>(2).map_err(corrupt)? as u64,
+                        pid,
+                        start_ticks: u(row.get(2).map_err(corrupt)?)
+                            .map_err(|e| of(&format!("run {run_id}: process {pid}"), e))?,
                         boot_id: row.get(3).map_err(corrupt)?,
                     });
                 }
@@ -646,7 +694,7 @@ impl Store for SqliteStore {
                 )));
             }
         }
-        let journal_last = journal_last(&self.conn).map_err(corrupt)?;
+        let journal_last = journal_last(&self.conn)?;
         Ok(Ledger {
             threads: load_threads(&self.conn)?,
             scopes: load_scopes(&self.conn)?,
@@ -762,8 +810,8 @@ impl Store for SqliteStore {
             .map_err(corrupt)?;
         let mut out = Vec::new();
         while let Some(row) = rows.next().map_err(corrupt)? {
-            let first = u(row.get(0).map_err(corrupt)?);
-            let last = u(row.get(1).map_err(corrupt)?);
+            let first = u(row.get(0).map_err(corrupt)?)?;
+            let last = u(row.get(1).map_err(corrupt)?)?;
             let packed: Vec<u8> = row.get(2).map_err(corrupt)?;
             let entries = parse_chunk(first, &unpack(first, &packed)?)?;
             if entries.last().map(|e| e.seq) != Some(last) {
@@ -790,7 +838,7 @@ impl Store for SqliteStore {
                 |r| r.get(0),
             )
             .map_err(corrupt)?;
-        Ok(u(first))
+        u(first)
     }
 
     fn set_boot_id(&mut self, boot_id: &str) -> Result<(), StoreError> {
@@ -918,12 +966,17 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
         .map_err(corrupt)?;
     let mut rows = stmt.query([]).map_err(corrupt)?;
     let mut out = Vec::new();
-    let ms = |v: Option<i64>| v.map(|v| v.max(0) as u64);
     while let Some(row) = rows.next().map_err(corrupt)? {
         let key: String = row.get(0).map_err(corrupt)?;
         let bad = |why: &str| StoreError::Corrupt(format!("thread {key}: {why}"));
+        // Fences, times and workspace ids are never negative (D4: refused, not clamped).
+        let ms = |v: Option<i64>| {
+            v.map(u)
+                .transpose()
+                .map_err(|e| of(&format!("thread {key}"), e))
+        };
         let gen: Option<String> = row.get(1).map_err(corrupt)?;
-        let fence = ms(row.get(2).map_err(corrupt)?);
+        let fence = ms(row.get(2).map_err(corrupt)?)?;
         let run: Option<String> = row.get(3).map_err(corrupt)?;
         let owner = match (gen, fence, run) {
             (Some(gen), Some(fence), Some(run_id)) => Some(Owner { gen, fence, run_id }),
@@ -931,8 +984,8 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
             _ => return Err(bad("a partial owner")),
         };
         let registration = match (
-            ms(row.get(4).map_err(corrupt)?),
-            ms(row.get(5).map_err(corrupt)?),
+            ms(row.get(4).map_err(corrupt)?)?,
+            ms(row.get(5).map_err(corrupt)?)?,
         ) {
             (Some(attached_ms), Some(deadline_ms)) => Some(Registration {
                 owner: owner
@@ -948,8 +1001,8 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
         let workspace = match path {
             Some(path) => Some(WorkspaceIdentity {
                 path,
-                dev: ms(row.get(8).map_err(corrupt)?).ok_or_else(|| bad("no device"))?,
-                ino: ms(row.get(9).map_err(corrupt)?).ok_or_else(|| bad("no inode"))?,
+                dev: ms(row.get(8).map_err(corrupt)?)?.ok_or_else(|| bad("no device"))?,
+                ino: ms(row.get(9).map_err(corrupt)?)?.ok_or_else(|| bad("no inode"))?,
             }),
             None => None,
         };
@@ -971,8 +1024,9 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
             owner,
             registration,
             has_workspace: row.get(6).map_err(corrupt)?,
-            created_ms: ms(row.get(10).map_err(corrupt)?).unwrap_or(0),
-            active_ms: ms(row.get(11).map_err(corrupt)?).unwrap_or(0),
+            created_ms: ms(row.get(10).map_err(corrupt)?)?
+                .ok_or_else(|| bad("no creation time"))?,
+            active_ms: ms(row.get(11).map_err(corrupt)?)?.ok_or_else(|| bad("no activity time"))?,
             evictions,
             key,
         };
@@ -1066,7 +1120,7 @@ fn load_evidence(
                 .filter(|p| !p.is_empty())
                 .map(str::to_string)
                 .collect(),
-            at_ms: row.get::<_, i64>(4).map_err(corrupt)?.max(0) as u64,
+            at_ms: u(row.get(4).map_err(corrupt)?)?,
             run_id: row.get(5).map_err(corrupt)?,
         };
         out.push((row.get(0).map_err(corrupt)?, e));
@@ -1320,7 +1374,10 @@ impl Chunk {
         let Some(first) = self.first else {
             return Ok(());
         };
-        let stored = journal_last(tx).map_err(write_err)?;
+        let stored = journal_last(tx).map_err(|e| match e {
+            StoreError::Corrupt(why) => StoreError::Write(why),
+            e => e,
+        })?;
         if first <= stored {
             return Err(StoreError::Write(format!(
                 "journal entry {first} is not after the last stored, {stored}"
@@ -1375,11 +1432,12 @@ fn unpack(first: u64, packed: &[u8]) -> Result<String, StoreError> {
 }
 
 /// The last journal entry stored (0: none), from the newest chunk.
-fn journal_last(conn: &rusqlite::Connection) -> rusqlite::Result<u64> {
-    conn.prepare_cached("SELECT last_seq FROM journal_chunks ORDER BY first_seq DESC LIMIT 1")?
-        .query_row([], |r| r.get::<_, i64>(0))
-        .optional()
-        .map(|v| v.unwrap_or(0).max(0) as u64)
+fn journal_last(conn: &rusqlite::Connection) -> Result<u64, StoreError> {
+    let last = conn
+        .prepare_cached("SELECT last_seq FROM journal_chunks ORDER BY first_seq DESC LIMIT 1")
+        .and_then(|mut s| s.query_row([], |r| r.get::<_, i64>(0)).optional())
+        .map_err(corrupt)?;
+    u(last.unwrap_or(0)).map_err(|e| of("journal", e))
 }
 
 /// A chunk's records back into entries, numbered from `first`.
@@ -1572,7 +1630,8 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
         };
         let mut s = Scope::new(&id, policy, manifest);
         s.control = word(&row.get::<_, String>(5).map_err(corrupt)?)?;
-        s.generation = u(row.get(6).map_err(corrupt)?);
+        s.generation =
+            u(row.get(6).map_err(corrupt)?).map_err(|e| of(&format!("scope {id}"), e))?;
         out.insert(id, s);
     }
     let mut st = conn
@@ -1584,12 +1643,15 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
     let mut rows = st.query([]).map_err(corrupt)?;
     while let Some(row) = rows.next().map_err(corrupt)? {
         let scope: String = row.get(0).map_err(corrupt)?;
+        let n = |i: usize| -> Result<u64, StoreError> {
+            u(row.get(i).map_err(corrupt)?).map_err(|e| of(&format!("scope {scope}: a receipt"), e))
+        };
         let r = Receipt {
             request_id: row.get(1).map_err(corrupt)?,
             mode: word(&row.get::<_, String>(2).map_err(corrupt)?)?,
-            generation: u(row.get(3).map_err(corrupt)?),
+            generation: n(3)?,
             control: word(&row.get::<_, String>(4).map_err(corrupt)?)?,
-            at_ms: u(row.get(5).map_err(corrupt)?),
+            at_ms: n(5)?,
         };
         out.get_mut(&scope)
             .ok_or_else(|| StoreError::Corrupt(format!("a receipt of unknown scope {scope}")))?
@@ -1609,7 +1671,8 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
         let t = Token {
             harness: row.get(3).map_err(corrupt)?,
             run_id: row.get(4).map_err(corrupt)?,
-            since_ms: u(row.get(5).map_err(corrupt)?),
+            since_ms: u(row.get(5).map_err(corrupt)?)
+                .map_err(|e| of(&format!("scope {scope}: a token"), e))?,
             owner_lapsed: row.get::<_, i64>(6).map_err(corrupt)? != 0,
         };
         out.get_mut(&scope)

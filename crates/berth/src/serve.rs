@@ -187,6 +187,28 @@ fn duration(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
         .transpose()
 }
 
+/// The most of a `berth.toml` line an error quotes.
+const ERROR_LINE_CHARS_MAX: usize = 120;
+
+/// A `berth.toml` error on one line that names the key: toml's message says what is
+/// wrong (`invalid type: integer `600`, expected a string`) but not for which key, so
+/// the line it points at goes with it (`line 4: default_memory = 600`).
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let Some(before) = e.span().and_then(|s| text.get(..s.start)) else {
+        return e.message().to_string();
+    };
+    let n = before.matches('\n').count();
+    let line: String = text
+        .lines()
+        .nth(n)
+        .unwrap_or_default()
+        .trim()
+        .chars()
+        .take(ERROR_LINE_CHARS_MAX)
+        .collect();
+    format!("{} (line {}: {line})", e.message(), n + 1)
+}
+
 pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     let state_dir = a
         .state_dir
@@ -204,7 +226,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     // group- or world-writable).
     let file: FileConfig = match berth_server::private::read_trusted(&file_path)? {
         Some(text) => toml::from_str(&text)
-            .map_err(|e| anyhow!("{}: {}", file_path.display(), e.message()))?,
+            .map_err(|e| anyhow!("{}: {}", file_path.display(), toml_error(&text, &e)))?,
         None if a.config.is_none() => FileConfig::default(),
         None => bail!("reading {}: no such file", file_path.display()),
     };

@@ -92,6 +92,35 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for RunIdPath {
     }
 }
 
+/// A route's other path parameters (thread keys, scope ids, owners), refused like
+/// `RunIdPath` with a JSON `400` that names the parameter, never axum's plain text.
+pub struct ParamPath<T>(pub T);
+
+impl<T: DeserializeOwned + Send, S: Send + Sync> axum::extract::FromRequestParts<S>
+    for ParamPath<T>
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        state: &S,
+    ) -> Result<Self, ApiError> {
+        use axum::extract::path::ErrorKind;
+        use axum::extract::rejection::PathRejection;
+        match Path::<T>::from_request_parts(parts, state).await {
+            Ok(Path(v)) => Ok(ParamPath(v)),
+            Err(PathRejection::FailedToDeserializePathParams(e)) => match e.kind() {
+                ErrorKind::InvalidUtf8InPathParam { key } => Err(ApiError::invalid(
+                    key,
+                    "must be valid percent-encoded UTF-8",
+                )),
+                _ => Err(ApiError::invalid("path", e.body_text())),
+            },
+            Err(e) => Err(ApiError::invalid("path", e.body_text())),
+        }
+    }
+}
+
 /// Whether the client asked for a stream (`Accept: application/x-ndjson`). Read from
 /// the head and kept as one bool: a waiter that kept the request's `HeaderMap` would
 /// keep hyper's whole first read buffer (its values are slices of it), 8 KiB per
@@ -126,6 +155,11 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Params {
         state: &S,
     ) -> Result<Self, ApiError> {
         match Query::<BTreeMap<String, String>>::from_request_parts(parts, state).await {
+            // A pair without a name (`?=true`) has no field a refusal could name.
+            Ok(Query(q)) if q.contains_key("") => Err(ApiError::invalid(
+                "query",
+                "every parameter must have a name (key=value)",
+            )),
             Ok(Query(q)) => Ok(Params(q)),
             Err(_) => Err(ApiError::invalid(
                 "query",

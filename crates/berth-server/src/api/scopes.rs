@@ -1,12 +1,14 @@
 //! B1–B6 over HTTP: `/v1/scopes/*`.
 
 use axum::body::Body;
-use axum::extract::{Path, State as AxState};
+use axum::extract::State as AxState;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_client::wire;
 use berth_core::Command;
 
+// Path parameters refused with the error envelope (not axum's plain text).
+use super::ParamPath as Path;
 use super::{ask, json_body, Api, Caller};
 use crate::daemon::{Msg, ScopeAnswer, ScopeOp};
 use crate::error::ApiError;

@@ -1,12 +1,14 @@
 //! G0–G4 over HTTP: `/v1/threads/*`, `/v1/drain`, `/v1/idle`.
 
 use axum::body::Body;
-use axum::extract::{Path, State as AxState};
+use axum::extract::State as AxState;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_client::wire;
 use berth_core::threads::{Owner, ThreadError};
 
+// Path parameters refused with the error envelope (not axum's plain text).
+use super::ParamPath as Path;
 use super::{ask, json_body, Api, Caller};
 use crate::daemon::{Msg, ThreadOp};
 use crate::error::ApiError;
