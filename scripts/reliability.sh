@@ -17,7 +17,7 @@ cargo build --release --locked -q -p berth --features failpoints --target-dir ta
 cargo build --release --locked -q -p berth-bench
 exec target/release/berth-bench reliability --berth target/failpoints/release/berth \
   --kills "$kills" --client-kills "${CLIENT_KILLS:-100}" --strangers "${STRANGERS:-100}" \
-  --test-env "BERTH_FUZZ_CASES=${FUZZ_CASES:-20000}" \
+  --test-env "BERTH_FUZZ_CASES=${FUZZ_CASES:-5000}" \
   --test-env "BERTH_LINCHECK_OPS=${LINCHECK_OPS:-50000}" \
   --test-env "BERTH_LINCHECK_RESTARTS=${LINCHECK_RESTARTS:-20}" \
   --test-env "BERTH_TEST_TIMEOUT_S=3600"

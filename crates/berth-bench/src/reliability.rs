@@ -656,20 +656,26 @@ fn test_figures(env: &[(String, String)]) -> Vec<String> {
         out.status.success(),
         "the fuzz or linearizability tests failed:\n{text}"
     );
-    text.lines()
-        .filter_map(|l| {
-            let name = FIGURE_LINES.iter().find(|p| l.starts_with(*p))?;
-            let pairs: Vec<String> = l[name.len()..]
-                .split_whitespace()
-                .filter_map(|kv| kv.split_once('='))
-                .filter(|(_, v)| v.parse::<u64>().is_ok())
-                .map(|(k, v)| format!("\"{k}\":{v}"))
-                .collect();
-            Some(format!(
-                "\"{}\":{{{}}}",
-                name.trim_end_matches(':'),
-                pairs.join(",")
-            ))
+    // Lines of one name (`fuzz-toml` prints one per file) are summed.
+    let mut sums: BTreeMap<&str, BTreeMap<String, u64>> = BTreeMap::new();
+    for l in text.lines() {
+        let Some(name) = FIGURE_LINES.iter().find(|p| l.starts_with(*p)) else {
+            continue;
+        };
+        let sum = sums.entry(name.trim_end_matches(':')).or_default();
+        for (k, v) in l[name.len()..]
+            .split_whitespace()
+            .filter_map(|kv| kv.split_once('='))
+        {
+            if let Ok(v) = v.parse::<u64>() {
+                *sum.entry(k.to_string()).or_default() += v;
+            }
+        }
+    }
+    sums.iter()
+        .map(|(name, kv)| {
+            let pairs: Vec<String> = kv.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+            format!("\"{name}\":{{{}}}", pairs.join(","))
         })
         .collect()
 }
