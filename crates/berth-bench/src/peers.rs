@@ -50,6 +50,19 @@ struct Server {
     _dir: tempfile::TempDir,
 }
 
+impl Server {
+    /// A peer that asks for no credentials.
+    fn new(child: Child, port: u16, dir: tempfile::TempDir) -> Server {
+        Server {
+            child,
+            port,
+            auth: String::new(),
+            drives: AtomicU64::new(0),
+            _dir: dir,
+        }
+    }
+}
+
 impl Drop for Server {
     /// Stopped by pid: SIGTERM, then SIGKILL if it has not exited within 10 s.
     fn drop(&mut self) {
@@ -156,13 +169,7 @@ fn start_redis() -> Server {
         .spawn()
         .expect("redis-server (scripts/peers.sh installs it)");
     wait_listening("redis-server", &mut child, port);
-    Server {
-        child,
-        port,
-        auth: String::new(),
-        drives: AtomicU64::new(0),
-        _dir: dir,
-    }
+    Server::new(child, port, dir)
 }
 
 /// PostgreSQL refuses to run as root: as root, the cluster belongs to `postgres`.
@@ -226,13 +233,7 @@ fn start_postgres() -> Server {
         .spawn()
         .expect("postgres");
     wait_listening("postgres", &mut child, port);
-    Server {
-        child,
-        port,
-        auth: String::new(),
-        drives: AtomicU64::new(0),
-        _dir: dir,
-    }
+    Server::new(child, port, dir)
 }
 
 fn start_etcd() -> Server {
@@ -254,13 +255,7 @@ fn start_etcd() -> Server {
         .spawn()
         .expect("etcd (scripts/peers.sh installs it)");
     wait_listening("etcd", &mut child, port);
-    Server {
-        child,
-        port,
-        auth: String::new(),
-        drives: AtomicU64::new(0),
-        _dir: dir,
-    }
+    Server::new(child, port, dir)
 }
 
 /// One client's connection to the server being measured.
