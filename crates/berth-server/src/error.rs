@@ -190,8 +190,19 @@ impl From<crate::daemon::Error> for ApiError {
             )
             .with(json!({"drain": {"by": d.by, "at": d.at, "reason": d.reason}})),
             Error::FleetUnavailable => fleet_unavailable("the fleet store cannot be reached"),
+            Error::NotOwner { what, id, uid } => not_owner(what, &id, uid),
         }
     }
+}
+
+/// S9: a uid-bound token asked to act on a run, thread or scope of another user.
+pub fn not_owner(what: &str, id: &str, uid: u32) -> ApiError {
+    ApiError::new(
+        403,
+        "not_owner",
+        format!("{what} {id} was not made by a token of uid {uid}: this token acts only on its own user's {what}s (S9)"),
+    )
+    .with(json!({ (what.to_string()): id, "uid": uid }))
 }
 
 /// F1: the fleet store is away; this host refuses new fleet-wide claims (its local

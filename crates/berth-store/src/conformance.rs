@@ -151,6 +151,7 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
         // Both values round-trip: queued samples are detached waiters.
         detached: state == RunState::Queued,
         lease_only: false,
+        owner_uid: Some(1000),
         thread: Some("thread-1".into()),
     }
 }
@@ -590,6 +591,7 @@ pub fn threads_and_the_drain_survive_a_reopen(open: Open) {
             dev: 7,
             ino: 99,
         }),
+        owner_uid: Some(4242),
     };
     let bare = ThreadRecord {
         thread: Thread {
@@ -602,6 +604,7 @@ pub fn threads_and_the_drain_survive_a_reopen(open: Open) {
             evictions: vec![],
         },
         workspace: None,
+        owner_uid: None,
     };
     let drain = DrainRecord {
         by: "uid 0 (admin)".into(),

@@ -102,6 +102,9 @@ pub struct RunRecord {
     pub thread: Option<String>,
     /// A lease only: no workspace is made at its grant (`"workspace": false`).
     pub lease_only: bool,
+    /// S9: the uid of the uid-bound token that made the run (`None`: a token without a
+    /// uid, or the admin token). Only tokens of that uid, and unbound ones, act on it.
+    pub owner_uid: Option<u32>,
 }
 
 /// One durable change. Closed on purpose: every store must handle every arm, and each
@@ -165,6 +168,8 @@ pub struct ScopeRecord {
 pub struct ThreadRecord {
     pub thread: berth_core::threads::Thread,
     pub workspace: Option<WorkspaceIdentity>,
+    /// S9: the uid of the uid-bound token that made the thread (`None`: unbound).
+    pub owner_uid: Option<u32>,
 }
 
 /// G4: who started the drain, when (RFC 3339) and why.

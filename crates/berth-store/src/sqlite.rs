@@ -226,6 +226,10 @@ const MIGRATIONS: &[&str] = &[
     // 17: lease-only runs (no workspace is made at the grant: issue 16), so a waiter
     // restored after a restart is granted as it asked.
     "ALTER TABLE runs ADD COLUMN lease_only INTEGER NOT NULL DEFAULT 0;",
+    // 18: the uid of the uid-bound token that made a run (S9), so tenancy holds across
+    // restarts.
+    "ALTER TABLE runs ADD COLUMN owner_uid INTEGER;
+     ALTER TABLE threads ADD COLUMN owner_uid INTEGER;",
 ];
 
 /// The part of a migration SQL cannot do, run after its SQL in its transaction.
@@ -418,7 +422,7 @@ fn of(what: &str, e: StoreError) -> StoreError {
 
 /// The columns `read_run` reads, in this order: by position, not by name (looking each
 /// name up was an eighth of a restart's CPU).
-const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread, budget, lease_only";
+const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread, budget, lease_only, owner_uid";
 
 /// Positions of `RUN_COLUMNS`.
 mod col {
@@ -456,6 +460,7 @@ mod col {
     pub const THREAD: usize = 31;
     pub const BUDGET: usize = 32;
     pub const LEASE_ONLY: usize = 33;
+    pub const OWNER_UID: usize = 34;
 }
 
 /// A run's record; what it refuses names the run.
@@ -546,6 +551,12 @@ fn read_run_fields(row: &Row) -> Result<RunRecord, StoreError> {
         detached: g(col::DETACHED)? != 0,
         thread: os(col::THREAD)?,
         lease_only: g(col::LEASE_ONLY)? != 0,
+        owner_uid: oi(col::OWNER_UID)?
+            .map(|v| {
+                u32::try_from(v)
+                    .map_err(|_| StoreError::Corrupt(format!("owner_uid {v} is not a uid")))
+            })
+            .transpose()?,
     })
 }
 
@@ -557,9 +568,9 @@ const UPSERT: &str =
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
     expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms,
-    ended_unix_ms, detached, thread, budget, lease_only)
+    ended_unix_ms, detached, thread, budget, lease_only, owner_uid)
   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
-    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34, ?35, ?36)
+    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34, ?35, ?36, ?37)
   ON CONFLICT (run_id) DO UPDATE SET
     state = excluded.state, fence = excluded.fence, deadline_ms = excluded.deadline_ms,
     granted_ms = excluded.granted_ms, expires_ms = excluded.expires_ms,
@@ -931,8 +942,8 @@ fn write_thread(tx: &rusqlite::Transaction, r: &crate::ThreadRecord) -> Result<(
     tx.prepare_cached(
         "INSERT OR REPLACE INTO threads (key, owner_gen, owner_fence, owner_run,
            reg_attached_ms, reg_deadline_ms, has_workspace, ws_path, ws_dev, ws_ino,
-           created_ms, active_ms, evictions)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+           created_ms, active_ms, evictions, owner_uid)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
     )
     .and_then(|mut s| {
         s.execute(params![
@@ -948,7 +959,8 @@ fn write_thread(tx: &rusqlite::Transaction, r: &crate::ThreadRecord) -> Result<(
             ws.map(|w| w.ino as i64),
             t.created_ms as i64,
             t.active_ms as i64,
-            evictions.join(",")
+            evictions.join(","),
+            r.owner_uid.map(i64::from)
         ])
     })
     .map_err(write_err)?;
@@ -960,7 +972,8 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
     let mut stmt = conn
         .prepare(
             "SELECT key, owner_gen, owner_fence, owner_run, reg_attached_ms, reg_deadline_ms,
-               has_workspace, ws_path, ws_dev, ws_ino, created_ms, active_ms, evictions
+               has_workspace, ws_path, ws_dev, ws_ino, created_ms, active_ms, evictions,
+               owner_uid
              FROM threads ORDER BY key",
         )
         .map_err(corrupt)?;
@@ -1006,6 +1019,10 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
             }),
             None => None,
         };
+        let owner_uid = match row.get::<_, Option<i64>>(13).map_err(corrupt)? {
+            Some(v) => Some(u32::try_from(v).map_err(|_| bad("an owner uid that is not a uid"))?),
+            None => None,
+        };
         let text: String = row.get(12).map_err(corrupt)?;
         let mut evictions = Vec::new();
         for e in text.split(',').filter(|e| !e.is_empty()) {
@@ -1030,7 +1047,11 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
             evictions,
             key,
         };
-        out.push(crate::ThreadRecord { thread, workspace });
+        out.push(crate::ThreadRecord {
+            thread,
+            workspace,
+            owner_uid,
+        });
     }
     Ok(out)
 }
@@ -1227,6 +1248,7 @@ fn upsert_run(
                 .as_ref()
                 .map(|b| serde_json::to_string(b).expect("a budget serializes")),
             r.lease_only as i64,
+            r.owner_uid.map(i64::from),
         ])
         .map_err(write_err)?;
     if changed == 0 {

@@ -53,6 +53,9 @@ pub struct Api {
 pub struct Caller {
     /// The user whose processes this caller may register (S3).
     pub uid: u32,
+    /// S9: `Some(uid)` for a uid-bound token below admin: it acts only on runs, threads
+    /// and scopes that tokens of that uid made, and sees others' runs without fences.
+    pub tenant: crate::daemon::Tenant,
     /// What the caller's token may do (everything without auth).
     pub scope: Scope,
 }
@@ -264,6 +267,17 @@ pub fn run_out(i: &RunInfo) -> Run {
     }
 }
 
+/// A run as `caller` may see it: another user's run without its fence and
+/// environment (a fence is a capability: S9).
+pub fn run_for(caller: &Caller, i: &RunInfo) -> Run {
+    let mut run = run_out(i);
+    if !crate::daemon::may_act(caller.tenant, i.owner_uid) {
+        run.fence = None;
+        run.env = BTreeMap::new();
+    }
+    run
+}
+
 fn reason(r: &berth_core::Reason) -> Reason {
     Reason {
         code: r.code.to_string(),
@@ -333,12 +347,13 @@ impl Drop for AttachGuard {
 
 async fn acquire(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     WantsNdjson(stream): WantsNdjson,
     conn: Option<axum::Extension<Arc<crate::http::ConnMark>>>,
     body: Body,
 ) -> Response {
     let conn = conn.map(|axum::Extension(c)| c);
-    match acquire_inner(api, stream, conn, body).await {
+    match acquire_inner(api, caller.tenant, stream, conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -346,6 +361,7 @@ async fn acquire(
 
 async fn acquire_inner(
     api: Api,
+    by: crate::daemon::Tenant,
     stream: bool,
     conn: Option<Arc<crate::http::ConnMark>>,
     body: Body,
@@ -353,7 +369,7 @@ async fn acquire_inner(
     // Parsing the request and asking the daemon take far more state than waiting does
     // (4 KiB of it). In a box of their own, freed before the wait, they do not size the
     // future that a queued long poll keeps for hours.
-    let (first, guard, detach) = Box::pin(enqueue(&api, body)).await?;
+    let (first, guard, detach) = Box::pin(enqueue(&api, by, body)).await?;
     let queued = first.view.state == RunState::Queued;
     if detach && queued {
         return Ok((StatusCode::ACCEPTED, Json(run_out(&first))).into_response());
@@ -391,7 +407,11 @@ async fn long_poll_answer(api: &Api, first: RunInfo, guard: Option<AttachGuard>)
 /// Parses an acquire and asks the daemon for it: the run as the daemon answered, the
 /// A9 guard of an attached waiter (armed only if the run is queued), and whether the
 /// client asked to detach.
-async fn enqueue(api: &Api, body: Body) -> Result<(RunInfo, Option<AttachGuard>, bool), ApiError> {
+async fn enqueue(
+    api: &Api,
+    by: crate::daemon::Tenant,
+    body: Body,
+) -> Result<(RunInfo, Option<AttachGuard>, bool), ApiError> {
     let b: berth_client::wire::AcquireRequest = json_body(body, false).await?;
     let detach = b.detach == Some(true);
     let (mut req, (worktree, labels, stop_grace_ms, thread, lease_only)) =
@@ -419,6 +439,7 @@ async fn enqueue(api: &Api, body: Body) -> Result<(RunInfo, Option<AttachGuard>,
         detach,
         thread,
         lease_only,
+        by,
         reply,
     })
     .await;
@@ -590,6 +611,7 @@ async fn next_change(
 
 async fn list_runs(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     Params(q): Params,
 ) -> Result<Json<RunList>, ApiError> {
     if let Some(k) = q.keys().find(|k| *k != "limit" && *k != "all") {
@@ -617,7 +639,7 @@ async fn list_runs(
     })
     .await?;
     Ok(Json(RunList {
-        runs: runs.iter().map(run_out).collect(),
+        runs: runs.iter().map(|i| run_for(&caller, i)).collect(),
     }))
 }
 
@@ -631,6 +653,7 @@ pub const GET_WAIT_S_MAX: u64 = 300;
 /// request waits on the run's watch, which only a change to this run wakes.
 async fn get_run(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     RunIdPath(id): RunIdPath,
     Params(q): Params,
 ) -> Result<Response, ApiError> {
@@ -653,7 +676,7 @@ async fn get_run(
     };
     if wait_s == 0 {
         let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
-        return Ok(Json(run_out(&info)).into_response());
+        return Ok(Json(run_for(&caller, &info)).into_response());
     }
     let (tx, rx) = oneshot::channel();
     api.tx
@@ -666,7 +689,7 @@ async fn get_run(
     let Some(mut w) = rx.await.ok().flatten() else {
         // No such run: the same answer as without `wait_s`.
         let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
-        return Ok(Json(run_out(&info)).into_response());
+        return Ok(Json(run_for(&caller, &info)).into_response());
     };
     let first = w.borrow_and_update().clone();
     let info = match tokio::time::timeout(Duration::from_secs(wait_s), w.changed()).await {
@@ -677,11 +700,12 @@ async fn get_run(
         }
         Err(_) => first,
     };
-    Ok(Json(run_out(&info)).into_response())
+    Ok(Json(run_for(&caller, &info)).into_response())
 }
 
 async fn renew(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     RunIdPath(id): RunIdPath,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -696,12 +720,14 @@ async fn renew(
         fence,
         ttl_ms: b.ttl_s.map(|t| t * 1000),
     };
-    let info = ask(&api, |reply| Msg::Command { cmd, reply }).await?;
+    let by = caller.tenant;
+    let info = ask(&api, |reply| Msg::Command { cmd, by, reply }).await?;
     Ok(Json(run_out(&info)).into_response())
 }
 
 async fn release(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     RunIdPath(id): RunIdPath,
     body: Body,
 ) -> Result<Response, ApiError> {
@@ -709,7 +735,8 @@ async fn release(
     let b: ReleaseBody = json_body(body, false).await?;
     let fence = check_fence(b.fence)?;
     let cmd = Command::Release { run_id: id, fence };
-    let info = ask(&api, |reply| Msg::Command { cmd, reply }).await?;
+    let by = caller.tenant;
+    let info = ask(&api, |reply| Msg::Command { cmd, by, reply }).await?;
     Ok(Json(run_out(&info)).into_response())
 }
 
@@ -730,6 +757,7 @@ async fn register_process(
         fence,
         pid: b.pid,
         uid: caller.uid,
+        by: caller.tenant,
         reply,
     })
     .await?;
@@ -768,6 +796,7 @@ const REAP_WAIT: Duration = Duration::from_secs(30);
 
 async fn delete_run(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     RunIdPath(id): RunIdPath,
     Params(q): Params,
 ) -> Result<Response, ApiError> {
@@ -787,7 +816,8 @@ async fn delete_run(
         }
         None => Command::Cancel { run_id: id },
     };
-    let info = ask(&api, |reply| Msg::Command { cmd, reply }).await?;
+    let by = caller.tenant;
+    let info = ask(&api, |reply| Msg::Command { cmd, by, reply }).await?;
     Ok(Json(run_out(&info)).into_response())
 }
 
@@ -984,6 +1014,7 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
         authed();
         req.extensions_mut().insert(Caller {
             uid: api.uid,
+            tenant: None,
             scope: Scope::Admin,
         });
         return next.run(req).await;
@@ -1012,6 +1043,8 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
     };
     req.extensions_mut().insert(Caller {
         uid: uid.unwrap_or(api.uid),
+        // The admin token keeps full reach whatever uid it was made for (S9).
+        tenant: uid.filter(|_| scope != Scope::Admin),
         scope,
     });
     authed();

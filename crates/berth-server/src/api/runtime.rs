@@ -28,9 +28,11 @@ pub async fn start_runtime(
     let b: RuntimeRequest = json_body(body, false).await?;
     let fence = check_fence(b.fence)?;
     let run_id = id.clone();
+    let by = caller.tenant;
     let plan = ask(&api, |reply| Msg::RuntimePlan {
         run_id,
         fence,
+        by,
         reply,
     })
     .await?;

@@ -47,8 +47,9 @@ fn check_key(key: &str) -> Result<(), ApiError> {
     berth_core::validate::run_id(key).map_err(|rule| ApiError::invalid("key", rule))
 }
 
-async fn thread_op(api: &Api, op: ThreadOp) -> Result<Response, ApiError> {
-    let t = ask(api, |reply| Msg::Thread { op, reply }).await?;
+async fn thread_op(api: &Api, caller: &Caller, op: ThreadOp) -> Result<Response, ApiError> {
+    let by = caller.tenant;
+    let t = ask(api, |reply| Msg::Thread { op, by, reply }).await?;
     Ok(Json(t).into_response())
 }
 
@@ -60,7 +61,13 @@ enum Claimed {
     Detach,
 }
 
-async fn claimed(api: &Api, key: String, body: Body, what: Claimed) -> Result<Response, ApiError> {
+async fn claimed(
+    api: &Api,
+    caller: &Caller,
+    key: String,
+    body: Body,
+    what: Claimed,
+) -> Result<Response, ApiError> {
     check_key(&key)?;
     let b: wire::ThreadClaim = json_body(body, false).await?;
     let (owner, budget_ms) = claim(&b, !matches!(what, Claimed::Detach))?;
@@ -84,48 +91,53 @@ async fn claimed(api: &Api, key: String, body: Body, what: Claimed) -> Result<Re
             evict: b.evict.unwrap_or(false),
         },
     };
-    thread_op(api, op).await
+    thread_op(api, caller, op).await
 }
 
 pub async fn attach(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     Path(key): Path<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    claimed(&api, key, body, Claimed::Attach).await
+    claimed(&api, &caller, key, body, Claimed::Attach).await
 }
 
 pub async fn deadline(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     Path(key): Path<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    claimed(&api, key, body, Claimed::Deadline).await
+    claimed(&api, &caller, key, body, Claimed::Deadline).await
 }
 
 pub async fn detach(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     Path(key): Path<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    claimed(&api, key, body, Claimed::Detach).await
+    claimed(&api, &caller, key, body, Claimed::Detach).await
 }
 
 pub async fn get_thread(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     Path(key): Path<String>,
 ) -> Result<Response, ApiError> {
     check_key(&key)?;
-    thread_op(&api, ThreadOp::Get { key }).await
+    thread_op(&api, &caller, ThreadOp::Get { key }).await
 }
 
 /// An operator's eviction (reason `operator`); refused while registered.
 pub async fn evict(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     Path(key): Path<String>,
 ) -> Result<Response, ApiError> {
     check_key(&key)?;
-    thread_op(&api, ThreadOp::Evict { key }).await
+    thread_op(&api, &caller, ThreadOp::Evict { key }).await
 }
 
 pub async fn list(AxState(api): AxState<Api>) -> Result<Response, ApiError> {

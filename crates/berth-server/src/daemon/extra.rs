@@ -30,6 +30,8 @@ pub(super) struct Extra {
     pub(super) thread: Option<String>,
     /// A lease only: no workspace is made at its grant (`"workspace": false`).
     pub(super) lease_only: bool,
+    /// S9: the uid of the uid-bound token that made the run (kept when it shrinks).
+    pub(super) owner_uid: Option<u32>,
 }
 
 /// What an acquire carries besides the engine's request, as one digest.
@@ -65,6 +67,7 @@ impl Extra {
             detached: false,
             thread: None,
             lease_only: false,
+            owner_uid: None,
         }
     }
 
@@ -82,6 +85,7 @@ impl Extra {
         extra.detached = r.detached;
         extra.thread = r.thread.take();
         extra.lease_only = r.lease_only;
+        extra.owner_uid = r.owner_uid;
         if r.state.is_terminal() {
             extra.shrink();
         }

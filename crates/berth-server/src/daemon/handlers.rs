@@ -45,16 +45,18 @@ impl<H: Host> Daemon<H> {
                 detach,
                 thread,
                 lease_only,
+                by,
                 reply,
             } => {
                 let mut extra = Extra::new(worktree, labels, stop_grace_ms, 0);
                 extra.thread = thread;
                 extra.lease_only = lease_only;
+                extra.owner_uid = by;
                 extra.ports = ports.into_iter().map(|p| (p, 0)).collect();
                 extra.detached = detach;
                 self.on_acquire(req, extra, attach, reply)
             }
-            Msg::Command { cmd, reply } => self.on_command(cmd, reply),
+            Msg::Command { cmd, by, reply } => self.on_command(cmd, by, reply),
             Msg::Get { run_id, reply } => self.on_get(run_id, reply),
             Msg::List {
                 limit,
@@ -75,8 +77,12 @@ impl<H: Host> Daemon<H> {
                 fence,
                 pid,
                 uid,
+                by,
                 reply,
-            } => self.on_register_process(run_id, fence, pid, uid, reply),
+            } => match self.check_run_owner(&run_id, by) {
+                Ok(()) => self.on_register_process(run_id, fence, pid, uid, reply),
+                Err(e) => self.commit_and_answer(BTreeSet::new(), reply, Err(e)),
+            },
             Msg::Reap { reply } => self.on_reap(reply),
             Msg::ReapStatus { runs, reply } => self.on_reap_status(runs, reply),
             Msg::Stopped { run_id, report } => self.on_stopped(run_id, report),
@@ -84,8 +90,12 @@ impl<H: Host> Daemon<H> {
             Msg::RuntimePlan {
                 run_id,
                 fence,
+                by,
                 reply,
-            } => self.on_runtime_plan(run_id, fence, reply),
+            } => match self.check_run_owner(&run_id, by) {
+                Ok(()) => self.on_runtime_plan(run_id, fence, reply),
+                Err(e) => self.commit_and_answer(BTreeSet::new(), reply, Err(e)),
+            },
             Msg::RuntimeReady {
                 run_id,
                 fence,
@@ -102,7 +112,7 @@ impl<H: Host> Daemon<H> {
                 contract,
                 reply,
             } => self.on_contract_changed(run_id, fence, contract, reply),
-            Msg::Thread { op, reply } => self.on_thread(op, reply),
+            Msg::Thread { op, by, reply } => self.on_thread(op, by, reply),
             Msg::ThreadList { reply } => self.on_thread_list(reply),
             Msg::Drain { start, reply } => self.on_drain(start, reply),
             Msg::DrainGet { reply } => self.on_drain_get(reply),
@@ -112,8 +122,41 @@ impl<H: Host> Daemon<H> {
         }
     }
 
+    /// S9: refuses a caller acting for `by` on run `run_id` that a token of another uid
+    /// made, and journals the refusal (it goes out with the caller's commit). A run
+    /// berth does not know passes: the call's own rules answer for it.
+    pub(super) fn check_run_owner(&mut self, run_id: &str, by: super::Tenant) -> Result<(), Error> {
+        let Some(uid) = by else { return Ok(()) };
+        match self.extras.get(run_id) {
+            Some(e) if !super::may_act(by, e.owner_uid) => {
+                Err(self.not_owner("run", run_id.to_string(), uid))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// D5: an S9 refusal, journaled like the engine's (nothing else changed).
+    pub(super) fn not_owner(&mut self, what: &'static str, id: String, uid: u32) -> Error {
+        let api = crate::error::not_owner(what, &id, uid);
+        self.shared.metrics.refused(&api.code);
+        let data = serde_json::json!({"code": api.code, "message": api.message});
+        let run_id = (what == "run").then(|| id.clone());
+        self.journal_entry("refused", run_id, None, data);
+        Error::NotOwner { what, id, uid }
+    }
+
     /// Why an acquire is refused before the engine sees it, if it is.
-    fn acquire_refusal(&self, id: &str, extra: &Extra, is_new: bool) -> Option<Error> {
+    fn acquire_refusal(&mut self, id: &str, extra: &Extra, is_new: bool) -> Option<Error> {
+        // S9: a retry re-attaches to the run (its lease and fence): only its owner's.
+        if let Err(e) = self.check_run_owner(id, extra.owner_uid) {
+            return Some(e);
+        }
+        // S9: a run works in a thread's workspace only if the thread is its owner's.
+        if let Some(key) = &extra.thread {
+            if let Err(e) = self.check_thread_owner(key, extra.owner_uid) {
+                return Some(e);
+            }
+        }
         if let Some(ex) = self.extras.get(id) {
             // L7: a retry is the same request; a different thread or workspace choice is
             // another one (both are kept when an ended run shrinks: the thread's key is
@@ -149,7 +192,7 @@ impl<H: Host> Daemon<H> {
         let id = req.run_id.clone();
         let is_new = self.engine.view_of(&id).is_none();
         if let Some(e) = self.acquire_refusal(&id, &extra, is_new) {
-            return self.answer(reply, Err(e));
+            return self.commit_and_answer(BTreeSet::new(), reply, Err(e));
         }
         // F1: a `wait_s = 0` run on a fleet host is tried once, at its arrival: its
         // fleet-wide claim is taken first, so that one try can grant it.
@@ -235,13 +278,16 @@ impl<H: Host> Daemon<H> {
         self.journal_entry("refused", Some(run_id.to_string()), None, data);
     }
 
-    fn on_command(&mut self, cmd: Command, reply: Reply<RunInfo>) {
+    fn on_command(&mut self, cmd: Command, by: super::Tenant, reply: Reply<RunInfo>) {
         let id = match &cmd {
             Command::Cancel { run_id }
             | Command::Renew { run_id, .. }
             | Command::Release { run_id, .. } => run_id.clone(),
             _ => String::new(),
         };
+        if let Err(e) = self.check_run_owner(&id, by) {
+            return self.commit_and_answer(BTreeSet::new(), reply, Err(e));
+        }
         if matches!(cmd, Command::Renew { fence: None, .. }) {
             self.unclaimed.remove(&id);
         }

@@ -79,6 +79,18 @@ pub struct RunInfo {
     pub survivors: Vec<i32>,
     /// Why a granted run was ended by berth itself at once (no workspace: W1).
     pub failure: Option<String>,
+    /// S9: the uid of the uid-bound token that made it (`None`: an unbound token).
+    pub owner_uid: Option<u32>,
+}
+
+/// S9: who a request acts for. `Some(uid)`: a uid-bound token below admin, which acts
+/// only on runs, threads and scopes that tokens of that uid made. `None`: full reach
+/// (the admin token, tokens made without a uid, no-auth mode).
+pub type Tenant = Option<u32>;
+
+/// S9: may a caller acting for `by` act on something made by `owner`?
+pub fn may_act(by: Tenant, owner: Option<u32>) -> bool {
+    by.is_none() || by == owner
 }
 
 /// Why the daemon refused or could not do what a message asked, in the daemon's own
@@ -100,6 +112,14 @@ pub enum Error {
     Draining(berth_store::DrainRecord),
     /// F1: fleet mode, and the fleet store cannot be reached: no new fleet-wide claim.
     FleetUnavailable,
+    /// S9: a uid-bound token asked to act on a run, thread or scope another uid made.
+    NotOwner {
+        /// `run`, `thread` or `scope`.
+        what: &'static str,
+        id: String,
+        /// The uid the caller's token acts for.
+        uid: u32,
+    },
 }
 
 impl From<CoreError> for Error {
@@ -137,10 +157,14 @@ pub enum Msg {
         thread: Option<String>,
         /// A lease only: no workspace at its grant.
         lease_only: bool,
+        /// S9: who asks; a new run is theirs, an existing one must be.
+        by: Tenant,
         reply: Reply<RunInfo>,
     },
+    /// Renew, release or cancel one run (S9: `by` must own it).
     Command {
         cmd: Command,
+        by: Tenant,
         reply: Reply<RunInfo>,
     },
     Get {
@@ -180,6 +204,8 @@ pub enum Msg {
         pid: i32,
         /// The user the caller acts for (S3).
         uid: u32,
+        /// S9: who asks; the run must be theirs.
+        by: Tenant,
         reply: Reply<RunInfo>,
     },
     /// A stop started for a run has finished (sent by the stopping thread).
@@ -200,6 +226,8 @@ pub enum Msg {
     RuntimePlan {
         run_id: String,
         fence: u64,
+        /// S9: who asks; the run must be theirs.
+        by: Tenant,
         reply: Reply<RuntimePlan>,
     },
     /// C3: every declared port answered its probe; true if that promoted the project.
@@ -222,6 +250,8 @@ pub enum Msg {
     /// G0–G3: attach, deadline, detach, evict or show one thread.
     Thread {
         op: ThreadOp,
+        /// S9: who asks; the thread (and the run a claim names) must be theirs.
+        by: Tenant,
         reply: Reply<berth_client::wire::Thread>,
     },
     ThreadList {
@@ -493,6 +523,7 @@ impl<H: Host> Daemon<H> {
             env,
             survivors: extra.map(|e| e.survivors.clone()).unwrap_or_default(),
             failure: extra.and_then(|e| e.failure.clone()),
+            owner_uid: extra.and_then(|e| e.owner_uid),
             view,
         })
     }
@@ -570,6 +601,7 @@ impl<H: Host> Daemon<H> {
             detached: extra.detached,
             thread: extra.thread.clone(),
             lease_only: extra.lease_only,
+            owner_uid: extra.owner_uid,
         })
     }
 
@@ -695,10 +727,10 @@ impl<H: Host> Daemon<H> {
                 let mut thread = None;
                 if let Some(e) = self.extras.get_mut(run_id) {
                     e.workspace = Some(ws);
-                    thread = e.thread.clone();
+                    thread = e.thread.clone().map(|k| (k, e.owner_uid));
                 }
-                if let Some(key) = thread {
-                    self.thread_run_granted(&key);
+                if let Some((key, by)) = thread {
+                    self.thread_run_granted(&key, by);
                 }
                 Vec::new()
             }

@@ -97,7 +97,11 @@ fn restored_threads(
     let (records, drain) = ledger;
     let mut threads = berth_core::threads::Threads::new(cfg);
     let mut ws = HashMap::new();
+    let mut owner_uids = HashMap::new();
     for mut r in records {
+        if let Some(uid) = r.owner_uid {
+            owner_uids.insert(r.thread.key.clone(), uid);
+        }
         if !same_boot {
             r.thread.registration = None;
             r.thread.created_ms = now;
@@ -117,6 +121,7 @@ fn restored_threads(
         drain,
         sweep_due: 0,
         pressure_refused: BTreeSet::new(),
+        owner_uids,
     }
 }
 

@@ -495,6 +495,7 @@ impl Sim {
             detach,
             thread: None,
             lease_only: false,
+            by: None,
             reply,
         });
         // The connection holds its place only if it had to wait (the guard is armed
@@ -551,7 +552,11 @@ impl Sim {
     }
 
     fn command(&mut self, what: &str, cmd: Command) -> String {
-        let res = self.ask(|reply| Msg::Command { cmd, reply });
+        let res = self.ask(|reply| Msg::Command {
+            cmd,
+            by: None,
+            reply,
+        });
         format!("{what} -> {}", outcome(&res))
     }
 
@@ -607,6 +612,7 @@ impl Sim {
             fence,
             pid,
             uid: 1000,
+            by: None,
             reply,
         });
         if res.is_err() && new {

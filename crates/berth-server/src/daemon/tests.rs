@@ -148,6 +148,7 @@ fn send_acquire(
             detach,
             thread: None,
             lease_only: false,
+            by: None,
             reply,
         },
     );
@@ -282,7 +283,14 @@ fn memory_is_given_back_once_a_deep_queue_has_drained() {
         let cmd = berth_core::Command::Cancel {
             run_id: format!("w{i}"),
         };
-        st.handle(clock::mono_ms(), Msg::Command { cmd, reply });
+        st.handle(
+            clock::mono_ms(),
+            Msg::Command {
+                cmd,
+                by: None,
+                reply,
+            },
+        );
         rx.blocking_recv().unwrap().unwrap();
     }
     let t1 = t0 + RELEASE_QUIET_MS + 2;

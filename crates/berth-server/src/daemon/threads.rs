@@ -28,6 +28,8 @@ pub(super) struct ThreadState {
     pub(super) sweep_due: u64,
     /// Threads whose disk-pressure eviction was refused (and journaled) in this spell.
     pub(super) pressure_refused: BTreeSet<String>,
+    /// S9: the uid of the uid-bound token that made each thread (absent: unbound).
+    pub(super) owner_uids: std::collections::HashMap<String, u32>,
 }
 
 /// What a thread message asks.
@@ -71,7 +73,48 @@ fn seed(key: &str) -> String {
 }
 
 impl<H: Host> Daemon<H> {
-    pub(super) fn on_thread(&mut self, op: ThreadOp, reply: Reply<wire::Thread>) {
+    /// S9: refuses a caller acting for `by` on thread `key` that a token of another uid
+    /// made (journaled). A thread berth does not know yet passes: the caller makes it.
+    pub(super) fn check_thread_owner(&mut self, key: &str, by: super::Tenant) -> Result<(), Error> {
+        let Some(uid) = by else { return Ok(()) };
+        let known = self.th.threads.get(key).is_some();
+        if known && self.th.owner_uids.get(key) != Some(&uid) {
+            return Err(self.not_owner("thread", key.to_string(), uid));
+        }
+        Ok(())
+    }
+
+    /// S9: a thread made now is its maker's (kept in its record from the next change).
+    pub(super) fn thread_made_by(&mut self, key: &str, by: super::Tenant) {
+        if let Some(uid) = by {
+            self.th.owner_uids.entry(key.to_string()).or_insert(uid);
+        }
+    }
+
+    /// S9: the thread and, for a claim, the run it names must be the caller's.
+    fn thread_op_owned(&mut self, op: &ThreadOp, by: super::Tenant) -> Result<(), Error> {
+        let (key, run) = match op {
+            ThreadOp::Get { .. } => return Ok(()),
+            ThreadOp::Evict { key } => (key, None),
+            ThreadOp::Attach { key, owner, .. }
+            | ThreadOp::Deadline { key, owner, .. }
+            | ThreadOp::Detach { key, owner, .. } => (key, Some(&owner.run_id)),
+        };
+        if let Some(run_id) = run {
+            self.check_run_owner(run_id, by)?;
+        }
+        self.check_thread_owner(key, by)
+    }
+
+    pub(super) fn on_thread(
+        &mut self,
+        op: ThreadOp,
+        by: super::Tenant,
+        reply: Reply<wire::Thread>,
+    ) {
+        if let Err(e) = self.thread_op_owned(&op, by) {
+            return self.commit_and_answer(BTreeSet::new(), reply, Err(e));
+        }
         let done = match op {
             ThreadOp::Get { key } => {
                 let v = self.thread_out(&key).ok_or(ThreadError::NotFound { key });
@@ -81,7 +124,14 @@ impl<H: Host> Daemon<H> {
                 key,
                 owner,
                 budget_ms,
-            } => self.thread_attach(key, owner, budget_ms),
+            } => {
+                let new = self.th.threads.get(&key).is_none();
+                let res = self.thread_attach(key.clone(), owner, budget_ms);
+                if new && self.th.threads.get(&key).is_some() {
+                    self.thread_made_by(&key, by);
+                }
+                res
+            }
             ThreadOp::Deadline {
                 key,
                 owner,
@@ -241,16 +291,21 @@ impl<H: Host> Daemon<H> {
             self.pending_mutations.push(Mutation::Thread(ThreadRecord {
                 thread: t.clone(),
                 workspace: self.th.ws.get(key).cloned(),
+                owner_uid: self.th.owner_uids.get(key).copied(),
             }));
         }
     }
 
     /// G0: a run that works in thread `key` was granted: the thread is made if new
     /// (and its workspace if it has none), and its idle clock starts again.
-    pub(super) fn thread_run_granted(&mut self, key: &str) {
+    pub(super) fn thread_run_granted(&mut self, key: &str, by: super::Tenant) {
+        let new = self.th.threads.get(key).is_none();
         if let Err(e) = self.th.threads.ensure(self.now, key) {
             tracing::warn!("thread {key}: {e:?}; the run works in its own workspace");
             return;
+        }
+        if new {
+            self.thread_made_by(key, by);
         }
         self.th.threads.touch(self.now, key);
         self.make_thread_workspace(key);

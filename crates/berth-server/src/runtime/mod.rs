@@ -177,6 +177,8 @@ async fn register(s: &Start<'_>, pid: i32) -> Result<(), String> {
         fence: s.fence,
         pid,
         uid: s.uid,
+        // berth's own launch: the caller's ownership was checked by `RuntimePlan`.
+        by: None,
         reply,
     };
     s.daemon

@@ -1,0 +1,274 @@
+//! Regression tests for issue 32 (tenancy, S9–S11): what one token holder could do to
+//! other users' runs and threads, and to the daemon itself. Each test is named after
+//! the finding or concern it pins, and each failed on the main before the fix.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+/// A uid other than the daemon's that names a user on every Debian host (`nobody`).
+const NOBODY: u32 = 65_534;
+
+/// A token of `scope` bound to `uid`, made with the admin token.
+fn token_for(d: &Daemon, scope: &str, uid: u32) -> String {
+    let t = d.post(
+        "/v1/tokens",
+        &json!({"scope": scope, "uid": uid}).to_string(),
+    );
+    assert_eq!(t.status, 201, "{:?}", t.body);
+    t.body["token"].as_str().unwrap().to_string()
+}
+
+fn acquire_as(d: &Daemon, token: &str, id: &str, wait_s: u64) -> Resp {
+    let body = json!({"run_id": id, "project": id, "ttl_s": 600, "wait_s": wait_s,
+        "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
+    d.call_as(Some(token), "POST", "/v1/runs", Some(&body.to_string()))
+}
+
+fn sleeper() -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    std::process::Command::new("sleep")
+        .arg("3600")
+        .process_group(0)
+        .spawn()
+        .unwrap()
+}
+
+fn refused_not_owner(r: &Resp, what: &str) {
+    assert_eq!(
+        (r.status, r.code()),
+        (403, "not_owner"),
+        "{what}: {:?}",
+        r.body
+    );
+}
+
+/// An RFC 3339 time (`YYYY-MM-DDTHH:MM:SS.mmmZ`) as milliseconds, close enough to
+/// compare two times less than a month apart.
+fn ms_of(t: &Value) -> i64 {
+    let t = t.as_str().unwrap_or_else(|| panic!("not a time: {t}"));
+    let n = |a: usize, b: usize| t[a..b].parse::<i64>().unwrap();
+    (((n(8, 10) * 24 + n(11, 13)) * 60 + n(14, 16)) * 60 + n(17, 19)) * 1000 + n(20, 23)
+}
+
+/// The journal's `not_owner` refusals.
+fn not_owner_refusals(d: &Daemon) -> usize {
+    d.journal()
+        .iter()
+        .filter(|e| e["kind"] == "refused" && e["data"]["code"] == "not_owner")
+        .count()
+}
+
+/// Finding 1: a token made with `uid` renewed, released (SIGTERMing the process), and
+/// cancelled the runs of other users, and deleted their threads' workspaces. Now every
+/// such call is `403 not_owner`, changes nothing and is journaled, across a restart;
+/// listings show other users' runs without fences; the token keeps full reach over
+/// its own runs, and the admin token over everyone's.
+#[test]
+fn finding_1_a_uid_bound_token_acts_only_on_its_own_users_runs() {
+    let mut d = Daemon::start(&[]);
+    let other = token_for(&d, "operator", NOBODY);
+    // The admin's run, with a registered process; a waiter of the admin's behind it.
+    let r = d.post(
+        "/v1/runs",
+        &json!({"run_id": "root-run", "project": "shop", "ttl_s": 600, "wait_s": 0,
+            "singletons": ["one"],
+            "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}})
+        .to_string(),
+    );
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let fence = r.body["fence"].as_u64().unwrap();
+    let mut proc_ = sleeper();
+    let pid = proc_.id() as i32;
+    let reg = d.post(
+        "/v1/runs/root-run/processes",
+        &json!({"fence": fence, "pid": pid}).to_string(),
+    );
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let q = d.post(
+        "/v1/runs",
+        &json!({"run_id": "root-waiter", "project": "shop", "wait_s": 600, "detach": true,
+            "singletons": ["one"], "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}})
+        .to_string(),
+    );
+    assert_eq!(q.status, 202, "{:?}", q.body);
+    // The admin's thread, registered to the admin's run.
+    let t = d.post(
+        "/v1/threads/root-thread/attach",
+        &json!({"run_id": "root-run", "owner_gen": "g1", "owner_fence": fence,
+            "run_budget_ms": 60_000})
+        .to_string(),
+    );
+    assert_eq!(t.status, 200, "{:?}", t.body);
+    let det = d.post(
+        "/v1/threads/root-thread/detach",
+        &json!({"run_id": "root-run", "owner_gen": "g1", "owner_fence": fence}).to_string(),
+    );
+    assert_eq!(det.status, 200, "{:?}", det.body);
+    let before = d.get("/v1/runs/root-run").body;
+
+    let as_other = |d: &Daemon, method: &str, path: &str, body: Option<Value>| {
+        d.call_as(
+            Some(&other),
+            method,
+            path,
+            body.map(|b| b.to_string()).as_deref(),
+        )
+    };
+    let check_refused = |d: &Daemon| {
+        // A listing and a read show the run without its fence and environment.
+        let list = as_other(d, "GET", "/v1/runs", None);
+        let seen = list.body["runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["run_id"] == "root-run")
+            .cloned()
+            .expect("another user's run is listed");
+        assert!(seen.get("fence").is_none_or(Value::is_null), "{seen}");
+        assert!(
+            seen["env"].as_object().is_none_or(|e| e.is_empty()),
+            "{seen}"
+        );
+        let one = as_other(d, "GET", "/v1/runs/root-run", None);
+        assert!(
+            one.body.get("fence").is_none_or(Value::is_null),
+            "{:?}",
+            one.body
+        );
+        let f = json!({"fence": fence});
+        for (what, method, path, body) in [
+            (
+                "renew",
+                "POST",
+                "/v1/runs/root-run/renew",
+                Some(json!({"fence": fence, "ttl_s": 86_400})),
+            ),
+            (
+                "release",
+                "POST",
+                "/v1/runs/root-run/release",
+                Some(f.clone()),
+            ),
+            (
+                "release by DELETE",
+                "DELETE",
+                &*format!("/v1/runs/root-run?fence={fence}"),
+                None,
+            ),
+            (
+                "register",
+                "POST",
+                "/v1/runs/root-run/processes",
+                Some(json!({"fence": fence, "pid": pid})),
+            ),
+            ("cancel a waiter", "DELETE", "/v1/runs/root-waiter", None),
+            (
+                "renew a waiter",
+                "POST",
+                "/v1/runs/root-waiter/renew",
+                Some(json!({})),
+            ),
+            ("evict a thread", "DELETE", "/v1/threads/root-thread", None),
+            (
+                "attach to a thread",
+                "POST",
+                "/v1/threads/root-thread/attach",
+                Some(
+                    json!({"run_id": "root-run", "owner_gen": "g2", "owner_fence": fence, "run_budget_ms": 1000}),
+                ),
+            ),
+        ] {
+            refused_not_owner(&as_other(d, method, path, body), what);
+        }
+        // Re-attaching to its lease by its run id (L7) is acting on it too.
+        let again = d.call_as(
+            Some(&other),
+            "POST",
+            "/v1/runs",
+            Some(
+                &json!({"run_id": "root-run", "project": "shop", "ttl_s": 600, "wait_s": 0,
+                "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}})
+                .to_string(),
+            ),
+        );
+        refused_not_owner(&again, "re-acquire");
+        // A run of its own may not work in another user's thread.
+        let body = json!({"run_id": "mine-in-theirs", "project": "p", "wait_s": 0,
+            "thread": "root-thread", "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
+        let r = as_other(d, "POST", "/v1/runs", Some(body));
+        refused_not_owner(&r, "a run in another user's thread");
+        // Nothing changed.
+        let now = d.get("/v1/runs/root-run").body;
+        assert_eq!(now["state"], "granted");
+        let moved = ms_of(&now["expires_at"]) - ms_of(&before["expires_at"]);
+        assert!(
+            moved.abs() < 5_000,
+            "renewed by a stranger: {now} against {before}"
+        );
+        assert_eq!(d.get("/v1/runs/root-waiter").body["state"], "queued");
+        let th = d.get("/v1/threads/root-thread").body;
+        assert!(
+            th["evictions"].as_array().is_none_or(|e| e.is_empty()),
+            "{th}"
+        );
+        assert!(
+            alive(pid),
+            "another user's token got the run's process signalled"
+        );
+    };
+    let journaled = not_owner_refusals(&d);
+    check_refused(&d);
+    assert_eq!(
+        not_owner_refusals(&d),
+        journaled + 10,
+        "each refusal is journaled"
+    );
+    // Ownership is durable: the same after a kill -9.
+    d.kill9_and_restart();
+    check_refused(&d);
+
+    // The token keeps full reach over its own runs, and sees their fences.
+    let mine = acquire_as(&d, &other, "theirs", 0);
+    assert_eq!(mine.status, 201, "{:?}", mine.body);
+    let f2 = mine.body["fence"].as_u64().unwrap();
+    let listed = as_other(&d, "GET", "/v1/runs/theirs", None);
+    assert_eq!(listed.body["fence"], f2);
+    let renew = as_other(
+        &d,
+        "POST",
+        "/v1/runs/theirs/renew",
+        Some(json!({"fence": f2})),
+    );
+    assert_eq!(renew.status, 200, "{:?}", renew.body);
+    // Another uid's token may not touch it; the admin may.
+    let third = token_for(&d, "operator", 0);
+    let r = d.call_as(
+        Some(&third),
+        "POST",
+        "/v1/runs/theirs/release",
+        Some(&json!({"fence": f2}).to_string()),
+    );
+    refused_not_owner(&r, "another uid's run");
+    let rel = as_other(
+        &d,
+        "POST",
+        "/v1/runs/theirs/release",
+        Some(json!({"fence": f2})),
+    );
+    assert_eq!(rel.status, 200, "{:?}", rel.body);
+    let rel = d.post(
+        "/v1/runs/root-run/release",
+        &json!({"fence": fence}).to_string(),
+    );
+    assert_eq!(rel.status, 200, "the admin keeps its reach: {:?}", rel.body);
+    let end = Instant::now() + Duration::from_secs(15);
+    while alive(pid) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!alive(pid), "the owner's release stops its process");
+    let _ = proc_.wait();
+}
