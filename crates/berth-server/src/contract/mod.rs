@@ -155,24 +155,27 @@ const GIT_FILE_BYTES_MAX: u64 = 4096;
 const PACKED_REFS_BYTES_MAX: u64 = 16 << 20;
 
 /// The commit checked out in `worktree`, read from `.git` without running git. Every
-/// file is read with [`read_small`]: a FIFO or a huge file planted in `.git` cannot
-/// block or exhaust the daemon.
+/// file below the git directory is opened with `openat2(RESOLVE_BENEATH |
+/// RESOLVE_NO_SYMLINKS)` from a pinned descriptor of that directory, and read only if
+/// the descriptor is a small regular file: a link planted anywhere in `.git` (`refs ->
+/// /etc`, `refs -> /dev`) is refused, never followed, and a FIFO or a huge file cannot
+/// block or exhaust the daemon (S2).
 pub fn git_commit(worktree: &Path) -> Option<String> {
-    let dot_git = worktree.join(".git");
-    let small = |p: &Path| read_small(p, GIT_FILE_BYTES_MAX).ok().flatten();
-    let git_dir = if dot_git.is_file() {
-        let text = small(&dot_git)?;
-        let p = text.trim().strip_prefix("gitdir:")?.trim().to_string();
-        let p = Path::new(&p);
-        if p.is_absolute() {
-            p.to_path_buf()
-        } else {
-            worktree.join(p)
+    use rustix::fs::{Mode, OFlags};
+    let dir = OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC;
+    let wt = rustix::fs::open(worktree, dir, Mode::empty()).ok()?;
+    let git_dir = match open_beneath(&wt, ".git", dir) {
+        Ok(d) => d,
+        // A `gitdir:` file (a linked worktree, a submodule): the directory it names,
+        // absolute or relative to the worktree, where git itself would look; below
+        // it, nothing is followed.
+        Err(_) => {
+            let text = read_beneath(&wt, ".git", GIT_FILE_BYTES_MAX)?;
+            let p = text.trim().strip_prefix("gitdir:")?.trim().to_string();
+            rustix::fs::openat(&wt, p.as_str(), dir, Mode::empty()).ok()?
         }
-    } else {
-        dot_git
     };
-    let head = small(&git_dir.join("HEAD"))?;
+    let head = read_beneath(&git_dir, "HEAD", GIT_FILE_BYTES_MAX)?;
     let head = head.trim();
     let Some(reference) = head.strip_prefix("ref:").map(str::trim) else {
         return object_id(head);
@@ -186,23 +189,60 @@ pub fn git_commit(worktree: &Path) -> Option<String> {
     {
         return None;
     }
-    // A linked worktree keeps refs in the common dir.
-    let common = small(&git_dir.join("commondir"))
-        .map(|c| git_dir.join(c.trim()))
-        .unwrap_or_else(|| git_dir.clone());
-    for dir in [&git_dir, &common] {
-        if let Some(s) = small(&dir.join(reference)) {
+    // A linked worktree keeps refs in the common dir (named relative to the git dir).
+    let common = read_beneath(&git_dir, "commondir", GIT_FILE_BYTES_MAX)
+        .and_then(|c| rustix::fs::openat(&git_dir, c.trim(), dir, Mode::empty()).ok());
+    for d in [Some(&git_dir), common.as_ref()].into_iter().flatten() {
+        if let Some(s) = read_beneath(d, reference, GIT_FILE_BYTES_MAX) {
             return object_id(s.trim());
         }
     }
-    let packed = read_small(&common.join("packed-refs"), PACKED_REFS_BYTES_MAX)
-        .ok()
-        .flatten()?;
+    let packed = read_beneath(
+        common.as_ref().unwrap_or(&git_dir),
+        "packed-refs",
+        PACKED_REFS_BYTES_MAX,
+    )?;
     packed
         .lines()
         .filter_map(|l| l.split_once(' '))
         .find(|(_, r)| *r == reference)
         .and_then(|(h, _)| object_id(h))
+}
+
+/// Opens `path` below `dir`: never above it, through no link of any kind, on no other
+/// mount's magic links, and without waiting for a FIFO's writer.
+fn open_beneath(
+    dir: &std::os::fd::OwnedFd,
+    path: &str,
+    flags: rustix::fs::OFlags,
+) -> rustix::io::Result<std::os::fd::OwnedFd> {
+    use rustix::fs::{Mode, OFlags, ResolveFlags};
+    // openat2 refuses O_PATH with any flag but O_CLOEXEC, O_DIRECTORY and O_NOFOLLOW.
+    let tty = if flags.contains(OFlags::PATH) {
+        OFlags::empty()
+    } else {
+        OFlags::NOCTTY
+    };
+    rustix::fs::openat2(
+        dir,
+        path,
+        flags | OFlags::CLOEXEC | tty,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )
+}
+
+/// The text of `path` below `dir` if it is a regular file of at most `max_bytes`.
+fn read_beneath(dir: &std::os::fd::OwnedFd, path: &str, max_bytes: u64) -> Option<String> {
+    use rustix::fs::OFlags;
+    let fd = open_beneath(dir, path, OFlags::RDONLY | OFlags::NONBLOCK).ok()?;
+    let st = rustix::fs::fstat(&fd).ok()?;
+    let regular =
+        rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile;
+    if !regular || st.st_size < 0 || st.st_size as u64 > max_bytes {
+        return None;
+    }
+    read_at_most(fd, max_bytes).ok().flatten()
 }
 
 /// A commit id as git writes it (40 or 64 hex digits); anything else is not one.
@@ -214,6 +254,44 @@ fn object_id(s: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 32 finding 9: `.git/refs -> /etc` with `HEAD: ref: refs/shadow` made the
+    /// daemon open `/etc/shadow` (and `refs -> /dev` opened `/dev/ptmx`). A link
+    /// anywhere below the git dir is refused now, never followed, whatever it names.
+    #[test]
+    fn regression_links_under_dot_git_are_never_followed() {
+        let commit = "abc1230000000000000000000000000000000000";
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(outside.path().join("heads")).unwrap();
+        std::fs::write(outside.path().join("heads/main"), format!("{commit}\n")).unwrap();
+        std::fs::write(outside.path().join("HEAD"), "ref: refs/heads/main\n").unwrap();
+        let wt = tempfile::tempdir().unwrap();
+        let git = wt.path().join(".git");
+        std::fs::create_dir_all(&git).unwrap();
+        std::fs::write(git.join("HEAD"), "ref: refs/heads/main\n").unwrap();
+        // The same ref, a real file: read.
+        std::fs::create_dir_all(git.join("refs/heads")).unwrap();
+        std::fs::write(git.join("refs/heads/main"), format!("{commit}\n")).unwrap();
+        assert_eq!(git_commit(wt.path()).as_deref(), Some(commit));
+        // `refs` a link out of the git dir: not followed.
+        std::fs::remove_dir_all(git.join("refs")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), git.join("refs")).unwrap();
+        assert_eq!(git_commit(wt.path()), None);
+        // A link in the middle of the ref's path, and `.git` itself a link: the same.
+        std::fs::remove_file(git.join("refs")).unwrap();
+        std::fs::create_dir_all(git.join("refs")).unwrap();
+        std::os::unix::fs::symlink(outside.path().join("heads"), git.join("refs/heads")).unwrap();
+        assert_eq!(git_commit(wt.path()), None);
+        std::fs::remove_dir_all(&git).unwrap();
+        std::os::unix::fs::symlink(outside.path(), &git).unwrap();
+        assert_eq!(git_commit(wt.path()), None);
+        // `refs -> /dev` with a device for a ref: refused before anything is opened.
+        std::fs::remove_file(&git).unwrap();
+        std::fs::create_dir_all(&git).unwrap();
+        std::fs::write(git.join("HEAD"), "ref: refs/null\n").unwrap();
+        std::os::unix::fs::symlink("/dev", git.join("refs")).unwrap();
+        assert_eq!(git_commit(wt.path()), None);
+    }
 
     #[test]
     fn reads_contracts_and_refuses_bad_ones() {
