@@ -182,6 +182,10 @@ pub struct RestoredRun {
     pub expires_at: TimeMs,
     pub cause: Option<EndCause>,
     pub primary_mode: KeyMode,
+    /// C4: a demoted holder queued for the exclusive key it gave up its shared hold
+    /// for: it holds nothing on that key until the upgrade is granted (S11: without
+    /// this, a restore read it as an exclusive holder beside the shared ones).
+    pub upgrading: bool,
 }
 
 fn lower(s: &str) -> String {
@@ -354,7 +358,18 @@ impl Engine {
                     return Err(format!("restored claims over-commit {}", self.res_names[i]));
                 }
             }
-            for &(k, mode) in &keys {
+            for (i, &(k, mode)) in keys.iter().enumerate() {
+                if i == 0 && r.upgrading {
+                    // C4: back in the upgrade queue, holding nothing on the key.
+                    if mode != KeyMode::Exclusive || r.request.class != Class::Managed {
+                        return Err(format!(
+                            "run {id} upgrades a key it does not claim exclusively"
+                        ));
+                    }
+                    self.key_mut(k).upgrades.push_back(slot);
+                    self.keys_with_upgrades.insert(k);
+                    continue;
+                }
                 let ks = self.key_mut(k);
                 match mode {
                     KeyMode::Exclusive if ks.exclusive.is_none() && ks.shared == 0 => {
@@ -375,6 +390,7 @@ impl Engine {
             self.pending_memory += amounts[MEMORY];
             self.pending.push_back((settle, slot, r.fence.unwrap_or(0)));
         }
+        let upgrade = (r.upgrading && r.state.holds_claim()).then(|| keys[0].0);
         let contract = r.request.contract.clone();
         let promoted_shared =
             r.request.class == Class::Managed && r.primary_mode == KeyMode::Shared;
@@ -393,7 +409,7 @@ impl Engine {
             granted_at: r.granted_at,
             expires_at: r.expires_at,
             cause: r.cause,
-            upgrade: None,
+            upgrade,
             pending_mem: pending,
             permit: None,
             permit_asked: false,
@@ -2286,6 +2302,7 @@ impl Engine {
             expires_at: r.expires_at,
             cause: r.cause,
             primary_mode: r.keys[0].1,
+            upgrading: r.upgrade.is_some(),
         })
     }
 

@@ -119,6 +119,7 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
         end_cause: matches!(state, RunState::Releasing | RunState::Released)
             .then_some(EndCause::Released),
         primary_mode: KeyMode::Shared,
+        upgrading: false,
         workspace: granted.then(|| WorkspaceIdentity {
             path: format!("/state/runs/{id}"),
             dev: 2049,

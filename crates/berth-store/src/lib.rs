@@ -87,6 +87,9 @@ pub struct RunRecord {
     pub end_cause: Option<EndCause>,
     /// Mode of the run's primary key (runtime or analysis).
     pub primary_mode: KeyMode,
+    /// C4: queued for the exclusive primary key it gave up its shared hold for
+    /// (holds nothing on it until then).
+    pub upgrading: bool,
     pub workspace: Option<WorkspaceIdentity>,
     /// Processes registered for the run (recorded before berth relies on them).
     pub processes: Vec<ProcessRecord>,

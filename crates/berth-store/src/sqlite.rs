@@ -228,7 +228,10 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE runs ADD COLUMN lease_only INTEGER NOT NULL DEFAULT 0;",
     // 18: the uid of the uid-bound token that made a run (S9), so tenancy holds across
     // restarts.
+    // A demoted holder's pending upgrade (C4), so a restore does not read it as an
+    // exclusive holder beside the shared ones (S11: issue 32 finding 4).
     "ALTER TABLE runs ADD COLUMN owner_uid INTEGER;
+     ALTER TABLE runs ADD COLUMN upgrading INTEGER NOT NULL DEFAULT 0;
      ALTER TABLE threads ADD COLUMN owner_uid INTEGER;",
 ];
 
@@ -422,7 +425,7 @@ fn of(what: &str, e: StoreError) -> StoreError {
 
 /// The columns `read_run` reads, in this order: by position, not by name (looking each
 /// name up was an eighth of a restart's CPU).
-const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread, budget, lease_only, owner_uid";
+const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread, budget, lease_only, owner_uid, upgrading";
 
 /// Positions of `RUN_COLUMNS`.
 mod col {
@@ -461,6 +464,7 @@ mod col {
     pub const BUDGET: usize = 32;
     pub const LEASE_ONLY: usize = 33;
     pub const OWNER_UID: usize = 34;
+    pub const UPGRADING: usize = 35;
 }
 
 /// A run's record; what it refuses names the run.
@@ -557,6 +561,11 @@ fn read_run_fields(row: &Row) -> Result<RunRecord, StoreError> {
                     .map_err(|_| StoreError::Corrupt(format!("owner_uid {v} is not a uid")))
             })
             .transpose()?,
+        upgrading: match g(col::UPGRADING)? {
+            0 => false,
+            1 => true,
+            v => return Err(StoreError::Corrupt(format!("upgrading {v} is not 0 or 1"))),
+        },
     })
 }
 
@@ -568,16 +577,16 @@ const UPSERT: &str =
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
     expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms,
-    ended_unix_ms, detached, thread, budget, lease_only, owner_uid)
+    ended_unix_ms, detached, thread, budget, lease_only, owner_uid, upgrading)
   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
-    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34, ?35, ?36, ?37)
+    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34, ?35, ?36, ?37, ?38)
   ON CONFLICT (run_id) DO UPDATE SET
     state = excluded.state, fence = excluded.fence, deadline_ms = excluded.deadline_ms,
     granted_ms = excluded.granted_ms, expires_ms = excluded.expires_ms,
     end_cause = excluded.end_cause, primary_mode = excluded.primary_mode,
     ws_path = excluded.ws_path, ws_dev = excluded.ws_dev, ws_ino = excluded.ws_ino,
     terminal = excluded.terminal, ended_unix_ms = excluded.ended_unix_ms,
-    detached = excluded.detached
+    detached = excluded.detached, upgrading = excluded.upgrading
   -- D3: a terminal state is never overwritten; nor is another run's record (a late
   -- write of an ended run whose id a new run has taken, see replace_ended).
   WHERE runs.terminal = 0 AND runs.queue_seq = excluded.queue_seq";
@@ -1249,6 +1258,7 @@ fn upsert_run(
                 .map(|b| serde_json::to_string(b).expect("a budget serializes")),
             r.lease_only as i64,
             r.owner_uid.map(i64::from),
+            r.upgrading as i64,
         ])
         .map_err(write_err)?;
     if changed == 0 {

@@ -352,3 +352,70 @@ ready = { http = "/", timeout_s = 30, interval_ms = 100 }
     );
     assert!(!marker.exists(), "CMD ran although its runtime failed");
 }
+
+/// Issue 32 finding 4 (S11): a1's runtime promoted the project, a2 was granted the
+/// runtime key shared, then the contract changed and a2's runtime start answered
+/// `409 contract_changed`. a2 was then written to the ledger as an exclusive holder
+/// beside a1's shared hold, and every restart failed with "run a2 conflicts on key
+/// project:shop:runtime". Now its pending upgrade is recorded: the daemon restarts
+/// with both runs as they were, and a2 gets the key once a1 is gone.
+#[test]
+fn finding_4_a_demotion_never_leaves_a_ledger_that_refuses_to_restore() {
+    let r = range(70, 10);
+    let mut d = Daemon::start(&["--slots-max", "4", "--port-range", &r]);
+    let wt = worktree(WEB);
+    let a1 = d.post("/v1/runs", &acquire("a1", wt.path(), 0));
+    assert_eq!(a1.status, 201, "{}", a1.body);
+    let f1 = a1.body["fence"].as_u64().unwrap();
+    let a2 = d.post(
+        "/v1/runs",
+        &json!({"run_id": "a2", "project": "shop", "worktree": wt.path(), "wait_s": 60,
+            "ttl_s": 300, "detach": true,
+            "resources": {"cpu_millis": 10, "memory": 1 << 20, "disk": 0}})
+        .to_string(),
+    );
+    assert_eq!(a2.status, 202, "a2 waits for the runtime key: {}", a2.body);
+    let started = start_runtime(&d, "a1", f1);
+    assert_eq!(started.body["promoted"], true, "{}", started.body);
+    d.wait_until("a2 is granted beside a1", |d| {
+        d.get("/v1/runs/a2").body["state"] == "granted"
+    });
+    let f2 = d.get("/v1/runs/a2").body["fence"].as_u64().unwrap();
+    std::fs::write(wt.path().join(".git/HEAD"), format!("{}\n", "b".repeat(40))).unwrap();
+    let again = start_runtime(&d, "a2", f2);
+    assert_eq!(again.status, 409, "{}", again.body);
+    assert_eq!(again.body["error"]["code"], "contract_changed");
+    let key_mode = |d: &Daemon, id: &str| {
+        d.get(&format!("/v1/runs/{id}")).body["claim"]["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|k| k["key"] == "project:shop:runtime")
+            .map(|k| k["mode"].clone())
+            .unwrap()
+    };
+    let before = (key_mode(&d, "a1"), key_mode(&d, "a2"));
+    // kill -9, then a clean stop: the ledger loads both times, the same runs in it.
+    d.kill9_and_restart();
+    assert_eq!(d.get("/v1/runs/a1").body["state"], "granted");
+    assert_eq!(d.get("/v1/runs/a2").body["state"], "granted");
+    assert_eq!((key_mode(&d, "a1"), key_mode(&d, "a2")), before);
+    let pid = d.child.as_ref().unwrap().id() as i32;
+    let pid = rustix::process::Pid::from_raw(pid).unwrap();
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    assert!(
+        d.wait_exit(Duration::from_secs(30)).is_some(),
+        "SIGTERM stops it"
+    );
+    d.spawn();
+    assert_eq!(d.get("/v1/runs/a2").body["state"], "granted");
+    // a1 goes: a2's upgrade is granted, and a third run may not slip in beside it.
+    let rel = d.post("/v1/runs/a1/release", &json!({ "fence": f1 }).to_string());
+    assert_eq!(rel.status, 200, "{}", rel.body);
+    d.wait_until("a2 holds the key alone", |d| {
+        d.get("/v1/runs/a1").body["state"] == "released"
+            && d.get("/v1/runs/a2").body["reason"].is_null()
+    });
+    let a3 = d.post("/v1/runs", &acquire("a3", wt.path(), 0));
+    assert_eq!(a3.status, 410, "a3 may not join a2: {}", a3.body);
+}

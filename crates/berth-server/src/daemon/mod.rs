@@ -594,6 +594,7 @@ impl<H: Host> Daemon<H> {
             expires_ms: granted.then_some(r.expires_at),
             end_cause: r.cause,
             primary_mode: r.primary_mode,
+            upgrading: r.upgrading,
             workspace: extra.workspace.clone(),
             processes: extra.processes.clone(),
             stop_grace_ms: extra.stop_grace_ms,

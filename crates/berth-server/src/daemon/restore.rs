@@ -76,6 +76,7 @@ fn restored_run(mut r: RunRecord, now: u64, reboot_window: Option<u64>) -> (Rest
         expires_at: expires,
         cause: r.end_cause,
         primary_mode: r.primary_mode,
+        upgrading: r.upgrading,
     };
     (run, extra)
 }
