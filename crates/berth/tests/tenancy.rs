@@ -272,3 +272,80 @@ fn finding_1_a_uid_bound_token_acts_only_on_its_own_users_runs() {
     assert!(!alive(pid), "the owner's release stops its process");
     let _ = proc_.wait();
 }
+
+/// Concern: a token could be made for uid 4294967295, which names no user. Now a
+/// token's uid must name a user on the host (refused naming `uid`, nothing made);
+/// a real user's uid is taken.
+#[test]
+fn concern_a_token_uid_must_name_a_user_on_the_host() {
+    let d = Daemon::start(&[]);
+    for uid in [4_294_967_295u32, 4_000_000_000] {
+        let r = d.post(
+            "/v1/tokens",
+            &json!({"scope": "operator", "uid": uid}).to_string(),
+        );
+        assert_eq!(
+            (r.status, r.code()),
+            (400, "invalid"),
+            "uid {uid}: {:?}",
+            r.body
+        );
+        assert_eq!(r.body["error"]["details"]["field"], "uid", "{:?}", r.body);
+    }
+    assert!(!token_for(&d, "read", 0).is_empty());
+    assert!(!token_for(&d, "read", NOBODY).is_empty());
+}
+
+/// Concern: `HEAD /` needed a token while `GET /` did not. Both now take the same
+/// rule: the dashboard page is public, whatever the method.
+#[test]
+fn concern_head_and_get_of_the_dashboard_take_the_same_rule() {
+    let d = Daemon::start(&[]);
+    let get = d.call_as(None, "GET", "/", None);
+    assert_eq!(get.status, 200);
+    let a: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let head = a.head(&format!("{}/", d.url)).call().unwrap();
+    assert_eq!(
+        head.status().as_u16(),
+        get.status,
+        "HEAD / and GET / differ"
+    );
+    // The API itself still needs a token either way.
+    let head = a.head(&format!("{}/v1/status", d.url)).call().unwrap();
+    assert_eq!(head.status().as_u16(), 401);
+}
+
+/// Finding 2 (S10), the body deadline: a token holder that sends a head and then
+/// trickles its body held a connection and a task for as long as it liked. Now the
+/// body must arrive within 10 s of its head: the request is answered `408
+/// body_timeout` with the envelope and the connection closed; nothing was acquired.
+#[test]
+fn finding_2_a_body_that_does_not_arrive_is_cut() {
+    use std::io::{Read, Write};
+    let d = Daemon::start(&[]);
+    let addr = d.url.strip_prefix("http://").unwrap().to_string();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let head = format!(
+        "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\n\
+         Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{{\"run_id\":",
+        d.token
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    let sent = Instant::now();
+    let mut answer = String::new();
+    let _ = s.read_to_string(&mut answer);
+    let took = sent.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert!(answer.contains("\"body_timeout\""), "{answer:?}");
+    assert!(took >= Duration::from_secs(9), "cut after {took:?}");
+    assert!(
+        took < Duration::from_secs(25),
+        "the connection stayed open ({took:?})"
+    );
+    let runs = d.get("/v1/runs").body;
+    assert_eq!(runs["runs"].as_array().map(Vec::len), Some(0), "{runs}");
+}

@@ -31,6 +31,9 @@ use crate::request::{build_request, check_fence, check_run_id, read_worktree, tt
 
 /// Largest request body accepted.
 pub const BODY_BYTES_MAX: usize = 64 * 1024;
+/// How long a body may take to arrive once its head is read (S10): a token holder that
+/// trickles a body holds a connection and a task; past this it is cut (`408`).
+pub const BODY_DEADLINE: Duration = Duration::from_secs(10);
 /// Runs listed at most by `GET /v1/runs`.
 pub const LIST_MAX: usize = 10_000;
 
@@ -175,8 +178,19 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Params {
 /// Reads a JSON body: size limit, UTF-8, unknown fields, wrong types, all as `400`s
 /// that name the field.
 async fn json_body<T: DeserializeOwned>(body: Body, empty_ok: bool) -> Result<T, ApiError> {
-    let bytes: Bytes = axum::body::to_bytes(body, BODY_BYTES_MAX)
+    let read = axum::body::to_bytes(body, BODY_BYTES_MAX);
+    let bytes: Bytes = tokio::time::timeout(BODY_DEADLINE, read)
         .await
+        .map_err(|_| {
+            ApiError::new(
+                408,
+                "body_timeout",
+                format!(
+                    "the body must arrive within {} s of its head (S10)",
+                    BODY_DEADLINE.as_secs()
+                ),
+            )
+        })?
         .map_err(|_| {
             ApiError::invalid("body", format!("must be at most {BODY_BYTES_MAX} bytes"))
         })?;
@@ -932,6 +946,17 @@ async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response
     let b: TokenBody = json_body(body, false).await?;
     let scope = Scope::parse(&b.scope)
         .ok_or_else(|| ApiError::invalid("scope", "must be read, operator or admin"))?;
+    if let Some(uid) = b.uid {
+        let known = tokio::task::spawn_blocking(move || user_exists(uid))
+            .await
+            .unwrap_or(false);
+        if !known {
+            return Err(ApiError::invalid(
+                "uid",
+                format!("must name a user on this host; uid {uid} names none"),
+            ));
+        }
+    }
     let grant = auth::Grant { scope, uid: b.uid };
     let token = ask(&api, |reply| Msg::CreateToken { grant, reply }).await?;
     Ok((
@@ -943,6 +968,25 @@ async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response
         }),
     )
         .into_response())
+}
+
+/// Whether `uid` names a user on this host (the password database, through NSS).
+fn user_exists(uid: u32) -> bool {
+    let mut buf = vec![0u8; 16 * 1024];
+    // SAFETY: a zeroed passwd is a valid out-parameter; `buf` outlives the call and its
+    // length is passed; `found` is only read, never dereferenced.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    let rc = unsafe {
+        libc::getpwuid_r(
+            uid,
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    rc == 0 && !found.is_null()
 }
 
 /// Refuses a caller whose scope is below `need` (the public group needs none) and
@@ -1003,10 +1047,12 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
             m.authed.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     };
-    if api.auth
-        && req.method() == axum::http::Method::GET
-        && PUBLIC_PATHS.contains(&req.uri().path())
-    {
+    // HEAD answers as GET does (without the body): the same rule for both.
+    let reads = matches!(
+        *req.method(),
+        axum::http::Method::GET | axum::http::Method::HEAD
+    );
+    if api.auth && reads && PUBLIC_PATHS.contains(&req.uri().path()) {
         // No caller, so no scope: these routes are in no scoped router.
         return next.run(req).await;
     }
