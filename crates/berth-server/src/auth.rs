@@ -80,14 +80,21 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
 /// The scope of `token`, if it is known. Walks every entry so the time taken does not
 /// depend on which (if any) matched.
 pub fn lookup(tokens: &[(String, Grant)], token: &str) -> Option<Grant> {
+    lookup_keyed(tokens, token).map(|(g, _)| g)
+}
+
+/// [`lookup`], with a key that names the token in per-token counts (S10): the first
+/// 64 bits of its hash, never the token itself.
+pub fn lookup_keyed(tokens: &[(String, Grant)], token: &str) -> Option<(Grant, u64)> {
     let h = hash_token(token);
+    let key = u64::from_str_radix(&h[..16], 16).unwrap_or(0);
     let mut found = None;
     for (hash, scope) in tokens {
         if ct_eq(hash.as_bytes(), h.as_bytes()) {
             found = Some(*scope);
         }
     }
-    found
+    found.map(|g| (g, key))
 }
 
 /// 32 random bytes from the kernel, hex: 256 bits of secret.

@@ -13,6 +13,7 @@ pub mod fleet;
 pub mod host;
 pub mod http;
 pub mod journal;
+pub mod limits;
 pub mod listen;
 pub mod memory;
 pub mod metrics;
@@ -63,6 +64,11 @@ pub struct ServeConfig {
     pub threads: berth_core::threads::ThreadConfig,
     /// Fleet mode (F1): the fleet store and this host's place in it.
     pub fleet: Option<fleet::FleetConfig>,
+    /// S10: event streams one token may hold open at once.
+    pub token_streams_max: usize,
+    /// S10: long polls (waiting acquires, `GET /v1/runs/{id}?wait_s`) one token may
+    /// hold open at once.
+    pub token_waits_max: usize,
 }
 
 /// Where runs' ports come from unless configured: a thousand ports below Linux's
@@ -198,6 +204,7 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
     let shared = Arc::new(daemon::Shared {
         tokens: RwLock::new(opened.tokens),
         url: format!("http://{addr}"),
+        limits: limits::Limits::new(cfg.token_streams_max, cfg.token_waits_max),
         ..Default::default()
     });
     let writer = spawn_writer(&cfg, opened.store, &shared);
@@ -531,6 +538,8 @@ mod tests {
             diagnostics_total_bytes_max: 1 << 30,
             init_ledger: false,
             retain_ended_for_ms: RETAIN_ENDED_FOR_MS_DEFAULT,
+            token_streams_max: crate::limits::TOKEN_STREAMS_MAX_DEFAULT,
+            token_waits_max: crate::limits::TOKEN_WAITS_MAX_DEFAULT,
             port_range: PORT_RANGE_DEFAULT,
             threads: Default::default(),
             fleet: None,

@@ -93,6 +93,14 @@ pub struct ServeArgs {
     /// Ended runs older than this are deleted from the ledger [default: 7d].
     #[arg(long, env = "BERTH_RETAIN_ENDED_FOR", value_parser = parse_duration)]
     pub retain_ended_for: Option<u64>,
+    /// Event streams (`GET /v1/events`) one token may hold open at once; more are
+    /// refused `429 too_many_streams` (S10) [default: 64].
+    #[arg(long, env = "BERTH_TOKEN_STREAMS_MAX", value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub token_streams_max: Option<u32>,
+    /// Long polls (waiting acquires, `GET /v1/runs/{id}?wait_s`) one token may hold
+    /// open at once; more are refused `429 too_many_waits` (S10) [default: 256].
+    #[arg(long, env = "BERTH_TOKEN_WAITS_MAX", value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    pub token_waits_max: Option<u32>,
     /// An agent thread's workspace with no attach and no live registration for this
     /// long is evicted (G0) [default: 30m].
     #[arg(long, env = "BERTH_THREAD_IDLE_AFTER", value_parser = parse_duration)]
@@ -165,6 +173,8 @@ struct FileConfig {
     default_memory: Option<String>,
     retain_ended: Option<usize>,
     retain_ended_for: Option<String>,
+    token_streams_max: Option<u32>,
+    token_waits_max: Option<u32>,
     thread_idle_after: Option<String>,
     thread_ttl: Option<String>,
     thread_grace: Option<String>,
@@ -277,6 +287,18 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             .retain_ended_for
             .or(duration("retain_ended_for", file.retain_ended_for)?)
             .unwrap_or(berth_server::RETAIN_ENDED_FOR_MS_DEFAULT),
+        token_streams_max: a
+            .token_streams_max
+            .or(file.token_streams_max)
+            .map_or(berth_server::limits::TOKEN_STREAMS_MAX_DEFAULT, |n| {
+                n as usize
+            }),
+        token_waits_max: a
+            .token_waits_max
+            .or(file.token_waits_max)
+            .map_or(berth_server::limits::TOKEN_WAITS_MAX_DEFAULT, |n| {
+                n as usize
+            }),
         port_range: match (a.port_range, &file.port_range) {
             (Some(r), _) => r,
             (None, Some(r)) => {

@@ -349,3 +349,106 @@ fn finding_2_a_body_that_does_not_arrive_is_cut() {
     let runs = d.get("/v1/runs").body;
     assert_eq!(runs["runs"].as_array().map(Vec::len), Some(0), "{runs}");
 }
+
+/// An SSE stream held open on a raw socket (its head read; the body never is).
+fn open_stream(d: &Daemon, token: &str) -> (std::net::TcpStream, String) {
+    use std::io::{Read, Write};
+    let addr = d.url.strip_prefix("http://").unwrap().to_string();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let req =
+        format!("GET /v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head).unwrap();
+    (s, String::from_utf8_lossy(&head).into_owned())
+}
+
+/// Finding 2 (S10), per-token caps: one read token opened 16,500 event streams and
+/// the admin's `GET /v1/status` got no answer; an operator token's long polls did the
+/// same to lease holders. Now a token holds at most `--token-streams-max` streams and
+/// `--token-waits-max` long polls: the next is `429` with the envelope, other tokens
+/// are not affected, a closed stream gives its slot back, and the admin is answered
+/// throughout.
+#[test]
+fn finding_2_a_token_holds_at_most_its_cap_of_streams_and_long_polls() {
+    let d = Daemon::start(&["--token-streams-max", "4", "--token-waits-max", "3"]);
+    let reader = token_for(&d, "read", NOBODY);
+    let mut open: Vec<_> = (0..4).map(|_| open_stream(&d, &reader)).collect();
+    assert!(open.iter().all(|(_, h)| h.starts_with("HTTP/1.1 200")));
+    let refused = d.call_as(Some(&reader), "GET", "/v1/events", None);
+    assert_eq!(
+        (refused.status, refused.code()),
+        (429, "too_many_streams"),
+        "{:?}",
+        refused.body
+    );
+    assert_eq!(refused.body["error"]["details"]["max"], 4);
+    // Another token (the admin's) is not affected, and the API answers.
+    let (_admins, h) = open_stream(&d, &d.token);
+    assert!(h.starts_with("HTTP/1.1 200"), "{h}");
+    assert_eq!(d.get("/v1/status").status, 200);
+    // A closed stream gives its slot back.
+    drop(open.pop());
+    let mut again = None;
+    let end = Instant::now() + Duration::from_secs(10);
+    while again.is_none() && Instant::now() < end {
+        let (s, h) = open_stream(&d, &reader);
+        if h.starts_with("HTTP/1.1 200") {
+            again = Some(s);
+        } else {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    assert!(
+        again.is_some(),
+        "the slot of a closed stream never came back"
+    );
+
+    // Long polls: three waiters of one operator token wait; the fourth is refused
+    // before anything is queued for it.
+    let op = token_for(&d, "operator", NOBODY);
+    let hold = acquire_as(&d, &op, "holder", 0);
+    assert_eq!(hold.status, 201, "{:?}", hold.body);
+    let mut polls = Vec::new();
+    for i in 0..3 {
+        let body = json!({"run_id": format!("w{i}"), "project": "holder", "wait_s": 600,
+            "singletons": ["only"], "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
+        polls.push(long_poll_as(&d, &op, &body));
+    }
+    d.wait_until("three waiters queue", |d| {
+        (0..3).all(|i| d.get(&format!("/v1/runs/w{i}")).body["state"] == "queued")
+    });
+    let body = json!({"run_id": "w3", "project": "holder", "wait_s": 600,
+        "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
+    let r = d.call_as(Some(&op), "POST", "/v1/runs", Some(&body.to_string()));
+    assert_eq!(
+        (r.status, r.code()),
+        (429, "too_many_waits"),
+        "{:?}",
+        r.body
+    );
+    assert_eq!(
+        d.get("/v1/runs/w3").status,
+        404,
+        "a refused wait queued nothing"
+    );
+    // `wait_s = 0` never waits: not counted.
+    assert_eq!(acquire_as(&d, &op, "now", 0).status, 201);
+    drop(polls);
+}
+
+/// A long-polled acquire with `token`, left waiting on its socket.
+fn long_poll_as(d: &Daemon, token: &str, body: &Value) -> std::net::TcpStream {
+    use std::io::Write;
+    let addr = d.url.strip_prefix("http://").unwrap().to_string();
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    let body = body.to_string();
+    let req = format!(
+        "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    s
+}

@@ -59,6 +59,8 @@ pub struct Caller {
     /// S9: `Some(uid)` for a uid-bound token below admin: it acts only on runs, threads
     /// and scopes that tokens of that uid made, and sees others' runs without fences.
     pub tenant: crate::daemon::Tenant,
+    /// S10: the key its token is counted under (`None` without auth: uncapped).
+    pub token: Option<u64>,
     /// What the caller's token may do (everything without auth).
     pub scope: Scope,
 }
@@ -336,6 +338,8 @@ struct AttachGuard {
     tx: mpsc::Sender<Msg>,
     run_id: String,
     armed: bool,
+    /// S10: the wait counted against its token's cap while it lasts.
+    _slot: Option<crate::limits::Slot>,
 }
 
 impl Drop for AttachGuard {
@@ -367,7 +371,7 @@ async fn acquire(
     body: Body,
 ) -> Response {
     let conn = conn.map(|axum::Extension(c)| c);
-    match acquire_inner(api, caller.tenant, stream, conn, body).await {
+    match acquire_inner(api, caller, stream, conn, body).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -375,7 +379,7 @@ async fn acquire(
 
 async fn acquire_inner(
     api: Api,
-    by: crate::daemon::Tenant,
+    by: Caller,
     stream: bool,
     conn: Option<Arc<crate::http::ConnMark>>,
     body: Body,
@@ -423,7 +427,7 @@ async fn long_poll_answer(api: &Api, first: RunInfo, guard: Option<AttachGuard>)
 /// client asked to detach.
 async fn enqueue(
     api: &Api,
-    by: crate::daemon::Tenant,
+    caller: Caller,
     body: Body,
 ) -> Result<(RunInfo, Option<AttachGuard>, bool), ApiError> {
     let b: berth_client::wire::AcquireRequest = json_body(body, false).await?;
@@ -436,12 +440,22 @@ async fn enqueue(
     };
     // Only an attached waiter's connection holds its place (A9).
     let waits = req.wait_ms > 0 && !detach;
+    // S10: a wait is counted against its token's cap before anything is asked.
+    let slot = match waits {
+        true => api
+            .shared
+            .limits
+            .take(caller.token, crate::limits::Kind::Wait)?,
+        false => None,
+    };
+    let by = caller.tenant;
     // The guard exists before the acquire is sent: if this connection drops at any
     // point from here on, the waiter is cancelled (A9).
     let mut guard = waits.then(|| AttachGuard {
         tx: api.tx.clone(),
         run_id: req.run_id.clone(),
         armed: true,
+        _slot: slot,
     });
     let first = ask(api, |reply| Msg::Acquire {
         req,
@@ -692,6 +706,7 @@ async fn get_run(
         let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
         return Ok(Json(run_for(&caller, &info)).into_response());
     }
+    let _slot = (api.shared.limits).take(caller.token, crate::limits::Kind::Wait)?;
     let (tx, rx) = oneshot::channel();
     api.tx
         .send(Msg::Subscribe {
@@ -1061,6 +1076,7 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
         req.extensions_mut().insert(Caller {
             uid: api.uid,
             tenant: None,
+            token: None,
             scope: Scope::Admin,
         });
         return next.run(req).await;
@@ -1081,9 +1097,9 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
     };
     let grant = {
         let tokens = api.shared.tokens.read().unwrap();
-        auth::lookup(&tokens, token)
+        auth::lookup_keyed(&tokens, token)
     };
-    let Some(auth::Grant { scope, uid }) = grant else {
+    let Some((auth::Grant { scope, uid }, key)) = grant else {
         let refused = ApiError::new(401, "unauthorized", "the token is not valid");
         return count_unmatched(&api, req.method(), refused.into_response());
     };
@@ -1091,6 +1107,7 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
         uid: uid.unwrap_or(api.uid),
         // The admin token keeps full reach whatever uid it was made for (S9).
         tenant: uid.filter(|_| scope != Scope::Admin),
+        token: Some(key),
         scope,
     });
     authed();

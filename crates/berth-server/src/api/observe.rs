@@ -227,10 +227,16 @@ fn stream_request(
 /// event per reader: eight readers took a fifth of the daemon's request rate.
 pub async fn events(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<super::Caller>,
     headers: HeaderMap,
     params: Params,
 ) -> Result<Response, ApiError> {
     let (filter, after) = stream_request(&params, &headers, api.shared.journal.last())?;
+    // S10: counted against its token's cap for as long as the response body lives.
+    let slot = api
+        .shared
+        .limits
+        .take(caller.token, crate::limits::Kind::Stream)?;
     let (tx, rx) = mpsc::channel::<Bytes>(STREAM_BUFFER);
     // The stream's last event, once the pump has cut it off: sent after the batches
     // already buffered (never into a full buffer: the reader is behind), then it ends.
@@ -248,6 +254,7 @@ pub async fn events(
     });
     let stream = futures_util::stream::unfold(Some(rx), move |rx| {
         let last_word = last_word.clone();
+        let _held = &slot;
         async move {
             let mut rx = rx?;
             match tokio::time::timeout(HEARTBEAT, rx.recv()).await {

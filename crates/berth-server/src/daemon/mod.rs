@@ -301,6 +301,8 @@ pub struct ReapCounters {
 #[derive(Default)]
 pub struct Shared {
     pub tokens: RwLock<Vec<(String, Grant)>>,
+    /// S10: what each token holds open (streams, long polls) against its caps.
+    pub limits: crate::limits::Limits,
     pub url: String,
     /// D5: the journal's readers (the daemon publishes each durable entry).
     pub journal: crate::journal::Journal,
