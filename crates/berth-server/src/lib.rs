@@ -363,6 +363,20 @@ fn open_ledger(cfg: &ServeConfig, runs_dir: &std::path::Path) -> anyhow::Result<
         }
     }
     let mut ledger = store.load(cfg.engine.ended_retained_max)?;
+    // S6: every start writes the marker before anything is granted or a token made, so
+    // a used state dir without one lost it: with an older ledger restored beside it,
+    // fences would start again below ones already given out (8 -> 4). Refused unless
+    // the operator says to start afresh.
+    if !marker.exists()
+        && !cfg.init_ledger
+        && (ledger.last_fence > 0 || used(&cfg.state_dir, runs_dir, &marker))
+    {
+        bail!(
+            "{}/fence.floor is missing, but this state directory has been used (fences, admin token or workspaces present): refusing to start, since fences could go back (S6). Restore the marker, or start with --init-ledger to continue from the ledger's own counter ({})",
+            cfg.state_dir.display(),
+            ledger.last_fence
+        );
+    }
     // L1/S6: fences continue above the marker even if the ledger is older than it.
     if marker.reserved > ledger.last_fence {
         // After a crash this is expected (the marker reserves ahead); after an older

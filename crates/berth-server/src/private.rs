@@ -64,10 +64,39 @@ pub fn state_dir(dir: &Path) -> anyhow::Result<()> {
 /// releases the lock.
 pub struct Lock {
     _fd: OwnedFd,
+    _dir: OwnedFd,
 }
 
-/// Takes `<state_dir>/lock` or names the pid that holds it.
+/// The pid that holds a `flock` on the inode `ino`, as `/proc/locks` says
+/// (`1: FLOCK  ADVISORY  WRITE 1234 fd:01:5678 0 EOF`).
+fn flock_holder(ino: u64) -> Option<String> {
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    locks.lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let on = f.get(5)?.rsplit(':').next()?.parse::<u64>().ok()?;
+        (f.get(1) == Some(&"FLOCK") && on == ino).then(|| f.get(4).map(|p| p.to_string()))?
+    })
+}
+
+/// Takes `<state_dir>/lock` or names the pid that holds it. The state dir itself is
+/// locked too: a `lock` file someone unlinked cannot let a second daemon in (it would
+/// have waited on the ledger's lock without a word), and the holder of the directory's
+/// lock is named from `/proc/locks`.
 pub fn lock(dir: &Path) -> anyhow::Result<Lock> {
+    let dir_fd = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .with_context(|| format!("opening state directory {}", dir.display()))?;
+    if let Err(e) = rustix::fs::flock(&dir_fd, FlockOperation::NonBlockingLockExclusive) {
+        let ino = rustix::fs::fstat(&dir_fd).map(|st| st.st_ino).unwrap_or(0);
+        let holder = flock_holder(ino).unwrap_or_else(|| "unknown".into());
+        bail!(
+            "state directory {} is in use by another berth serve (pid {holder}): one daemon per state dir (S5) [{e}]",
+            dir.display()
+        );
+    }
     let path = dir.join("lock");
     let fd = rustix::fs::open(
         &path,
@@ -89,7 +118,10 @@ pub fn lock(dir: &Path) -> anyhow::Result<Lock> {
     let mut f = std::fs::File::from(fd);
     write!(f, "{}", std::process::id())?;
     f.flush()?;
-    Ok(Lock { _fd: f.into() })
+    Ok(Lock {
+        _fd: f.into(),
+        _dir: dir_fd,
+    })
 }
 
 /// Opens `path` for reading if it is a regular file berth may trust: not a link (the

@@ -287,26 +287,36 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             .retain_ended_for
             .or(duration("retain_ended_for", file.retain_ended_for)?)
             .unwrap_or(berth_server::RETAIN_ENDED_FOR_MS_DEFAULT),
-        token_streams_max: a
-            .token_streams_max
-            .or(file.token_streams_max)
-            .map_or(berth_server::limits::TOKEN_STREAMS_MAX_DEFAULT, |n| {
-                n as usize
-            }),
-        token_waits_max: a
-            .token_waits_max
-            .or(file.token_waits_max)
-            .map_or(berth_server::limits::TOKEN_WAITS_MAX_DEFAULT, |n| {
-                n as usize
-            }),
-        port_range: match (a.port_range, &file.port_range) {
-            (Some(r), _) => r,
-            (None, Some(r)) => {
-                parse_port_range(r).map_err(|e| anyhow!("berth.toml port_range: {e}"))?
-            }
-            (None, None) => berth_server::PORT_RANGE_DEFAULT,
-        },
+        token_streams_max: token_cap(
+            "token_streams_max",
+            a.token_streams_max,
+            file.token_streams_max,
+        )?
+        .unwrap_or(berth_server::limits::TOKEN_STREAMS_MAX_DEFAULT),
+        token_waits_max: token_cap("token_waits_max", a.token_waits_max, file.token_waits_max)?
+            .unwrap_or(berth_server::limits::TOKEN_WAITS_MAX_DEFAULT),
+        port_range: port_range(a.port_range, &file.port_range)?,
     })
+}
+
+/// W3: the ports runs get, from the flag, else the file, else the default.
+fn port_range(flag: Option<(u16, u16)>, file: &Option<String>) -> anyhow::Result<(u16, u16)> {
+    Ok(match (flag, file) {
+        (Some(r), _) => r,
+        (None, Some(r)) => {
+            parse_port_range(r).map_err(|e| anyhow!("berth.toml port_range: {e}"))?
+        }
+        (None, None) => berth_server::PORT_RANGE_DEFAULT,
+    })
+}
+
+/// S10: a per-token cap, from the flag (its range checked by clap), else the file.
+fn token_cap(key: &str, flag: Option<u32>, file: Option<u32>) -> anyhow::Result<Option<usize>> {
+    match flag.or(file) {
+        Some(n @ 1..=65_536) => Ok(Some(n as usize)),
+        Some(n) => bail!("berth.toml {key}: must be from 1 to 65536, not {n}"),
+        None => Ok(None),
+    }
 }
 
 /// F1/F2: fleet mode's store, host id and timing, if `--store` names a store.

@@ -213,7 +213,7 @@ fn finding_3_idle_connections_never_exhaust_the_descriptors_supervision_needs() 
 /// is still alive after the probing run is released.
 #[test]
 fn finding_4_forbidden_registrations_are_refused_and_nothing_is_signalled() {
-    let d = Daemon::start(&["--stop-grace", "1s"]);
+    let d = Daemon::start(&["--stop-grace", "1s", "--slots-max", "4"]);
     let dpid = daemon_pid(&d);
     let owner_fence = grant(&d, "owner", 60);
     let mut owned = sleeper();
@@ -279,10 +279,11 @@ fn finding_4_forbidden_registrations_are_refused_and_nothing_is_signalled() {
         );
     }
     // Another user's process: a token that acts for another uid.
-    let other_uid = if rustix::process::geteuid().is_root() {
-        4242
+    // A real user other than this one (a token's uid must name a user: S9).
+    let other_uid = if rustix::process::geteuid().as_raw() == 65_534 {
+        0
     } else {
-        rustix::process::geteuid().as_raw() + 1
+        65_534
     };
     let t = d.post(
         "/v1/tokens",
@@ -291,8 +292,21 @@ fn finding_4_forbidden_registrations_are_refused_and_nothing_is_signalled() {
     assert_eq!(t.status, 201, "{:?}", t.body);
     let other = t.body["token"].as_str().unwrap().to_string();
     let mut mine = sleeper();
-    let r = register(mine.id() as i32, Some(&other));
+    // Into a run of its own (another user's run is refused before that: S9).
+    let body = json!({"run_id": "theirs", "project": "theirs", "ttl_s": 60, "wait_s": 0,
+        "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
+    let theirs = d.call_as(Some(&other), "POST", "/v1/runs", Some(&body.to_string()));
+    assert_eq!(theirs.status, 201, "{:?}", theirs.body);
+    let body = json!({"fence": theirs.body["fence"], "pid": mine.id()}).to_string();
+    let r = d.call_as(
+        Some(&other),
+        "POST",
+        "/v1/runs/theirs/processes",
+        Some(&body),
+    );
     assert_eq!((r.status, r.code()), (403, "pid_not_owned"), "{:?}", r.body);
+    let r = register(mine.id() as i32, Some(&other));
+    assert_eq!((r.status, r.code()), (403, "not_owner"), "{:?}", r.body);
     // Nothing was recorded, so releasing the probe signals nothing.
     let rel = d.post(
         "/v1/runs/probe/release",
@@ -334,10 +348,11 @@ fn finding_4_forbidden_registrations_are_refused_and_nothing_is_signalled() {
 #[test]
 fn finding_5_cmd_never_runs_unregistered() {
     let d = Daemon::start(&[]);
-    let other_uid = if rustix::process::geteuid().is_root() {
-        4242
+    // A real user other than this one (a token's uid must name a user: S9).
+    let other_uid = if rustix::process::geteuid().as_raw() == 65_534 {
+        0
     } else {
-        rustix::process::geteuid().as_raw() + 1
+        65_534
     };
     let t = d.post(
         "/v1/tokens",

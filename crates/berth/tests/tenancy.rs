@@ -452,3 +452,48 @@ fn long_poll_as(d: &Daemon, token: &str, body: &Value) -> std::net::TcpStream {
     s.write_all(req.as_bytes()).unwrap();
     s
 }
+
+/// Concern: with `<state>/lock` unlinked, a second daemon on the same state dir took a
+/// new lock file and then waited on the ledger without a word. The state dir itself is
+/// locked now: the second daemon refuses at once, naming the holder's pid, and the
+/// first keeps serving.
+#[test]
+fn concern_an_unlinked_lock_file_lets_no_second_daemon_in() {
+    let mut d = Daemon::start(&[]);
+    std::fs::remove_file(d.state.join("lock")).unwrap();
+    let first = d.args.clone();
+    let i = d.args.iter().position(|a| a == "--listen").unwrap();
+    d.args[i + 1] = format!("127.0.0.1:{}", free_port());
+    let (status, text) = d.start_fails(&[]);
+    d.args = first;
+    assert!(!status.success(), "{text}");
+    let pid = d.child.as_ref().unwrap().id();
+    assert!(
+        text.contains(&format!("in use by another berth serve (pid {pid})")),
+        "{text}"
+    );
+    assert_eq!(d.get("/v1/status").status, 200);
+}
+
+/// Concern (S6): deleting `fence.floor` and restoring an older ledger restarted
+/// fences below ones already given out (8 -> 4). A used state dir without its marker
+/// now refuses to start, naming the marker and `--init-ledger`; with that flag it
+/// starts, and its fences continue above the ledger's.
+#[test]
+fn concern_a_used_state_dir_without_its_fence_marker_refuses_to_start() {
+    let mut d = Daemon::start(&[]);
+    let op = d.token.clone();
+    let f = acquire_as(&d, &op, "a", 0).body["fence"].as_u64().unwrap();
+    d.kill9();
+    std::fs::remove_file(d.state.join("fence.floor")).unwrap();
+    let (st, out) = d.start_fails(&[]);
+    assert!(!st.success(), "{out}");
+    assert!(
+        out.contains("fence.floor") && out.contains("--init-ledger"),
+        "{out}"
+    );
+    d.args.push("--init-ledger".into());
+    d.spawn();
+    let g = acquire_as(&d, &op, "b", 0).body["fence"].as_u64().unwrap();
+    assert!(g > f, "fence {g} after --init-ledger, {f} before");
+}

@@ -35,27 +35,7 @@ impl<H: Host> Daemon<H> {
         self.now = now;
         self.shared.metrics.state_message();
         match msg {
-            Msg::Acquire {
-                req,
-                worktree,
-                labels,
-                stop_grace_ms,
-                ports,
-                attach,
-                detach,
-                thread,
-                lease_only,
-                by,
-                reply,
-            } => {
-                let mut extra = Extra::new(worktree, labels, stop_grace_ms, 0);
-                extra.thread = thread;
-                extra.lease_only = lease_only;
-                extra.owner_uid = by;
-                extra.ports = ports.into_iter().map(|p| (p, 0)).collect();
-                extra.detached = detach;
-                self.on_acquire(req, extra, attach, reply)
-            }
+            msg @ Msg::Acquire { .. } => self.on_acquire_msg(msg),
             Msg::Command { cmd, by, reply } => self.on_command(cmd, by, reply),
             Msg::Get { run_id, reply } => self.on_get(run_id, reply),
             Msg::List {
@@ -79,10 +59,7 @@ impl<H: Host> Daemon<H> {
                 uid,
                 by,
                 reply,
-            } => match self.check_run_owner(&run_id, by) {
-                Ok(()) => self.on_register_process(run_id, fence, pid, uid, reply),
-                Err(e) => self.commit_and_answer(BTreeSet::new(), reply, Err(e)),
-            },
+            } => self.on_register_process(run_id, fence, pid, (uid, by), reply),
             Msg::Reap { reply } => self.on_reap(reply),
             Msg::ReapStatus { runs, reply } => self.on_reap_status(runs, reply),
             Msg::Stopped { run_id, report } => self.on_stopped(run_id, report),
@@ -92,10 +69,7 @@ impl<H: Host> Daemon<H> {
                 fence,
                 by,
                 reply,
-            } => match self.check_run_owner(&run_id, by) {
-                Ok(()) => self.on_runtime_plan(run_id, fence, reply),
-                Err(e) => self.commit_and_answer(BTreeSet::new(), reply, Err(e)),
-            },
+            } => self.on_runtime_plan(run_id, fence, by, reply),
             Msg::RuntimeReady {
                 run_id,
                 fence,
@@ -143,6 +117,33 @@ impl<H: Host> Daemon<H> {
         let run_id = (what == "run").then(|| id.clone());
         self.journal_entry("refused", run_id, None, data);
         Error::NotOwner { what, id, uid }
+    }
+
+    /// An acquire: what it carries besides the engine's request becomes its `Extra`.
+    fn on_acquire_msg(&mut self, msg: Msg) {
+        let Msg::Acquire {
+            req,
+            worktree,
+            labels,
+            stop_grace_ms,
+            ports,
+            attach,
+            detach,
+            thread,
+            lease_only,
+            by,
+            reply,
+        } = msg
+        else {
+            return;
+        };
+        let mut extra = Extra::new(worktree, labels, stop_grace_ms, 0);
+        extra.thread = thread;
+        extra.lease_only = lease_only;
+        extra.owner_uid = by;
+        extra.ports = ports.into_iter().map(|p| (p, 0)).collect();
+        extra.detached = detach;
+        self.on_acquire(req, extra, attach, reply)
     }
 
     /// Why an acquire is refused before the engine sees it, if it is.
@@ -386,9 +387,12 @@ impl<H: Host> Daemon<H> {
         run_id: String,
         fence: u64,
         pid: i32,
-        uid: u32,
+        (uid, by): (u32, super::Tenant),
         reply: Reply<RunInfo>,
     ) {
+        if let Err(e) = self.check_run_owner(&run_id, by) {
+            return self.commit_and_answer(BTreeSet::new(), reply, Err(e));
+        }
         let value = self.register(&run_id, fence, pid, uid);
         let mut touched = BTreeSet::new();
         if value.is_ok() {

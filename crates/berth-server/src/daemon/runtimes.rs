@@ -40,8 +40,13 @@ impl<H: Host> Daemon<H> {
         &mut self,
         run_id: String,
         fence: u64,
+        by: super::Tenant,
         reply: Reply<RuntimePlan>,
     ) {
+        // S9: only the run's owner (or a token of full reach) starts its runtime.
+        if let Err(e) = self.check_run_owner(&run_id, by) {
+            return self.commit_and_answer(std::collections::BTreeSet::new(), reply, Err(e));
+        }
         let plan = self.runtime_run(&run_id, fence).map(|info| RuntimePlan {
             contract: self.engine.record(&run_id).and_then(|r| r.request.contract),
             group_procs: self.host.prepare_group(&run_id),
