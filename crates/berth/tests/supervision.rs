@@ -437,25 +437,28 @@ fn a_tree_that_outlives_sigkill_degrades_the_run_and_names_the_survivors() {
     }
     const NOBODY: u32 = 65534;
     let d = Daemon::start_as(NOBODY, &["--slots-max", "2", "--no-cgroups"]);
-    let r = d.post(
-        "/v1/runs",
-        &json!({"run_id": "stubborn", "project": "stubborn", "resources": {"cpu_millis": 100},
-                "ttl_s": 60, "stop_grace_s": 1})
-        .to_string(),
-    );
-    assert_eq!(r.status, 201, "{:?}", r.body);
-    let fence = r.body["fence"].as_u64().unwrap();
-    let mut survivor = Command::new("sleep").arg("60").spawn().unwrap();
-    let pid = survivor.id() as i32;
     // The registration rule lets a token register only what its uid could signal;
     // an admin may make a token that acts for root, whose processes this daemon (as
-    // `nobody`) cannot signal: exactly the stuck tree this test needs.
+    // `nobody`) cannot signal: exactly the stuck tree this test needs. The run is that
+    // token's own (S9: a uid-bound token registers only into its own user's runs).
     let t = d.post(
         "/v1/tokens",
         &json!({"scope": "operator", "uid": 0}).to_string(),
     );
     assert_eq!(t.status, 201, "{:?}", t.body);
     let root_token = t.body["token"].as_str().unwrap().to_string();
+    let body = json!({"run_id": "stubborn", "project": "stubborn",
+        "resources": {"cpu_millis": 100}, "ttl_s": 60, "stop_grace_s": 1});
+    let r = d.call_as(
+        Some(&root_token),
+        "POST",
+        "/v1/runs",
+        Some(&body.to_string()),
+    );
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let fence = r.body["fence"].as_u64().unwrap();
+    let mut survivor = Command::new("sleep").arg("60").spawn().unwrap();
+    let pid = survivor.id() as i32;
     let body = json!({"fence": fence, "pid": pid}).to_string();
     let reg = d.call_as(
         Some(&root_token),
