@@ -300,7 +300,8 @@ fn idle_waiters_cost_the_state_task_no_messages() {
         maximum: Some(8_192),
     };
     rustix::process::setrlimit(rustix::process::Resource::Nofile, nofile).unwrap();
-    let mut d = Daemon::unstarted(&["--slots-max", "1"]);
+    // One token holds all 1,600 waits here: past the default cap (S10), so raised.
+    let mut d = Daemon::unstarted(&["--slots-max", "1", "--token-waits-max", "4096"]);
     d.nofile = Some(8_192);
     d.spawn();
     let fence = hold(&d, "holder");
