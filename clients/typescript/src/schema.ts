@@ -1409,7 +1409,38 @@ export interface paths {
         };
         put?: never;
         post?: never;
-        delete?: never;
+        /** Forget an idle scope (no run, token or control state holds it; S10): 409 scope_in_use otherwise */
+        delete: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ScopeSummary"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
         options?: never;
         head?: never;
         patch?: never;

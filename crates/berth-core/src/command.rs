@@ -73,6 +73,8 @@ pub enum Command {
         request_id: String,
         mode: crate::scopes::Mode,
     },
+    /// S10: an operator forgets an idle scope (refused while anything holds it).
+    DeleteScope { scope: String },
     /// F1: the fleet store holds this queued run's fleet-wide claim; `fence` is the one
     /// the fleet's sequence gave it, and the run's grant will carry it.
     Permit { run_id: String, fence: Fence },
@@ -275,6 +277,12 @@ pub enum Event {
     ScopeFrozen {
         scope: String,
     },
+    /// S10: an idle scope was forgotten, past its idle window or by an operator's
+    /// delete; the next run naming it freezes a new policy.
+    ScopeForgotten {
+        scope: String,
+        by_operator: bool,
+    },
     /// B2: a token was taken (a run's claim, `run_id` set, or a turn's reservation).
     TokenTaken {
         scope: String,
@@ -350,6 +358,10 @@ impl fmt::Display for Event {
                 write!(f, "memory-stabilized {}", fmt_bytes(*available))
             }
             Event::ScopeFrozen { scope } => write!(f, "scope-frozen {scope}"),
+            Event::ScopeForgotten { scope, by_operator } => {
+                let by = if *by_operator { "operator" } else { "idle" };
+                write!(f, "scope-forgotten {scope} by={by}")
+            }
             Event::TokenTaken {
                 scope,
                 owner,

@@ -55,7 +55,16 @@ pub struct Config {
     /// budget token, fleet keys) is held; the caller takes it from the fleet store when
     /// the engine asks (`Event::PermitWanted`) and hands it in (`Command::Permit`).
     pub fleet: bool,
+    /// S10: a scope nothing holds (no run, no token, no control state) is forgotten
+    /// once it has been idle this long, so scopes made once never fill `SCOPES_MAX`.
+    pub scope_idle_ms: u64,
 }
+
+/// The shortest idle window a scope may have: forgetting a policy a run is about to
+/// use again would refreeze it under the next caller's terms.
+pub const SCOPE_IDLE_MS_MIN: u64 = 1_000;
+/// The longest: a year.
+pub const SCOPE_IDLE_MS_MAX: u64 = 365 * 86_400_000;
 
 impl Config {
     /// The contract's defaults (docs/contract.md), for a host with these totals.
@@ -87,6 +96,7 @@ impl Config {
                 named: Default::default(),
             },
             fleet: false,
+            scope_idle_ms: 86_400_000,
         }
     }
 
@@ -163,6 +173,11 @@ impl Config {
             if v > TOTAL_MAX {
                 return Err(format!("{name} must be at most {TOTAL_MAX} (S7)"));
             }
+        }
+        if !(SCOPE_IDLE_MS_MIN..=SCOPE_IDLE_MS_MAX).contains(&self.scope_idle_ms) {
+            return Err(format!(
+                "scope_idle_ms must be {SCOPE_IDLE_MS_MIN}..={SCOPE_IDLE_MS_MAX}"
+            ));
         }
         if self.default_request.slots == 0 {
             return Err("default_request.slots must be positive".into());

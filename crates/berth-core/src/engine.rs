@@ -168,7 +168,13 @@ pub struct Engine {
     keys_with_upgrades: BTreeSet<KeyId>,
     window_buf: Vec<(u64, Slot)>,
     pub(crate) background_grants_while_foreground_waits: u64,
+    /// When idle scopes are looked for next (S10): at most once a minute.
+    scope_prune_at: TimeMs,
 }
+
+/// How often idle scopes are looked for (at most: half the idle window if that is
+/// shorter): a walk of at most `SCOPES_MAX` scopes.
+const SCOPE_PRUNE_EVERY_MS: u64 = 60_000;
 
 /// A run as the ledger remembers it; see [`Engine::restore`].
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -271,6 +277,7 @@ impl Engine {
             keys_with_upgrades: BTreeSet::new(),
             window_buf: Vec::new(),
             background_grants_while_foreground_waits: 0,
+            scope_prune_at: 0,
         })
     }
 
@@ -298,7 +305,9 @@ impl Engine {
     ) -> Result<Engine, String> {
         let mut e = Engine::new(cfg, last_fence)?;
         e.now = now;
-        for s in scopes {
+        for mut s in scopes {
+            // The idle window starts again: the ledger does not keep when it began.
+            s.touched_ms = now;
             e.scopes.restore(s);
         }
         for r in runs {
@@ -337,6 +346,9 @@ impl Engine {
             }
         };
         let live = !r.state.is_terminal();
+        if let Some(b) = r.request.budget.as_deref().filter(|_| live) {
+            self.scopes.count_user(&b.scope, true, self.now);
+        }
         let seq = if r.state == RunState::Queued {
             let seq = self.queues[band].push(slot);
             for &(k, mode) in &keys {
@@ -533,6 +545,7 @@ impl Engine {
                 mode,
             } => self.scope_control(now, &scope, &request_id, mode, &mut ev),
             Command::Permit { run_id, fence } => self.permit(&run_id, fence),
+            Command::DeleteScope { scope } => self.delete_scope(scope, &mut ev),
         };
         // Every command ends with a bounded admission pass: whatever it changed may let
         // someone in, and passes on ticks rotate the window through a deep queue (A6).
@@ -556,6 +569,7 @@ impl Engine {
     fn advance(&mut self, now_ms: TimeMs, ev: &mut Vec<Event>) {
         self.now = self.now.max(now_ms);
         let now = self.now;
+        self.prune_scopes(now, ev);
         // A8: at its deadline a waiter leaves the queue as expired, holding nothing.
         while let Some(&(d, s)) = self.deadlines.first() {
             if d > now {
@@ -787,10 +801,20 @@ impl Engine {
     /// B1, B2, B4: whether a new run's budget may queue at all (nothing changes): the
     /// policy and manifest match what is frozen, the harness is the policy's, the scope
     /// is not stopped, and the run's key holds no token of another harness.
-    fn check_budget(&self, run_id: &str, b: &crate::scopes::Budget) -> Result<(), Error> {
+    fn check_budget(
+        &self,
+        run_id: &str,
+        b: &crate::scopes::Budget,
+        tenant: Option<u32>,
+    ) -> Result<(), Error> {
         let sc = &self.scopes;
-        sc.check_freeze(&b.scope, b.per_harness.as_ref(), b.manifest.as_ref())
-            .map_err(Error::from)?;
+        sc.check_freeze(
+            &b.scope,
+            b.per_harness.as_ref(),
+            b.manifest.as_ref(),
+            tenant,
+        )
+        .map_err(Error::from)?;
         let policy = match sc.get(&b.scope) {
             Some(s) => {
                 if s.control == crate::scopes::Control::Stopped {
@@ -847,13 +871,19 @@ impl Engine {
             });
         }
         let mut req = req;
+        // S10: who sends it is no part of the request (L7 compares without it).
+        let tenant = req.budget.as_deref_mut().and_then(|b| b.tenant.take());
         if let Some(b) = req.budget.as_deref_mut() {
             // B1: a policy or manifest given must match the frozen one, on a retry too;
             // once checked, the run keeps only its scope, harness and operation (the
             // scope holds the policy: a deep queue does not hold a copy per run).
             if self.scopes.get(&b.scope).is_some() {
-                self.scopes
-                    .check_freeze(&b.scope, b.per_harness.as_ref(), b.manifest.as_ref())?;
+                self.scopes.check_freeze(
+                    &b.scope,
+                    b.per_harness.as_ref(),
+                    b.manifest.as_ref(),
+                    tenant,
+                )?;
             }
         }
         // L7: the same run_id re-attaches with the same body, conflicts with another.
@@ -895,10 +925,11 @@ impl Engine {
         }
         // B1: the last refusal; past it the policy freezes with this admission.
         if let Some(b) = req.budget.as_deref_mut() {
-            self.check_budget(&req.run_id, b)?;
+            self.check_budget(&req.run_id, b, tenant)?;
+            let (policy, manifest) = (b.per_harness.as_ref(), b.manifest.as_ref());
             let frozen = self
                 .scopes
-                .freeze(&b.scope, b.per_harness.as_ref(), b.manifest.as_ref())
+                .freeze(&b.scope, policy, manifest, tenant, now)
                 .map_err(Error::from)?;
             if frozen {
                 ev.push(Event::ScopeFrozen {
@@ -907,6 +938,7 @@ impl Engine {
             }
             b.per_harness = None;
             b.manifest = None;
+            self.scopes.count_user(&b.scope, true, now);
         }
 
         // The whole claim is known before queueing (A1): resources and every key.
@@ -1492,6 +1524,7 @@ impl Engine {
             .scopes
             .release(scope, owner, operation)
             .map_err(Error::from)?;
+        self.scopes.touch(scope, self.now);
         ev.push(Event::TokenFreed {
             scope: scope.to_string(),
             owner: owner.to_string(),
@@ -1500,6 +1533,37 @@ impl Engine {
             reconciled: false,
         });
         Ok(None)
+    }
+
+    /// S10: an operator forgets an idle scope.
+    fn delete_scope(
+        &mut self,
+        scope: String,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        self.scopes.delete(&scope).map_err(Error::from)?;
+        ev.push(Event::ScopeForgotten {
+            scope,
+            by_operator: true,
+        });
+        Ok(None)
+    }
+
+    /// S10: scopes idle past the idle window are forgotten, looked for at most once a
+    /// minute (or half the window).
+    fn prune_scopes(&mut self, now: TimeMs, ev: &mut Vec<Event>) {
+        if now < self.scope_prune_at {
+            return;
+        }
+        // A short window (a test's) is looked at within half of it.
+        let every = SCOPE_PRUNE_EVERY_MS.min(self.cfg.scope_idle_ms / 2);
+        self.scope_prune_at = now.saturating_add(every);
+        for scope in self.scopes.prune_idle(now, self.cfg.scope_idle_ms) {
+            ev.push(Event::ScopeForgotten {
+                scope,
+                by_operator: false,
+            });
+        }
     }
 
     /// B3: an operator frees every token `owner` holds in the scope, all or none: a
@@ -1517,6 +1581,7 @@ impl Engine {
                 return Err(Error::from(ScopeError::InUse { scope, run_id }));
             }
         }
+        self.scopes.touch(scope, self.now);
         for (operation, t) in self.scopes.reconcile(scope, owner).map_err(Error::from)? {
             ev.push(Event::TokenFreed {
                 scope: scope.to_string(),
@@ -1664,6 +1729,7 @@ impl Engine {
         let (owner, op) = (run.req.run_id.clone(), b.operation().to_string());
         let scope = b.scope.clone();
         if let Ok(t) = self.scopes.release(&scope, &owner, &op) {
+            self.scopes.touch(&scope, self.now);
             ev.push(Event::TokenFreed {
                 scope,
                 owner,
@@ -1707,6 +1773,14 @@ impl Engine {
     fn end(&mut self, s: Slot, state: RunState, ev: &mut Vec<Event>) {
         assert!(state.is_terminal());
         let was_queued = self.run(s).state == RunState::Queued;
+        if !self.run(s).state.is_terminal() {
+            if let Some(b) = self.runs[s as usize]
+                .as_deref()
+                .and_then(|r| r.req.budget.as_deref())
+            {
+                self.scopes.count_user(&b.scope, false, self.now);
+            }
+        }
         self.set_state(s, state);
         if was_queued {
             for (k, _) in self.run(s).keys.clone() {

@@ -272,10 +272,16 @@ impl Engine {
     /// waiter's scope is frozen and not stopped.
     fn check_budgets(&self) -> Result<(), String> {
         self.scopes.check_invariants()?;
+        let mut users: std::collections::BTreeMap<&str, u32> = Default::default();
         for run in self.runs.iter().flatten() {
             let Some(b) = run.req.budget.as_deref() else {
                 continue;
             };
+            // An ended run's scope may be forgotten since (S10).
+            if run.state.is_terminal() {
+                continue;
+            }
+            *users.entry(b.scope.as_str()).or_insert(0) += 1;
             let id = &run.req.run_id;
             let scope = self.scopes.get(&b.scope);
             ensure!(scope.is_some(), "run {id}: scope {} is not frozen", b.scope);
@@ -294,6 +300,15 @@ impl Engine {
                     b.scope
                 );
             }
+        }
+        for s in self.scopes.iter() {
+            let n = users.get(s.id.as_str()).copied().unwrap_or(0);
+            ensure!(
+                s.users == n,
+                "scope {}: {} users counted, {n} runs not yet ended name it",
+                s.id,
+                s.users
+            );
         }
         Ok(())
     }

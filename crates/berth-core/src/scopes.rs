@@ -25,6 +25,9 @@ pub const REQUEST_ID_MAX: usize = 256;
 pub const RECEIPTS_MAX: usize = 256;
 /// Scopes one host remembers: bounds the engine's memory and a listing.
 pub const SCOPES_MAX: usize = 1_024;
+/// Scopes one uid-bound token's user may have made and not yet forgotten (S10: one
+/// tenant cannot fill `SCOPES_MAX` for everyone; issue 32 finding 6).
+pub const SCOPES_PER_UID_MAX: usize = 64;
 /// Tokens all scopes of a host hold at once: one scope's limits may add up to 65,536,
 /// and a hostile operator could fill every scope; past this a run waits
 /// (`budget.host_full`) and a turn is refused (`503 budget_tokens_full`).
@@ -88,6 +91,12 @@ pub struct Budget {
     pub per_harness: Option<Policy>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub manifest: Option<Manifest>,
+    /// S9/S10: the uid of the uid-bound token that sends the acquire, set by the daemon
+    /// (never from the wire, never stored with the run). A scope this run freezes is
+    /// that user's, counted against `SCOPES_PER_UID_MAX`; the engine takes it out before
+    /// comparing a retry (L7), so it is no part of the request's identity.
+    #[serde(skip)]
+    pub tenant: Option<u32>,
 }
 
 impl Budget {
@@ -238,6 +247,16 @@ pub struct Scope {
     /// [`Scopes::restore`], checked by `check_invariants`), so an admission pass asks
     /// for a count without walking the tokens.
     pub held: BTreeMap<String, u32>,
+    /// S9: the uid of the uid-bound token whose run froze the scope (`None`: an
+    /// unbound token's). Only that user's tokens (or unbound ones) may control,
+    /// reconcile or delete it.
+    pub owner_uid: Option<u32>,
+    /// Runs not yet ended whose claim names this scope (derived: the engine counts
+    /// them as runs come and end, and recounts them on restore).
+    pub users: u32,
+    /// When a run or a token last came to or left the scope (not kept in the ledger: a
+    /// restart starts the idle window again, which only ever keeps a scope longer).
+    pub touched_ms: TimeMs,
 }
 
 impl Scope {
@@ -252,7 +271,19 @@ impl Scope {
             receipts: Vec::new(),
             tokens: BTreeMap::new(),
             held: BTreeMap::new(),
+            owner_uid: None,
+            users: 0,
+            touched_ms: 0,
         }
+    }
+
+    /// Nothing holds the scope: no run names it, no token is held, and it was never
+    /// paused or stopped (a control state is a promise kept: B4's stop is terminal).
+    pub fn is_idle(&self) -> bool {
+        self.users == 0
+            && self.tokens.is_empty()
+            && self.control == Control::Open
+            && self.receipts.is_empty()
     }
 
     /// Tokens held of `harness`.
@@ -314,6 +345,16 @@ pub enum ScopeError {
     TooMany {
         max: usize,
     },
+    /// S10: this uid made `SCOPES_PER_UID_MAX` scopes not yet forgotten.
+    Quota {
+        uid: u32,
+        max: usize,
+    },
+    /// Deleting a scope something still holds (a run, a token or a control state).
+    Busy {
+        scope: String,
+        why: String,
+    },
     /// `TOKENS_HOST_MAX` tokens are held across all scopes.
     TokensFull {
         max: usize,
@@ -367,6 +408,8 @@ impl ScopeError {
             ScopeError::ManifestChanged { .. } => "scope_manifest_changed",
             ScopeError::InUse { .. } => "token_in_use",
             ScopeError::TooMany { .. } => "scopes_full",
+            ScopeError::Quota { .. } => "scopes_quota",
+            ScopeError::Busy { .. } => "scope_in_use",
             ScopeError::TokensFull { .. } => "budget_tokens_full",
             ScopeError::UnknownHarness { .. } => "unknown_harness",
             ScopeError::ReservationConflict { .. } => "reservation_conflict",
@@ -410,6 +453,13 @@ impl std::fmt::Display for ScopeError {
                 "this key's token in scope {scope} belongs to live run {run_id}'s claim: the run's release gives it back (B3)"
             ),
             ScopeError::TooMany { max } => write!(f, "berth remembers its maximum of {max} scopes"),
+            ScopeError::Quota { uid, max } => write!(
+                f,
+                "uid {uid} has made {max} scopes, its maximum: an idle one is forgotten after the idle window, or an operator deletes it (S10)"
+            ),
+            ScopeError::Busy { scope, why } => {
+                write!(f, "scope {scope} is not idle ({why}): it is not deleted")
+            }
             ScopeError::TokensFull { max } => {
                 write!(f, "{max} budget tokens are held on this host, its maximum")
             }
@@ -481,6 +531,8 @@ pub struct Scopes {
     scopes: BTreeMap<String, Scope>,
     /// Tokens held across all scopes (derived; `TOKENS_HOST_MAX` bounds it).
     total: usize,
+    /// Scopes per owning uid (derived; `SCOPES_PER_UID_MAX` bounds each).
+    per_uid: BTreeMap<u32, usize>,
 }
 
 impl Scopes {
@@ -508,8 +560,83 @@ impl Scopes {
             s.count(&h, true);
         }
         self.total += s.tokens.len();
+        s.users = 0;
+        self.own(s.owner_uid, true);
         if let Some(old) = self.scopes.insert(s.id.clone(), s) {
             self.total -= old.tokens.len();
+            self.own(old.owner_uid, false);
+        }
+    }
+
+    fn own(&mut self, uid: Option<u32>, up: bool) {
+        let Some(uid) = uid else { return };
+        let n = self.per_uid.entry(uid).or_insert(0);
+        if up {
+            *n += 1;
+        } else {
+            *n -= 1;
+        }
+        if *n == 0 {
+            self.per_uid.remove(&uid);
+        }
+    }
+
+    /// A run naming scope `id` came (`up`) or ended, at `now`.
+    pub fn count_user(&mut self, id: &str, up: bool, now: TimeMs) {
+        if let Some(s) = self.scopes.get_mut(id) {
+            if up {
+                s.users += 1;
+            } else {
+                s.users -= 1;
+            }
+            s.touched_ms = s.touched_ms.max(now);
+        }
+    }
+
+    /// Forgets every scope idle (nothing holds it) and untouched for `idle_ms` as of
+    /// `now`; returns their ids. At most `SCOPES_MAX` looked at: cheap, and done at
+    /// most once a minute by the engine.
+    pub fn prune_idle(&mut self, now: TimeMs, idle_ms: u64) -> Vec<String> {
+        let gone: Vec<String> = self
+            .scopes
+            .values()
+            .filter(|s| s.is_idle() && now.saturating_sub(s.touched_ms) >= idle_ms)
+            .map(|s| s.id.clone())
+            .collect();
+        for id in &gone {
+            self.forget(id);
+        }
+        gone
+    }
+
+    /// An operator forgets an idle scope now (its frozen policy with it: the next run
+    /// naming it freezes a new one). Refused while anything holds it.
+    pub fn delete(&mut self, id: &str) -> Result<(), ScopeError> {
+        let s = self.scopes.get(id).ok_or_else(|| no_scope(id))?;
+        let why = if s.users > 0 {
+            format!("{} runs not yet ended name it", s.users)
+        } else if !s.tokens.is_empty() {
+            format!("{} tokens are held", s.tokens.len())
+        } else if s.control != Control::Open || !s.receipts.is_empty() {
+            format!(
+                "it has a control state ({}, generation {}): B4's receipts are kept",
+                s.control.as_str(),
+                s.generation
+            )
+        } else {
+            self.forget(id);
+            return Ok(());
+        };
+        Err(ScopeError::Busy {
+            scope: id.into(),
+            why,
+        })
+    }
+
+    fn forget(&mut self, id: &str) {
+        if let Some(s) = self.scopes.remove(id) {
+            debug_assert!(s.tokens.is_empty());
+            self.own(s.owner_uid, false);
         }
     }
 
@@ -519,6 +646,7 @@ impl Scopes {
         id: &str,
         given: Option<&Policy>,
         manifest: Option<&Manifest>,
+        owner: Option<u32>,
     ) -> Result<(), ScopeError> {
         check_scope_id(id)?;
         if let Some(m) = manifest {
@@ -545,6 +673,16 @@ impl Scopes {
             (None, Some(_)) if self.scopes.len() >= SCOPES_MAX => {
                 Err(ScopeError::TooMany { max: SCOPES_MAX })
             }
+            (None, Some(_))
+                if owner.is_some_and(|u| {
+                    self.per_uid.get(&u).copied().unwrap_or(0) >= SCOPES_PER_UID_MAX
+                }) =>
+            {
+                Err(ScopeError::Quota {
+                    uid: owner.expect("checked"),
+                    max: SCOPES_PER_UID_MAX,
+                })
+            }
             (None, Some(g)) => check_policy(g),
         }
     }
@@ -557,14 +695,19 @@ impl Scopes {
         id: &str,
         given: Option<&Policy>,
         manifest: Option<&Manifest>,
+        owner: Option<u32>,
+        now: TimeMs,
     ) -> Result<bool, ScopeError> {
-        self.check_freeze(id, given, manifest)?;
+        self.check_freeze(id, given, manifest, owner)?;
         if self.scopes.contains_key(id) {
             return Ok(false);
         }
         let policy = given.expect("check_freeze requires it").clone();
-        self.scopes
-            .insert(id.into(), Scope::new(id, policy, manifest.cloned()));
+        let mut s = Scope::new(id, policy, manifest.cloned());
+        s.owner_uid = owner;
+        s.touched_ms = now;
+        self.own(owner, true);
+        self.scopes.insert(id.into(), s);
         Ok(true)
     }
 
@@ -672,6 +815,7 @@ impl Scopes {
             },
         );
         s.count(harness, true);
+        s.touched_ms = s.touched_ms.max(now);
         self.total += 1;
         Ok(Reserved::New)
     }
@@ -683,6 +827,13 @@ impl Scopes {
         if let Some(t) = self.scopes.get_mut(id).and_then(|s| s.tokens.get_mut(&key)) {
             t.run_id = Some(run_id.to_string());
             t.owner_lapsed = false;
+        }
+    }
+
+    /// Something came to or left scope `id` at `now`: its idle window starts again.
+    pub fn touch(&mut self, id: &str, now: TimeMs) {
+        if let Some(s) = self.scopes.get_mut(id) {
+            s.touched_ms = s.touched_ms.max(now);
         }
     }
 
@@ -811,6 +962,16 @@ impl Scopes {
         let total: usize = self.scopes.values().map(|s| s.tokens.len()).sum();
         if total != self.total || total > TOKENS_HOST_MAX {
             return Err(format!("{total} tokens held, counted {}", self.total));
+        }
+        let mut per_uid: BTreeMap<u32, usize> = BTreeMap::new();
+        for u in self.scopes.values().filter_map(|s| s.owner_uid) {
+            *per_uid.entry(u).or_insert(0) += 1;
+        }
+        if per_uid != self.per_uid {
+            return Err(format!(
+                "scopes per uid {per_uid:?}, counted {:?}",
+                self.per_uid
+            ));
         }
         for s in self.scopes.values() {
             let mut counted: BTreeMap<String, u32> = BTreeMap::new();

@@ -71,6 +71,7 @@ fn request(run: u8, harness: u8, ttl_s: u8) -> Request {
             operation_id: None,
             per_harness: Some(policy()),
             manifest: None,
+            tenant: None,
         })),
     }
 }

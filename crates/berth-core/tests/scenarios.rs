@@ -136,6 +136,7 @@ fn budget(v: &str, policy: Option<&str>, op: Option<&str>) -> scopes::Budget {
                 .collect()
         }),
         manifest: None,
+        tenant: None,
     }
 }
 

@@ -121,6 +121,8 @@ fn scope_refused(e: berth_core::scopes::ScopeError) -> ApiError {
         ),
         S::InUse { scope, run_id } => (409, json!({"scope": scope, "run_id": run_id})),
         S::TooMany { max } | S::TokensFull { max } => (503, json!({"max": max})),
+        S::Quota { uid, max } => (429, json!({"uid": uid, "max": max})),
+        S::Busy { scope, why } => (409, json!({"scope": scope, "why": why})),
         S::UnknownHarness { scope, harness } => (
             400,
             json!({"field": "harness", "scope": scope, "harness": harness}),

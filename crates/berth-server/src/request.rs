@@ -288,6 +288,7 @@ fn budget(b: berth_client::wire::BudgetClaim) -> Result<berth_core::scopes::Budg
         operation_id: b.operation_id,
         per_harness: b.per_harness.map(|p| p.0),
         manifest: b.manifest.map(manifest),
+        tenant: None,
     };
     core.check().map_err(|e| match e {
         berth_core::scopes::ScopeError::Invalid { field, rule } => {

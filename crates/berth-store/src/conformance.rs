@@ -663,6 +663,7 @@ pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
         manifest: Some(manifest.clone()),
         control: Control::Paused,
         generation: 1,
+        owner_uid: Some(1000),
     };
     let receipt = |g: u64, mode: Mode, control: Control| Receipt {
         request_id: format!("req-{g}"),
@@ -690,6 +691,7 @@ pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
         operation_id: None,
         per_harness: Some(policy.clone()),
         manifest: Some(manifest.clone()),
+        tenant: None,
     }));
     let mut s = open();
     let batch = |ms: Vec<Mutation>| Batch { mutations: ms };
@@ -717,6 +719,7 @@ pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
         (&sc.id, &sc.policy, &sc.manifest, sc.control, sc.generation),
         (&rec.id, &policy, &Some(manifest), Control::Paused, 1)
     );
+    assert_eq!(sc.owner_uid, Some(1000), "the uid that froze it");
     assert_eq!(sc.receipts, vec![receipt(1, Mode::Pause, Control::Paused)]);
     assert_eq!(sc.tokens.len(), 3);
     assert_eq!(sc.holders("codex"), 2, "counts are recounted at load");
@@ -754,4 +757,32 @@ pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
         vec![("r1".into(), "run".into()), ("w1".into(), "turn-2".into())]
     );
     assert!(sc.tokens[&("r1".to_string(), "run".to_string())].owner_lapsed);
+    // S10: a forgotten scope leaves no row behind (and a second, unrelated one stays).
+    let other = ScopeRecord {
+        id: "exp-2".into(),
+        policy: policy.clone(),
+        manifest: None,
+        control: Control::Open,
+        generation: 0,
+        owner_uid: None,
+    };
+    s.write(&[&batch(vec![
+        tok("r1", "run", None),
+        tok("w1", "turn-2", None),
+        Mutation::Scope(other.clone()),
+    ])])
+    .unwrap();
+    s.write(&[&batch(vec![Mutation::ScopeDeleted("exp-1".into())])])
+        .unwrap();
+    let l = open().load(10).unwrap();
+    let ids: Vec<_> = l
+        .scopes
+        .iter()
+        .map(|s| (s.id.as_str(), s.owner_uid))
+        .collect();
+    assert_eq!(
+        ids,
+        vec![("exp-2", None)],
+        "exp-1 and its receipts are gone"
+    );
 }

@@ -142,6 +142,9 @@ pub enum Mutation {
     Drain(Option<DrainRecord>),
     /// B1/B4: a scope's frozen policy, control state and generation, replaced whole.
     Scope(ScopeRecord),
+    /// S10: a scope forgotten (idle past its window, or deleted by an operator):
+    /// its row, its receipts and its tokens (it has none: only idle scopes go).
+    ScopeDeleted(String),
     /// B4: an accepted control request's receipt.
     ScopeReceipt {
         scope: String,
@@ -164,6 +167,8 @@ pub struct ScopeRecord {
     pub manifest: Option<berth_core::scopes::Manifest>,
     pub control: berth_core::scopes::Control,
     pub generation: u64,
+    /// S9: the uid of the uid-bound token whose run froze it (`None`: unbound).
+    pub owner_uid: Option<u32>,
 }
 
 /// A thread as the ledger keeps it: the core's record and its workspace's identity.

@@ -233,6 +233,9 @@ const MIGRATIONS: &[&str] = &[
     "ALTER TABLE runs ADD COLUMN owner_uid INTEGER;
      ALTER TABLE runs ADD COLUMN upgrading INTEGER NOT NULL DEFAULT 0;
      ALTER TABLE threads ADD COLUMN owner_uid INTEGER;",
+    // 19: the uid whose token's run froze a scope (S9, S10: a per-uid quota, and who
+    // may control or delete it).
+    "ALTER TABLE scopes ADD COLUMN owner_uid INTEGER;",
 ];
 
 /// The part of a migration SQL cannot do, run after its SQL in its transaction.
@@ -764,6 +767,7 @@ impl Store for SqliteStore {
                 Mutation::Thread(t) => write_thread(&tx, t)?,
                 Mutation::Drain(d) => write_drain(&tx, d.as_ref())?,
                 Mutation::Scope(r) => write_scope(&tx, r)?,
+                Mutation::ScopeDeleted(id) => delete_scope(&tx, id)?,
                 Mutation::ScopeReceipt { scope, receipt } => write_receipt(&tx, scope, receipt)?,
                 Mutation::BudgetToken {
                     scope,
@@ -1537,7 +1541,8 @@ fn write_scope(tx: &rusqlite::Transaction, r: &crate::ScopeRecord) -> Result<(),
     let m = r.manifest.as_ref();
     tx.prepare_cached(
         "INSERT OR REPLACE INTO scopes (id, policy, manifest_path, manifest_sha256,
-           manifest_ids, control, generation) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+           manifest_ids, control, generation, owner_uid)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
     )
     .and_then(|mut st| {
         st.execute(params![
@@ -1548,9 +1553,24 @@ fn write_scope(tx: &rusqlite::Transaction, r: &crate::ScopeRecord) -> Result<(),
             m.map(|m| m.execution_ids.join("\n")),
             r.control.as_str(),
             r.generation as i64,
+            r.owner_uid.map(i64::from),
         ])
     })
     .map_err(write_err)?;
+    Ok(())
+}
+
+/// S10: a forgotten scope's rows, all of them.
+fn delete_scope(tx: &rusqlite::Transaction, id: &str) -> Result<(), StoreError> {
+    for sql in [
+        "DELETE FROM scope_tokens WHERE scope = ?1",
+        "DELETE FROM scope_receipts WHERE scope = ?1",
+        "DELETE FROM scopes WHERE id = ?1",
+    ] {
+        tx.prepare_cached(sql)
+            .and_then(|mut st| st.execute(params![id]))
+            .map_err(write_err)?;
+    }
     Ok(())
 }
 
@@ -1628,7 +1648,7 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
     let mut st = conn
         .prepare(
             "SELECT id, policy, manifest_path, manifest_sha256, manifest_ids, control,
-                    generation FROM scopes ORDER BY id",
+                    generation, owner_uid FROM scopes ORDER BY id",
         )
         .map_err(corrupt)?;
     let mut rows = st.query([]).map_err(corrupt)?;
@@ -1664,6 +1684,10 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
         s.control = word(&row.get::<_, String>(5).map_err(corrupt)?)?;
         s.generation =
             u(row.get(6).map_err(corrupt)?).map_err(|e| of(&format!("scope {id}"), e))?;
+        s.owner_uid = match row.get::<_, Option<i64>>(7).map_err(corrupt)? {
+            None => None,
+            Some(v) => Some(u32::try_from(v).map_err(|_| bad(format!("owner_uid {v}")))?),
+        };
         out.insert(id, s);
     }
     let mut st = conn

@@ -227,6 +227,7 @@ fn a_corrupt_scope_refuses_to_load() {
             manifest: None,
             control: berth_core::scopes::Control::Open,
             generation: 0,
+            owner_uid: None,
         };
         let token = berth_core::scopes::Token {
             harness: "claude".into(),
@@ -273,6 +274,7 @@ fn a_corrupt_run_budget_refuses_to_load() {
         operation_id: None,
         per_harness: None,
         manifest: None,
+        tenant: None,
     }));
     s.write(&[&Batch::runs(0, vec![run.clone()])]).unwrap();
     assert_eq!(

@@ -101,6 +101,10 @@ pub struct ServeArgs {
     /// open at once; more are refused `429 too_many_waits` (S10) [default: 256].
     #[arg(long, env = "BERTH_TOKEN_WAITS_MAX", value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub token_waits_max: Option<u32>,
+    /// An experiment scope nothing holds (no run, no token, no control state) is
+    /// forgotten after this long idle (S10) [default: 24h].
+    #[arg(long, env = "BERTH_SCOPE_IDLE", value_parser = parse_duration)]
+    pub scope_idle: Option<u64>,
     /// An agent thread's workspace with no attach and no live registration for this
     /// long is evicted (G0) [default: 30m].
     #[arg(long, env = "BERTH_THREAD_IDLE_AFTER", value_parser = parse_duration)]
@@ -175,6 +179,7 @@ struct FileConfig {
     retain_ended_for: Option<String>,
     token_streams_max: Option<u32>,
     token_waits_max: Option<u32>,
+    scope_idle: Option<String>,
     thread_idle_after: Option<String>,
     thread_ttl: Option<String>,
     thread_grace: Option<String>,
@@ -495,6 +500,12 @@ fn named_and_defaults(
     }
     if let Some(v) = a.retain_ended.or(file.retain_ended) {
         c.ended_retained_max = v;
+    }
+    if let Some(v) = a
+        .scope_idle
+        .or(duration("scope_idle", file.scope_idle.clone())?)
+    {
+        c.scope_idle_ms = v;
     }
     Ok(())
 }

@@ -497,3 +497,100 @@ fn concern_a_used_state_dir_without_its_fence_marker_refuses_to_start() {
     let g = acquire_as(&d, &op, "b", 0).body["fence"].as_u64().unwrap();
     assert!(g > f, "fence {g} after --init-ledger, {f} before");
 }
+
+/// A detached acquire of `id` with a budget in scope `scope` (its policy given, so
+/// the first one freezes it), as `token`.
+fn acquire_in_scope(d: &Daemon, token: &str, id: &str, scope: &str) -> Resp {
+    let body = json!({"run_id": id, "project": id, "ttl_s": 600, "detach": true,
+        "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0},
+        "budget": {"scope": scope, "harness": "claude", "per_harness": {"claude": 1}}});
+    d.call_as(Some(token), "POST", "/v1/runs", Some(&body.to_string()))
+}
+
+fn release_as(d: &Daemon, token: &str, id: &str, fence: &Value) -> Resp {
+    let body = json!({ "fence": fence }).to_string();
+    d.call_as(
+        Some(token),
+        "POST",
+        &format!("/v1/runs/{id}/release"),
+        Some(&body),
+    )
+}
+
+fn scope_ids(d: &Daemon) -> Vec<String> {
+    let r = d.get("/v1/scopes");
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let list = r.body["scopes"].as_array().unwrap();
+    list.iter()
+        .map(|s| s["scope"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Finding 6: 1,024 acquire+release cycles of one uid-bound token made 1,024 scopes,
+/// and every new scope was then `503 scopes_full` for good. Now one user makes at most
+/// 64 (`429 scopes_quota`) while others still may; an operator deletes an idle scope
+/// (not a busy one, not another user's); and an idle scope is forgotten after
+/// `--scope-idle`, in the ledger too.
+#[test]
+fn finding_6_one_user_cannot_fill_the_hosts_scopes_and_idle_ones_are_forgotten() {
+    let mut d = Daemon::start(&["--scope-idle", "3s", "--slots-max", "4"]);
+    let nobody = token_for(&d, "operator", NOBODY);
+    let admin = d.token.clone();
+    for i in 0..64 {
+        let (id, scope) = (format!("r{i}"), format!("s{i}"));
+        let r = acquire_in_scope(&d, &nobody, &id, &scope);
+        assert_eq!(r.status, 201, "{i}: {:?}", r.body);
+        let r = release_as(&d, &nobody, &id, &r.body["fence"]);
+        assert_eq!(r.status, 200, "{i}: {:?}", r.body);
+    }
+    let r = acquire_in_scope(&d, &nobody, "r-more", "s-more");
+    assert_eq!((r.status, r.code()), (429, "scopes_quota"), "{:?}", r.body);
+    assert_eq!(r.body["error"]["details"]["max"], 64, "{:?}", r.body);
+    // Another user is not held back; its live run keeps its scope busy.
+    let held = acquire_in_scope(&d, &admin, "admin-run", "admin-scope");
+    assert_eq!(held.status, 201, "{:?}", held.body);
+    // S9: not another user's scope to delete or control.
+    let del = |tok: &str, s: &str| d.call_as(Some(tok), "DELETE", &format!("/v1/scopes/{s}"), None);
+    refused_not_owner(&del(&nobody, "admin-scope"), "delete another user's scope");
+    let body = json!({"request_id": "x", "mode": "stop"}).to_string();
+    let r = d.call_as(
+        Some(&nobody),
+        "POST",
+        "/v1/scopes/admin-scope/control",
+        Some(&body),
+    );
+    refused_not_owner(&r, "stop another user's scope");
+    let r = del(&admin, "admin-scope");
+    assert_eq!((r.status, r.code()), (409, "scope_in_use"), "{:?}", r.body);
+    // Its own idle scope it may delete, which frees a place in its quota.
+    let r = del(&nobody, "s0");
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(r.body["scope"], "s0");
+    assert_eq!(del(&nobody, "s0").status, 404);
+    assert_eq!(
+        acquire_in_scope(&d, &nobody, "r-more", "s-more").status,
+        201
+    );
+    // Past the idle window the idle scopes go by themselves (a busy one stays), and
+    // a restart does not bring them back.
+    let end = Instant::now() + Duration::from_secs(20);
+    while scope_ids(&d).iter().any(|s| s.starts_with("s1")) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let left = scope_ids(&d);
+    assert!(left.iter().all(|s| !s.starts_with("s1")), "{left:?}");
+    assert!(left.contains(&"admin-scope".to_string()), "{left:?}");
+    let forgotten = d
+        .journal()
+        .iter()
+        .filter(|e| e["kind"] == "scope_forgotten")
+        .count();
+    assert!(forgotten >= 60, "{forgotten} scope_forgotten entries");
+    d.kill9_and_restart();
+    let left = scope_ids(&d);
+    assert!(
+        left.iter().all(|s| !s.starts_with("s1")),
+        "after a restart: {left:?}"
+    );
+    assert!(left.contains(&"admin-scope".to_string()), "{left:?}");
+}

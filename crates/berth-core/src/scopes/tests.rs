@@ -7,8 +7,14 @@ fn policy(pairs: &[(&str, u32)]) -> Policy {
 
 fn scopes() -> Scopes {
     let mut s = Scopes::default();
-    s.freeze("exp", Some(&policy(&[("claude", 2), ("codex", 1)])), None)
-        .unwrap();
+    s.freeze(
+        "exp",
+        Some(&policy(&[("claude", 2), ("codex", 1)])),
+        None,
+        None,
+        0,
+    )
+    .unwrap();
     s
 }
 
@@ -17,12 +23,18 @@ fn scopes() -> Scopes {
 #[test]
 fn the_first_policy_is_frozen() {
     let mut s = scopes();
-    assert_eq!(s.freeze("exp", None, None), Ok(false));
+    assert_eq!(s.freeze("exp", None, None, None, 0), Ok(false));
     assert_eq!(
-        s.freeze("exp", Some(&policy(&[("claude", 2), ("codex", 1)])), None),
+        s.freeze(
+            "exp",
+            Some(&policy(&[("claude", 2), ("codex", 1)])),
+            None,
+            None,
+            0
+        ),
         Ok(false)
     );
-    match s.freeze("exp", Some(&policy(&[("claude", 3)])), None) {
+    match s.freeze("exp", Some(&policy(&[("claude", 3)])), None, None, 0) {
         Err(ScopeError::PolicyConflict { frozen, given, .. }) => {
             assert_eq!(frozen, policy(&[("claude", 2), ("codex", 1)]));
             assert_eq!(given, policy(&[("claude", 3)]));
@@ -30,7 +42,7 @@ fn the_first_policy_is_frozen() {
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        s.freeze("new", None, None),
+        s.freeze("new", None, None, None, 0),
         Err(ScopeError::Invalid { .. })
     ));
     for bad in [
@@ -42,7 +54,7 @@ fn the_first_policy_is_frozen() {
     ] {
         assert!(
             matches!(
-                s.freeze("new", Some(&bad), None),
+                s.freeze("new", Some(&bad), None, None, 0),
                 Err(ScopeError::Invalid {
                     field: "per_harness",
                     ..
@@ -65,25 +77,25 @@ fn a_frozen_manifest_cannot_change() {
     };
     let p = policy(&[("claude", 1)]);
     let mut s = Scopes::default();
-    assert_eq!(s.freeze("m", Some(&p), Some(&m('a'))), Ok(true));
-    assert_eq!(s.freeze("m", Some(&p), Some(&m('a'))), Ok(false));
-    assert_eq!(s.freeze("m", None, None), Ok(false));
-    match s.freeze("m", None, Some(&m('b'))) {
+    assert_eq!(s.freeze("m", Some(&p), Some(&m('a')), None, 0), Ok(true));
+    assert_eq!(s.freeze("m", Some(&p), Some(&m('a')), None, 0), Ok(false));
+    assert_eq!(s.freeze("m", None, None, None, 0), Ok(false));
+    match s.freeze("m", None, Some(&m('b')), None, 0) {
         Err(e @ ScopeError::ManifestChanged { .. }) => {
             assert_eq!(e.code(), "scope_manifest_changed");
             assert!(e.to_string().contains(&"a".repeat(64)), "{e}");
         }
         other => panic!("{other:?}"),
     }
-    s.freeze("plain", Some(&p), None).unwrap();
+    s.freeze("plain", Some(&p), None, None, 0).unwrap();
     assert!(matches!(
-        s.freeze("plain", None, Some(&m('a'))),
+        s.freeze("plain", None, Some(&m('a')), None, 0),
         Err(ScopeError::ManifestChanged { frozen: None, .. })
     ));
     let mut bad = m('a');
     bad.sha256 = "A".repeat(64);
     assert!(matches!(
-        s.freeze("n", Some(&p), Some(&bad)),
+        s.freeze("n", Some(&p), Some(&bad), None, 0),
         Err(ScopeError::Invalid {
             field: "manifest.sha256",
             ..
@@ -213,7 +225,7 @@ proptest! {
     fn limits_hold_and_lapses_never_free(ops in proptest::collection::vec(op(), 1..120)) {
         let harnesses = ["claude", "codex", "gemini"];
         let mut s = Scopes::default();
-        s.freeze("x", Some(&policy(&[("claude", 2), ("codex", 1), ("gemini", 3)])), None).unwrap();
+        s.freeze("x", Some(&policy(&[("claude", 2), ("codex", 1), ("gemini", 3)])), None, None, 0).unwrap();
         let mut now = 0;
         for o in ops {
             now += 1;
@@ -269,7 +281,8 @@ fn tokens_and_scopes_are_bounded_host_wide() {
     let per_scope = HARNESSES_MAX * HARNESS_LIMIT_MAX as usize;
     let scopes = TOKENS_HOST_MAX.div_ceil(per_scope) + 1;
     for i in 0..scopes {
-        s.freeze(&format!("s{i}"), Some(&wide), None).unwrap();
+        s.freeze(&format!("s{i}"), Some(&wide), None, None, 0)
+            .unwrap();
     }
     let mut n = 0;
     'fill: for i in 0..scopes {
@@ -297,10 +310,12 @@ fn tokens_and_scopes_are_bounded_host_wide() {
     let mut few = Scopes::default();
     let p = policy(&[("claude", 1)]);
     for i in 0..SCOPES_MAX {
-        few.freeze(&format!("x{i}"), Some(&p), None).unwrap();
+        few.freeze(&format!("x{i}"), Some(&p), None, None, 0)
+            .unwrap();
     }
     assert_eq!(
-        few.freeze("one-more", Some(&p), None).map_err(|e| e.code()),
+        few.freeze("one-more", Some(&p), None, None, 0)
+            .map_err(|e| e.code()),
         Err("scopes_full")
     );
 }
@@ -321,4 +336,61 @@ fn a_key_holding_another_harness_blocks() {
         "its own harness: reused"
     );
     assert_eq!(s.blocked("exp", "claude", "r2", "run"), None);
+}
+
+/// Issue 32 finding 6: 1,024 acquire+release cycles from one uid-bound token filled
+/// `SCOPES_MAX` for good. Now one uid makes at most `SCOPES_PER_UID_MAX`, an idle scope
+/// is forgotten after its window (freeing its owner's quota), and an operator may
+/// delete one that nothing holds, never one that something does.
+#[test]
+fn finding_6_scopes_are_bounded_per_uid_and_idle_ones_are_forgotten() {
+    let mut s = Scopes::default();
+    let p = policy(&[("claude", 1)]);
+    for i in 0..SCOPES_PER_UID_MAX {
+        s.freeze(&format!("u{i}"), Some(&p), None, Some(1000), 10)
+            .unwrap();
+    }
+    assert_eq!(
+        s.freeze("u-more", Some(&p), None, Some(1000), 10)
+            .map_err(|e| e.code()),
+        Err("scopes_quota")
+    );
+    // Another user (and an unbound token) is not held back by uid 1000's scopes.
+    assert_eq!(s.freeze("v0", Some(&p), None, Some(1001), 10), Ok(true));
+    assert_eq!(s.freeze("w0", Some(&p), None, None, 10), Ok(true));
+    s.check_invariants().unwrap();
+
+    // Busy scopes are neither deleted nor forgotten: a run, a token, a control state.
+    s.count_user("u0", true, 20);
+    s.reserve(20, "u1", "o", "t", "claude", None).unwrap();
+    s.control(20, "u2", "r1", Mode::Pause).unwrap();
+    s.control(21, "u2", "r2", Mode::Resume).unwrap();
+    for id in ["u0", "u1", "u2"] {
+        assert_eq!(
+            s.delete(id).map_err(|e| e.code()),
+            Err("scope_in_use"),
+            "{id}"
+        );
+    }
+    assert_eq!(s.delete("nope").map_err(|e| e.code()), Err("not_found"));
+    // Not yet past the window: nothing goes.
+    assert!(s.prune_idle(1_009, 1_000).is_empty());
+    let gone = s.prune_idle(1_010, 1_000);
+    assert_eq!(gone.len(), SCOPES_PER_UID_MAX - 3 + 2, "{gone:?}");
+    assert!(gone
+        .iter()
+        .all(|g| !["u0", "u1", "u2"].contains(&g.as_str())));
+    s.check_invariants().unwrap();
+    // uid 1000's quota has room again.
+    assert_eq!(
+        s.freeze("u-more", Some(&p), None, Some(1000), 2_000),
+        Ok(true)
+    );
+    // The run ends and the token comes back: idle from then on, deletable now.
+    s.count_user("u0", false, 2_000);
+    s.release("u1", "o", "t").unwrap();
+    assert_eq!(s.delete("u0"), Ok(()));
+    assert_eq!(s.delete("u1"), Ok(()));
+    assert!(s.get("u0").is_none() && s.get("u2").is_some());
+    s.check_invariants().unwrap();
 }

@@ -301,6 +301,11 @@ fn budgets() -> Vec<(Route, MethodRouter<Api>)> {
             get(s::get_scope),
         ),
         (
+            route(Delete, "/v1/scopes/{id}", o, "Forget an idle scope (no run, token or control state holds it; S10): 409 scope_in_use otherwise")
+                .answers(200, Body::Json("ScopeSummary")),
+            delete(s::delete_scope),
+        ),
+        (
             route(Post, "/v1/scopes/{id}/reservations", o, "Reserve a turn's token by (owner, operation_id): 201 new, 200 a retry's; 409 budget_full never queues (B2)")
                 .takes("ReservationRequest")
                 .answers(201, Body::Json("Reservation"))

@@ -29,6 +29,7 @@ async fn scope_op(api: &Api, op: ScopeOp) -> Result<Response, ApiError> {
         ScopeAnswer::Token(t) => Json(t).into_response(),
         ScopeAnswer::Reconciled(r) => Json(r).into_response(),
         ScopeAnswer::Receipt(r) => Json(r).into_response(),
+        ScopeAnswer::Deleted(s) => Json(s).into_response(),
     })
 }
 
@@ -101,16 +102,31 @@ pub async fn reconcile(
 /// B4: pause, stop or resume, idempotent by request id.
 pub async fn control(
     AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
     Path(scope): Path<String>,
     body: Body,
 ) -> Result<Response, ApiError> {
     request::check_scope(&scope)?;
     let b: wire::ControlRequest = json_body(body, false).await?;
     let mode = request::control(&b)?;
-    let op = ScopeOp::Apply(Command::ScopeControl {
+    let cmd = Command::ScopeControl {
         scope,
         request_id: b.request_id,
         mode,
-    });
-    scope_op(&api, op).await
+    };
+    let by = caller.tenant;
+    scope_op(&api, ScopeOp::Owned { cmd, by }).await
+}
+
+/// S10: an operator forgets an idle scope (nothing holds it: no run, no token, no
+/// control state); the next run naming it freezes a new policy.
+pub async fn delete_scope(
+    AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
+    Path(scope): Path<String>,
+) -> Result<Response, ApiError> {
+    request::check_scope(&scope)?;
+    let cmd = Command::DeleteScope { scope };
+    let by = caller.tenant;
+    scope_op(&api, ScopeOp::Owned { cmd, by }).await
 }

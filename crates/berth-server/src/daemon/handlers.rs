@@ -137,6 +137,11 @@ impl<H: Host> Daemon<H> {
         else {
             return;
         };
+        let mut req = req;
+        // S10: a scope this run freezes is its user's (the engine counts them per uid).
+        if let Some(b) = req.budget.as_deref_mut() {
+            b.tenant = by;
+        }
         let mut extra = Extra::new(worktree, labels, stop_grace_ms, 0);
         extra.thread = thread;
         extra.lease_only = lease_only;

@@ -678,6 +678,7 @@ impl<H: Host> Daemon<H> {
                         });
                 }
                 Event::ScopeFrozen { .. }
+                | Event::ScopeForgotten { .. }
                 | Event::TokenTaken { .. }
                 | Event::TokenFreed { .. }
                 | Event::TokenLapsed { .. }
@@ -1086,6 +1087,7 @@ fn event_run(ev: &Event) -> Option<&str> {
         | Event::EvidenceInvalidated { .. }
         | Event::MemoryStabilized { .. }
         | Event::ScopeFrozen { .. }
+        | Event::ScopeForgotten { .. }
         | Event::TokenTaken { .. }
         | Event::TokenFreed { .. }
         | Event::TokenLapsed { .. }

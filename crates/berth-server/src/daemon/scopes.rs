@@ -12,7 +12,7 @@ use berth_core::{Command, Error as CoreError, Event};
 use berth_store::{Mutation, ScopeRecord};
 use serde_json::json;
 
-use super::{Daemon, Error, Host, Reply};
+use super::{Daemon, Error, Host, Reply, Tenant};
 
 /// The waiters `GET /v1/scopes/{id}` lists at most (it counts them all).
 pub const SCOPE_WAITERS_SHOWN: usize = 100;
@@ -28,6 +28,12 @@ pub enum ScopeOp {
         scope: String,
     },
     Apply(Command),
+    /// A command only the scope's own user (or an unbound token) may send (S9):
+    /// `ScopeControl` and `DeleteScope`.
+    Owned {
+        cmd: Command,
+        by: Tenant,
+    },
     Reconcile {
         scope: String,
         owner: String,
@@ -44,6 +50,8 @@ pub enum ScopeAnswer {
     Token(wire::ScopeToken),
     Reconciled(wire::Reconciled),
     Receipt(wire::ControlReceipt),
+    /// S10: the scope as it was when an operator deleted it.
+    Deleted(wire::ScopeSummary),
 }
 
 fn not_found(scope: &str) -> Error {
@@ -74,6 +82,16 @@ fn harnesses(s: &Scope) -> BTreeMap<String, wire::HarnessFigures> {
         .collect()
 }
 
+fn summary(s: &Scope) -> wire::ScopeSummary {
+    wire::ScopeSummary {
+        scope: s.id.clone(),
+        control: s.control.as_str().into(),
+        generation: s.generation,
+        harnesses: harnesses(s),
+        lapsed: s.tokens.values().filter(|t| t.owner_lapsed).count() as u64,
+    }
+}
+
 /// How a scope command's answer is read from the daemon once the command is applied.
 type Answer<D> = Box<dyn FnOnce(&D) -> Option<ScopeAnswer>>;
 
@@ -91,6 +109,10 @@ impl<H: Host> Daemon<H> {
                 by,
             } => return self.reconcile(scope, owner, reason, by, reply),
             ScopeOp::Apply(cmd) => cmd,
+            ScopeOp::Owned { cmd, by } => match self.check_scope_owner(&cmd, by) {
+                Ok(()) => cmd,
+                Err(e) => return self.commit_and_answer(BTreeSet::new(), reply, Err(e)),
+            },
         };
         let answer: Answer<Self> = match &cmd {
             Command::Reserve {
@@ -130,6 +152,10 @@ impl<H: Host> Daemon<H> {
                     Some(ScopeAnswer::Receipt(r))
                 })
             }
+            Command::DeleteScope { scope } => {
+                let before = self.engine.scopes().get(scope).map(summary);
+                Box::new(move |_: &Self| before.map(ScopeAnswer::Deleted))
+            }
             // Not a budget command: refused here, nothing applied.
             _ => {
                 let e = Error::Internal("not a budget command".into());
@@ -141,6 +167,20 @@ impl<H: Host> Daemon<H> {
             answer(self).ok_or_else(|| Error::Internal("the scope's answer vanished".into()))
         });
         self.commit_and_answer(touched, reply, v);
+    }
+
+    /// S9: a uid-bound token controls or deletes only scopes its user's runs froze.
+    /// Refused (and journaled) before the engine sees the command.
+    fn check_scope_owner(&mut self, cmd: &Command, by: Tenant) -> Result<(), Error> {
+        let (Command::ScopeControl { scope, .. } | Command::DeleteScope { scope }) = cmd else {
+            return Ok(());
+        };
+        match (self.engine.scopes().get(scope), by) {
+            (Some(s), Some(uid)) if !super::may_act(by, s.owner_uid) => {
+                Err(self.not_owner("scope", scope.clone(), uid))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// B3: an operator frees `owner`'s tokens (all or none), journaled with its reason.
@@ -190,18 +230,7 @@ impl<H: Host> Daemon<H> {
     }
 
     pub(super) fn on_scope_list(&mut self, reply: Reply<Vec<wire::ScopeSummary>>) {
-        let list = self
-            .engine
-            .scopes()
-            .iter()
-            .map(|s| wire::ScopeSummary {
-                scope: s.id.clone(),
-                control: s.control.as_str().into(),
-                generation: s.generation,
-                harnesses: harnesses(s),
-                lapsed: s.tokens.values().filter(|t| t.owner_lapsed).count() as u64,
-            })
-            .collect();
+        let list = self.engine.scopes().iter().map(summary).collect();
         self.answer(reply, Ok(list));
     }
 
@@ -226,6 +255,13 @@ impl<H: Host> Daemon<H> {
                                   "manifest": s.manifest});
                 self.push_scope(scope);
                 self.journal_entry("scope_frozen", None, None, data);
+            }
+            Event::ScopeForgotten { scope, by_operator } => {
+                self.pending_mutations
+                    .push(Mutation::ScopeDeleted(scope.clone()));
+                let by = if *by_operator { "operator" } else { "idle" };
+                let data = json!({"scope": scope, "by": by});
+                self.journal_entry("scope_forgotten", None, None, data);
             }
             Event::TokenTaken {
                 scope,
@@ -288,6 +324,7 @@ impl<H: Host> Daemon<H> {
                 manifest: s.manifest.clone(),
                 control: s.control,
                 generation: s.generation,
+                owner_uid: s.owner_uid,
             };
             self.pending_mutations.push(Mutation::Scope(rec));
         }

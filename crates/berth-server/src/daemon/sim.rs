@@ -476,6 +476,7 @@ impl Sim {
                     operation_id: None,
                     per_harness: Some([("a".to_string(), 1), ("b".to_string(), 2)].into()),
                     manifest: None,
+                    tenant: None,
                 })
             }),
         };
