@@ -370,10 +370,11 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** A prefix of the journal with its SHA-256 (header X-Berth-Journal-Sha256); ?scope= keeps one experiment scope's entries */
+        /** Entries from..through (default 1..last) with their SHA-256 (header X-Berth-Journal-Sha256), streamed; 410 journal_pruned once retention deleted the start, 429 too_many_exports; ?scope= keeps one experiment scope's entries */
         get: {
             parameters: {
                 query?: {
+                    from?: number;
                     through?: number;
                     scope?: string;
                 };

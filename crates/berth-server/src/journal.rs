@@ -12,7 +12,8 @@
 //! reader never slows admission: it falls behind, is told so in a last event and may
 //! resume by sequence number.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use berth_store::{JournalEntry, LedgerReader, StoreError, JOURNAL_READ_MAX};
@@ -37,6 +38,46 @@ pub struct Journal {
     /// The last entry live readers were told of.
     live: watch::Sender<u64>,
     ledger: OnceLock<LedgerReader>,
+    /// Exports under way: retention keeps their ranges while they are read.
+    holds: Arc<Holds>,
+}
+
+/// Exports one daemon streams at once (S10, issue 32 finding 3): each holds at most
+/// about 1 MiB, and its range of the journal against retention while it lasts.
+pub const EXPORTS_MAX: usize = 8;
+
+/// The exports under way, by ticket, with the first entry each reads; `floor` is the
+/// lowest of them (`u64::MAX`: none), which the ledger's retention reads.
+#[derive(Default)]
+struct Holds {
+    by_ticket: Mutex<(u64, BTreeMap<u64, u64>)>,
+    floor: Arc<AtomicU64>,
+}
+
+impl Holds {
+    fn lock(&self) -> std::sync::MutexGuard<'_, (u64, BTreeMap<u64, u64>)> {
+        self.by_ticket.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_floor(&self, held: &BTreeMap<u64, u64>) {
+        let floor = held.values().copied().min().unwrap_or(u64::MAX);
+        self.floor.store(floor, Ordering::Release);
+    }
+}
+
+/// An export's hold on the journal from its first entry: retention deletes nothing at
+/// or after it until this is dropped.
+pub struct Hold {
+    holds: Arc<Holds>,
+    ticket: u64,
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        let mut g = self.holds.lock();
+        g.1.remove(&self.ticket);
+        self.holds.set_floor(&g.1);
+    }
 }
 
 impl Default for Journal {
@@ -48,6 +89,10 @@ impl Default for Journal {
             }),
             live: watch::channel(0).0,
             ledger: OnceLock::new(),
+            holds: Arc::new(Holds {
+                by_ticket: Mutex::default(),
+                floor: Arc::new(AtomicU64::new(u64::MAX)),
+            }),
         }
     }
 }
@@ -60,6 +105,28 @@ impl Journal {
         ring.last = last;
         let _ = self.ledger.set(ledger);
         self.live.send_replace(last);
+    }
+
+    /// What the ledger's retention reads: the first entry an export still needs.
+    pub fn hold_floor(&self) -> Arc<AtomicU64> {
+        self.holds.floor.clone()
+    }
+
+    /// Holds the journal from `first` on for an export, or `None` when `EXPORTS_MAX`
+    /// exports are under way already.
+    pub fn hold(&self, first: u64) -> Option<Hold> {
+        let mut g = self.holds.lock();
+        if g.1.len() >= EXPORTS_MAX {
+            return None;
+        }
+        g.0 += 1;
+        let ticket = g.0;
+        g.1.insert(ticket, first);
+        self.holds.set_floor(&g.1);
+        Some(Hold {
+            holds: self.holds.clone(),
+            ticket,
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Ring> {

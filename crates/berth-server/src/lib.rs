@@ -266,6 +266,7 @@ fn spawn_writer(cfg: &ServeConfig, store: SqliteStore, shared: &Arc<daemon::Shar
         Some(berth_store::Retention {
             ended_max: cfg.engine.ended_retained_max,
             ended_age_ms: cfg.retain_ended_for_ms,
+            journal_hold: Some(shared.journal.hold_floor()),
         }),
         Some(Arc::new(move |took, batches| {
             observed.metrics.committed(took, batches);

@@ -3,6 +3,7 @@
 //! call), so durability across reopen is part of the contract.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use berth_core::{
     Class, Concurrency, ContractInfo, EndCause, KeyMode, Priority, Request, Resources, RunState,
@@ -64,6 +65,10 @@ pub const CHECKS: &[(&str, Check)] = &[
     (
         "journal_retention_keeps_the_newest_entries",
         journal_retention_keeps_the_newest_entries,
+    ),
+    (
+        "journal_retention_keeps_what_is_still_live",
+        journal_retention_keeps_what_is_still_live,
     ),
     (
         "threads_and_the_drain_survive_a_reopen",
@@ -153,6 +158,7 @@ pub fn sample_run(id: &str, seq: u64, state: RunState) -> RunRecord {
         detached: state == RunState::Queued,
         lease_only: false,
         owner_uid: Some(1000),
+        journal_first: 1 + seq,
         thread: Some("thread-1".into()),
     }
 }
@@ -321,6 +327,7 @@ pub fn retention_forgets_old_ended_runs_only(open: Open) {
     let keep_two = Retention {
         ended_max: 2,
         ended_age_ms: u64::MAX,
+        journal_hold: None,
     };
     let now = 1_900_000_000_000;
     // Nine ended runs, two kept: seven to prune, at most five per call.
@@ -340,6 +347,7 @@ pub fn retention_forgets_old_ended_runs_only(open: Open) {
     let none = Retention {
         ended_max: 0,
         ended_age_ms: u64::MAX,
+        journal_hold: None,
     };
     assert_eq!(s.prune(&none, now, 100).unwrap(), 2);
     let l = open().load(100).unwrap();
@@ -374,6 +382,7 @@ pub fn retention_by_age(open: Open) {
     let day = Retention {
         ended_max: 1_000,
         ended_age_ms: 86_400_000,
+        journal_hold: None,
     };
     assert_eq!(s.prune(&day, written_ms + 3_600_000, 100).unwrap(), 0);
     assert_eq!(open().load(100).unwrap().runs.len(), 3);
@@ -544,6 +553,7 @@ pub fn journal_retention_keeps_the_newest_entries(open: Open) {
     let two_runs = Retention {
         ended_max: 2,
         ended_age_ms: 86_400_000,
+        journal_hold: None,
     };
     s.prune(&two_runs, written_ms, 1_000).unwrap();
     assert_eq!(s.journal_first().unwrap(), per_run + 1);
@@ -557,6 +567,87 @@ pub fn journal_retention_keeps_the_newest_entries(open: Open) {
         [3 * per_run]
     );
     assert_eq!(open().load(10).unwrap().journal_last, 3 * per_run);
+}
+
+/// Issue 32 finding 8: retention never deletes the entries of a live run, of a scope
+/// still remembered, or of an export under way (from their first on), whatever its
+/// count and age say; once they end (or the hold is let go) the entries go as usual.
+pub fn journal_retention_keeps_what_is_still_live(open: Open) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let mut s = open();
+    let written_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    for seq in 1..=100 {
+        let mut b = Batch::default();
+        b.push(Mutation::Journal(entry(seq, "k").into()));
+        s.write(&[&b]).unwrap();
+    }
+    let hold = Arc::new(AtomicU64::new(u64::MAX));
+    let policy = Retention {
+        ended_max: 1,
+        ended_age_ms: 1,
+        journal_hold: Some(hold.clone()),
+    };
+    let later = written_ms + 86_400_000;
+    // A live run whose story starts at 10, a scope whose starts at 40.
+    let mut live = sample_run("live", 1, RunState::Granted);
+    live.journal_first = 10;
+    let scope = crate::ScopeRecord {
+        id: "exp".into(),
+        policy: [("claude".to_string(), 1)].into(),
+        manifest: None,
+        control: berth_core::scopes::Control::Open,
+        generation: 0,
+        owner_uid: None,
+        journal_first: 40,
+    };
+    s.write(&[&Batch {
+        mutations: vec![Mutation::Run(live.clone()), Mutation::Scope(scope.clone())],
+    }])
+    .unwrap();
+    s.prune(&policy, later, 1_000).unwrap();
+    assert_eq!(
+        s.journal_first().unwrap(),
+        10,
+        "the live run's entries are kept"
+    );
+    // A later write of the scope (a control change: its first entry is not known
+    // then) keeps the first one written.
+    s.write(&[&Batch {
+        mutations: vec![Mutation::Scope(crate::ScopeRecord {
+            journal_first: 0,
+            ..scope
+        })],
+    }])
+    .unwrap();
+    live.state = RunState::Released;
+    s.write(&[&Batch {
+        mutations: vec![Mutation::Run(live)],
+    }])
+    .unwrap();
+    // An export from 30 holds its range while it runs.
+    hold.store(30, Ordering::Release);
+    s.prune(&policy, later, 1_000).unwrap();
+    assert_eq!(s.journal_first().unwrap(), 30, "the export's range is kept");
+    hold.store(u64::MAX, Ordering::Release);
+    s.prune(&policy, later, 1_000).unwrap();
+    assert_eq!(
+        s.journal_first().unwrap(),
+        40,
+        "the scope's entries are kept"
+    );
+    s.write(&[&Batch {
+        mutations: vec![Mutation::ScopeDeleted("exp".into())],
+    }])
+    .unwrap();
+    s.prune(&policy, later, 1_000).unwrap();
+    assert_eq!(
+        s.journal_first().unwrap(),
+        100,
+        "nothing holds them: all but the last go"
+    );
 }
 
 /// G0-G2, G4: a thread's record (owner, registration, workspace, audit trail) survives
@@ -664,6 +755,7 @@ pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
         control: Control::Paused,
         generation: 1,
         owner_uid: Some(1000),
+        journal_first: 0,
     };
     let receipt = |g: u64, mode: Mode, control: Control| Receipt {
         request_id: format!("req-{g}"),
@@ -765,6 +857,7 @@ pub fn scopes_receipts_tokens_and_budgets_survive_a_reopen(open: Open) {
         control: Control::Open,
         generation: 0,
         owner_uid: None,
+        journal_first: 0,
     };
     s.write(&[&batch(vec![
         tok("r1", "run", None),

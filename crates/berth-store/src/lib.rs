@@ -108,6 +108,9 @@ pub struct RunRecord {
     /// S9: the uid of the uid-bound token that made the run (`None`: a token without a
     /// uid, or the admin token). Only tokens of that uid, and unbound ones, act on it.
     pub owner_uid: Option<u32>,
+    /// The run's first journal entry (0: unknown): retention keeps the journal from
+    /// the oldest live run's first entry on (issue 32 finding 8).
+    pub journal_first: u64,
 }
 
 /// One durable change. Closed on purpose: every store must handle every arm, and each
@@ -169,6 +172,9 @@ pub struct ScopeRecord {
     pub generation: u64,
     /// S9: the uid of the uid-bound token whose run froze it (`None`: unbound).
     pub owner_uid: Option<u32>,
+    /// Its `scope_frozen` entry (0: unknown): retention keeps the journal from the
+    /// oldest scope's on, so a scope's export is whole while the scope is remembered.
+    pub journal_first: u64,
 }
 
 /// A thread as the ledger keeps it: the core's record and its workspace's identity.
@@ -240,11 +246,20 @@ impl Batch {
 /// more than `ended_age_ms` ago. Live runs are always kept. Pruned in the background
 /// (see [`Writer::spawn_retaining`]), so restart time and memory stay flat however long
 /// the daemon has run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub struct Retention {
     pub ended_max: usize,
     pub ended_age_ms: u64,
+    /// The first journal entry a reader still needs (an export under way: its range
+    /// must not move under it), `u64::MAX` for none: kept whatever else the policy says.
+    pub journal_hold: Option<Arc<std::sync::atomic::AtomicU64>>,
 }
+
+/// The most journal entries retention keeps for the sake of live runs and remembered
+/// scopes (issue 32 finding 8): about 1.2 GiB. A scope stopped for good would
+/// otherwise hold every entry after its first forever; past this the oldest go anyway
+/// (and an export of them answers `410 journal_pruned`).
+pub const JOURNAL_HELD_MAX: u64 = 4_194_304;
 
 /// The most ended runs one prune deletes: bounds how long it holds the ledger (a few
 /// milliseconds), so commits never wait long behind it.
@@ -454,7 +469,7 @@ impl Committer {
 
     /// One bounded prune; again soon if there was more to delete.
     fn prune(&mut self) {
-        let Some(policy) = self.retention.filter(|_| self.failed.is_none()) else {
+        let Some(policy) = self.retention.clone().filter(|_| self.failed.is_none()) else {
             self.prune_at = Instant::now() + Duration::from_secs(3600);
             return;
         };

@@ -236,6 +236,12 @@ const MIGRATIONS: &[&str] = &[
     // 19: the uid whose token's run froze a scope (S9, S10: a per-uid quota, and who
     // may control or delete it).
     "ALTER TABLE scopes ADD COLUMN owner_uid INTEGER;",
+    // 20: where a run's and a scope's entries start in the journal (0: unknown), so
+    // retention keeps the entries of live runs and of scopes not yet forgotten
+    // (issue 32 finding 8).
+    "ALTER TABLE runs ADD COLUMN journal_first INTEGER NOT NULL DEFAULT 0;
+     ALTER TABLE scopes ADD COLUMN journal_first INTEGER NOT NULL DEFAULT 0;
+     CREATE INDEX runs_live_journal ON runs (journal_first) WHERE terminal = 0;",
 ];
 
 /// The part of a migration SQL cannot do, run after its SQL in its transaction.
@@ -428,7 +434,7 @@ fn of(what: &str, e: StoreError) -> StoreError {
 
 /// The columns `read_run` reads, in this order: by position, not by name (looking each
 /// name up was an eighth of a restart's CPU).
-const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread, budget, lease_only, owner_uid, upgrading";
+const RUN_COLUMNS: &str = "run_id, project, class, priority, slots, memory, cpu_millis, disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms, wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms, expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, stop_grace_ms, detached, thread, budget, lease_only, owner_uid, upgrading, journal_first";
 
 /// Positions of `RUN_COLUMNS`.
 mod col {
@@ -468,6 +474,7 @@ mod col {
     pub const LEASE_ONLY: usize = 33;
     pub const OWNER_UID: usize = 34;
     pub const UPGRADING: usize = 35;
+    pub const JOURNAL_FIRST: usize = 36;
 }
 
 /// A run's record; what it refuses names the run.
@@ -569,6 +576,7 @@ fn read_run_fields(row: &Row) -> Result<RunRecord, StoreError> {
             1 => true,
             v => return Err(StoreError::Corrupt(format!("upgrading {v} is not 0 or 1"))),
         },
+        journal_first: u(g(col::JOURNAL_FIRST)?)?,
     })
 }
 
@@ -580,16 +588,18 @@ const UPSERT: &str =
     disk, named, singletons, contract_concurrency, contract_fingerprint, contract_commit, ttl_ms,
     wait_ms, worktree, labels, state, fence, queue_seq, enqueued_ms, deadline_ms, granted_ms,
     expires_ms, end_cause, primary_mode, ws_path, ws_dev, ws_ino, terminal, stop_grace_ms,
-    ended_unix_ms, detached, thread, budget, lease_only, owner_uid, upgrading)
+    ended_unix_ms, detached, thread, budget, lease_only, owner_uid, upgrading, journal_first)
   VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18, ?19,
-    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34, ?35, ?36, ?37, ?38)
+    ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31, ?32, ?33, ?34, ?35, ?36, ?37, ?38,
+    ?39)
   ON CONFLICT (run_id) DO UPDATE SET
     state = excluded.state, fence = excluded.fence, deadline_ms = excluded.deadline_ms,
     granted_ms = excluded.granted_ms, expires_ms = excluded.expires_ms,
     end_cause = excluded.end_cause, primary_mode = excluded.primary_mode,
     ws_path = excluded.ws_path, ws_dev = excluded.ws_dev, ws_ino = excluded.ws_ino,
     terminal = excluded.terminal, ended_unix_ms = excluded.ended_unix_ms,
-    detached = excluded.detached, upgrading = excluded.upgrading
+    detached = excluded.detached, upgrading = excluded.upgrading,
+    journal_first = COALESCE(NULLIF(runs.journal_first, 0), excluded.journal_first)
   -- D3: a terminal state is never overwritten; nor is another run's record (a late
   -- write of an ended run whose id a new run has taken, see replace_ended).
   WHERE runs.terminal = 0 AND runs.queue_seq = excluded.queue_seq";
@@ -1263,6 +1273,7 @@ fn upsert_run(
             r.lease_only as i64,
             r.owner_uid.map(i64::from),
             r.upgrading as i64,
+            r.journal_first.min(i64::MAX as u64) as i64,
         ])
         .map_err(write_err)?;
     if changed == 0 {
@@ -1516,14 +1527,17 @@ fn prune_journal(
         .max(1)
         .saturating_mul(JOURNAL_ENTRIES_PER_RUN)
         .min(i64::MAX as usize) as i64;
+    let held = journal_held(tx, policy)?;
     tx.prepare_cached(
         // Only the `rows_max` oldest are looked at (entries are written in order, so
         // their ages rise with seq): a prune costs what it deletes, not a table scan.
+        // Nothing at or after `held` goes (finding 8).
         "DELETE FROM journal_chunks WHERE first_seq IN (
            SELECT first_seq FROM (
              SELECT first_seq, last_seq, written_unix_ms FROM journal_chunks
              ORDER BY first_seq LIMIT ?3)
            WHERE first_seq < (SELECT MAX(first_seq) FROM journal_chunks)
+             AND last_seq < ?4
              AND (last_seq <= (SELECT last_seq FROM journal_chunks
                                ORDER BY first_seq DESC LIMIT 1) - ?1
                   OR written_unix_ms < ?2))",
@@ -1531,8 +1545,36 @@ fn prune_journal(
     .execute(params![
         keep,
         cutoff_unix_ms.min(i64::MAX as u64) as i64,
-        rows_max as i64
+        rows_max as i64,
+        held
     ])
+}
+
+/// The first journal entry retention must keep (issue 32 finding 8): the first of the
+/// oldest live run's, of the oldest remembered scope's, and of an export under way, but
+/// never more than `JOURNAL_HELD_MAX` entries behind the last.
+fn journal_held(tx: &rusqlite::Transaction, policy: &Retention) -> rusqlite::Result<i64> {
+    let first = |sql: &str| -> rusqlite::Result<i64> {
+        tx.prepare_cached(sql)?
+            .query_row([], |r| r.get::<_, Option<i64>>(0))
+            .map(|v| v.unwrap_or(i64::MAX))
+    };
+    // By the partial index on live runs: a lookup, not a scan.
+    let run =
+        first("SELECT MIN(journal_first) FROM runs WHERE terminal = 0 AND journal_first > 0")?;
+    let scope = first("SELECT MIN(journal_first) FROM scopes WHERE journal_first > 0")?;
+    let last = first("SELECT MAX(last_seq) FROM journal_chunks")?;
+    let export = policy
+        .journal_hold
+        .as_ref()
+        .map_or(u64::MAX, |h| h.load(std::sync::atomic::Ordering::Acquire))
+        .min(i64::MAX as u64) as i64;
+    let floor = if last == i64::MAX {
+        0
+    } else {
+        last.saturating_sub(crate::JOURNAL_HELD_MAX as i64)
+    };
+    Ok(run.min(scope).min(export).max(floor))
 }
 
 /// B1/B4: a scope's frozen policy and manifest, control state and generation.
@@ -1540,9 +1582,15 @@ fn write_scope(tx: &rusqlite::Transaction, r: &crate::ScopeRecord) -> Result<(),
     let policy: Vec<String> = r.policy.iter().map(|(h, n)| format!("{h}={n}")).collect();
     let m = r.manifest.as_ref();
     tx.prepare_cached(
-        "INSERT OR REPLACE INTO scopes (id, policy, manifest_path, manifest_sha256,
-           manifest_ids, control, generation, owner_uid)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+        // An upsert: the first entry, once known, is kept (later writes give 0).
+        "INSERT INTO scopes (id, policy, manifest_path, manifest_sha256,
+           manifest_ids, control, generation, owner_uid, journal_first)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+         ON CONFLICT (id) DO UPDATE SET policy = excluded.policy,
+           manifest_path = excluded.manifest_path, manifest_sha256 = excluded.manifest_sha256,
+           manifest_ids = excluded.manifest_ids, control = excluded.control,
+           generation = excluded.generation, owner_uid = excluded.owner_uid,
+           journal_first = COALESCE(NULLIF(scopes.journal_first, 0), excluded.journal_first)",
     )
     .and_then(|mut st| {
         st.execute(params![
@@ -1554,6 +1602,7 @@ fn write_scope(tx: &rusqlite::Transaction, r: &crate::ScopeRecord) -> Result<(),
             r.control.as_str(),
             r.generation as i64,
             r.owner_uid.map(i64::from),
+            r.journal_first.min(i64::MAX as u64) as i64,
         ])
     })
     .map_err(write_err)?;

@@ -228,6 +228,7 @@ fn a_corrupt_scope_refuses_to_load() {
             control: berth_core::scopes::Control::Open,
             generation: 0,
             owner_uid: None,
+            journal_first: 0,
         };
         let token = berth_core::scopes::Token {
             harness: "claude".into(),

@@ -184,9 +184,9 @@ fn observing() -> Vec<(Route, MethodRouter<Api>)> {
                 Get,
                 "/v1/journal/export",
                 r,
-                "A prefix of the journal with its SHA-256 (header X-Berth-Journal-Sha256); ?scope= keeps one experiment scope's entries",
+                "Entries from..through (default 1..last) with their SHA-256 (header X-Berth-Journal-Sha256), streamed; 410 journal_pruned once retention deleted the start, 429 too_many_exports; ?scope= keeps one experiment scope's entries",
             )
-            .query(&[("through", "integer"), ("scope", "string")])
+            .query(&[("from", "integer"), ("through", "integer"), ("scope", "string")])
             .answers(200, Body::Lines("JournalEntry")),
             get(observe::export),
         ),

@@ -20,13 +20,15 @@ use crate::journal::{Filter, Journal};
 
 /// Entries one `GET /v1/journal` returns at most (the ledger's read bound).
 pub const JOURNAL_LIMIT_MAX: usize = berth_store::JOURNAL_READ_MAX;
-/// Entries one export holds at most: built in memory to give its digest in a header
-/// (~300 bytes each: ~75 MiB). Retention keeps 16 per remembered run, 160,000 at the
-/// default, so a default ledger always exports whole.
-pub const JOURNAL_EXPORT_MAX: u64 = 262_144;
-/// Events buffered for one stream; past it the stream's reader waits, and once it is
-/// `SUBSCRIBER_LAG_MAX` entries behind the journal it is cut off.
-const STREAM_BUFFER: usize = 64;
+/// Batches buffered for one stream; past it the stream's reader waits, and once it is
+/// `SUBSCRIBER_LAG_MAX` entries behind the journal it is cut off. With
+/// `STREAM_BATCH_BYTES` a batch, a stream that stopped reading holds at most about
+/// half a megabyte (issue 32 finding 3: 64 pages of history each held 2.8 GB for
+/// 100 stalled readers).
+const STREAM_BUFFER: usize = 8;
+/// A batch is handed over once it holds this many bytes (a page of history is cut
+/// into several).
+const STREAM_BATCH_BYTES: usize = 64 * 1024;
 /// A comment this often keeps proxies from closing an idle stream.
 const HEARTBEAT: Duration = Duration::from_secs(15);
 /// A `kind` filter's names, at most.
@@ -101,12 +103,19 @@ fn of_scope(e: &JournalEntry, scope: &str) -> bool {
         .is_ok_and(|v| v["data"]["scope"].as_str() == Some(scope))
 }
 
-/// `GET /v1/journal/export?through=SEQ[&scope=ID]`: every kept entry from the first
-/// through `through` (default: the last), as ndjson, with the SHA-256 of exactly those
-/// bytes in `X-Berth-Journal-Sha256`. Entries are stored as they were first rendered,
-/// so the same prefix always gives the same bytes and the same digest. With `scope`,
-/// only that experiment scope's entries (frozen, tokens, control), so an experiment
-/// can freeze exactly what happened to its budget.
+/// `GET /v1/journal/export?from=SEQ&through=SEQ[&scope=ID]`: every entry from `from`
+/// (default 1) through `through` (default: the last), as ndjson, with the SHA-256 of
+/// exactly those bytes in `X-Berth-Journal-Sha256` and the range in
+/// `X-Berth-Journal-First` and `-Through`. Entries are stored as they were first
+/// rendered, so the same request always gives the same bytes, or, once retention has
+/// deleted the start of its range, `410 journal_pruned` naming the first entry kept
+/// (never a shorter export under the same name: issue 32 finding 8). With `scope`,
+/// only that experiment scope's entries (frozen, tokens, control).
+///
+/// Streamed (issue 32 finding 3): the digest is taken over the range a page at a
+/// time, then the same pages are sent, so an export holds about a megabyte whatever
+/// its length; its range is held against retention meanwhile, and at most
+/// `EXPORTS_MAX` run at once (`429 too_many_exports`).
 pub async fn export(AxState(api): AxState<Api>, params: Params) -> Result<Response, ApiError> {
     let scope = params.0.get("scope").cloned();
     if let Some(s) = &scope {
@@ -121,46 +130,193 @@ pub async fn export(AxState(api): AxState<Api>, params: Params) -> Result<Respon
             format!("is past the journal's last entry ({last})"),
         ));
     }
-    let first = j.first().await.map_err(store_unavailable)?;
-    if first > 0 && through >= first && through - first + 1 > JOURNAL_EXPORT_MAX {
+    let from = number(&params, "from")?.unwrap_or(1);
+    if from == 0 || from > through.max(1) {
         return Err(ApiError::invalid(
-            "through",
-            format!(
-                "an export holds at most {JOURNAL_EXPORT_MAX} entries; the first kept is {first}"
-            ),
+            "from",
+            format!("must be from 1 to through ({through})"),
         ));
     }
-    let mut body = Vec::new();
-    let mut after = first.saturating_sub(1);
-    while after < through {
-        let want = (through - after).min(JOURNAL_LIMIT_MAX as u64) as usize;
-        let got = j.read(after, want).await.map_err(store_unavailable)?;
-        let Some(end) = got.last().map(|e| e.seq) else {
-            break;
-        };
-        match &scope {
-            Some(s) => {
-                let kept: Vec<Arc<JournalEntry>> =
-                    got.into_iter().filter(|e| of_scope(e, s)).collect();
-                ndjson(&kept, &mut body);
-            }
-            None => ndjson(&got, &mut body),
-        }
-        after = end;
+    let hold = j.hold(from).ok_or_else(|| {
+        ApiError::new(
+            429,
+            "too_many_exports",
+            format!(
+                "{} exports are under way, the most at once: try again when one ends",
+                crate::journal::EXPORTS_MAX
+            ),
+        )
+        .with(serde_json::json!({"max": crate::journal::EXPORTS_MAX}))
+    })?;
+    // Read after the hold is taken: no prune after this moves the start.
+    let first = j.first().await.map_err(store_unavailable)?;
+    let pruned = through > 0 && first > from;
+    let pruned_error = || {
+        ApiError::new(
+            410,
+            "journal_pruned",
+            format!(
+                "entries before {first} are deleted by retention: export from {first} or later"
+            ),
+        )
+        .with(serde_json::json!({"first": first, "from": from}))
+    };
+    if pruned && scope.is_none() {
+        return Err(pruned_error());
     }
-    let digest = Sha256::digest(&body);
-    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    let range = Range {
+        after: from - 1,
+        through,
+        scope,
+    };
+    let mut digest = Sha256::new();
+    let mut opens_with = None;
+    range
+        .pages(j, |page| {
+            if opens_with.is_none() {
+                opens_with = Some(first_kind(page));
+            }
+            digest.update(page);
+            std::future::ready(true)
+        })
+        .await
+        .map_err(store_unavailable)?;
+    // A scope's story is whole if what is kept of it starts where it was frozen:
+    // entries deleted before that were not its own.
+    if pruned && opens_with.flatten().as_deref() != Some("scope_frozen") {
+        return Err(pruned_error());
+    }
+    let hex: String = digest
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let (tx, rx) = mpsc::channel::<Bytes>(EXPORT_PAGES_BUFFERED);
+    let shared = api.shared.clone();
+    tokio::spawn(async move {
+        let _hold = hold;
+        let _reader = Reader::new();
+        let sent = range
+            .pages(&shared.journal, |page| {
+                // Sent in slices: a slow reader holds a few of them, not pages.
+                let tx = tx.clone();
+                let slices: Vec<Bytes> = page
+                    .chunks(EXPORT_SLICE_BYTES)
+                    .map(Bytes::copy_from_slice)
+                    .collect();
+                async move {
+                    for b in slices {
+                        // A reader that stops reading is cut: it would hold an
+                        // export's place and its range of the journal for good.
+                        let sent = tokio::time::timeout(EXPORT_STALL_MAX, tx.send(b)).await;
+                        if !matches!(sent, Ok(Ok(()))) {
+                            return false;
+                        }
+                    }
+                    true
+                }
+            })
+            .await;
+        if sent.is_err() {
+            // The reader sees a body shorter than its digest says: never other bytes.
+            tracing::warn!("journal export cut short: the ledger could not be read");
+        }
+    });
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    });
     let h = |n: &'static str| header::HeaderName::from_static(n);
     Ok((
         [
             (header::CONTENT_TYPE, "application/x-ndjson".to_string()),
             (h("x-berth-journal-sha256"), hex),
-            (h("x-berth-journal-first"), first.min(through).to_string()),
-            (h("x-berth-journal-through"), through.min(after).to_string()),
+            (h("x-berth-journal-first"), from.min(through).to_string()),
+            (h("x-berth-journal-through"), through.to_string()),
         ],
-        body,
+        Body::from_stream(body),
     )
         .into_response())
+}
+
+/// The `kind` of a page's first line.
+fn first_kind(page: &[u8]) -> Option<String> {
+    let line = page.split(|&b| b == b'\n').next()?;
+    let v: serde_json::Value = serde_json::from_slice(line).ok()?;
+    v["kind"].as_str().map(str::to_string)
+}
+
+/// Entries one export page reads (the ledger's read bound: reading less unpacks the
+/// same stored chunk several times): ~300 KB.
+const EXPORT_PAGE: usize = JOURNAL_LIMIT_MAX;
+/// An export is sent in slices of this size, and buffers `EXPORT_PAGES_BUFFERED`
+/// of them ahead of a slow reader: with the page being read and its bytes, about
+/// 0.9 MiB an export.
+const EXPORT_SLICE_BYTES: usize = 64 * 1024;
+const EXPORT_PAGES_BUFFERED: usize = 4;
+/// How long an export waits for its reader to take the next slice before it is cut
+/// (its place among `EXPORTS_MAX` and its hold on the journal are given back).
+const EXPORT_STALL_MAX: Duration = Duration::from_secs(30);
+
+/// An export's range: the entries after `after` through `through`, of `scope` only if
+/// given.
+struct Range {
+    after: u64,
+    through: u64,
+    scope: Option<String>,
+}
+
+impl Range {
+    /// Hands each page's ndjson bytes to `each`, in order, until the range is done or
+    /// `each` answers false (the reader went away).
+    async fn pages<F, Fut>(&self, j: &Journal, mut each: F) -> Result<(), berth_store::StoreError>
+    where
+        F: FnMut(&[u8]) -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let mut after = self.after;
+        let mut page = Vec::new();
+        while after < self.through {
+            let want = (self.through - after).min(EXPORT_PAGE as u64) as usize;
+            let got = j.read(after, want).await?;
+            let Some(end) = got.last().map(|e| e.seq) else {
+                break;
+            };
+            page.clear();
+            for e in got.iter().filter(|e| e.seq <= self.through) {
+                if self.scope.as_ref().is_none_or(|s| of_scope(e, s)) {
+                    page.extend_from_slice(e.line.as_bytes());
+                    page.push(b'\n');
+                }
+            }
+            drop(got);
+            if !page.is_empty() && !each(&page).await {
+                break;
+            }
+            after = end;
+        }
+        Ok(())
+    }
+}
+
+/// Streams and exports under way. When the last one ends its buffers are given back to
+/// the system (issue 32 finding 3: 100 stalled streams kept 2.7 GB after they closed).
+static READERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+struct Reader;
+
+impl Reader {
+    fn new() -> Reader {
+        READERS.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Reader
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        if READERS.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            crate::memory::release();
+        }
+    }
 }
 
 /// What a stream is asked for: the filter, and where to start.
@@ -245,6 +401,7 @@ pub async fn events(
     let said = last_word.clone();
     shared.metrics.subscriber(true);
     tokio::spawn(async move {
+        let _reader = Reader::new();
         if let Some(cut) = pump(&shared.journal, filter, after, &tx).await {
             let data = serde_json::to_string(&cut).unwrap_or_default();
             let _ = said.set(Bytes::from(format!("event: cutoff\ndata: {data}\n\n")));
@@ -427,6 +584,9 @@ async fn catch_up(
                 sse(e, &mut out.batch);
             }
             *after = e.seq;
+            if out.batch.len() >= STREAM_BATCH_BYTES {
+                out.deliver(*after).await?;
+            }
         }
         out.deliver(*after).await?;
     }

@@ -32,6 +32,9 @@ pub(super) struct Extra {
     pub(super) lease_only: bool,
     /// S9: the uid of the uid-bound token that made the run (kept when it shrinks).
     pub(super) owner_uid: Option<u32>,
+    /// The run's first journal entry (0: none yet): retention keeps the journal from
+    /// the oldest live run's on (issue 32 finding 8).
+    pub(super) journal_first: u64,
 }
 
 /// What an acquire carries besides the engine's request, as one digest.
@@ -68,6 +71,7 @@ impl Extra {
             thread: None,
             lease_only: false,
             owner_uid: None,
+            journal_first: 0,
         }
     }
 
@@ -86,6 +90,7 @@ impl Extra {
         extra.thread = r.thread.take();
         extra.lease_only = r.lease_only;
         extra.owner_uid = r.owner_uid;
+        extra.journal_first = r.journal_first;
         if r.state.is_terminal() {
             extra.shrink();
         }

@@ -32,6 +32,12 @@ impl<H: Host> Daemon<H> {
         let seq = self.journal_next;
         self.journal_next += 1;
         self.shared.metrics.journaled(kind);
+        // Where the run's story starts: retention keeps it while the run lives.
+        if let Some(e) = run_id.as_ref().and_then(|id| self.extras.get_mut(id)) {
+            if e.journal_first == 0 {
+                e.journal_first = seq;
+            }
+        }
         // A step makes several entries at one time: render it once.
         if self.journal_at.0 != self.now || self.journal_at.1.is_empty() {
             self.journal_at = (self.now, self.host.show_time(self.now));

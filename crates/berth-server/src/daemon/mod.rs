@@ -605,6 +605,7 @@ impl<H: Host> Daemon<H> {
             thread: extra.thread.clone(),
             lease_only: extra.lease_only,
             owner_uid: extra.owner_uid,
+            journal_first: extra.journal_first,
         })
     }
 

@@ -253,7 +253,9 @@ impl<H: Host> Daemon<H> {
                 };
                 let data = json!({"scope": scope, "policy": s.policy,
                                   "manifest": s.manifest});
-                self.push_scope(scope);
+                // Its story starts with this entry: retention keeps it from here.
+                let first = self.journal_next;
+                self.push_scope(scope, first);
                 self.journal_entry("scope_frozen", None, None, data);
             }
             Event::ScopeForgotten { scope, by_operator } => {
@@ -301,7 +303,7 @@ impl<H: Host> Daemon<H> {
                 self.journal_entry("budget_token_lapsed", None, None, data);
             }
             Event::ScopeControlled { scope, receipt } => {
-                self.push_scope(scope);
+                self.push_scope(scope, 0);
                 self.pending_mutations.push(Mutation::ScopeReceipt {
                     scope: scope.clone(),
                     receipt: receipt.clone(),
@@ -316,7 +318,9 @@ impl<H: Host> Daemon<H> {
         }
     }
 
-    fn push_scope(&mut self, scope: &str) {
+    /// The scope's row; `journal_first` is its first journal entry when known (0: the
+    /// one written before is kept).
+    fn push_scope(&mut self, scope: &str, journal_first: u64) {
         if let Some(s) = self.engine.scopes().get(scope) {
             let rec = ScopeRecord {
                 id: s.id.clone(),
@@ -325,6 +329,7 @@ impl<H: Host> Daemon<H> {
                 control: s.control,
                 generation: s.generation,
                 owner_uid: s.owner_uid,
+                journal_first,
             };
             self.pending_mutations.push(Mutation::Scope(rec));
         }
