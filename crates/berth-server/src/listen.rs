@@ -57,6 +57,47 @@ fn held(pids: &BTreeSet<i32>, listening: &BTreeMap<u64, u16>) -> BTreeMap<u64, (
     out
 }
 
+/// Who holds the listener a run's port was proven ready on (C3 evidence, issue 32
+/// finding 5: a stranger bound the run's port, the run's server died with `Address
+/// already in use`, and the stranger's answer promoted the project).
+#[derive(Debug, PartialEq, Eq)]
+pub enum PortHolder {
+    /// A process of the launched command's tree (or of the run's cgroup) holds it.
+    TheRun,
+    /// Another process: its pid and command line, if this user may see its sockets.
+    Stranger(Option<(i32, String)>),
+}
+
+/// Whose is the listener on `port`: the tree of `root` (the launched command) and the
+/// pids of the run's cgroup count as the run's. Reads `/proc` once; a stranger is
+/// looked for only when the run holds none.
+pub fn port_holder(root: i32, group: &[i32], port: u16) -> std::io::Result<PortHolder> {
+    let listening = berth_proc::net::listening()?;
+    let wanted: BTreeSet<u64> = listening
+        .iter()
+        .filter(|(_, &p)| p == port)
+        .map(|(&inode, _)| inode)
+        .collect();
+    let all = berth_proc::scan()?;
+    let roots: Vec<ProcId> = berth_proc::identify(root).into_iter().collect();
+    let ours = pids_of(&roots, group, &all);
+    let holds = |pid: i32| {
+        berth_proc::net::sockets_of(pid)
+            .unwrap_or_default()
+            .iter()
+            .any(|i| wanted.contains(i))
+    };
+    if ours.iter().any(|&pid| holds(pid)) {
+        return Ok(PortHolder::TheRun);
+    }
+    let stranger = all
+        .iter()
+        .map(|s| s.pid)
+        .find(|&pid| !ours.contains(&pid) && holds(pid))
+        .map(|pid| (pid, berth_proc::net::cmdline(pid)));
+    Ok(PortHolder::Stranger(stranger))
+}
+
 /// The first listener of `w`'s processes that is not in its baseline (pure over what
 /// was read).
 pub fn violation(baseline: &BTreeSet<u64>, held: &BTreeMap<u64, (i32, u16)>) -> Option<(i32, u16)> {

@@ -419,3 +419,47 @@ fn finding_4_a_demotion_never_leaves_a_ledger_that_refuses_to_restore() {
     let a3 = d.post("/v1/runs", &acquire("a3", wt.path(), 0));
     assert_eq!(a3.status, 410, "a3 may not join a2: {}", a3.body);
 }
+
+/// Issue 32 finding 5: another process bound run a's allocated port (which any read
+/// token can see); a's server died with `Address already in use`, yet the start
+/// answered `{"promoted":true}` and the project became `parallel_safe`. Now the
+/// listener that answered must be the run's own: the start fails with `port_taken`
+/// naming the port and the stranger's pid, and nothing is promoted.
+#[test]
+fn finding_5_a_squatted_port_fails_the_start_and_promotes_nothing() {
+    let r = range(80, 1);
+    let d = Daemon::start(&["--slots-max", "4", "--port-range", &r]);
+    let wt = worktree(WEB);
+    let a = d.post("/v1/runs", &acquire("a", wt.path(), 0));
+    assert_eq!(a.status, 201, "{}", a.body);
+    let port = a.body["ports"]["web"].as_u64().unwrap();
+    let mut squatter = std::process::Command::new("python3")
+        .args([
+            "-m",
+            "http.server",
+            "--bind",
+            "127.0.0.1",
+            &port.to_string(),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    d.wait_until("the squatter serves", |_| serves(port));
+    let started = start_runtime(&d, "a", a.body["fence"].as_u64().unwrap());
+    let _ = squatter.kill();
+    let _ = squatter.wait();
+    assert_eq!(started.status, 422, "{}", started.body);
+    assert_eq!(
+        started.body["error"]["code"], "port_taken",
+        "{}",
+        started.body
+    );
+    let details = &started.body["error"]["details"];
+    assert_eq!(details["port"], "web", "{}", started.body);
+    assert_eq!(details["number"], port, "{}", started.body);
+    assert_eq!(details["pid"], squatter.id(), "{}", started.body);
+    let p = project(&d);
+    assert_ne!(p["concurrency"], "parallel_safe", "{p}");
+    assert_eq!(p["evidence"], Value::Null, "{p}");
+}

@@ -147,9 +147,16 @@ fn answer(
                 _ => None,
             });
             let (port, log_tail) = failed.unwrap_or_default();
-            Err(e.with(json!({
+            // Added to what the failure said (a taken port's number and holder).
+            let mut details = json!({
                 "run_id": run_id, "port": port, "log_tail": log_tail, "events": events
-            })))
+            });
+            if let (Some(all), Some(own)) = (details.as_object_mut(), e.details.as_object()) {
+                for (k, v) in own {
+                    all.entry(k.clone()).or_insert_with(|| v.clone());
+                }
+            }
+            Err(e.with(details))
         }
     }
 }
@@ -236,11 +243,15 @@ async fn finish(
                     fence,
                 })
                 .await;
-            Err(ApiError::new(
-                422,
-                "runtime_failed",
-                format!("port {}: {}", f.port, f.why),
-            ))
+            let e = ApiError::new(422, "runtime_failed", format!("port {}: {}", f.port, f.why));
+            Err(match f.taken {
+                Some((number, pid)) => ApiError {
+                    code: "port_taken".into(),
+                    ..e
+                }
+                .with(serde_json::json!({"port": f.port, "number": number, "pid": pid})),
+                None => e,
+            })
         }
     }
 }

@@ -28,6 +28,9 @@ pub struct Failure {
     pub port: String,
     pub why: String,
     pub log_tail: Vec<String>,
+    /// Set when the port was ready but another process holds its listener (issue 32
+    /// finding 5): the number, and the stranger's pid if visible.
+    pub taken: Option<(u16, Option<i32>)>,
 }
 
 impl Failure {
@@ -36,6 +39,7 @@ impl Failure {
             port: port.name.clone(),
             why: why.into(),
             log_tail,
+            taken: None,
         }
     }
 
@@ -137,12 +141,47 @@ async fn launch_all(
         });
         let l = launched.last_mut().expect("pushed");
         probe::until_ready(port, number, l).await?;
+        // C3: what answered must be the run's own listener, not a squatter's.
+        let group = group_pids(s.plan.group_procs.as_deref());
+        let holder = off_worker(port, {
+            let port = port.clone();
+            move || {
+                crate::listen::port_holder(pid, &group, number).map_err(|e| {
+                    Failure::new(
+                        &port,
+                        format!("its listener could not be looked up: {e}"),
+                        vec![],
+                    )
+                })
+            }
+        })
+        .await?;
+        if let crate::listen::PortHolder::Stranger(who) = holder {
+            let by = match &who {
+                Some((pid, cmd)) => format!("pid {pid} ({cmd})"),
+                None => "a process berth cannot see".into(),
+            };
+            let why = format!(
+                "runtime.port_taken: port {number} answered, but its listener is held by {by}, not by the run's processes"
+            );
+            let mut f = Failure::new(port, why, l.tail_lines());
+            f.taken = Some((number, who.map(|w| w.0)));
+            return Err(f);
+        }
         let _ = events.send(RuntimeEvent::Ready {
             port: port.name.clone(),
         });
         ready.insert(port.name.clone(), number);
     }
     Ok(ready)
+}
+
+/// The pids of the run's cgroup (`cgroup.procs`), if it has one.
+fn group_pids(procs: Option<&Path>) -> Vec<i32> {
+    procs
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
 }
 
 /// How long resolving a port's directory or starting its command may take: both touch
@@ -239,6 +278,7 @@ fn logs_dir(plan: &RuntimePlan) -> Result<PathBuf, Failure> {
             port: String::new(),
             why: "the run has no workspace".into(),
             log_tail: vec![],
+            taken: None,
         })
 }
 
