@@ -117,26 +117,8 @@ fn of_scope(e: &JournalEntry, scope: &str) -> bool {
 /// its length; its range is held against retention meanwhile, and at most
 /// `EXPORTS_MAX` run at once (`429 too_many_exports`).
 pub async fn export(AxState(api): AxState<Api>, params: Params) -> Result<Response, ApiError> {
-    let scope = params.0.get("scope").cloned();
-    if let Some(s) = &scope {
-        crate::request::check_scope(s)?;
-    }
     let j = &api.shared.journal;
-    let last = j.last();
-    let through = number(&params, "through")?.unwrap_or(last);
-    if through > last {
-        return Err(ApiError::invalid(
-            "through",
-            format!("is past the journal's last entry ({last})"),
-        ));
-    }
-    let from = number(&params, "from")?.unwrap_or(1);
-    if from == 0 || from > through.max(1) {
-        return Err(ApiError::invalid(
-            "from",
-            format!("must be from 1 to through ({through})"),
-        ));
-    }
+    let (from, range) = export_range(&params, j.last())?;
     let hold = j.hold(from).ok_or_else(|| {
         ApiError::new(
             429,
@@ -150,7 +132,7 @@ pub async fn export(AxState(api): AxState<Api>, params: Params) -> Result<Respon
     })?;
     // Read after the hold is taken: no prune after this moves the start.
     let first = j.first().await.map_err(store_unavailable)?;
-    let pruned = through > 0 && first > from;
+    let pruned = range.through > 0 && first > from;
     let pruned_error = || {
         ApiError::new(
             410,
@@ -161,70 +143,17 @@ pub async fn export(AxState(api): AxState<Api>, params: Params) -> Result<Respon
         )
         .with(serde_json::json!({"first": first, "from": from}))
     };
-    if pruned && scope.is_none() {
+    if pruned && range.scope.is_none() {
         return Err(pruned_error());
     }
-    let range = Range {
-        after: from - 1,
-        through,
-        scope,
-    };
-    let mut digest = Sha256::new();
-    let mut opens_with = None;
-    range
-        .pages(j, |page| {
-            if opens_with.is_none() {
-                opens_with = Some(first_kind(page));
-            }
-            digest.update(page);
-            std::future::ready(true)
-        })
-        .await
-        .map_err(store_unavailable)?;
+    let (hex, opens_with) = range.digest(j).await.map_err(store_unavailable)?;
     // A scope's story is whole if what is kept of it starts where it was frozen:
     // entries deleted before that were not its own.
-    if pruned && opens_with.flatten().as_deref() != Some("scope_frozen") {
+    if pruned && opens_with.as_deref() != Some("scope_frozen") {
         return Err(pruned_error());
     }
-    let hex: String = digest
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let (tx, rx) = mpsc::channel::<Bytes>(EXPORT_PAGES_BUFFERED);
-    let shared = api.shared.clone();
-    tokio::spawn(async move {
-        let _hold = hold;
-        let _reader = Reader::new();
-        let sent = range
-            .pages(&shared.journal, |page| {
-                // Sent in slices: a slow reader holds a few of them, not pages.
-                let tx = tx.clone();
-                let slices: Vec<Bytes> = page
-                    .chunks(EXPORT_SLICE_BYTES)
-                    .map(Bytes::copy_from_slice)
-                    .collect();
-                async move {
-                    for b in slices {
-                        // A reader that stops reading is cut: it would hold an
-                        // export's place and its range of the journal for good.
-                        let sent = tokio::time::timeout(EXPORT_STALL_MAX, tx.send(b)).await;
-                        if !matches!(sent, Ok(Ok(()))) {
-                            return false;
-                        }
-                    }
-                    true
-                }
-            })
-            .await;
-        if sent.is_err() {
-            // The reader sees a body shorter than its digest says: never other bytes.
-            tracing::warn!("journal export cut short: the ledger could not be read");
-        }
-    });
-    let body = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
-    });
+    let through = range.through;
+    let body = range.stream(api.shared.clone(), hold);
     let h = |n: &'static str| header::HeaderName::from_static(n);
     Ok((
         [
@@ -233,9 +162,37 @@ pub async fn export(AxState(api): AxState<Api>, params: Params) -> Result<Respon
             (h("x-berth-journal-first"), from.min(through).to_string()),
             (h("x-berth-journal-through"), through.to_string()),
         ],
-        Body::from_stream(body),
+        body,
     )
         .into_response())
+}
+
+/// An export's `from` and range, checked.
+fn export_range(params: &Params, last: u64) -> Result<(u64, Range), ApiError> {
+    let scope = params.0.get("scope").cloned();
+    if let Some(s) = &scope {
+        crate::request::check_scope(s)?;
+    }
+    let through = number(params, "through")?.unwrap_or(last);
+    if through > last {
+        return Err(ApiError::invalid(
+            "through",
+            format!("is past the journal's last entry ({last})"),
+        ));
+    }
+    let from = number(params, "from")?.unwrap_or(1);
+    if from == 0 || from > through.max(1) {
+        return Err(ApiError::invalid(
+            "from",
+            format!("must be from 1 to through ({through})"),
+        ));
+    }
+    let range = Range {
+        after: from - 1,
+        through,
+        scope,
+    };
+    Ok((from, range))
 }
 
 /// The `kind` of a page's first line.
@@ -266,6 +223,67 @@ struct Range {
 }
 
 impl Range {
+    /// The SHA-256 of the range's bytes (hex), and the kind of its first entry.
+    async fn digest(
+        &self,
+        j: &Journal,
+    ) -> Result<(String, Option<String>), berth_store::StoreError> {
+        let mut digest = Sha256::new();
+        let mut opens_with = None;
+        self.pages(j, |page| {
+            if opens_with.is_none() {
+                opens_with = Some(first_kind(page));
+            }
+            digest.update(page);
+            std::future::ready(true)
+        })
+        .await?;
+        let hex = digest
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Ok((hex, opens_with.flatten()))
+    }
+
+    /// The range's bytes as a body, read again page by page as the reader takes them;
+    /// `hold` keeps the range from retention until the last is sent.
+    fn stream(self, shared: Arc<crate::daemon::Shared>, hold: crate::journal::Hold) -> Body {
+        let (tx, rx) = mpsc::channel::<Bytes>(EXPORT_PAGES_BUFFERED);
+        tokio::spawn(async move {
+            let _hold = hold;
+            let _reader = Reader::new();
+            let sent = self
+                .pages(&shared.journal, |page| {
+                    // Sent in slices: a slow reader holds a few of them, not pages.
+                    let tx = tx.clone();
+                    let slices: Vec<Bytes> = page
+                        .chunks(EXPORT_SLICE_BYTES)
+                        .map(Bytes::copy_from_slice)
+                        .collect();
+                    async move {
+                        for b in slices {
+                            // A reader that stops reading is cut: it would hold an
+                            // export's place and its range of the journal for good.
+                            let sent = tokio::time::timeout(EXPORT_STALL_MAX, tx.send(b)).await;
+                            if !matches!(sent, Ok(Ok(()))) {
+                                return false;
+                            }
+                        }
+                        true
+                    }
+                })
+                .await;
+            if sent.is_err() {
+                // The reader sees a body shorter than its digest says: never other bytes.
+                tracing::warn!("journal export cut short: the ledger could not be read");
+            }
+        });
+        Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+        }))
+    }
+
     /// Hands each page's ndjson bytes to `each`, in order, until the range is done or
     /// `each` answers false (the reader went away).
     async fn pages<F, Fut>(&self, j: &Journal, mut each: F) -> Result<(), berth_store::StoreError>

@@ -142,38 +142,52 @@ async fn launch_all(
         let l = launched.last_mut().expect("pushed");
         probe::until_ready(port, number, l).await?;
         // C3: what answered must be the run's own listener, not a squatter's.
-        let group = group_pids(s.plan.group_procs.as_deref());
-        let holder = off_worker(port, {
-            let port = port.clone();
-            move || {
-                crate::listen::port_holder(pid, &group, number).map_err(|e| {
-                    Failure::new(
-                        &port,
-                        format!("its listener could not be looked up: {e}"),
-                        vec![],
-                    )
-                })
-            }
-        })
-        .await?;
-        if let crate::listen::PortHolder::Stranger(who) = holder {
-            let by = match &who {
-                Some((pid, cmd)) => format!("pid {pid} ({cmd})"),
-                None => "a process berth cannot see".into(),
-            };
-            let why = format!(
-                "runtime.port_taken: port {number} answered, but its listener is held by {by}, not by the run's processes"
-            );
-            let mut f = Failure::new(port, why, l.tail_lines());
-            f.taken = Some((number, who.map(|w| w.0)));
-            return Err(f);
-        }
+        owned_listener(s, port, pid, number, l).await?;
         let _ = events.send(RuntimeEvent::Ready {
             port: port.name.clone(),
         });
         ready.insert(port.name.clone(), number);
     }
     Ok(ready)
+}
+
+/// C3 (issue 32 finding 5): the listener that answered on `number` must be held by
+/// the launched command's tree or the run's cgroup; otherwise the start fails,
+/// naming who holds it.
+async fn owned_listener(
+    s: &Start<'_>,
+    port: &Port,
+    pid: i32,
+    number: u16,
+    l: &Launched,
+) -> Result<(), Failure> {
+    let group = group_pids(s.plan.group_procs.as_deref());
+    let holder = off_worker(port, {
+        let port = port.clone();
+        move || {
+            crate::listen::port_holder(pid, &group, number).map_err(|e| {
+                Failure::new(
+                    &port,
+                    format!("its listener could not be looked up: {e}"),
+                    vec![],
+                )
+            })
+        }
+    })
+    .await?;
+    let crate::listen::PortHolder::Stranger(who) = holder else {
+        return Ok(());
+    };
+    let by = match &who {
+        Some((pid, cmd)) => format!("pid {pid} ({cmd})"),
+        None => "a process berth cannot see".into(),
+    };
+    let why = format!(
+        "runtime.port_taken: port {number} answered, but its listener is held by {by}, not by the run's processes"
+    );
+    let mut f = Failure::new(port, why, l.tail_lines());
+    f.taken = Some((number, who.map(|w| w.0)));
+    Err(f)
 }
 
 /// The pids of the run's cgroup (`cgroup.procs`), if it has one.
