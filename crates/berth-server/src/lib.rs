@@ -205,6 +205,7 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
         tokens: RwLock::new(opened.tokens),
         url: format!("http://{addr}"),
         limits: limits::Limits::new(cfg.token_streams_max, cfg.token_waits_max),
+        me: Some(register::Me::now()),
         ..Default::default()
     });
     let writer = spawn_writer(&cfg, opened.store, &shared);

@@ -180,24 +180,15 @@ pub fn check(me: &Me, uid: u32, pid: i32, others: &[OtherRun<'_>]) -> Result<Pro
     // A descendant of another run's root is allowed: a `berth run` inside a run (an
     // agent running its tests under berth) registers its command, which lives in the
     // outer run's tree; stopping the inner run stops only that subtree, and stopping
-    // the outer run stops both, as it should.
-    for o in others {
-        for r in &o.roots {
-            let Ok(rs) = berth_proc::stat(r.pid) else {
-                continue;
-            };
-            if rs.start_ticks != r.start_ticks {
-                continue; // that root is gone; its pid is someone else's now (P3)
-            }
-            let reaches = pid == r.pid
-                || pid == rs.pgrp
-                || pid == rs.session
-                || ancestors(r.pid).contains(&pid);
-            if reaches {
-                return Err(Refusal::OwnedByRun {
-                    run_id: o.run_id.to_string(),
-                });
-            }
+    // the outer run stops both, as it should. One scan of `/proc`, walked once
+    // (issue 32 finding 7: each root's chain read from `/proc` step by step made a
+    // registration cost the sum of every other run's depth).
+    if !others.is_empty() {
+        let all = berth_proc::scan().map_err(|e| Refusal::CouldNotLook(e.to_string()))?;
+        if let Some(run_id) = reaches_other_run(pid, others, &all).0 {
+            return Err(Refusal::OwnedByRun {
+                run_id: run_id.to_string(),
+            });
         }
     }
     Ok(ProcId {
@@ -207,9 +198,109 @@ pub fn check(me: &Me, uid: u32, pid: i32, others: &[OtherRun<'_>]) -> Result<Pro
     })
 }
 
+/// Rule 3 over one reading of `/proc` (pure): the run whose live root `pid`'s tree
+/// would reach (`pid` is the root, its process group or session leader, or its
+/// ancestor), if any, and how many processes were looked at. Chains shared by several
+/// roots are walked once: whatever the depth, at most every process once plus each
+/// root (issue 32 finding 7).
+pub fn reaches_other_run<'a>(
+    pid: i32,
+    others: &[OtherRun<'a>],
+    all: &[berth_proc::Stat],
+) -> (Option<&'a str>, usize) {
+    let by_pid: std::collections::HashMap<i32, &berth_proc::Stat> =
+        all.iter().map(|s| (s.pid, s)).collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut steps = 0;
+    for o in others {
+        for r in &o.roots {
+            steps += 1;
+            // A root that is gone: its pid is someone else's now (P3).
+            let Some(rs) = by_pid
+                .get(&r.pid)
+                .filter(|s| s.start_ticks == r.start_ticks)
+            else {
+                continue;
+            };
+            if pid == r.pid || pid == rs.pgrp || pid == rs.session {
+                return (Some(o.run_id), steps);
+            }
+            let mut p = rs.ppid;
+            while p > 0 && seen.insert(p) {
+                steps += 1;
+                if p == pid {
+                    return (Some(o.run_id), steps);
+                }
+                p = by_pid.get(&p).map_or(0, |s| s.ppid);
+            }
+        }
+    }
+    (None, steps)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn st(pid: i32, ppid: i32) -> berth_proc::Stat {
+        berth_proc::Stat {
+            pid,
+            state: 'S',
+            ppid,
+            pgrp: pid,
+            session: pid,
+            flags: 0,
+            start_ticks: pid as u64,
+        }
+    }
+
+    fn root(pid: i32) -> ProcId {
+        ProcId {
+            pid,
+            start_ticks: pid as u64,
+            boot_id: String::new(),
+        }
+    }
+
+    /// Issue 32 finding 7: 20 roots at the bottom of a 1,500-deep chain made an
+    /// unrelated registration read 30,000 `/proc` entries on the state task. The rule
+    /// now looks at each process at most once: the cost is the host's process count,
+    /// not the sum of every run's depth; and the answer is the same.
+    #[test]
+    fn finding_7_rule_3_looks_at_each_process_once_whatever_the_depth() {
+        const DEPTH: i32 = 1_500;
+        // A chain 10 -> 11 -> ... -> 1509, and 20 roots under its bottom.
+        let mut all: Vec<_> = (10..10 + DEPTH).map(|p| st(p, p - 1)).collect();
+        all.push(st(9, 1));
+        let bottom = 10 + DEPTH - 1;
+        all.extend((0..20).map(|i| st(5_000 + i, bottom)));
+        all.push(st(7_000, 1)); // unrelated
+        let roots: Vec<ProcId> = (0..20).map(|i| root(5_000 + i)).collect();
+        let others = [OtherRun {
+            run_id: "deep",
+            roots,
+        }];
+        let (hit, steps) = reaches_other_run(7_000, &others, &all);
+        assert_eq!(hit, None);
+        assert!(
+            steps <= all.len() + 20,
+            "{steps} steps for {} processes",
+            all.len()
+        );
+        // An ancestor anywhere up the chain reaches them; a root itself too.
+        assert_eq!(reaches_other_run(500, &others, &all).0, Some("deep"));
+        assert_eq!(reaches_other_run(9, &others, &all).0, Some("deep"));
+        assert_eq!(reaches_other_run(5_003, &others, &all).0, Some("deep"));
+        // A root whose pid was reused (another start time) protects nothing.
+        let stale = [OtherRun {
+            run_id: "gone",
+            roots: vec![ProcId {
+                start_ticks: 1,
+                ..root(5_000)
+            }],
+        }];
+        assert_eq!(reaches_other_run(500, &stale, &all).0, None);
+    }
 
     #[test]
     fn status_lines_parse() {

@@ -51,6 +51,7 @@ pub async fn start_runtime(
             fence,
             daemon: &api.tx,
             uid: api.uid,
+            me: api.shared.me.clone(),
         };
         let result = crate::runtime::start(&start, &tx).await;
         finish(&api, &id, fence, result, &tx).await

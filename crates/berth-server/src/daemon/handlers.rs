@@ -58,8 +58,15 @@ impl<H: Host> Daemon<H> {
                 pid,
                 uid,
                 by,
+                checked,
                 reply,
-            } => self.on_register_process(run_id, fence, pid, (uid, by), reply),
+            } => self.on_register_process(run_id, (fence, pid), (uid, by), checked, reply),
+            Msg::RegistrationPlan {
+                run_id,
+                fence,
+                by,
+                reply,
+            } => self.on_registration_plan(run_id, fence, by, reply),
             Msg::Reap { reply } => self.on_reap(reply),
             Msg::ReapStatus { runs, reply } => self.on_reap_status(runs, reply),
             Msg::Stopped { run_id, report } => self.on_stopped(run_id, report),
@@ -390,15 +397,15 @@ impl<H: Host> Daemon<H> {
     fn on_register_process(
         &mut self,
         run_id: String,
-        fence: u64,
-        pid: i32,
+        (fence, pid): (u64, i32),
         (uid, by): (u32, super::Tenant),
+        checked: Option<(berth_proc::ProcId, u64)>,
         reply: Reply<RunInfo>,
     ) {
         if let Err(e) = self.check_run_owner(&run_id, by) {
             return self.commit_and_answer(BTreeSet::new(), reply, Err(e));
         }
-        let value = self.register(&run_id, fence, pid, uid);
+        let value = self.register(&run_id, fence, (pid, uid), checked);
         let mut touched = BTreeSet::new();
         if value.is_ok() {
             self.journal(

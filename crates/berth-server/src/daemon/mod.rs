@@ -206,7 +206,19 @@ pub enum Msg {
         uid: u32,
         /// S9: who asks; the run must be theirs.
         by: Tenant,
+        /// The rule's answer, checked off the state task against the plan of this
+        /// registration generation (issue 32 finding 7); `None`, or a generation
+        /// another registration has moved past, is checked here.
+        checked: Option<(berth_proc::ProcId, u64)>,
         reply: Reply<RunInfo>,
+    },
+    /// S3, off the state task: what a registration into the run is checked against
+    /// (every other live run's roots), after the owner, fence and state checks.
+    RegistrationPlan {
+        run_id: String,
+        fence: u64,
+        by: Tenant,
+        reply: Reply<RegistrationPlan>,
     },
     /// A stop started for a run has finished (sent by the stopping thread).
     Stopped {
@@ -314,6 +326,16 @@ pub struct Shared {
     /// otherwise: one signal for every stream, no timer per waiter, nothing at all
     /// while nothing moves.
     pub queue_moved: watch::Sender<u64>,
+    /// S3: what the registration rule knows of the daemon, for checks made off the
+    /// state task (`None`: every check is made on it, as the simulator's are).
+    pub me: Option<crate::register::Me>,
+}
+
+/// What a registration is checked against off the state task: every other live run's
+/// registered roots, and the registration generation they are of.
+pub struct RegistrationPlan {
+    pub others: Vec<(String, Vec<berth_proc::ProcId>)>,
+    pub generation: u64,
 }
 
 /// How often at most the queue's streams are told that it moved (issue: position
@@ -362,6 +384,9 @@ pub struct Daemon<H: Host> {
     rewatch: Vec<String>,
     /// D5: the next journal entry's sequence number (the ledger's last + 1).
     journal_next: u64,
+    /// Processes registered so far: a check made off the state task holds only if no
+    /// registration came between its plan and its record (issue 32 finding 7).
+    registrations: u64,
     /// The time of the last journal entry, rendered (entries of one step share it).
     journal_at: (u64, String),
     /// Queue moves so far, and (count, time) of the last one told to `queue_moved`.
@@ -973,31 +998,34 @@ impl<H: Host> Daemon<H> {
 
     /// P1: records a process of a granted run by identity, and moves it into the
     /// run's cgroup where the host allows one.
-    fn register(&mut self, run_id: &str, fence: u64, pid: i32, uid: u32) -> Result<RunInfo, Error> {
+    fn register(
+        &mut self,
+        run_id: &str,
+        fence: u64,
+        (pid, uid): (i32, u32),
+        checked: Option<(berth_proc::ProcId, u64)>,
+    ) -> Result<RunInfo, Error> {
         let view = self.granted_view(run_id, fence)?;
         // S3: the registration rule (crate::register), against every other live run
-        // with processes, in run id order.
-        let mut others: Vec<crate::register::OtherRun<'_>> = self
-            .extras
-            .iter()
-            .filter(|(id, e)| {
-                id.as_str() != run_id
-                    && !e.processes.is_empty()
-                    && self
-                        .engine
-                        .view_of(id)
-                        .is_some_and(|v| !v.state.is_terminal())
-            })
-            .map(|(id, e)| crate::register::OtherRun {
-                run_id: id,
-                roots: e.processes.iter().map(proc_id).collect(),
-            })
-            .collect();
-        others.sort_by(|a, b| a.run_id.cmp(b.run_id));
-        let id = self
-            .host
-            .check_process(uid, pid, &others)
-            .map_err(|refusal| Error::Registration { pid, refusal })?;
+        // with processes, in run id order: checked off this task when no registration
+        // came between its plan and now, else here.
+        let id = match checked {
+            Some((id, generation)) if generation == self.registrations && id.pid == pid => id,
+            _ => {
+                let plan = self.registration_others(run_id);
+                let others: Vec<crate::register::OtherRun<'_>> = plan
+                    .iter()
+                    .map(|(id, roots)| crate::register::OtherRun {
+                        run_id: id,
+                        roots: roots.clone(),
+                    })
+                    .collect();
+                self.host
+                    .check_process(uid, pid, &others)
+                    .map_err(|refusal| Error::Registration { pid, refusal })?
+            }
+        };
+        self.registrations += 1;
         self.host.adopt(run_id, pid);
         let rec = berth_store::ProcessRecord {
             pid: id.pid,
@@ -1013,6 +1041,43 @@ impl<H: Host> Daemon<H> {
             self.watch_analysis_run(run_id);
         }
         self.info(run_id).ok_or_else(Error::run_vanished)
+    }
+
+    /// Every other live run with processes and its roots, in run id order.
+    fn registration_others(&self, run_id: &str) -> Vec<(String, Vec<berth_proc::ProcId>)> {
+        let mut others: Vec<(String, Vec<berth_proc::ProcId>)> = self
+            .extras
+            .iter()
+            .filter(|(id, e)| {
+                id.as_str() != run_id
+                    && !e.processes.is_empty()
+                    && self
+                        .engine
+                        .view_of(id)
+                        .is_some_and(|v| !v.state.is_terminal())
+            })
+            .map(|(id, e)| (id.clone(), e.processes.iter().map(proc_id).collect()))
+            .collect();
+        others.sort_by(|a, b| a.0.cmp(&b.0));
+        others
+    }
+
+    /// S3: a registration's plan, for its check off the state task.
+    pub(super) fn on_registration_plan(
+        &mut self,
+        run_id: String,
+        fence: u64,
+        by: Tenant,
+        reply: Reply<RegistrationPlan>,
+    ) {
+        let plan = self
+            .check_run_owner(&run_id, by)
+            .and_then(|()| self.granted_view(&run_id, fence))
+            .map(|_| RegistrationPlan {
+                others: self.registration_others(&run_id),
+                generation: self.registrations,
+            });
+        self.answer(reply, plan);
     }
 
     /// C6: an analysis run with processes is watched for listeners; what its processes

@@ -1,5 +1,6 @@
 //! P5: the daemon rebuilt from its ledger at start.
 
+use berth_core::Class;
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
@@ -193,11 +194,10 @@ impl<H: Host> Daemon<H> {
                 _ => {}
             }
             let (run, extra) = restored_run(r, now, reboot_window);
-            let analysis = run.request.class == berth_core::Class::Analysis;
-            if analysis && !run.state.is_terminal() && !extra.processes.is_empty() {
-                rewatch.push(id.clone());
-            }
             if !run.state.is_terminal() {
+                if run.request.class == Class::Analysis && !extra.processes.is_empty() {
+                    rewatch.push(id.clone());
+                }
                 for (_, p) in extra.ports.iter().filter(|(_, p)| *p != 0) {
                     ports.hold(*p, &id);
                 }
@@ -232,6 +232,7 @@ impl<H: Host> Daemon<H> {
             listen_watched: BTreeMap::new(),
             rewatch,
             journal_next: ledger.journal_last + 1,
+            registrations: 0,
             journal_at: (0, String::new()),
             queue_moves: 0,
             queue_moves_told: (0, 0),

@@ -614,6 +614,7 @@ impl Sim {
             pid,
             uid: 1000,
             by: None,
+            checked: None,
             reply,
         });
         if res.is_err() && new {

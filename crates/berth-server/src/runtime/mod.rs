@@ -62,6 +62,9 @@ pub struct Start<'a> {
     pub daemon: &'a mpsc::Sender<Msg>,
     /// The uid the daemon registers its own launches for.
     pub uid: u32,
+    /// What the registration rule knows of the daemon (`None`: checked on the
+    /// state task).
+    pub me: Option<crate::register::Me>,
 }
 
 /// Builds, launches and probes every port in declaration order; stops what it
@@ -222,27 +225,16 @@ async fn off_worker<T: Send + 'static>(
     }
 }
 
-/// P1: the launched process is the run's before anything relies on it.
+/// P1: the launched process is the run's before anything relies on it (its check
+/// made off the state task, as a client's registration is).
 async fn register(s: &Start<'_>, pid: i32) -> Result<(), String> {
-    let (reply, rx) = tokio::sync::oneshot::channel();
-    let msg = Msg::RegisterProcess {
-        run_id: s.plan.info.view.run_id.clone(),
-        fence: s.fence,
-        pid,
-        uid: s.uid,
-        // berth's own launch: the caller's ownership was checked by `RuntimePlan`.
-        by: None,
-        reply,
-    };
-    s.daemon
-        .send(msg)
+    let run_id = s.plan.info.view.run_id.clone();
+    // berth's own launch: the caller's ownership was checked by `RuntimePlan`.
+    let by = None;
+    crate::api::register_off_task(s.daemon, s.me.clone(), run_id, (s.fence, pid), (s.uid, by))
         .await
-        .map_err(|_| "berth is shutting down".to_string())?;
-    match rx.await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(crate::error::ApiError::from(e).message),
-        Err(_) => Err("berth is shutting down".into()),
-    }
+        .map(|_| ())
+        .map_err(|e| e.message)
 }
 
 /// The port's working directory: the worktree, or a directory inside it that no link
