@@ -10,6 +10,13 @@
 //! cap the oldest connection that has not yet presented a valid token is closed to
 //! make room (it has nothing in flight that berth owes an answer to); connections of
 //! token holders (long polls, streams) are never closed for room.
+//!
+//! And token holders' streams and long polls alone could still take every connection
+//! (issue 32 finding 2: 300 of them at 512 descriptors and a `berth run` lost its
+//! lease). So a reserve of connections (`reserve_of`) is kept for upkeep only: when
+//! the rest are taken, a new connection gets a reserved place, serves one request, and
+//! that request must renew, release or register into a run (`is_upkeep`); anything
+//! else there is `503 busy`. A lease holder can always renew.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -52,6 +59,8 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 /// when a request on it presents a valid token.
 pub struct ConnMark {
     pub authed: AtomicBool,
+    /// Accepted into the reserve: one request, and only upkeep (`is_upkeep`).
+    pub reserved: bool,
     kick: tokio::sync::Notify,
     /// Set once its handler parked the request in flight (`park`): from then on hyper
     /// sees the socket as closed.
@@ -60,9 +69,10 @@ pub struct ConnMark {
 }
 
 impl ConnMark {
-    fn new() -> ConnMark {
+    fn new(reserved: bool) -> ConnMark {
         ConnMark {
             authed: AtomicBool::new(false),
+            reserved,
             kick: tokio::sync::Notify::new(),
             is_parked: AtomicBool::new(false),
             parked: Mutex::new(None),
@@ -125,6 +135,82 @@ impl tower_service::Service<axum::http::Request<hyper::body::Incoming>> for Mark
     }
 }
 
+/// Connections kept for upkeep out of `max`: a sixteenth, at least one, at most 256
+/// (renewals are short: a few places serve many leases).
+pub fn reserve_of(max: usize) -> usize {
+    (max / 16).clamp(1, 256).min(max.saturating_sub(1)).max(1)
+}
+
+/// What a reserved connection may ask: renew, release or register a process into a
+/// run, the calls that keep a lease holder's lease (`POST /v1/runs/{id}/renew`,
+/// `…/release`, `…/processes`).
+pub fn is_upkeep(method: &axum::http::Method, path: &str) -> bool {
+    let Some(rest) = path.strip_prefix("/v1/runs/") else {
+        return false;
+    };
+    let Some((id, what)) = rest.split_once('/') else {
+        return false;
+    };
+    method == axum::http::Method::POST
+        && !id.is_empty()
+        && matches!(what, "renew" | "release" | "processes")
+}
+
+/// The refusal of anything but upkeep on a reserved connection.
+pub fn reserved_for_upkeep() -> crate::error::ApiError {
+    crate::error::ApiError::new(
+        503,
+        "busy",
+        "every connection berth serves is in use; the ones left are kept for renewing, releasing and registering into runs: try again shortly",
+    )
+}
+
+/// A place for one connection (held until it closes): from the general pool or the
+/// reserve.
+struct Place {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    reserved: bool,
+}
+
+impl Place {
+    fn general(p: tokio::sync::OwnedSemaphorePermit) -> Place {
+        Place {
+            _permit: p,
+            reserved: false,
+        }
+    }
+
+    fn reserved(p: tokio::sync::OwnedSemaphorePermit) -> Place {
+        Place {
+            _permit: p,
+            reserved: true,
+        }
+    }
+}
+
+/// The next place: a general one if free, else a reserved one, else (after closing
+/// the oldest connection without a token) whichever frees first; `None` at shutdown.
+async fn place(
+    general: &Arc<Semaphore>,
+    reserve: &Arc<Semaphore>,
+    registry: &Registry,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Option<Place> {
+    if let Ok(p) = general.clone().try_acquire_owned() {
+        return Some(Place::general(p));
+    }
+    if let Ok(p) = reserve.clone().try_acquire_owned() {
+        return Some(Place::reserved(p));
+    }
+    // At the cap: the oldest connection without a valid token makes room.
+    evict_one(registry);
+    tokio::select! {
+        p = general.clone().acquire_owned() => p.ok().map(Place::general),
+        p = reserve.clone().acquire_owned() => p.ok().map(Place::reserved),
+        _ = shutdown => None,
+    }
+}
+
 /// Raises the soft descriptor limit to the hard one, and returns how many connections
 /// fit below it with `FD_HEADROOM` kept back.
 pub fn connection_budget() -> usize {
@@ -150,28 +236,19 @@ pub async fn serve(
     max_conns: usize,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
-    let permits = Arc::new(Semaphore::new(max_conns));
+    let reserve = reserve_of(max_conns);
+    let general = Arc::new(Semaphore::new(max_conns - reserve));
+    let reserved = Arc::new(Semaphore::new(reserve));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut conns = tokio::task::JoinSet::new();
     let registry: Registry = Arc::default();
     let mut next_id = 0u64;
     tokio::pin!(shutdown);
     loop {
-        // A permit first, then accept: over the limit, connections wait in the
+        // A place first, then accept: over the limit, connections wait in the
         // kernel's queue instead of taking a descriptor here.
-        let permit = match permits.clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                // At the cap: the oldest connection without a valid token makes room.
-                evict_one(&registry);
-                tokio::select! {
-                    p = permits.clone().acquire_owned() => match p {
-                        Ok(p) => p,
-                        Err(_) => break,
-                    },
-                    _ = &mut shutdown => break,
-                }
-            }
+        let Some(permit) = place(&general, &reserved, &registry, &mut shutdown).await else {
+            break;
         };
         let (sock, _peer): (_, SocketAddr) = tokio::select! {
             r = listener.accept() => match r {
@@ -189,7 +266,7 @@ pub async fn serve(
             Some(_) = conns.join_next(), if !conns.is_empty() => continue,
         };
         let _ = sock.set_nodelay(true);
-        let mark = Arc::new(ConnMark::new());
+        let mark = Arc::new(ConnMark::new(permit.reserved));
         next_id += 1;
         let id = next_id;
         registry
@@ -227,7 +304,7 @@ async fn serve_connection(
     sock: tokio::net::TcpStream,
     svc: hyper_util::service::TowerToHyperService<Marked>,
     mark: Arc<ConnMark>,
-    permit: tokio::sync::OwnedSemaphorePermit,
+    permit: Place,
     gone: Unregister,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -238,7 +315,8 @@ async fn serve_connection(
     b.timer(TokioTimer::new())
         .header_read_timeout(HEAD_READ_TIMEOUT)
         .max_buf_size(HEAD_BUF_BYTES_MAX)
-        .keep_alive(true);
+        // A reserved place serves one request, then is free for the next lease holder.
+        .keep_alive(!mark.reserved);
     let io = crate::park::ParkIo {
         sock,
         mark: mark.clone(),

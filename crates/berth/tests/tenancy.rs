@@ -880,3 +880,117 @@ fn finding_3_stalled_streams_and_slow_exports_hold_bounded_memory() {
         "RSS {base} MiB -> {after} MiB after the readers left"
     );
 }
+
+/// `POST /v1/runs/{id}/renew` with `fence` on a new connection, as the admin: the
+/// whole answer.
+fn raw_renew(d: &Daemon, id: &str, fence: u64) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let body = json!({ "fence": fence }).to_string();
+    write!(
+        s,
+        "POST /v1/runs/{id}/renew HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        d.token,
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+/// Finding 2 (the lockout): with the daemon at 512 descriptors, 300 event streams of
+/// read tokens took every connection and a `berth run --ttl 30s` lost its lease (its
+/// renewals waited in the kernel's accept queue). Now a reserve of connections serves
+/// only renew, release and registration: the streams fill the rest (the next stream
+/// is `503 busy`), and the run renews through the reserve, runs to its end and exits 0.
+#[test]
+fn finding_2_a_lease_holder_renews_while_streams_hold_every_other_connection() {
+    let mut d = Daemon::unstarted(&[]);
+    d.nofile = Some(512);
+    d.spawn();
+    let readers: Vec<String> = (0..5)
+        .map(|_| {
+            let t = d.post("/v1/tokens", &json!({"scope": "read"}).to_string());
+            assert_eq!(t.status, 201, "{:?}", t.body);
+            t.body["token"].as_str().unwrap().to_string()
+        })
+        .collect();
+    let run = d
+        .cli()
+        // Renewed every 11 s: past the 10 s a kept-alive connection may sit idle, so
+        // each renewal needs a new connection.
+        .args([
+            "run",
+            "--project",
+            "lockout",
+            "--run-id",
+            "holder",
+            "--ttl",
+            "33s",
+            "--cpus",
+            "0.1",
+        ])
+        .args(["--", "sleep", "37"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    d.wait_until("the run is granted", |d| {
+        d.get("/v1/runs/holder").body["state"] == "granted"
+    });
+    // Streams until one is refused (or, on a daemon without a reserve, not answered).
+    let mut streams = Vec::new();
+    let mut refused = None;
+    for i in 0..400 {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let token = &readers[i % readers.len()];
+        write!(
+            s,
+            "GET /v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n"
+        )
+        .unwrap();
+        let mut head = [0u8; 12];
+        match s.read_exact(&mut head) {
+            Ok(()) if head.ends_with(b"200") => streams.push(s),
+            Ok(()) => {
+                let mut rest = String::new();
+                let _ = s.read_to_string(&mut rest);
+                refused = Some(format!("{}{rest}", String::from_utf8_lossy(&head)));
+                break;
+            }
+            Err(e) => {
+                refused = Some(format!("no answer: {e}"));
+                break;
+            }
+        }
+    }
+    let refused = refused.expect("the streams never filled the connections");
+    eprintln!("{} streams open; the next: {refused}", streams.len());
+    assert!(streams.len() >= 200, "{} streams", streams.len());
+    // Upkeep on a new connection is served; anything else there is `503 busy`.
+    let (status, _, body) = raw_get(&d, &d.token, "/v1/status");
+    assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
+    let renewed = raw_renew(&d, "holder", 1);
+    assert!(renewed.starts_with("HTTP/1.1 200"), "{renewed}");
+    let out = run.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "berth run lost its lease while the streams were open: {:?}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        refused.starts_with("HTTP/1.1 503") && refused.contains("\"busy\""),
+        "{refused}"
+    );
+    drop(streams);
+    let end = Instant::now() + Duration::from_secs(10);
+    while d.get("/v1/runs/holder").body["state"] != "released" && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(d.get("/v1/runs/holder").body["state"], "released");
+}

@@ -1112,6 +1112,13 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
         .extensions()
         .get::<Arc<crate::http::ConnMark>>()
         .cloned();
+    // Issue 32 finding 2: a reserved connection serves upkeep only.
+    if mark.as_ref().is_some_and(|m| m.reserved)
+        && !crate::http::is_upkeep(req.method(), req.uri().path())
+    {
+        let busy = crate::http::reserved_for_upkeep().into_response();
+        return count_unmatched(&api, req.method(), busy);
+    }
     let authed = || {
         // This connection belongs to a token holder now: never closed for room.
         if let Some(m) = &mark {
