@@ -320,6 +320,7 @@ async fn serve_connection(
     let io = crate::park::ParkIo {
         sock,
         mark: mark.clone(),
+        rewritten: None,
     };
     let mut conn = b.serve_connection(TokioIo::new(io), svc);
     let finished = tokio::select! {
@@ -346,6 +347,48 @@ impl Drop for Unregister {
         let mut list = self.0.lock().unwrap_or_else(|e| e.into_inner());
         list.remove(&self.1);
     }
+}
+
+/// hyper's own answer to a request it could not parse (a head over its buffer, two
+/// `Content-Length`s, a malformed line, an unknown version) is a bare status with
+/// `content-length: 0`; berth's answers never are (every error carries the envelope,
+/// and nothing else berth sends is an empty 4xx or 5xx). This is that answer with the
+/// envelope (pure over the bytes hyper writes), or `None` for anything else.
+pub fn enveloped(written: &[u8]) -> Option<Vec<u8>> {
+    const HEAD_MAX: usize = 512;
+    if written.len() > HEAD_MAX
+        || !written.starts_with(b"HTTP/1.1 ")
+        || !written.ends_with(b"\r\n\r\n")
+    {
+        return None;
+    }
+    let head = std::str::from_utf8(written).ok()?.to_ascii_lowercase();
+    let status: u16 = head.get(9..12)?.parse().ok()?;
+    if status < 400 || !head.contains("\r\ncontent-length: 0\r\n") || head.contains("content-type")
+    {
+        return None;
+    }
+    let (code, message) = match status {
+        431 => ("headers_too_large", format!("the request head must be at most {HEAD_BYTES_MAX} bytes")),
+        414 => ("uri_too_long", format!("the request target must be at most {URI_BYTES_MAX} bytes")),
+        505 => ("http_version_not_supported", "berth speaks HTTP/1.1 (and 1.0)".to_string()),
+        400 => ("bad_request", "the request is not valid HTTP/1.1: a malformed head, two Content-Length headers, or a bad chunk".to_string()),
+        _ => ("http_error", "the request could not be read as HTTP/1.1".to_string()),
+    };
+    let body =
+        serde_json::json!({"error": {"code": code, "message": message, "details": {}}}).to_string();
+    let reason = written
+        .split(|&b| b == b'\r')
+        .next()
+        .and_then(|l| std::str::from_utf8(l.get(13..)?).ok())
+        .unwrap_or("Error");
+    Some(
+        format!(
+            "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes(),
+    )
 }
 
 /// `414` and `431` with the error envelope, for heads hyper accepted (it buffers up to

@@ -58,11 +58,38 @@ pub fn placeholder() -> Response {
 pub struct ParkIo {
     pub sock: TcpStream,
     pub mark: Arc<ConnMark>,
+    /// hyper's own bare error answer, rewritten with the error envelope
+    /// (`http::enveloped`), and how much of it is written.
+    pub rewritten: Option<(Vec<u8>, usize)>,
 }
 
 impl ParkIo {
     fn parked(&self) -> bool {
         self.mark.is_parked.load(Ordering::Acquire)
+    }
+
+    /// Writes `buf`, unless it is hyper's own bare error answer: then the enveloped
+    /// one is written in its place (all of it before `buf` counts as written).
+    fn poll_write_enveloped(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if self.rewritten.is_none() {
+            match crate::http::enveloped(buf) {
+                Some(answer) => self.rewritten = Some((answer, 0)),
+                None => return Pin::new(&mut self.sock).poll_write(cx, buf),
+            }
+        }
+        let (answer, at) = self.rewritten.as_mut().expect("set above");
+        while *at < answer.len() {
+            match Pin::new(&mut self.sock).poll_write(cx, &answer[*at..]) {
+                Poll::Ready(Ok(0)) => return Poll::Ready(Err(io::ErrorKind::WriteZero.into())),
+                Poll::Ready(Ok(n)) => *at += n,
+                other => return other,
+            }
+        }
+        Poll::Ready(Ok(buf.len()))
     }
 }
 
@@ -88,7 +115,7 @@ impl AsyncWrite for ParkIo {
         if self.parked() {
             return Poll::Ready(Ok(buf.len()));
         }
-        Pin::new(&mut self.sock).poll_write(cx, buf)
+        self.poll_write_enveloped(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -98,6 +125,15 @@ impl AsyncWrite for ParkIo {
     ) -> Poll<io::Result<usize>> {
         if self.parked() {
             return Poll::Ready(Ok(bufs.iter().map(|b| b.len()).sum()));
+        }
+        // A bare error answer is one small head in the first slice.
+        if self.rewritten.is_some()
+            || bufs
+                .first()
+                .is_some_and(|b| crate::http::enveloped(b).is_some())
+        {
+            let first = bufs.first().map_or(&[][..], |b| &b[..]);
+            return self.poll_write_enveloped(cx, first);
         }
         Pin::new(&mut self.sock).poll_write_vectored(cx, bufs)
     }

@@ -994,3 +994,52 @@ fn finding_2_a_lease_holder_renews_while_streams_hold_every_other_connection() {
     }
     assert_eq!(d.get("/v1/runs/holder").body["state"], "released");
 }
+
+/// Concern: hyper's own answers to what it cannot parse (a head over its 64 KiB
+/// buffer, two `Content-Length`s, a malformed line, an unknown version) were a bare
+/// status with no body. Every error berth sends now carries the envelope.
+#[test]
+fn concern_framing_errors_carry_the_error_envelope() {
+    use std::io::{Read, Write};
+    let d = Daemon::start(&[]);
+    let big = format!(
+        "GET /v1/status HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(300_000)
+    );
+    let cases: [(&str, &[u8], &str); 4] = [
+        ("a 300 KB head", big.as_bytes(), "431"),
+        (
+            "two Content-Lengths",
+            b"POST /v1/runs HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+            "400",
+        ),
+        ("a malformed line", b"GARBAGE\r\n\r\n", "400"),
+        ("an unknown version", b"GET / HTTP/9.9\r\n\r\n", "400"),
+    ];
+    for (what, request, status) in cases {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let _ = s.write_all(request);
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        let text = String::from_utf8_lossy(&answer).to_string();
+        assert!(
+            text.starts_with(&format!("HTTP/1.1 {status}")),
+            "{what}: {text}"
+        );
+        let (head, body) = text.split_once("\r\n\r\n").unwrap_or_default();
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("content-type: application/json"),
+            "{what}: {text}"
+        );
+        let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{what}: {e}: {text}"));
+        assert!(
+            v["error"]["code"].as_str().is_some_and(|c| !c.is_empty()),
+            "{what}: {text}"
+        );
+        assert!(v["error"]["message"].is_string(), "{what}: {text}");
+    }
+    // The daemon serves on.
+    assert_eq!(d.get("/v1/status").status, 200);
+}
