@@ -184,7 +184,14 @@ struct Sim {
     head: Option<(String, u64)>,
     /// The largest fence granted so far: every grant must be above it (L1).
     max_fence: u64,
+    /// Restore the engine from its own records after every accepted command (some
+    /// seeds: `RESTORE_SEEDS_EVERY`).
+    restore_every_step: bool,
 }
+
+/// One seed in this many restores after every accepted command: restores cost a
+/// rebuild of every live run, so not all seeds pay it.
+pub const RESTORE_SEEDS_EVERY: u64 = 20;
 
 fn fnv(hash: u64, bytes: &[u8]) -> u64 {
     let mut h = hash;
@@ -196,6 +203,46 @@ fn fnv(hash: u64, bytes: &[u8]) -> u64 {
 }
 
 impl Sim {
+    /// Issue 32 finding 4, as a property: whatever commands the engine accepted, its
+    /// own records (what the daemon's ledger keeps) restore, and every live run comes
+    /// back as it was: state, fence, keys and their modes, queue position. (A demoted
+    /// holder's pending upgrade once made the ledger refuse to load: a restart loop.)
+    fn check_restores(&self) -> Result<(), String> {
+        let mut live = self.engine.in_flight();
+        live.extend(self.engine.queued(usize::MAX));
+        let records = live
+            .iter()
+            .filter_map(|v| self.engine.record(&v.run_id))
+            .collect();
+        let scopes = self.engine.scopes().iter().cloned().collect();
+        let back = Engine::restore_with_scopes(
+            self.engine.config().clone(),
+            self.engine.last_fence(),
+            self.now,
+            records,
+            scopes,
+        )
+        .map_err(|e| {
+            format!(
+                "t={}: the engine's own records do not restore: {e}",
+                self.now
+            )
+        })?;
+        for v in &live {
+            let w = back.view_of(&v.run_id);
+            let same = w.as_ref().is_some_and(|w| {
+                (w.state, w.fence, &w.keys, w.position) == (v.state, v.fence, &v.keys, v.position)
+            });
+            if !same {
+                return Err(format!(
+                    "t={}: {} restored as {w:?}, was {v:?}",
+                    self.now, v.run_id
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn apply(&mut self, cmd: Command) -> Result<(), String> {
         self.apply_out(cmd).map(|_| ())
     }
@@ -230,6 +277,10 @@ impl Sim {
         self.engine
             .check_invariants()
             .map_err(|e| format!("invariant broken at t={} after {trace}: {e}", self.now))?;
+        if self.restore_every_step && out.result.is_ok() {
+            self.check_restores()
+                .map_err(|e| format!("after {trace}: {e}"))?;
+        }
         self.observe_head()?;
         Ok(out)
     }
@@ -740,6 +791,7 @@ pub fn run_with_bound(seed: u64, p: &Params, bound: u64) -> Result<Report, Strin
         },
         head: None,
         max_fence: 0,
+        restore_every_step: seed % RESTORE_SEEDS_EVERY == 0,
     };
     for _ in 0..p.steps {
         sim.step()?;
