@@ -791,7 +791,7 @@ pub fn run_with_bound(seed: u64, p: &Params, bound: u64) -> Result<Report, Strin
         },
         head: None,
         max_fence: 0,
-        restore_every_step: seed % RESTORE_SEEDS_EVERY == 0,
+        restore_every_step: seed.is_multiple_of(RESTORE_SEEDS_EVERY),
     };
     for _ in 0..p.steps {
         sim.step()?;
