@@ -55,6 +55,8 @@ pub struct ServeConfig {
     pub diagnostics_total_bytes_max: u64,
     /// Start on a missing or empty ledger although the state dir has been used (S6).
     pub init_ledger: bool,
+    /// Fences reserved per write of the fence marker (L1, S6).
+    pub fence_reserve_block: u64,
     /// Ended runs older than this are deleted from the ledger (and the newest
     /// `engine.ended_retained_max` are all that is kept in any case).
     pub retain_ended_for_ms: u64,
@@ -343,6 +345,7 @@ struct Opened {
 fn open_ledger(cfg: &ServeConfig, runs_dir: &std::path::Path) -> anyhow::Result<Opened> {
     let ledger_path = cfg.state_dir.join("ledger.db");
     let mut marker = private::FenceMarker::open(&cfg.state_dir)?;
+    marker.block = cfg.fence_reserve_block;
     // S6: a ledger that vanished from a used state dir would restart fences and forget
     // every run; refused unless the operator says to start afresh.
     let ledger_empty = std::fs::symlink_metadata(&ledger_path).map_or(true, |m| m.len() == 0);
@@ -390,11 +393,7 @@ fn open_ledger(cfg: &ServeConfig, runs_dir: &std::path::Path) -> anyhow::Result<
         );
         ledger.last_fence = marker.reserved;
     }
-    marker.write(
-        ledger
-            .last_fence
-            .saturating_add(private::FENCE_RESERVE_BLOCK),
-    )?;
+    marker.write(ledger.last_fence.saturating_add(marker.block))?;
     let boot = clock::boot_id();
     let same_boot = ledger.boot_id.as_deref().is_none_or(|b| b == boot);
     store.set_boot_id(&boot)?;
@@ -553,6 +552,7 @@ mod tests {
             diagnostics_run_bytes_max: 1 << 20,
             diagnostics_total_bytes_max: 1 << 30,
             init_ledger: false,
+            fence_reserve_block: private::FENCE_RESERVE_BLOCK,
             retain_ended_for_ms: RETAIN_ENDED_FOR_MS_DEFAULT,
             token_streams_max: crate::limits::TOKEN_STREAMS_MAX_DEFAULT,
             token_waits_max: crate::limits::TOKEN_WAITS_MAX_DEFAULT,

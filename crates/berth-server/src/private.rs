@@ -244,6 +244,8 @@ pub struct FenceMarker {
     dir: PathBuf,
     /// Fences up to here may be issued without writing the marker again.
     pub reserved: u64,
+    /// Fences reserved per write (`FENCE_RESERVE_BLOCK` unless a test sets less).
+    pub block: u64,
 }
 
 /// Fences reserved per marker write: at 10,000 grants a second, one fsync every
@@ -269,6 +271,7 @@ impl FenceMarker {
             path,
             dir: dir.to_path_buf(),
             reserved,
+            block: FENCE_RESERVE_BLOCK,
         })
     }
 
@@ -290,7 +293,7 @@ impl FenceMarker {
     /// Makes sure fences up to `last_fence` are covered, reserving a new block if not.
     pub fn cover(&mut self, last_fence: u64) -> anyhow::Result<()> {
         if last_fence > self.reserved {
-            self.write(last_fence.saturating_add(FENCE_RESERVE_BLOCK))?;
+            self.write(last_fence.saturating_add(self.block))?;
         }
         Ok(())
     }

@@ -126,6 +126,10 @@ pub struct ServeArgs {
     /// missing or empty (fences still continue above the fence marker).
     #[arg(long, env = "BERTH_INIT_LEDGER")]
     pub init_ledger: bool,
+    /// Fences reserved per write of the fence marker (a test knob: a small block
+    /// makes the marker move within a session) [default: 1048576].
+    #[arg(long, hide = true, env = "BERTH_FENCE_RESERVE_BLOCK", value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
+    pub fence_reserve_block: Option<u64>,
     /// The longest lease a run may ask for (L4) [default: 24h]. In fleet mode a silent
     /// host is declared dead this long plus --fleet-margin after its last heartbeat.
     #[arg(long, env = "BERTH_TTL_MAX", value_parser = parse_duration)]
@@ -287,6 +291,9 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             )?)
             .unwrap_or(256 << 20),
         init_ledger: a.init_ledger,
+        fence_reserve_block: a
+            .fence_reserve_block
+            .unwrap_or(berth_server::private::FENCE_RESERVE_BLOCK),
         threads,
         retain_ended_for_ms: a
             .retain_ended_for

@@ -86,6 +86,7 @@ fn serve_config(state: &Path) -> berth_server::ServeConfig {
         diagnostics_run_bytes_max: 1 << 20,
         diagnostics_total_bytes_max: 1 << 30,
         init_ledger: false,
+        fence_reserve_block: berth_server::private::FENCE_RESERVE_BLOCK,
         retain_ended_for_ms: berth_server::RETAIN_ENDED_FOR_MS_DEFAULT,
         token_streams_max: berth_server::limits::TOKEN_STREAMS_MAX_DEFAULT,
         token_waits_max: berth_server::limits::TOKEN_WAITS_MAX_DEFAULT,

@@ -1043,3 +1043,77 @@ fn concern_framing_errors_carry_the_error_envelope() {
     // The daemon serves on.
     assert_eq!(d.get("/v1/status").status, 200);
 }
+
+/// Concern (a): no test forged a reboot, so leases surviving one with their old expiry
+/// (monotonic times of another boot, which mean nothing) went unnoticed. With the
+/// ledger's boot id changed under it, a restarted daemon ends the granted lease at
+/// once (L6) and gives the queued waiter a fresh reconnect window, not its old
+/// deadline.
+#[test]
+fn concern_a_a_lease_does_not_survive_a_reboot() {
+    use berth_store::Store;
+    let mut d = Daemon::start(&["--slots-max", "1", "--reconnect-window", "20s"]);
+    let admin = d.token.clone();
+    let r = acquire_as(&d, &admin, "held", 0);
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    // Same boot: the lease survives a restart with its expiry.
+    let expires = d.get("/v1/runs/held").body["expires"].clone();
+    d.kill9_and_restart();
+    let again = d.get("/v1/runs/held").body;
+    assert_eq!(
+        (again["state"].clone(), again["expires"].clone()),
+        (json!("granted"), expires)
+    );
+    d.kill9();
+    berth_store::SqliteStore::open(&d.state.join("ledger.db"))
+        .unwrap()
+        .set_boot_id("a-boot-that-is-over")
+        .unwrap();
+    d.spawn();
+    let end = Instant::now() + Duration::from_secs(15);
+    let mut state = d.get("/v1/runs/held").body["state"].clone();
+    while state != "expired" && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+        state = d.get("/v1/runs/held").body["state"].clone();
+    }
+    assert_eq!(state, "expired", "a lease of another boot is over");
+}
+
+/// Concern (b): nothing failed if the daemon never raised `fence.floor` during a
+/// session (the first block is a million fences). With a block of 3, every answered
+/// fence is covered by the marker on disk when it is answered, and after a crash the
+/// fences go on above every one answered.
+#[test]
+fn concern_b_the_fence_marker_is_raised_within_a_session() {
+    let mut d = Daemon::start(&["--fence-reserve-block", "3", "--slots-max", "4"]);
+    let admin = d.token.clone();
+    let floor = |d: &Daemon| -> u64 {
+        std::fs::read_to_string(d.state.join("fence.floor"))
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let mut last = 0;
+    for i in 0..10 {
+        let id = format!("f{i}");
+        let r = acquire_as(&d, &admin, &id, 0);
+        assert_eq!(r.status, 201, "{:?}", r.body);
+        last = r.body["fence"].as_u64().unwrap();
+        assert!(
+            floor(&d) >= last,
+            "fence {last} answered above the marker {}",
+            floor(&d)
+        );
+        assert_eq!(release_as(&d, &admin, &id, &r.body["fence"]).status, 200);
+    }
+    assert!(last >= 10, "{last}");
+    d.kill9_and_restart();
+    let r = acquire_as(&d, &admin, "after", 0);
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    assert!(
+        r.body["fence"].as_u64().unwrap() > last,
+        "{:?} after {last}",
+        r.body["fence"]
+    );
+}
