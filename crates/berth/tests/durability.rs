@@ -26,6 +26,12 @@ enum Ev {
     WalWrite,
     /// An fsync or fdatasync of the ledger's WAL returned 0.
     WalSync,
+    /// The fence marker's temporary file was written, fsynced (returned 0), renamed
+    /// over `fence.floor` (returned 0); the state dir was fsynced (returned 0).
+    MarkerWrite,
+    MarkerSync,
+    MarkerRename,
+    DirSync,
 }
 
 /// The call's name, its first argument (the descriptor as `-yy` prints it) and the
@@ -63,6 +69,8 @@ fn on_entry(call: &str, out: &mut Vec<(usize, Ev)>, line: usize) {
                 }
             } else if fd.ends_with("-wal>") {
                 out.push((line, Ev::WalWrite));
+            } else if fd.ends_with("/fence.floor.tmp>") {
+                out.push((line, Ev::MarkerWrite));
             }
         }
         "pwrite64" | "pwritev" | "pwritev2" if fd.ends_with("-wal>") => {
@@ -89,8 +97,67 @@ fn on_exit(call: &str, out: &mut Vec<(usize, Ev)>, line: usize) {
         "fsync" | "fdatasync" if fd.ends_with("-wal>") && ret == Some("0") => {
             out.push((line, Ev::WalSync))
         }
+        "fsync" | "fdatasync" if fd.ends_with("/fence.floor.tmp>") && ret == Some("0") => {
+            out.push((line, Ev::MarkerSync))
+        }
+        "fsync"
+            if STATE_DIR.with(|d| fd.ends_with(&format!("<{}>", d.borrow())))
+                && ret == Some("0") =>
+        {
+            out.push((line, Ev::DirSync))
+        }
+        "rename" | "renameat" | "renameat2"
+            if call.contains("fence.floor.tmp\"") && ret == Some("0") =>
+        {
+            out.push((line, Ev::MarkerRename))
+        }
         _ => {}
     }
+}
+
+std::thread_local! {
+    /// The daemon's state dir as strace prints it (the directory fsynced after the
+    /// marker's rename).
+    static STATE_DIR: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
+}
+
+/// L1/S6 (issue 32 concern c): a fence above the marker is never answered before the
+/// marker that covers it is durable: each rename of the marker follows a write and
+/// then an fsync of its temporary file, and the state dir is fsynced after the rename
+/// before any change is acknowledged. Returns the renames seen and what broke the rule.
+fn check_marker(events: &[(usize, Ev)]) -> (usize, Vec<String>) {
+    let (mut written, mut synced, mut renamed) = (None::<usize>, None::<usize>, None::<usize>);
+    let mut renames = 0;
+    let mut broken = Vec::new();
+    for (line, ev) in events {
+        match ev {
+            Ev::MarkerWrite => written = Some(*line),
+            Ev::MarkerSync => synced = Some(*line),
+            Ev::MarkerRename => {
+                renames += 1;
+                let durable = matches!((written, synced), (Some(w), Some(s)) if s > w);
+                if !durable {
+                    broken.push(format!(
+                        "the marker renamed at line {} from a file written at {written:?}, fsynced at {synced:?}",
+                        line + 1
+                    ));
+                }
+                (written, synced, renamed) = (None, None, Some(*line));
+            }
+            Ev::DirSync => renamed = None,
+            Ev::Answer(_, status) if (200..300).contains(status) => {
+                if let Some(r) = renamed {
+                    broken.push(format!(
+                        "answer {status} at line {} before the state dir was fsynced after the marker's rename at {}",
+                        line + 1,
+                        r + 1
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    (renames, broken)
 }
 
 /// The events of an `strace -f -yy` trace. A call another thread interrupts is printed
@@ -137,6 +204,7 @@ fn check(events: &[(usize, Ev)]) -> (usize, Vec<String>) {
             }
             Ev::WalWrite => writes.push(*line),
             Ev::WalSync => last_sync = Some(*line),
+            Ev::MarkerWrite | Ev::MarkerSync | Ev::MarkerRename | Ev::DirSync => {}
             Ev::Answer(c, status) => {
                 let Some(read) = post_at.remove(c.as_str()) else {
                     continue;
@@ -178,7 +246,10 @@ fn every_acknowledged_change_follows_an_fsync_of_the_ledger() {
         );
         return;
     };
-    let mut d = Daemon::unstarted(&["--slots-max", "4"]);
+    // A marker block of 2 fences: it is raised every other grant (concern c).
+    let mut d = Daemon::unstarted(&["--slots-max", "4", "--fence-reserve-block", "2"]);
+    let state = d.state.display().to_string();
+    STATE_DIR.with(|s| *s.borrow_mut() = state);
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("trace");
     // strace, then setpriv: the daemon dies with strace (the harness kills strace).
@@ -189,7 +260,7 @@ fn every_acknowledged_change_follows_an_fsync_of_the_ledger() {
         "-s",
         "48",
         "-e",
-        "trace=read,recvfrom,recvmsg,write,writev,sendto,sendmsg,pwrite64,pwritev,pwritev2,fsync,fdatasync",
+        "trace=read,recvfrom,recvmsg,write,writev,sendto,sendmsg,pwrite64,pwritev,pwritev2,fsync,fdatasync,rename,renameat,renameat2",
         "-o",
     ]
     .map(String::from)
@@ -295,6 +366,14 @@ fn every_acknowledged_change_follows_an_fsync_of_the_ledger() {
     // Every POST this test made was found and checked: a trace the parser misread
     // cannot pass for a clean one.
     assert_eq!(checked, posts, "answers checked vs POSTs made");
+    let (renames, broken) = check_marker(&evs);
+    assert!(
+        broken.is_empty(),
+        "the fence marker was not durable in time:\n{}",
+        broken.join("\n")
+    );
+    // 25 grants with a block of 2 (the marker moves every third fence): each seen.
+    assert!(renames >= 6, "{renames} renames of the marker seen");
 }
 
 /// The checker itself, on hand-written traces: a clean order passes; an answer before
@@ -337,6 +416,29 @@ fn the_syscall_order_check_catches_an_answer_before_the_fsync() {
     assert_eq!(
         run(&[&post, write, split_sync, resumed, &answer]),
         (1, vec![])
+    );
+    // The marker: written, fsynced, renamed, its directory fsynced, then answered.
+    STATE_DIR.with(|d| *d.borrow_mut() = "/s".into());
+    let m_write = "9 write(14</s/fence.floor.tmp>, \"5\\n\", 2) = 2";
+    let m_sync = "9 fsync(14</s/fence.floor.tmp>) = 0";
+    let m_rename = "9 rename(\"/s/fence.floor.tmp\", \"/s/fence.floor\") = 0";
+    let d_sync = "9 fsync(15</s>) = 0";
+    let marker = |lines: &[&str]| check_marker(&events(&lines.join("\n")));
+    assert_eq!(
+        marker(&[m_write, m_sync, m_rename, d_sync, &answer]),
+        (1, vec![])
+    );
+    assert_eq!(
+        marker(&[m_write, m_rename, d_sync, &answer]).1.len(),
+        1,
+        "no fsync"
+    );
+    assert_eq!(
+        marker(&[m_write, m_sync, m_rename, &answer, d_sync])
+            .1
+            .len(),
+        1,
+        "answered first"
     );
     let split_read = format!("7 recvfrom({conn},  <unfinished ...>");
     let read_resumed =
