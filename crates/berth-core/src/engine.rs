@@ -2380,6 +2380,11 @@ impl Engine {
         })
     }
 
+    /// The run's class, if berth still remembers the run (cheap: no view is built).
+    pub fn class_of(&self, run_id: &str) -> Option<Class> {
+        Some(self.run(*self.by_id.get(run_id)?).req.class)
+    }
+
     /// The run's project, if berth still remembers the run (cheap: no view is built).
     pub fn project_of(&self, run_id: &str) -> Option<&str> {
         let s = *self.by_id.get(run_id)?;

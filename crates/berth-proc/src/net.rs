@@ -45,6 +45,60 @@ pub fn parse_listening(text: &str, into: &mut BTreeMap<u64, u16>) {
     }
 }
 
+/// `st` of an unconnected UDP socket in `/proc/net/udp{,6}` (TCP_CLOSE): bound and
+/// receiving from anyone, UDP's way of listening.
+const UDP_UNCONNECTED: &str = "07";
+
+/// The ports the kernel hands out for an unbound send (`ip_local_port_range`): a
+/// client's UDP socket (a resolver's `sendto` without `connect`) sits unconnected on
+/// one of these, so only ports outside it count as a UDP listener.
+pub fn ephemeral_ports() -> (u16, u16) {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| {
+            let mut it = t.split_whitespace().filter_map(|x| x.parse::<u16>().ok());
+            Some((it.next()?, it.next()?))
+        })
+        .unwrap_or((32_768, 60_999))
+}
+
+/// What an analysis run may not hold (C6): TCP sockets in `LISTEN`, and UDP sockets
+/// bound, unconnected, on a port outside the ephemeral range (issue 32 concern: UDP
+/// was not policed). By inode, with the local port.
+pub fn listening_any() -> std::io::Result<BTreeMap<u64, u16>> {
+    let mut all = listening()?;
+    let ephemeral = ephemeral_ports();
+    for file in ["/proc/net/udp", "/proc/net/udp6"] {
+        match std::fs::read_to_string(file) {
+            Ok(text) => parse_udp_bound(&text, ephemeral, &mut all),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(all)
+}
+
+/// The bound, unconnected lines of one `/proc/net/udp{,6}` text on a port outside
+/// `ephemeral` (`sl local rem st … inode`, as for TCP).
+pub fn parse_udp_bound(text: &str, ephemeral: (u16, u16), into: &mut BTreeMap<u64, u16>) {
+    for line in text.lines().skip(1).take(SOCKET_LINES_MAX) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 10 || f[3] != UDP_UNCONNECTED {
+            continue;
+        }
+        let port = f[1]
+            .rsplit_once(':')
+            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
+        let inode = f[9].parse::<u64>().ok();
+        if let (Some(port), Some(inode)) = (port, inode) {
+            let in_ephemeral = (ephemeral.0..=ephemeral.1).contains(&port);
+            if inode != 0 && port != 0 && !in_ephemeral {
+                into.insert(inode, port);
+            }
+        }
+    }
+}
+
 /// The socket inodes `pid` holds open. A process that is gone holds none.
 pub fn sockets_of(pid: i32) -> std::io::Result<Vec<u64>> {
     let dir = match std::fs::read_dir(format!("/proc/{pid}/fd")) {
@@ -119,5 +173,20 @@ mod tests {
             mine.iter().any(|i| all.get(i) == Some(&port)),
             "port {port} not among {all:?} for my sockets {mine:?}"
         );
+    }
+
+    /// Issue 32 concern: UDP was not policed. A bound, unconnected UDP socket on a
+    /// port outside the ephemeral range counts; a connected one, or one on an
+    /// ephemeral port (a client's), does not.
+    #[test]
+    fn udp_sockets_bound_outside_the_ephemeral_range_count_as_listening() {
+        let text = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode ref pointer drops
+  1: 0100007F:1F90 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        0 111 2 0 0
+  2: 0100007F:9C40 00000000:0000 07 00000000:00000000 00:00000000 00000000     0        0 222 2 0 0
+  3: 0100007F:1F91 0100007F:0035 01 00000000:00000000 00:00000000 00000000     0        0 333 2 0 0
+";
+        let mut got = BTreeMap::new();
+        parse_udp_bound(text, (32_768, 60_999), &mut got);
+        assert_eq!(got, BTreeMap::from([(111, 8080)]));
     }
 }

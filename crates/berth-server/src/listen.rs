@@ -1,6 +1,7 @@
 //! C6: analysis runs may not listen. One thread watches every analysis run that has
 //! processes: each round (`LISTEN_POLL_MS`) it scans `/proc` once, reads the host's
-//! listening sockets once (`/proc/net/tcp{,6}`), and for every process of every watched
+//! listening sockets once (`/proc/net/tcp{,6}`, and UDP sockets bound unconnected on
+//! a port outside the ephemeral range from `/proc/net/udp{,6}`), and for every process of every watched
 //! run looks at the sockets it holds. A listening socket that was not in the run's
 //! baseline (what its processes held when they were registered) is a violation,
 //! reported to the daemon, which stops the run.
@@ -29,7 +30,7 @@ pub struct Violation {
 /// hold, by inode.
 pub fn listeners_of(roots: &[ProcId], group: &[i32]) -> std::io::Result<BTreeSet<u64>> {
     let all = berth_proc::scan()?;
-    let listening = berth_proc::net::listening()?;
+    let listening = berth_proc::net::listening_any()?;
     Ok(held(&pids_of(roots, group, &all), &listening)
         .into_keys()
         .collect())
@@ -154,7 +155,7 @@ pub fn spawn_watcher(
 /// One round over every watched run: one `/proc` scan, one read of the listening
 /// sockets. A round whose reads fail finds nothing (it is tried again next round).
 fn round(watched: &[ListenWatch], cgroup_base: Option<&PathBuf>) -> Vec<(String, Violation)> {
-    let (Ok(all), Ok(listening)) = (berth_proc::scan(), berth_proc::net::listening()) else {
+    let (Ok(all), Ok(listening)) = (berth_proc::scan(), berth_proc::net::listening_any()) else {
         return Vec::new();
     };
     let mut found = Vec::new();

@@ -127,3 +127,66 @@ time.sleep(30)";
     assert_eq!(out.status.code(), Some(75), "berth run said: {said}");
     assert!(said.contains("analysis_listener_violation"), "{said}");
 }
+
+/// Issue 32 concern: a UDP listener was not policed, and a listener opened before the
+/// process was registered became the run's baseline. Now an analysis run whose
+/// process holds a UDP socket bound on a fixed port is stopped, and so is one whose
+/// process opened a TCP listener after the grant but before its registration.
+#[test]
+fn udp_listeners_and_listeners_opened_before_registration_are_violations() {
+    let d = Daemon::start(&["--slots-max", "4"]);
+    // UDP, through berth run: bound on a port outside the ephemeral range.
+    let udp = "import socket,time
+s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for p in range(20000, 20100):
+    try:
+        s.bind(('127.0.0.1', p)); break
+    except OSError: pass
+print(s.getsockname()[1], flush=True)
+time.sleep(30)";
+    let out = d
+        .analysis_run("u", "udp", &[], udp)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "berth run said: {said}");
+    assert!(said.contains("analysis_listener_violation"), "{said}");
+
+    // TCP, opened after the grant and before the registration.
+    let r = d.post(
+        "/v1/runs",
+        &serde_json::json!({"run_id": "early", "project": "e", "class": "analysis",
+            "resources": {"cpu_millis": 100, "memory": 1 << 20, "disk": 0}})
+        .to_string(),
+    );
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let mut early = Command::new("python3")
+        .args(["-c", LISTENS])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(early.stdout.take().unwrap()),
+        &mut first,
+    )
+    .unwrap();
+    let reg = d.post(
+        "/v1/runs/early/processes",
+        &serde_json::json!({"fence": r.body["fence"], "pid": early.id()}).to_string(),
+    );
+    assert_eq!(reg.status, 201, "{:?}", reg.body);
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut run = d.get("/v1/runs/early").body;
+    while run["state"] == "granted" && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(100));
+        run = d.get("/v1/runs/early").body;
+    }
+    let _ = early.kill();
+    let _ = early.wait();
+    let failure = run["failure"].as_str().unwrap_or_default();
+    assert!(failure.starts_with("analysis_listener_violation"), "{run}");
+}

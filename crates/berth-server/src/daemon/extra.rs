@@ -35,6 +35,10 @@ pub(super) struct Extra {
     /// The run's first journal entry (0: none yet): retention keeps the journal from
     /// the oldest live run's on (issue 32 finding 8).
     pub(super) journal_first: u64,
+    /// C6: an analysis run's grant-time view of the host's listeners: only these may
+    /// be in its baseline (a listener opened between the grant and a registration is
+    /// the run's own). `None` after a restart (the baseline is then what it holds).
+    pub(super) listeners_at_grant: Option<Box<std::collections::BTreeSet<u64>>>,
 }
 
 /// What an acquire carries besides the engine's request, as one digest.
@@ -72,6 +76,7 @@ impl Extra {
             lease_only: false,
             owner_uid: None,
             journal_first: 0,
+            listeners_at_grant: None,
         }
     }
 
@@ -106,6 +111,7 @@ impl Extra {
         self.processes = Vec::new();
         self.ports = Vec::new();
         self.survivors = Vec::new();
+        self.listeners_at_grant = None;
         // Nothing to free without labels or a worktree: no digest (hashing every
         // ended run cost the daemon time on the request path).
         if self.ended_digest.is_some() || (self.labels.is_empty() && self.worktree.is_none()) {

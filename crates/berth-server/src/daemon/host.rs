@@ -65,6 +65,8 @@ pub trait Host {
     fn adopt(&mut self, run_id: &str, pid: i32);
     /// C6: the listening sockets (by inode) the processes of these roots hold now.
     fn listeners_of(&self, roots: &[ProcId]) -> std::collections::BTreeSet<u64>;
+    /// C6: every listening socket on the host now (by inode), whoever holds it.
+    fn listening_now(&self) -> std::collections::BTreeSet<u64>;
     /// C6: the analysis runs to watch from now on (the whole set, replacing the last);
     /// a new listener is reported with `Msg::ListenerViolation`.
     fn watch_listeners(&mut self, watched: Vec<ListenWatch>);
@@ -214,6 +216,12 @@ impl Host for RealHost {
 
     fn listeners_of(&self, roots: &[ProcId]) -> std::collections::BTreeSet<u64> {
         crate::listen::listeners_of(roots, &[]).unwrap_or_default()
+    }
+
+    fn listening_now(&self) -> std::collections::BTreeSet<u64> {
+        berth_proc::net::listening_any()
+            .map(|m| m.into_keys().collect())
+            .unwrap_or_default()
     }
 
     fn watch_listeners(&mut self, watched: Vec<ListenWatch>) {

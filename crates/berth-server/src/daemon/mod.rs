@@ -675,6 +675,7 @@ impl<H: Host> Daemon<H> {
                 } => {
                     let ttl_ms = expires_at_ms.saturating_sub(self.now);
                     tracing::debug!(run_id, fence, ttl_ms, "granted");
+                    self.note_listeners_at_grant(run_id);
                     queue.extend(self.on_granted(run_id, *fence));
                 }
                 Event::StopRequested { run_id, cause } => {
@@ -1088,12 +1089,31 @@ impl<H: Host> Daemon<H> {
             .get(run_id)
             .map(|e| e.processes.iter().map(proc_id).collect())
             .unwrap_or_default();
-        let now = self.host.listeners_of(&roots);
+        let mut now = self.host.listeners_of(&roots);
+        // Only what the host already had at the grant is tolerated: a listener opened
+        // before the registration is the run's own (issue 32 concern).
+        if let Some(at_grant) = self
+            .extras
+            .get(run_id)
+            .and_then(|e| e.listeners_at_grant.as_deref())
+        {
+            now.retain(|inode| at_grant.contains(inode));
+        }
         self.listen_watched
             .entry(run_id.to_string())
             .or_default()
             .extend(now);
         self.send_listen_watch();
+    }
+
+    /// C6: an analysis run's grant notes the host's listeners (its baseline's bound).
+    fn note_listeners_at_grant(&mut self, run_id: &str) {
+        if self.engine.class_of(run_id) == Some(berth_core::Class::Analysis) {
+            let now = self.host.listening_now();
+            if let Some(e) = self.extras.get_mut(run_id) {
+                e.listeners_at_grant = Some(Box::new(now));
+            }
+        }
     }
 
     fn send_listen_watch(&mut self) {

@@ -137,6 +137,10 @@ impl Host for SimHost {
         Default::default()
     }
 
+    fn listening_now(&self) -> std::collections::BTreeSet<u64> {
+        Default::default()
+    }
+
     fn watch_listeners(&mut self, _watched: Vec<super::ListenWatch>) {}
 
     fn cover_fence(&mut self, _last_fence: u64) -> Result<(), String> {
