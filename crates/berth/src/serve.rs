@@ -228,6 +228,22 @@ fn toml_error(text: &str, e: &toml::de::Error) -> String {
     format!("{} (line {}: {line})", e.message(), n + 1)
 }
 
+/// `berth.toml` (or `--config`). S5: the config can turn auth off, so it is read only
+/// if no other user could have planted or changed it (not a link, owned by berth's
+/// user or root, not group- or world-writable).
+fn file_config(a: &ServeArgs, state_dir: &std::path::Path) -> anyhow::Result<FileConfig> {
+    let file_path = a
+        .config
+        .clone()
+        .unwrap_or_else(|| state_dir.join("berth.toml"));
+    Ok(match berth_server::private::read_trusted(&file_path)? {
+        Some(text) => toml::from_str(&text)
+            .map_err(|e| anyhow!("{}: {}", file_path.display(), toml_error(&text, &e)))?,
+        None if a.config.is_none() => FileConfig::default(),
+        None => bail!("reading {}: no such file", file_path.display()),
+    })
+}
+
 pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     let state_dir = a
         .state_dir
@@ -236,19 +252,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     // The state dir first: a config inside a dir another user can write is not
     // trusted whatever its own mode says (S5).
     berth_server::private::state_dir(&state_dir)?;
-    let file_path = a
-        .config
-        .clone()
-        .unwrap_or_else(|| state_dir.join("berth.toml"));
-    // S5: the config can turn auth off, so it is read only if no other user could
-    // have planted or changed it (not a link, owned by berth's user or root, not
-    // group- or world-writable).
-    let file: FileConfig = match berth_server::private::read_trusted(&file_path)? {
-        Some(text) => toml::from_str(&text)
-            .map_err(|e| anyhow!("{}: {}", file_path.display(), toml_error(&text, &e)))?,
-        None if a.config.is_none() => FileConfig::default(),
-        None => bail!("reading {}: no such file", file_path.display()),
-    };
+    let file = file_config(&a, &state_dir)?;
     let threads = thread_config(&a, &file)?;
     let mut c = engine_config(&a, &file, &state_dir)?;
     c.fit_default_request();

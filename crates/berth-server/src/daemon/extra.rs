@@ -38,7 +38,8 @@ pub(super) struct Extra {
     /// C6: an analysis run's grant-time view of the host's listeners: only these may
     /// be in its baseline (a listener opened between the grant and a registration is
     /// the run's own). `None` after a restart (the baseline is then what it holds).
-    pub(super) listeners_at_grant: Option<Box<std::collections::BTreeSet<u64>>>,
+    /// (Sorted; a boxed slice: every remembered run carries the field.)
+    pub(super) listeners_at_grant: Option<Box<[u64]>>,
 }
 
 /// What an acquire carries besides the engine's request, as one digest.

@@ -1097,7 +1097,7 @@ impl<H: Host> Daemon<H> {
             .get(run_id)
             .and_then(|e| e.listeners_at_grant.as_deref())
         {
-            now.retain(|inode| at_grant.contains(inode));
+            now.retain(|inode| at_grant.binary_search(inode).is_ok());
         }
         self.listen_watched
             .entry(run_id.to_string())
@@ -1111,7 +1111,7 @@ impl<H: Host> Daemon<H> {
         if self.engine.class_of(run_id) == Some(berth_core::Class::Analysis) {
             let now = self.host.listening_now();
             if let Some(e) = self.extras.get_mut(run_id) {
-                e.listeners_at_grant = Some(Box::new(now));
+                e.listeners_at_grant = Some(now.into_iter().collect());
             }
         }
     }
