@@ -8,7 +8,9 @@
 //! Points: `grant-committed` (a grant is durable but not yet answered), `mid-stop`
 //! (between SIGTERM and SIGKILL of a run's tree), `mid-archive` (an archive of
 //! diagnostics with its first file copied and the rest not), `mid-workspace-removal`
-//! (a workspace's first file deleted, after its logs were archived).
+//! (a workspace's first file deleted, after its logs were archived), `worktree-read`
+//! (a blocking thread reading a worktree: with `pause`, a worktree on a hung file
+//! system).
 
 #[cfg(feature = "failpoints")]
 pub fn hit(name: &str) {

@@ -61,11 +61,38 @@ pub const WORKTREE_BYTES_MAX: usize = 4096;
 /// `503`, never an async worker of the daemon (S1).
 const WORKTREE_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Blocking threads that may be reading worktrees at once. A read stuck on a hung
+/// file system keeps its thread (and its place here) until the file system answers;
+/// without a cap each request leaked one, until tokio's pool was spent and everything
+/// else that needs a blocking thread waited too (issue 32 concern).
+pub const WORKTREE_READERS_MAX: usize = 16;
+static WORKTREE_READERS: tokio::sync::Semaphore =
+    tokio::sync::Semaphore::const_new(WORKTREE_READERS_MAX);
+
+/// A place among `WORKTREE_READERS_MAX` worktree readers, or `503 worktree_unavailable`
+/// when every one is stuck.
+pub fn worktree_reader() -> Result<tokio::sync::SemaphorePermit<'static>, ApiError> {
+    WORKTREE_READERS.try_acquire().map_err(|_| {
+        ApiError::new(
+            503,
+            "worktree_unavailable",
+            format!(
+                "worktree: all {WORKTREE_READERS_MAX} worktree readers are stuck on worktrees that do not answer (a hung network or FUSE file system): try again later"
+            ),
+        )
+        .with(json!({"field": "worktree"}))
+    })
+}
+
 /// Reads the worktree's contract (C1) on a blocking thread, within
 /// `WORKTREE_READ_TIMEOUT`: `None` when it has none.
 pub async fn read_contract(worktree: &str) -> Result<Option<crate::contract::Contract>, ApiError> {
     let wt = std::path::PathBuf::from(worktree);
+    let place = worktree_reader()?;
     let read = tokio::task::spawn_blocking(move || {
+        // Held by the thread, not the request: a stuck read keeps its place.
+        let _place = place;
+        crate::failpoint::hit("worktree-read");
         // `metadata` follows links on purpose: a worktree may be reached through one;
         // what must never be followed or blocked on is the contract file itself.
         match std::fs::metadata(&wt) {

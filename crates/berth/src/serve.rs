@@ -533,7 +533,7 @@ pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    rt.block_on(async move {
+    let served = rt.block_on(async move {
         let running = berth_server::start(cfg.clone()).await?;
         // One parseable line for scripts and tests, then the human one.
         println!("listening on http://{}", running.addr);
@@ -551,6 +551,10 @@ pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
             }
         );
         running.wait().await
-    })?;
+    });
+    // Threads stuck on a hung file system (a worktree's) never finish: the stop does
+    // not wait for them past a moment (issue 32 concern: SIGTERM was ignored).
+    rt.shutdown_timeout(std::time::Duration::from_secs(1));
+    served?;
     Ok(0)
 }

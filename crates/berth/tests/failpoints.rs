@@ -580,3 +580,82 @@ fn archiving_never_holds_capacity() {
         "a half-made archive is shown as whole: {names:?}"
     );
 }
+
+/// Issue 32 concern: a worktree on a hung FUSE mount (`worktree-read`, paused: the
+/// thread reading it never returns) leaked one blocking thread per request, and the
+/// daemon then ignored SIGTERM. Now at most 16 reads are stuck at once (each request
+/// past them is `503 worktree_unavailable` at once), everything else is served, and
+/// SIGTERM stops the daemon within its grace.
+#[test]
+fn a_hung_worktree_holds_a_bounded_number_of_threads_and_the_daemon_still_stops() {
+    let mut d = Daemon::unstarted(&["--slots-max", "4"]);
+    d.env = vec![
+        ("BERTH_FAILPOINT".into(), "worktree-read".into()),
+        ("BERTH_FAILPOINT_ACTION".into(), "pause".into()),
+    ];
+    d.spawn();
+    let wt = tempfile::tempdir().unwrap();
+    let body = |i: usize| {
+        json!({"run_id": format!("w{i}"), "project": "p", "worktree": wt.path(), "wait_s": 0,
+            "resources": {"cpu_millis": 100}})
+        .to_string()
+    };
+    // 16 requests time out on their stuck reads (5 s each, at once).
+    let stuck: Vec<_> = (0..16)
+        .map(|i| {
+            let (url, token, b) = (d.url.clone(), d.token.clone(), body(i));
+            std::thread::spawn(move || {
+                ureq::post(format!("{url}/v1/runs"))
+                    .header("Authorization", format!("Bearer {token}"))
+                    .header("Content-Type", "application/json")
+                    .config()
+                    .http_status_as_error(false)
+                    .build()
+                    .send(b.as_bytes())
+                    .map(|r| r.status().as_u16())
+            })
+        })
+        .collect();
+    for t in stuck {
+        assert_eq!(t.join().unwrap().unwrap(), 503);
+    }
+    // Every reader is stuck: the next is refused at once, and nothing else waits.
+    let started = std::time::Instant::now();
+    let r = d.post("/v1/runs", &body(99));
+    assert_eq!(
+        (r.status, r.code()),
+        (503, "worktree_unavailable"),
+        "{:?}",
+        r.body
+    );
+    assert!(
+        r.body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("stuck"),
+        "{:?}",
+        r.body
+    );
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let plain = d.post(
+        "/v1/runs",
+        &json!({"run_id": "plain", "project": "q", "resources": {"cpu_millis": 100}}).to_string(),
+    );
+    assert_eq!(plain.status, 201, "{:?}", plain.body);
+    // SIGTERM: the daemon stops within its grace although 16 threads never return.
+    let pid = d.child.as_ref().unwrap().id() as i32;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid).unwrap(),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    let st = d.wait_exit(std::time::Duration::from_secs(15));
+    assert!(
+        st.is_some(),
+        "the daemon ignored SIGTERM with stuck worktree readers"
+    );
+}

@@ -211,6 +211,12 @@ async fn off_worker<T: Send + 'static>(
     port: &Port,
     f: impl FnOnce() -> Result<T, Failure> + Send + 'static,
 ) -> Result<T, Failure> {
+    let place =
+        crate::request::worktree_reader().map_err(|e| Failure::new(port, e.message, vec![]))?;
+    let f = move || {
+        let _place = place;
+        f()
+    };
     match tokio::time::timeout(WORKTREE_OP_TIMEOUT, tokio::task::spawn_blocking(f)).await {
         Ok(Ok(r)) => r,
         Ok(Err(_)) => Err(Failure::new(port, "launching it panicked", vec![])),
