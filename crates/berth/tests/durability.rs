@@ -32,6 +32,10 @@ enum Ev {
     MarkerSync,
     MarkerRename,
     DirSync,
+    /// A POST read from connection `.0` named run `.1` in its body (concern d).
+    PostId(String, String),
+    /// A write to the WAL began, carrying these bytes (as strace prints them).
+    WalData(String),
 }
 
 /// The call's name, its first argument (the descriptor as `-yy` prints it) and the
@@ -69,12 +73,14 @@ fn on_entry(call: &str, out: &mut Vec<(usize, Ev)>, line: usize) {
                 }
             } else if fd.ends_with("-wal>") {
                 out.push((line, Ev::WalWrite));
+                out.push((line, Ev::WalData(rest.to_string())));
             } else if fd.ends_with("/fence.floor.tmp>") {
                 out.push((line, Ev::MarkerWrite));
             }
         }
         "pwrite64" | "pwritev" | "pwritev2" if fd.ends_with("-wal>") => {
-            out.push((line, Ev::WalWrite))
+            out.push((line, Ev::WalWrite));
+            out.push((line, Ev::WalData(rest.to_string())));
         }
         _ => {}
     }
@@ -90,6 +96,14 @@ fn on_exit(call: &str, out: &mut Vec<(usize, Ev)>, line: usize) {
         "read" | "recvfrom" | "recvmsg" => {
             if let Some(c) = connection(fd) {
                 if rest.trim_start().starts_with("\"POST ") {
+                    // The run id of the body, as strace escapes it (`\"run_id\":\"x\"`).
+                    let id = rest
+                        .split_once("run_id\\\":\\\"")
+                        .and_then(|(_, t)| t.split_once("\\\""))
+                        .map(|(id, _)| id.to_string());
+                    if let Some(id) = id {
+                        out.push((line, Ev::PostId(c.clone(), id)));
+                    }
                     out.push((line, Ev::Post(c)));
                 }
             }
@@ -204,7 +218,12 @@ fn check(events: &[(usize, Ev)]) -> (usize, Vec<String>) {
             }
             Ev::WalWrite => writes.push(*line),
             Ev::WalSync => last_sync = Some(*line),
-            Ev::MarkerWrite | Ev::MarkerSync | Ev::MarkerRename | Ev::DirSync => {}
+            Ev::MarkerWrite
+            | Ev::MarkerSync
+            | Ev::MarkerRename
+            | Ev::DirSync
+            | Ev::PostId(..)
+            | Ev::WalData(_) => {}
             Ev::Answer(c, status) => {
                 let Some(read) = post_at.remove(c.as_str()) else {
                     continue;
@@ -229,25 +248,73 @@ fn check(events: &[(usize, Ev)]) -> (usize, Vec<String>) {
     (checked, broken)
 }
 
+/// Concern (d): under concurrent clients, every 2xx answer to a POST naming a run
+/// follows the fsync of its own commit: the first WAL write after the request that
+/// carries the run's id (its row's page: only its own commit writes it first), then a
+/// WAL fsync, then the answer. (The check above, "a write after the request, then a
+/// sync", passes when another client's commit was synced first.) Returns the answers
+/// tied and what broke the rule.
+fn check_own_commit(events: &[(usize, Ev)]) -> (usize, Vec<String>) {
+    let mut asked: HashMap<&str, (usize, &str)> = HashMap::new();
+    let mut own_write: HashMap<&str, usize> = HashMap::new();
+    let mut syncs: Vec<usize> = Vec::new();
+    let (mut tied, mut broken) = (0, Vec::new());
+    for (line, ev) in events {
+        match ev {
+            Ev::PostId(c, id) => {
+                asked.insert(c, (*line, id));
+            }
+            Ev::WalData(data) => {
+                for (read, id) in asked.values() {
+                    if *read < *line && data.contains(*id) {
+                        own_write.entry(*id).or_insert(*line);
+                    }
+                }
+            }
+            Ev::WalSync => syncs.push(*line),
+            Ev::Answer(c, status) if (200..300).contains(status) => {
+                let Some((_, id)) = asked.remove(c.as_str()) else {
+                    continue;
+                };
+                let write = own_write.get(id).copied();
+                let synced = write.is_some_and(|w| syncs.iter().any(|s| *s > w && *s < *line));
+                tied += 1;
+                if !synced {
+                    broken.push(format!(
+                        "run {id}: answered {status} at line {}, its commit written at {write:?}, not fsynced before",
+                        line + 1
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    (tied, broken)
+}
+
 fn strace() -> Option<&'static str> {
     ["/usr/bin/strace", "/bin/strace"]
         .into_iter()
         .find(|p| std::path::Path::new(p).exists())
 }
 
-#[test]
-fn every_acknowledged_change_follows_an_fsync_of_the_ledger() {
-    const TEST: &str = "every_acknowledged_change_follows_an_fsync_of_the_ledger";
+/// The daemon (with `extra`) under `strace -f`, strings shown up to `strlen` bytes:
+/// the daemon, where the trace goes, and the dir that holds it; `None` (the test is
+/// skipped, or fails where it must run) without strace.
+fn traced(
+    test: &str,
+    extra: &[&str],
+    strlen: usize,
+) -> Option<(Daemon, std::path::PathBuf, tempfile::TempDir)> {
     let Some(strace) = strace() else {
         berth_proc::testing::unavailable(
             berth_proc::testing::REQUIRE_ROOT,
-            TEST,
+            test,
             "strace is not installed (scripts/test.sh installs it when run as root)",
         );
-        return;
+        return None;
     };
-    // A marker block of 2 fences: it is raised every other grant (concern c).
-    let mut d = Daemon::unstarted(&["--slots-max", "4", "--fence-reserve-block", "2"]);
+    let mut d = Daemon::unstarted(extra);
     let state = d.state.display().to_string();
     STATE_DIR.with(|s| *s.borrow_mut() = state);
     let dir = tempfile::tempdir().unwrap();
@@ -258,7 +325,7 @@ fn every_acknowledged_change_follows_an_fsync_of_the_ledger() {
         "-qq",
         "-yy",
         "-s",
-        "48",
+        &strlen.to_string(),
         "-e",
         "trace=read,recvfrom,recvmsg,write,writev,sendto,sendmsg,pwrite64,pwritev,pwritev2,fsync,fdatasync,rename,renameat,renameat2",
         "-o",
@@ -272,6 +339,17 @@ fn every_acknowledged_change_follows_an_fsync_of_the_ledger() {
     d.args = args;
     d.bin = strace.into();
     d.spawn();
+    Some((d, trace, dir))
+}
+
+#[test]
+fn every_acknowledged_change_follows_an_fsync_of_the_ledger() {
+    const TEST: &str = "every_acknowledged_change_follows_an_fsync_of_the_ledger";
+    // A marker block of 2 fences: it is raised every other grant (concern c).
+    let extra = ["--slots-max", "4", "--fence-reserve-block", "2"];
+    let Some((mut d, trace, _dir)) = traced(TEST, &extra, 48) else {
+        return;
+    };
 
     // Changes of every kind the ledger records: grants, renewals, releases, a
     // registration, and a grant answered to a waiter long after its request was read.
@@ -376,6 +454,58 @@ fn every_acknowledged_change_follows_an_fsync_of_the_ledger() {
     assert!(renames >= 6, "{renames} renames of the marker seen");
 }
 
+/// Concern (d): eight clients at once acquire six runs each; every answer
+/// follows the fsync of its own commit, not merely some fsync after some write.
+#[test]
+fn under_concurrent_clients_each_answer_follows_the_fsync_of_its_own_commit() {
+    const TEST: &str = "under_concurrent_clients_each_answer_follows_the_fsync_of_its_own_commit";
+    let Some((mut d, trace, _dir)) = traced(TEST, &["--slots-max", "64"], 8192) else {
+        return;
+    };
+    const CLIENTS: usize = 8;
+    const EACH: usize = 6;
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (url, token) = (d.url.clone(), d.token.clone());
+            std::thread::spawn(move || {
+                let agent: ureq::Agent = ureq::Agent::config_builder()
+                    .http_status_as_error(false)
+                    .build()
+                    .into();
+                for i in 0..EACH {
+                    let id = format!("cc{c}x{i}z");
+                    let body = json!({"run_id": id, "project": id,
+                        "resources": {"cpu_millis": 10, "memory": 1048576, "disk": 0}});
+                    let r = agent
+                        .post(format!("{url}/v1/runs"))
+                        .header("Authorization", format!("Bearer {token}"))
+                        .header("Content-Type", "application/json")
+                        .send(body.to_string().as_bytes())
+                        .unwrap();
+                    assert_eq!(r.status().as_u16(), 201);
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    d.kill9();
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let (tied, broken) = check_own_commit(&events(&text));
+    assert!(
+        broken.is_empty(),
+        "{} of {tied} answers came before their own commit was durable:\n{}",
+        broken.len(),
+        broken.join("\n")
+    );
+    assert_eq!(
+        tied,
+        CLIENTS * EACH,
+        "answers tied to their commits vs acquires made"
+    );
+}
+
 /// The checker itself, on hand-written traces: a clean order passes; an answer before
 /// the fsync, with no fsync at all, or with the WAL written before the request only,
 /// fails; calls split across lines by other threads are joined.
@@ -417,6 +547,33 @@ fn the_syscall_order_check_catches_an_answer_before_the_fsync() {
         run(&[&post, write, split_sync, resumed, &answer]),
         (1, vec![])
     );
+    // Concern (d): A's answer after B's commit was synced, before A's own was: the
+    // first check passes it, the own-commit check does not.
+    let c1 = "21<TCP:[127.0.0.1:1->127.0.0.1:2]>";
+    let c2 = "22<TCP:[127.0.0.1:3->127.0.0.1:4]>";
+    let post_id = |c: &str, id: &str| {
+        format!("7 recvfrom({c}, \"POST /v1/runs HTTP/1.1\\r\\n\\r\\n{{\\\"run_id\\\":\\\"{id}\\\"}}\", 8192, 0, NULL, NULL) = 90")
+    };
+    let write_of =
+        |id: &str| format!("8 pwrite64(12</s/ledger.db-wal>, \"\\0{id}\\0\", 4096, 0) = 4096");
+    let answer_on = |c: &str| {
+        format!(
+            "7 writev({c}, [{{iov_base=\"HTTP/1.1 201 Created\\r\\n\"..., iov_len=10}}], 1) = 10"
+        )
+    };
+    let (pa, pb, wa, wb) = (
+        post_id(c1, "ra"),
+        post_id(c2, "rb"),
+        write_of("ra"),
+        write_of("rb"),
+    );
+    let (aa, ab) = (answer_on(c1), answer_on(c2));
+    let early = [&pa[..], &pb, &wb, sync, &aa, &wa, sync, &ab];
+    assert_eq!(run(&early).1.len(), 0, "the first check cannot see it");
+    let own = check_own_commit(&events(&early.join("\n")));
+    assert_eq!((own.0, own.1.len()), (2, 1), "{own:?}");
+    let fine = [&pa[..], &pb, &wb, &wa, sync, &aa, &ab];
+    assert_eq!(check_own_commit(&events(&fine.join("\n"))), (2, vec![]));
     // The marker: written, fsynced, renamed, its directory fsynced, then answered.
     STATE_DIR.with(|d| *d.borrow_mut() = "/s".into());
     let m_write = "9 write(14</s/fence.floor.tmp>, \"5\\n\", 2) = 2";
