@@ -28,21 +28,26 @@ pub fn listening() -> std::io::Result<BTreeMap<u64, u16>> {
 
 /// The `LISTEN` lines of one `/proc/net/tcp{,6}` text: `sl local rem st … inode`.
 pub fn parse_listening(text: &str, into: &mut BTreeMap<u64, u16>) {
-    for line in text.lines().skip(1).take(SOCKET_LINES_MAX) {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 10 || f[3] != TCP_LISTEN {
-            continue;
-        }
-        let port = f[1]
-            .rsplit_once(':')
-            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
-        let inode = f[9].parse::<u64>().ok();
-        if let (Some(port), Some(inode)) = (port, inode) {
-            if inode != 0 {
-                into.insert(inode, port);
+    into.extend(sockets_in(text, TCP_LISTEN));
+}
+
+/// (inode, local port) of each socket line of a `/proc/net/{tcp,udp}{,6}` text in
+/// state `st` (`sl local rem st … inode`); inode 0 (a socket being torn down) left out.
+fn sockets_in<'a>(text: &'a str, st: &'a str) -> impl Iterator<Item = (u64, u16)> + 'a {
+    text.lines()
+        .skip(1)
+        .take(SOCKET_LINES_MAX)
+        .filter_map(move |line| {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 10 || f[3] != st {
+                return None;
             }
-        }
-    }
+            let port = f[1]
+                .rsplit_once(':')
+                .and_then(|(_, p)| u16::from_str_radix(p, 16).ok())?;
+            let inode = f[9].parse::<u64>().ok().filter(|&i| i != 0)?;
+            Some((inode, port))
+        })
 }
 
 /// `st` of an unconnected UDP socket in `/proc/net/udp{,6}` (TCP_CLOSE): bound and
@@ -81,22 +86,9 @@ pub fn listening_any() -> std::io::Result<BTreeMap<u64, u16>> {
 /// The bound, unconnected lines of one `/proc/net/udp{,6}` text on a port outside
 /// `ephemeral` (`sl local rem st … inode`, as for TCP).
 pub fn parse_udp_bound(text: &str, ephemeral: (u16, u16), into: &mut BTreeMap<u64, u16>) {
-    for line in text.lines().skip(1).take(SOCKET_LINES_MAX) {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        if f.len() < 10 || f[3] != UDP_UNCONNECTED {
-            continue;
-        }
-        let port = f[1]
-            .rsplit_once(':')
-            .and_then(|(_, p)| u16::from_str_radix(p, 16).ok());
-        let inode = f[9].parse::<u64>().ok();
-        if let (Some(port), Some(inode)) = (port, inode) {
-            let in_ephemeral = (ephemeral.0..=ephemeral.1).contains(&port);
-            if inode != 0 && port != 0 && !in_ephemeral {
-                into.insert(inode, port);
-            }
-        }
-    }
+    let outside =
+        |&(_, port): &(u64, u16)| port != 0 && !(ephemeral.0..=ephemeral.1).contains(&port);
+    into.extend(sockets_in(text, UDP_UNCONNECTED).filter(outside));
 }
 
 /// The socket inodes `pid` holds open. A process that is gone holds none.

@@ -525,18 +525,7 @@ fn finding_9_fences_never_go_back_after_a_restored_or_empty_ledger() {
 #[test]
 fn finding_10_one_daemon_per_state_dir() {
     let mut d = Daemon::start(&[]);
-    let first = d.args.clone();
-    let i = d.args.iter().position(|a| a == "--listen").unwrap();
-    d.args[i + 1] = format!("127.0.0.1:{}", free_port());
-    let (status, text) = d.start_fails(&[]);
-    d.args = first;
-    assert!(!status.success());
-    let pid = daemon_pid(&d);
-    assert!(
-        text.contains(&format!("in use by another berth serve (pid {pid})")),
-        "{text}"
-    );
-    assert_eq!(d.get("/v1/status").status, 200);
+    d.assert_a_second_daemon_is_refused();
 }
 
 /// Finding 11: a total of 2^64-1 was accepted and two 2^63-byte runs were both

@@ -461,18 +461,7 @@ fn long_poll_as(d: &Daemon, token: &str, body: &Value) -> std::net::TcpStream {
 fn concern_an_unlinked_lock_file_lets_no_second_daemon_in() {
     let mut d = Daemon::start(&[]);
     std::fs::remove_file(d.state.join("lock")).unwrap();
-    let first = d.args.clone();
-    let i = d.args.iter().position(|a| a == "--listen").unwrap();
-    d.args[i + 1] = format!("127.0.0.1:{}", free_port());
-    let (status, text) = d.start_fails(&[]);
-    d.args = first;
-    assert!(!status.success(), "{text}");
-    let pid = d.child.as_ref().unwrap().id();
-    assert!(
-        text.contains(&format!("in use by another berth serve (pid {pid})")),
-        "{text}"
-    );
-    assert_eq!(d.get("/v1/status").status, 200);
+    d.assert_a_second_daemon_is_refused();
 }
 
 /// Concern (S6): deleting `fence.floor` and restoring an older ledger restarted

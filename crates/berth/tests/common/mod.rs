@@ -205,6 +205,23 @@ impl Daemon {
         )
     }
 
+    /// S5: a second `berth serve` on this daemon's state dir (on another port) refuses
+    /// to start, naming this one's pid; this one goes on serving.
+    pub fn assert_a_second_daemon_is_refused(&mut self) {
+        let first = self.args.clone();
+        let i = self.args.iter().position(|a| a == "--listen").unwrap();
+        self.args[i + 1] = format!("127.0.0.1:{}", free_port());
+        let (status, text) = self.start_fails(&[]);
+        self.args = first;
+        assert!(!status.success(), "{text}");
+        let pid = self.child.as_ref().unwrap().id();
+        assert!(
+            text.contains(&format!("in use by another berth serve (pid {pid})")),
+            "{text}"
+        );
+        assert_eq!(self.get("/v1/status").status, 200);
+    }
+
     /// The daemon as user `uid` (needs root): a copy of the binary any user may run,
     /// and a state dir that user owns.
     pub fn start_as(uid: u32, extra: &[&str]) -> Daemon {
