@@ -356,7 +356,10 @@ impl Drop for Unregister {
 /// envelope (pure over the bytes hyper writes), or `None` for anything else.
 pub fn enveloped(written: &[u8]) -> Option<Vec<u8>> {
     const HEAD_MAX: usize = 512;
-    if written.len() > HEAD_MAX
+    // Cheap refusals first: this looks at every write hyper makes.
+    let error_status = written.get(9).is_some_and(|&d| d == b'4' || d == b'5');
+    if !error_status
+        || written.len() > HEAD_MAX
         || !written.starts_with(b"HTTP/1.1 ")
         || !written.ends_with(b"\r\n\r\n")
     {

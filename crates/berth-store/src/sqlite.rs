@@ -240,8 +240,7 @@ const MIGRATIONS: &[&str] = &[
     // retention keeps the entries of live runs and of scopes not yet forgotten
     // (issue 32 finding 8).
     "ALTER TABLE runs ADD COLUMN journal_first INTEGER NOT NULL DEFAULT 0;
-     ALTER TABLE scopes ADD COLUMN journal_first INTEGER NOT NULL DEFAULT 0;
-     CREATE INDEX runs_live_journal ON runs (journal_first) WHERE terminal = 0;",
+     ALTER TABLE scopes ADD COLUMN journal_first INTEGER NOT NULL DEFAULT 0;",
 ];
 
 /// The part of a migration SQL cannot do, run after its SQL in its transaction.
