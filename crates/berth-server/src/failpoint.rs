@@ -10,7 +10,7 @@
 //! diagnostics with its first file copied and the rest not), `mid-workspace-removal`
 //! (a workspace's first file deleted, after its logs were archived), `worktree-read`
 //! (a blocking thread reading a worktree: with `pause`, a worktree on a hung file
-//! system).
+//! system), `registration-check` (the registration rule's look at `/proc`).
 
 #[cfg(feature = "failpoints")]
 pub fn hit(name: &str) {

@@ -129,6 +129,9 @@ pub struct OtherRun<'a> {
 /// Applies rules 1–3 to `pid` for a caller acting as `uid`; returns the identity to
 /// record.
 pub fn check(me: &Me, uid: u32, pid: i32, others: &[OtherRun<'_>]) -> Result<ProcId, Refusal> {
+    // A check that takes its time (a deep tree, a slow `/proc`): with `pause`, one that
+    // never ends. It must cost only the registration that asked (issue 32 finding 7).
+    crate::failpoint::hit("registration-check");
     let forbidden = |why: &str| Err(Refusal::Forbidden(format!("pid {pid} is {why}")));
     if pid <= 1 {
         return forbidden("init (or not a process id)");

@@ -659,3 +659,57 @@ fn a_hung_worktree_holds_a_bounded_number_of_threads_and_the_daemon_still_stops(
         "the daemon ignored SIGTERM with stuck worktree readers"
     );
 }
+
+/// Issue 32 finding 7: the registration rule walked other runs' process chains on the
+/// state task, so a slow check (20 roots under a 1,500-deep chain: 0.44 s) stalled
+/// every request. Now it runs on a blocking thread: with the check stuck for good
+/// (`registration-check`, paused), that registration waits and everything else is
+/// served, the status and new grants included.
+#[test]
+fn a_stuck_registration_check_stalls_nothing_else() {
+    let mut d = Daemon::unstarted(&["--slots-max", "4"]);
+    let arm = d.state.join("arm-registration");
+    d.env = vec![
+        ("BERTH_FAILPOINT".into(), "registration-check".into()),
+        ("BERTH_FAILPOINT_ACTION".into(), "pause".into()),
+        ("BERTH_FAILPOINT_ARM".into(), arm.display().to_string()),
+    ];
+    d.spawn();
+    let a = d.post(
+        "/v1/runs",
+        &json!({"run_id": "a", "project": "a", "resources": {"cpu_millis": 100}}).to_string(),
+    );
+    assert_eq!(a.status, 201, "{:?}", a.body);
+    let mut sleeper = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    std::fs::write(&arm, "").unwrap();
+    let (url, token) = (d.url.clone(), d.token.clone());
+    let body = json!({"fence": a.body["fence"], "pid": sleeper.id()}).to_string();
+    // The registration never finishes (its client gives up after a while).
+    let _stuck = std::thread::spawn(move || {
+        let _ = ureq::post(format!("{url}/v1/runs/a/processes"))
+            .header("Authorization", format!("Bearer {token}"))
+            .header("Content-Type", "application/json")
+            .config()
+            .timeout_global(Some(std::time::Duration::from_secs(30)))
+            .build()
+            .send(body.as_bytes());
+    });
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let started = std::time::Instant::now();
+    assert_eq!(d.get("/v1/status").status, 200);
+    let b = d.post(
+        "/v1/runs",
+        &json!({"run_id": "b", "project": "b", "resources": {"cpu_millis": 100}}).to_string(),
+    );
+    assert_eq!(b.status, 201, "{:?}", b.body);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "the state task waited on the registration check: {:?}",
+        started.elapsed()
+    );
+    let _ = sleeper.kill();
+    let _ = sleeper.wait();
+}
