@@ -64,34 +64,87 @@ const WORKTREE_READ_TIMEOUT: Duration = Duration::from_secs(5);
 /// Blocking threads that may be reading worktrees at once. A read stuck on a hung
 /// file system keeps its thread (and its place here) until the file system answers;
 /// without a cap each request leaked one, until tokio's pool was spent and everything
-/// else that needs a blocking thread waited too (issue 32 concern).
+/// else that needs a blocking thread waited too (issue 32 concern). A burst of healthy
+/// reads waits for a place; once every place is held by a read that outlived its
+/// timeout, the next is refused at once.
 pub const WORKTREE_READERS_MAX: usize = 16;
 static WORKTREE_READERS: tokio::sync::Semaphore =
     tokio::sync::Semaphore::const_new(WORKTREE_READERS_MAX);
+/// Reads that outlived their timeout and still hold their place.
+static WORKTREE_READERS_STUCK: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
 
-/// A place among `WORKTREE_READERS_MAX` worktree readers, or `503 worktree_unavailable`
-/// when every one is stuck.
-pub fn worktree_reader() -> Result<tokio::sync::SemaphorePermit<'static>, ApiError> {
-    WORKTREE_READERS.try_acquire().map_err(|_| {
-        ApiError::new(
-            503,
-            "worktree_unavailable",
-            format!(
-                "worktree: all {WORKTREE_READERS_MAX} worktree readers are stuck on worktrees that do not answer (a hung network or FUSE file system): try again later"
+/// Why a worktree operation gave no answer.
+#[derive(Debug)]
+pub enum WorktreeOp {
+    /// Every place is held by a read stuck on a file system that does not answer.
+    AllStuck,
+    /// No answer (or no place) within the time allowed.
+    TimedOut,
+    Panicked,
+}
+
+impl WorktreeOp {
+    pub fn message(&self, limit: Duration) -> String {
+        match self {
+            WorktreeOp::AllStuck => format!(
+                "all {WORKTREE_READERS_MAX} worktree readers are stuck on worktrees that do not answer (a hung network or FUSE file system): try again later"
             ),
-        )
-        .with(json!({"field": "worktree"}))
-    })
+            WorktreeOp::TimedOut => format!("it did not answer within {} s", limit.as_secs()),
+            WorktreeOp::Panicked => "reading it failed".into(),
+        }
+    }
+}
+
+/// Runs `f`, which touches a caller's worktree, on a blocking thread within `limit`,
+/// holding one of `WORKTREE_READERS_MAX` places for as long as the thread runs.
+pub async fn worktree_op<T: Send + 'static>(
+    limit: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, WorktreeOp> {
+    use std::sync::atomic::{AtomicU8, Ordering::AcqRel};
+    const RUNNING: u8 = 0;
+    const DONE: u8 = 1;
+    const STUCK: u8 = 2;
+    if WORKTREE_READERS_STUCK.load(std::sync::atomic::Ordering::Acquire) >= WORKTREE_READERS_MAX {
+        return Err(WorktreeOp::AllStuck);
+    }
+    let started = tokio::time::Instant::now();
+    let place = tokio::time::timeout(limit, WORKTREE_READERS.acquire())
+        .await
+        .map_err(|_| WorktreeOp::TimedOut)?
+        .map_err(|_| WorktreeOp::Panicked)?;
+    let state = std::sync::Arc::new(AtomicU8::new(RUNNING));
+    let seen = state.clone();
+    let work = tokio::task::spawn_blocking(move || {
+        // Held by the thread, not the request: a stuck read keeps its place.
+        let _place = place;
+        let out = f();
+        if seen.swap(DONE, AcqRel) == STUCK {
+            WORKTREE_READERS_STUCK.fetch_sub(1, AcqRel);
+        }
+        out
+    });
+    match tokio::time::timeout(limit.saturating_sub(started.elapsed()), work).await {
+        Ok(Ok(out)) => Ok(out),
+        Ok(Err(_)) => Err(WorktreeOp::Panicked),
+        Err(_) => {
+            if state
+                .compare_exchange(RUNNING, STUCK, AcqRel, std::sync::atomic::Ordering::Acquire)
+                .is_ok()
+            {
+                WORKTREE_READERS_STUCK.fetch_add(1, AcqRel);
+            }
+            Err(WorktreeOp::TimedOut)
+        }
+    }
 }
 
 /// Reads the worktree's contract (C1) on a blocking thread, within
 /// `WORKTREE_READ_TIMEOUT`: `None` when it has none.
 pub async fn read_contract(worktree: &str) -> Result<Option<crate::contract::Contract>, ApiError> {
     let wt = std::path::PathBuf::from(worktree);
-    let place = worktree_reader()?;
-    let read = tokio::task::spawn_blocking(move || {
-        // Held by the thread, not the request: a stuck read keeps its place.
-        let _place = place;
+    let read = worktree_op(WORKTREE_READ_TIMEOUT, move || {
         crate::failpoint::hit("worktree-read");
         // `metadata` follows links on purpose: a worktree may be reached through one;
         // what must never be followed or blocked on is the contract file itself.
@@ -106,19 +159,19 @@ pub async fn read_contract(worktree: &str) -> Result<Option<crate::contract::Con
         }
         crate::contract::read(&wt).map_err(|e| ApiError::invalid("worktree", e))
     });
-    match tokio::time::timeout(WORKTREE_READ_TIMEOUT, read).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(_)) => Err(ApiError::new(
+    match read.await {
+        Ok(r) => r,
+        Err(WorktreeOp::Panicked) => Err(ApiError::new(
             500,
             "internal",
             "reading the worktree failed",
         )),
-        Err(_) => Err(ApiError::new(
+        Err(e) => Err(ApiError::new(
             503,
             "worktree_unavailable",
             format!(
-                "worktree: its contract could not be read within {} s",
-                WORKTREE_READ_TIMEOUT.as_secs()
+                "worktree: its contract could not be read: {}",
+                e.message(WORKTREE_READ_TIMEOUT)
             ),
         )
         .with(json!({"field": "worktree"}))),

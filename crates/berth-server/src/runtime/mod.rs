@@ -211,21 +211,13 @@ async fn off_worker<T: Send + 'static>(
     port: &Port,
     f: impl FnOnce() -> Result<T, Failure> + Send + 'static,
 ) -> Result<T, Failure> {
-    let place =
-        crate::request::worktree_reader().map_err(|e| Failure::new(port, e.message, vec![]))?;
-    let f = move || {
-        let _place = place;
-        f()
-    };
-    match tokio::time::timeout(WORKTREE_OP_TIMEOUT, tokio::task::spawn_blocking(f)).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(_)) => Err(Failure::new(port, "launching it panicked", vec![])),
-        Err(_) => Err(Failure::new(
+    use crate::request::WorktreeOp;
+    match crate::request::worktree_op(WORKTREE_OP_TIMEOUT, f).await {
+        Ok(r) => r,
+        Err(WorktreeOp::Panicked) => Err(Failure::new(port, "launching it panicked", vec![])),
+        Err(e) => Err(Failure::new(
             port,
-            format!(
-                "its worktree did not answer within {} s",
-                WORKTREE_OP_TIMEOUT.as_secs()
-            ),
+            format!("its worktree: {}", e.message(WORKTREE_OP_TIMEOUT)),
             vec![],
         )),
     }
