@@ -88,6 +88,12 @@ fn release_memory() {
 }
 
 fn main() -> ExitCode {
+    // berth run's gate in front of CMD: before clap, which must not read CMD's words.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().take(3).collect();
+    if argv.get(1).is_some_and(|a| a == run::GATE_ARG) {
+        let all: Vec<std::ffi::OsString> = std::env::args_os().skip(2).collect();
+        return ExitCode::from(run::gate_main(&all));
+    }
     berth_server::memory::set_release(release_memory);
     let cli = Cli::parse();
     let result = match cli.cmd {

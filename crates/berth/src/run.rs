@@ -544,7 +544,7 @@ async fn run_granted(
         hup: signal(SignalKind::hangup())?,
         tstp: signal(SignalKind::from_raw(libc::SIGTSTP))?,
     };
-    // CMD must never run unregistered (P1): it starts behind a gate, a shell that
+    // CMD must never run unregistered (P1): it starts behind a gate (berth itself) that
     // waits for one byte on a pipe and then execs CMD under the same pid. If this
     // process dies before it registers CMD, the pipe closes, the read fails and CMD
     // never starts.
@@ -563,10 +563,10 @@ async fn run_granted(
     // P1: the broker records the child by identity (and moves it into the run's
     // cgroup), so it can stop the tree if this client dies (P6). CMD never runs
     // unregistered: if registering fails, the gate stays shut (closing the pipe
-    // makes the gate's `read` fail, so the shell exits 125 without running CMD),
+    // makes the gate's `read` fail, so the gate exits 125 without running CMD),
     // the lease is released and berth run says why.
     if let Err((code, why)) = register(&client, &run_id, fence, pgid, ttl_ms).await {
-        // Closing the pipe makes the gate's `read` fail: the shell exits 125.
+        // Closing the pipe makes the gate's `read` fail: the gate exits 125.
         drop(gate_write);
         while let Some(ev) = events.recv().await {
             if matches!(ev, ChildEvent::Exited(_)) {
@@ -681,8 +681,18 @@ async fn supervise(
     (status, lost_reason)
 }
 
+/// The hidden first argument that makes `berth` the gate in front of CMD.
+pub const GATE_ARG: &str = "__gate";
+
 /// Starts CMD behind its gate (see `run_main`), in its own process group; returns the
-/// spawn's outcome and the pipe end whose one byte opens the gate.
+/// spawn's outcome and the pipe end whose one line opens the gate.
+///
+/// The gate is berth itself (`berth __gate FD CMD...`), not a shell: a shell gate
+/// named the pipe by its number (`read <&12`), and dash cannot parse a descriptor of
+/// 10 or more, so one descriptor too many inherited from berth run's parent broke
+/// every run (issue 33 item 1). Every descriptor berth run inherited passes to CMD
+/// untouched (a make jobserver's too); berth's own are close-on-exec, and the gate
+/// closes its pipe before it becomes CMD.
 fn spawn_gated(
     cmd_args: &[String],
     env: &BTreeMap<String, String>,
@@ -690,20 +700,63 @@ fn spawn_gated(
     let (gate_read, gate_write) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::empty())?;
     rustix::io::fcntl_setfd(&gate_write, rustix::io::FdFlags::CLOEXEC)?;
     let fd = std::os::fd::AsRawFd::as_raw_fd(&gate_read);
-    let gate = format!("read -r _ <&{fd} || exit 125; exec \"$@\" {fd}<&-");
+    let me = std::env::current_exe()?;
     // std, not tokio: the child is waited for by `watch_child` (which also sees it
     // stop), never by a runtime that would reap it behind our back.
     use std::os::unix::process::CommandExt;
-    let mut cmd = std::process::Command::new("/bin/sh");
-    cmd.arg("-c")
-        .arg(gate)
-        .arg("berth-run")
+    let mut cmd = std::process::Command::new(me);
+    cmd.arg(GATE_ARG)
+        .arg(fd.to_string())
         .args(cmd_args)
         .envs(env)
         .process_group(0);
     let spawned = cmd.spawn();
     drop(gate_read);
     Ok((spawned, gate_write))
+}
+
+/// `berth __gate FD CMD...`: waits for `go` on descriptor FD, closes it and becomes
+/// CMD. Without `go` (berth run could not register it, or died) it exits 125 and CMD
+/// never runs (P1). CMD not found: 127, not runnable: 126, as a shell says.
+pub fn gate_main(args: &[std::ffi::OsString]) -> u8 {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::process::CommandExt;
+    let Some(fd) = args
+        .first()
+        .and_then(|a| a.to_str())
+        .and_then(|a| a.parse::<i32>().ok())
+        .filter(|&fd| fd > 2)
+    else {
+        eprintln!("berth: {GATE_ARG} is berth run's own");
+        return crate::EXIT_USAGE;
+    };
+    // SAFETY: berth run made this descriptor for this process and nothing else here
+    // uses it; it is owned (and closed) from now on.
+    let gate = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    let mut said = Vec::new();
+    let mut byte = [0u8; 1];
+    while said.len() < 8 {
+        match rustix::io::read(&gate, &mut byte) {
+            Ok(1) if byte[0] == b'\n' => break,
+            Ok(1) => said.push(byte[0]),
+            Err(rustix::io::Errno::INTR) => continue,
+            _ => break,
+        }
+    }
+    drop(gate);
+    if said != b"go" {
+        return 125;
+    }
+    let Some(program) = args.get(1) else {
+        return 125;
+    };
+    let e = std::process::Command::new(program).args(&args[2..]).exec();
+    eprintln!("berth run: {}: {e}", program.to_string_lossy());
+    if e.kind() == std::io::ErrorKind::NotFound {
+        127
+    } else {
+        126
+    }
 }
 
 /// Renews the lease every third of its ttl (at once when `renew_now` is notified);

@@ -632,3 +632,84 @@ fn bad_list_parameters_and_default_settings_are_refused_by_name() {
     // The running daemon is unchanged.
     assert_eq!(d.get("/v1/status").body["slots_max"], 1);
 }
+
+/// Issue 33 item 1: with one descriptor too many inherited from its parent, the gate's
+/// pipe landed on fd 10 or above, dash said `Bad fd number` and every run failed
+/// (exit 69). Now `berth run` works with 0, 1, 9, 10, 64 and 1,000 inherited
+/// descriptors under dash and bash, and CMD sees every one of them (berth's own are
+/// not passed on), make's jobserver included.
+#[test]
+fn issue_33_inherited_descriptors_pass_through_and_never_break_the_gate() {
+    let d = Daemon::start(&["--slots-max", "4"]);
+    // A parent that leaves `n` descriptors open (inheritable), then becomes berth run.
+    let parent = r#"import os, sys
+n = int(sys.argv[1])
+for _ in range(n):
+    os.set_inheritable(os.open("/dev/null", os.O_RDONLY), True)
+os.execv(sys.argv[2], sys.argv[2:])"#;
+    let count = |n: usize, via_berth: bool, shell: &str| -> (std::process::Output, usize) {
+        let mut c = std::process::Command::new("python3");
+        c.env("BERTH_URL", &d.url)
+            .env("BERTH_TOKEN", &d.token)
+            .args(["-c", parent])
+            .arg(n.to_string());
+        if via_berth {
+            c.arg(common::BERTH)
+                .args(["run", "--project", "fds", "--cpus", "0.1", "--"]);
+        }
+        c.args([shell, "-c", "ls /proc/self/fd | wc -l"])
+            .stdin(std::process::Stdio::null());
+        let out = c.output().unwrap();
+        let seen = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .unwrap_or(0);
+        (out, seen)
+    };
+    for shell in ["/bin/sh", "/bin/bash"] {
+        // What CMD sees when its parent runs it itself (the test's own descriptors).
+        let (_, baseline) = count(0, false, shell);
+        assert!(baseline >= 4, "{shell}: {baseline}");
+        for n in [0usize, 1, 9, 10, 64, 1_000] {
+            let (out, seen) = count(n, true, shell);
+            let said = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success(),
+                "{n} descriptors, {shell}: {:?} {said}",
+                out.status
+            );
+            // Every inherited descriptor, and none of berth's own.
+            assert_eq!(
+                seen,
+                baseline + n,
+                "{n} descriptors, {shell}: CMD saw {seen}"
+            );
+        }
+    }
+    // make's jobserver: the descriptors named in MAKEFLAGS are open in CMD.
+    let dir = tempfile::tempdir().unwrap();
+    let check = r#"for f in $(echo "$MAKEFLAGS" | sed -n 's/.*jobserver-auth=\([0-9]*\),\([0-9]*\).*/\1 \2/p'); do test -e /proc/self/fd/$f || exit 9; done; echo "$MAKEFLAGS" | grep -q jobserver-auth"#;
+    std::fs::write(
+        dir.path().join("Makefile"),
+        format!(
+            "all:\n\t+{} run --project mk --cpus 0.1 -- sh -c '{}'\n",
+            common::BERTH,
+            check.replace('$', "$$").replace('\'', "'\\''")
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new("make")
+        .args(["-s", "-j2", "-C"])
+        .arg(dir.path())
+        .env("BERTH_URL", &d.url)
+        .env("BERTH_TOKEN", &d.token)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "make: {:?} {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
