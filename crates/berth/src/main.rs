@@ -96,6 +96,16 @@ fn main() -> ExitCode {
     }
     berth_server::memory::set_release(release_memory);
     let cli = Cli::parse();
+    // A client printing into a pipe its reader closed (`berth status | head -c 1`)
+    // ends quietly as Unix tools do, by SIGPIPE, not with a panic (Rust ignores
+    // SIGPIPE, and `println!` panics on EPIPE: issue 33 item 6). The daemon and
+    // `berth run` keep ignoring it: they own sockets and a child, and say what fails.
+    if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::Run(_)) {
+        // SAFETY: at start, before any thread exists; SIG_DFL is always valid.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.cmd {
         Cmd::Serve(a) => serve::main(a),
         Cmd::Run(a) => run::run_main(a),

@@ -713,3 +713,47 @@ os.execv(sys.argv[2], sys.argv[2:])"#;
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Issue 33 item 6: `status`, `runs --all`, `threads --json`, `budget` and the other
+/// printing commands panicked (`failed printing to stdout: Broken pipe`, exit 101)
+/// when their reader had gone (`| head -c 1`). Each now ends quietly: killed by
+/// SIGPIPE as Unix tools are, with nothing on stderr.
+#[test]
+fn issue_33_a_closed_pipe_ends_every_command_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    let d = Daemon::start(&["--slots-max", "4"]);
+    let r = d.post(
+        "/v1/runs",
+        &json!({"run_id": "p", "project": "p", "resources": {"cpu_millis": 100}}).to_string(),
+    );
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    for args in [
+        &["status"][..],
+        &["runs", "--all"],
+        &["threads", "--json"],
+        &["budget"],
+        &["events"],
+        &["status", "--json"],
+    ] {
+        // A pipe whose reader is already gone: the first write fails with EPIPE.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = d
+            .cli()
+            .args(args)
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.signal() == Some(libc::SIGPIPE) || out.status.success(),
+            "berth {args:?}: {:?} {said}",
+            out.status
+        );
+        assert!(
+            !said.contains("panicked") && !said.contains("Broken pipe"),
+            "berth {args:?}: {said}"
+        );
+    }
+}
