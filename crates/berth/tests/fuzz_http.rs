@@ -12,8 +12,10 @@
 //! refused with a 4xx gets the error envelope (`{"error":{"code","message","details"}}`,
 //! and a 400 `invalid` names its field in `details.field`); and a refused request
 //! changes nothing: no journal entry but the record of its refusal (D5), the same
-//! status and runs. Framing errors may get hyper's bare 400 (or 505 for another HTTP
-//! version): a stated limit (ARCHITECTURE.md). Every operation must have been tried.
+//! status and runs. Framing errors get hyper's 400 (or 505 for another HTTP version),
+//! rewritten with the envelope (`http::enveloped`; pinned by
+//! `tenancy.rs::concern_framing_errors_carry_the_error_envelope`). Every operation
+//! must have been tried.
 //!
 //! The short run is part of `cargo test`; the long run is one command (the harness's
 //! per-test deadline raised with it):
