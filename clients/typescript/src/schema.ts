@@ -2073,6 +2073,20 @@ export interface components {
             /** @description RFC 3339; a lease only. */
             expires_at: string | null;
             /**
+             * Format: int64
+             * @description A lease's ttl in milliseconds: each renew moves `expires_at` to the renew's
+             *     time plus this (a lease only). A client keeps its lease by this figure, not by
+             *     the ttl it asked for (the daemon's default or its `ttl_max` may have decided).
+             */
+            ttl_ms: number | null;
+            /**
+             * @description Why a lease that is being stopped (`releasing`, `degraded`) or was stopped is
+             *     ending: `released` (its holder released it) or `expired` (it was not renewed
+             *     in time, L6). A client that finds its own lease `releasing` with `expired`
+             *     lost it.
+             */
+            ending: string | null;
+            /**
              * @description Why berth itself ended the run (no workspace or ports at its grant, W1/W3; a
              *     listener opened by an analysis run, C6).
              */

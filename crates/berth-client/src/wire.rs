@@ -185,6 +185,19 @@ pub struct Run {
     /// RFC 3339; a lease only.
     #[schema(required = true)]
     pub expires_at: Option<String>,
+    /// A lease's ttl in milliseconds: each renew moves `expires_at` to the renew's
+    /// time plus this (a lease only). A client keeps its lease by this figure, not by
+    /// the ttl it asked for (the daemon's default or its `ttl_max` may have decided).
+    #[serde(default)]
+    #[schema(required = true)]
+    pub ttl_ms: Option<u64>,
+    /// Why a lease that is being stopped (`releasing`, `degraded`) or was stopped is
+    /// ending: `released` (its holder released it) or `expired` (it was not renewed
+    /// in time, L6). A client that finds its own lease `releasing` with `expired`
+    /// lost it.
+    #[serde(default)]
+    #[schema(required = true)]
+    pub ending: Option<String>,
     /// Why berth itself ended the run (no workspace or ports at its grant, W1/W3; a
     /// listener opened by an analysis run, C6).
     #[serde(default)]

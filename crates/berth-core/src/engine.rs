@@ -69,6 +69,10 @@ pub(crate) struct Run {
     /// whether the caller was asked for one (once per run and restart).
     pub(crate) permit: Option<Fence>,
     pub(crate) permit_asked: bool,
+    /// A8/A11: what a waiter whose wait ran out was last waiting on, so its `expired`
+    /// answer says why (it is no longer queued, so `reason` cannot be asked any more).
+    /// Boxed: only expired waiters have one.
+    pub(crate) last_reason: Option<Box<Reason>>,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -425,6 +429,7 @@ impl Engine {
             pending_mem: pending,
             permit: None,
             permit_asked: false,
+            last_reason: None,
         }));
         self.by_id.insert(id, slot);
         self.project_mut(p).waiting += 1;
@@ -575,8 +580,7 @@ impl Engine {
             if d > now {
                 break;
             }
-            self.unqueue(s);
-            self.end(s, RunState::Expired, ev);
+            self.expire_waiter(s, ev);
         }
         // L6: a lease not renewed by its expiry is stopped; its claim frees on StopDone.
         while let Some(&(e, s)) = self.expiries.first() {
@@ -1019,6 +1023,7 @@ impl Engine {
             pending_mem: false,
             permit,
             permit_asked: permit.is_some(),
+            last_reason: None,
         }));
         self.by_id.insert(run_id.clone(), slot);
         ev.push(Event::Queued {
@@ -1029,12 +1034,8 @@ impl Engine {
         self.pass(now, Some(slot), ev);
         if wait_now && self.run(slot).state == RunState::Queued {
             // `wait_s = 0`: not admitted at once means expired, with the reason why.
-            let reason = self.reason(slot);
-            self.unqueue(slot);
-            self.end(slot, RunState::Expired, ev);
-            let mut view = self.view(slot);
-            view.reason = Some(reason);
-            return Ok(Some(view));
+            self.expire_waiter(slot, ev);
+            return Ok(Some(self.view(slot)));
         }
         Ok(self.view_of(&run_id))
     }
@@ -1666,6 +1667,15 @@ impl Engine {
                 ks.exclusive_waiting[prio.index()] -= 1;
             }
         }
+    }
+
+    /// A8: a waiter whose wait ran out leaves the queue as expired, holding nothing,
+    /// and keeps what it was last waiting on for its answer (A11).
+    fn expire_waiter(&mut self, s: Slot, ev: &mut Vec<Event>) {
+        let reason = self.reason(s);
+        self.unqueue(s);
+        self.run_mut(s).last_reason = Some(Box::new(reason));
+        self.end(s, RunState::Expired, ev);
     }
 
     fn begin_stop(&mut self, s: Slot, cause: EndCause, ev: &mut Vec<Event>) {
@@ -2352,9 +2362,15 @@ impl Engine {
             state: r.state,
             fence: r.fence,
             expires_at_ms: held.then_some(r.expires_at),
+            ttl_ms: held.then_some(r.req.ttl_ms),
+            cause: r.cause,
             deadline_ms: queued.then_some(r.deadline),
             position: queued.then(|| self.position(s)),
-            reason: queued.then(|| self.reason(s)),
+            reason: if queued {
+                Some(self.reason(s))
+            } else {
+                r.last_reason.as_deref().cloned()
+            },
             keys: key_names(&r.req)
                 .into_iter()
                 .zip(r.keys.iter().map(|&(_, m)| m))

@@ -240,6 +240,10 @@ pub struct RunView {
     pub state: RunState,
     pub fence: Option<Fence>,
     pub expires_at_ms: Option<TimeMs>,
+    /// A lease's ttl: each renew moves its expiry to then + this (a lease only).
+    pub ttl_ms: Option<u64>,
+    /// Why a run being stopped (releasing, degraded) or stopped is ending.
+    pub cause: Option<EndCause>,
     pub deadline_ms: Option<TimeMs>,
     /// 1-based position in the host queue while queued (A11).
     pub position: Option<u64>,

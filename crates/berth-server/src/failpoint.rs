@@ -3,7 +3,10 @@
 //! one of those points, as a crash there would. Without the feature every call is
 //! empty and compiles away. `BERTH_FAILPOINT_ARM=<path>` arms the points only once
 //! that file exists. `BERTH_FAILPOINT_ACTION=pause` makes the thread that reaches the
-//! point stop there for good instead of aborting the process.
+//! point stop there for good instead of aborting the process;
+//! `BERTH_FAILPOINT_ACTION=hold` makes it wait there until the file named by
+//! `BERTH_FAILPOINT_RELEASE` exists, then go on (a step that takes as long as the test
+//! needs).
 //!
 //! Points: `grant-committed` (a grant is durable but not yet answered), `mid-stop`
 //! (between SIGTERM and SIGKILL of a run's tree), `mid-archive` (an archive of
@@ -22,7 +25,16 @@ pub fn hit(name: &str) {
         if armed && v.split(',').any(|n| n.trim() == name) {
             // BERTH_FAILPOINT_ACTION=pause: the thread that got here stops for good
             // instead (a step that never finishes), and everything else goes on.
-            if std::env::var("BERTH_FAILPOINT_ACTION").as_deref() == Ok("pause") {
+            let action = std::env::var("BERTH_FAILPOINT_ACTION");
+            if action.as_deref() == Ok("hold") {
+                let release = std::env::var_os("BERTH_FAILPOINT_RELEASE").unwrap_or_default();
+                eprintln!("berth: failpoint {name}: holding until {release:?} exists");
+                while !std::path::Path::new(&release).exists() {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                return;
+            }
+            if action.as_deref() == Ok("pause") {
                 eprintln!("berth: failpoint {name}: pausing this thread for good");
                 loop {
                     std::thread::park();

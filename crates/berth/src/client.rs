@@ -146,6 +146,13 @@ pub fn default_state_dir() -> PathBuf {
     home.join(".local/state/berth")
 }
 
+/// The longest any one plain request may take (a long poll asks for its own): a daemon
+/// that accepts and never answers must not hang a command for good.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// The longest a streamed answer (a runtime's start: builds, ready probes) may take.
+pub const STREAM_TIMEOUT: Duration = Duration::from_secs(3_600);
+
 pub struct Client {
     agent: ureq::Agent,
     pub url: String,
@@ -242,17 +249,29 @@ impl Client {
         path: &str,
         body: Option<&B>,
     ) -> Result<Reply, ureq::Error> {
+        self.call_within(method, path, body, CALL_TIMEOUT)
+    }
+
+    /// [`Client::call`] that gives up after `within`, however the daemon behaves (a
+    /// frozen daemon accepts the connection and then says nothing: `berth run` must
+    /// not wait past its lease for a renew's answer, issue 33 item 9).
+    pub fn call_within<B: Serialize>(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&B>,
+        within: Duration,
+    ) -> Result<Reply, ureq::Error> {
         let url = format!("{}{}", self.url, path);
+        let deadline = Some(within.max(Duration::from_millis(1)));
         let resp = match method {
-            "GET" => {
-                let mut r = self.agent.get(&url);
-                if let Some(a) = self.auth() {
-                    r = r.header("Authorization", &a);
-                }
-                r.call()?
-            }
-            "DELETE" => {
-                let mut r = self.agent.delete(&url);
+            "GET" | "DELETE" => {
+                let r = if method == "GET" {
+                    self.agent.get(&url)
+                } else {
+                    self.agent.delete(&url)
+                };
+                let mut r = r.config().timeout_global(deadline).build();
                 if let Some(a) = self.auth() {
                     r = r.header("Authorization", &a);
                 }
@@ -262,6 +281,9 @@ impl Client {
                 let mut r = self
                     .agent
                     .post(&url)
+                    .config()
+                    .timeout_global(deadline)
+                    .build()
                     .header("Content-Type", "application/json");
                 if let Some(a) = self.auth() {
                     r = r.header("Authorization", &a);
@@ -303,9 +325,22 @@ impl Client {
         path: &str,
         body: &impl Serialize,
     ) -> Result<(u16, Box<dyn std::io::BufRead + Send>), ureq::Error> {
+        self.post_stream_within(path, body, STREAM_TIMEOUT)
+    }
+
+    /// [`Client::post_stream`] whose whole answer must have come within `within`.
+    pub fn post_stream_within(
+        &self,
+        path: &str,
+        body: &impl Serialize,
+        within: Duration,
+    ) -> Result<(u16, Box<dyn std::io::BufRead + Send>), ureq::Error> {
         let mut r = self
             .agent
             .post(format!("{}{path}", self.url))
+            .config()
+            .timeout_global(Some(within.max(Duration::from_millis(1))))
+            .build()
             .header("Content-Type", "application/json")
             .header("Accept", "application/x-ndjson");
         if let Some(a) = self.auth() {

@@ -5,6 +5,7 @@ mod args;
 mod client;
 mod events;
 mod fleet;
+mod lease;
 mod run;
 mod scopes;
 mod serve;

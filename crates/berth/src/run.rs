@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
 use berth_client::wire::{
-    AcquireEvent, AcquireRequest, BudgetClaim, ErrorDetail, ProcessRequest, ReleaseRequest,
-    RenewRequest, Run, RuntimeEvent, RuntimeRequest, UniqueMap,
+    AcquireEvent, AcquireRequest, BudgetClaim, ErrorDetail, ProcessRequest, ReleaseRequest, Run,
+    RuntimeEvent, RuntimeRequest, UniqueMap,
 };
 use berth_core::validate;
 use berth_core::RunState;
@@ -244,11 +244,17 @@ fn refusal(err: &ErrorDetail) -> (u8, String) {
 
 /// `--runtime` (C7): starts the project's runtime under the lease, its progress on one
 /// live line. Err: the exit code (69) and what failed, with the port's last lines.
-fn start_runtime(client: &Client, run_id: &str, fence: u64) -> Result<(), (u8, String)> {
-    let line = WaitLine::new("runtime");
-    let result = start_runtime_with(client, run_id, fence, &line);
-    line.done();
-    result
+/// (On a blocking thread: the lease is kept meanwhile.)
+async fn start_runtime(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), (u8, String)> {
+    let (client, run_id) = (client.clone(), run_id.to_string());
+    tokio::task::spawn_blocking(move || {
+        let line = WaitLine::new("runtime");
+        let result = start_runtime_with(&client, &run_id, fence, &line);
+        line.done();
+        result
+    })
+    .await
+    .unwrap_or_else(|e| Err((EXIT_REFUSED, e.to_string())))
 }
 
 fn start_runtime_with(
@@ -382,35 +388,22 @@ fn wait_for_lease_with(
     line: &WaitLine,
 ) -> Admission {
     let started = Instant::now();
-    let give_up = started + Duration::from_millis(wait_ms) + RECONNECT_FOR;
+    let wait_until = started + Duration::from_millis(wait_ms);
+    let give_up = wait_until + RECONNECT_FOR;
     let mut last_ok = Instant::now();
     // Fail fast: a daemon never reached is not running (or not there); retrying is only
     // for one that was reached and went away (a restart, P5).
     let mut ever_reached = false;
+    let mut pause = Duration::from_millis(250);
     loop {
-        match client.post_stream("/v1/runs", body) {
+        // The whole stream has a deadline: a daemon that froze says nothing for good.
+        let within = give_up.saturating_duration_since(Instant::now());
+        match client.post_stream_within("/v1/runs", body, within) {
             Ok((200, reader)) => {
                 ever_reached = true;
                 last_ok = Instant::now();
-                for l in reader.lines() {
-                    let Ok(l) = l else { break };
-                    let Ok(event) = serde_json::from_str::<AcquireEvent>(&l) else {
-                        continue;
-                    };
-                    match event {
-                        AcquireEvent::Queued {
-                            position, reason, ..
-                        } => line.queued(format!(
-                            "position {}, {}",
-                            position.map_or("?".into(), |p| p.to_string()),
-                            reason.map(|r| r.message).unwrap_or_default()
-                        )),
-                        AcquireEvent::Granted { lease } => return Admission::Granted(lease),
-                        AcquireEvent::Expired { error } | AcquireEvent::Rejected { error } => {
-                            let (code, msg) = refusal(&error);
-                            return Admission::Refused(code, msg);
-                        }
-                    }
+                if let Some(done) = follow_acquire(reader, line) {
+                    return done;
                 }
                 // The stream broke without an answer: the daemon went away. Re-post the
                 // same run id; it keeps its place (P5).
@@ -422,13 +415,24 @@ fn wait_for_lease_with(
                 let mut v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
                 client.explain_401(status, &mut v);
                 let error = error_of(&v);
-                if status == 503 && error.code == "shutting_down" {
-                    // fall through to retry
-                } else {
+                if !transient(status, &error) {
                     let (code, msg) = refusal(&error);
                     return Admission::Refused(
                         if status == 410 { code } else { EXIT_REFUSED },
                         msg,
+                    );
+                }
+                // 503: berth cannot take it now (draining, a full queue, its ledger or
+                // the fleet store away, shutting down): waited out within --wait, the
+                // reason on the waiting line (issue 33 item 9).
+                line.queued(format!("berth answered {status}: {}", error.message));
+                if Instant::now() >= wait_until {
+                    return Admission::Refused(
+                        EXIT_TIMEOUT,
+                        format!(
+                            "not admitted within --wait: {}: {}",
+                            error.code, error.message
+                        ),
                     );
                 }
             }
@@ -452,15 +456,51 @@ fn wait_for_lease_with(
                 "admission timed out while berth was unreachable".into(),
             );
         }
-        std::thread::sleep(Duration::from_millis(250));
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_secs(2));
     }
+}
+
+/// A refusal that is only "not now": a 503 about berth itself, not about the run (a
+/// run that ended without a grant says its state, and that is final).
+fn transient(status: u16, error: &ErrorDetail) -> bool {
+    status == 503 && error.details.get("state").is_none()
+}
+
+/// Reads a streamed acquire to its answer; `None` when the stream broke first.
+fn follow_acquire(reader: Box<dyn BufRead + Send>, line: &WaitLine) -> Option<Admission> {
+    for l in reader.lines() {
+        let Ok(l) = l else { break };
+        let Ok(event) = serde_json::from_str::<AcquireEvent>(&l) else {
+            continue;
+        };
+        match event {
+            AcquireEvent::Queued {
+                position, reason, ..
+            } => line.queued(format!(
+                "position {}, {}",
+                position.map_or("?".into(), |p| p.to_string()),
+                reason.map(|r| r.message).unwrap_or_default()
+            )),
+            AcquireEvent::Granted { lease } => return Some(Admission::Granted(lease)),
+            AcquireEvent::Expired { error } | AcquireEvent::Rejected { error } => {
+                let (code, msg) = refusal(&error);
+                return Some(Admission::Refused(code, msg));
+            }
+        }
+    }
+    None
 }
 
 pub fn acquire_main(a: AcquireArgs) -> anyhow::Result<u8> {
     let client = Client::new(&a.claim.conn)?;
     let mut body = acquire_body(&a.claim)?;
     body.detach = a.detach.then_some(true);
-    let r = match client.call("POST", "/v1/runs", Some(&body)) {
+    // The daemon answers a waiting acquire by its wait's end; a little after that,
+    // the answer is not coming.
+    let wait = Duration::from_millis(a.claim.wait.unwrap_or(1_800_000));
+    let within = wait + crate::client::CALL_TIMEOUT;
+    let r = match client.call_within("POST", "/v1/runs", Some(&body), within) {
         Ok(r) => r,
         Err(e) => return Ok(client.unreachable(&e)),
     };
@@ -479,9 +519,6 @@ pub fn acquire_main(a: AcquireArgs) -> anyhow::Result<u8> {
     })
 }
 
-/// Grace between SIGTERM and SIGKILL when berth itself stops CMD.
-const STOP_GRACE: Duration = Duration::from_secs(10);
-
 fn signal_group(pgid: i32, sig: rustix::process::Signal) {
     if let Some(pid) = rustix::process::Pid::from_raw(pgid) {
         let _ = rustix::process::kill_process_group(pid, sig);
@@ -493,27 +530,15 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
     let body = acquire_body(&a.claim)?;
     let run_id = body.run_id.clone().unwrap_or_default();
     let wait_ms = a.claim.wait.unwrap_or(1_800_000);
-    let lease = match wait_for_lease(&client, &body, wait_ms) {
+    let grant = match wait_for_lease(&client, &body, wait_ms) {
         Admission::Granted(l) => l,
         Admission::Refused(code, msg) => {
             eprintln!("berth: run {run_id} not admitted: {msg}");
             return Ok(code);
         }
     };
-    let fence = lease.fence.unwrap_or(0);
-    let env: BTreeMap<String, String> = lease.env;
-    let ttl_ms = a.claim.ttl.unwrap_or(300_000).max(1000);
-    if a.runtime {
-        if let Err((code, why)) = start_runtime(&client, &run_id, fence) {
-            eprintln!("berth: run {run_id}: the runtime did not start: {why}");
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            let _ = rt.block_on(release(&client, &run_id, fence));
-            return Ok(code);
-        }
-    }
-
+    // Read at once: every decision about the lease counts from its expiry.
+    let lease = crate::lease::Lease::from_grant(&grant, Instant::now(), crate::show::now_ms());
     // A terminal on stdin, with berth run in its foreground: CMD gets the terminal (see
     // `Tty`). Terminal stops are blocked first, in every thread to come: berth run
     // talks to a terminal it no longer owns (its waiting line, `tcsetpgrp`).
@@ -522,21 +547,123 @@ pub fn run_main(a: RunArgs) -> anyhow::Result<u8> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    rt.block_on(run_granted(a, client, run_id, fence, env, ttl_ms, tty))
+    rt.block_on(run_granted(a, client, *grant, lease, tty))
 }
 
-/// Runs CMD under the granted lease `fence` of `run_id`: starts it behind its gate,
-/// registers it, opens the gate, renews the lease while it runs and releases it after.
-async fn run_granted(
-    a: RunArgs,
+/// The lease of a granted run while `berth run` holds it: kept from the grant on
+/// (issue 33 item 2), told apart from CMD's own end.
+struct Held {
     client: Arc<Client>,
     run_id: String,
     fence: u64,
-    env: BTreeMap<String, String>,
-    ttl_ms: u64,
+    lease: crate::lease::Shared,
+    lost: tokio::sync::mpsc::Receiver<String>,
+    renew_now: Arc<tokio::sync::Notify>,
+    keeper: tokio::task::JoinHandle<()>,
+    /// `$BERTH_LEASE_FILE`: the lease as it stands, for CMD.
+    file: Option<LeaseFile>,
+}
+
+impl Held {
+    /// Starts keeping the lease `grant` gave: renewals run from now on, whatever
+    /// else berth run is doing (starting the runtime, registering CMD).
+    fn start(client: Arc<Client>, grant: &Run, lease: crate::lease::Lease) -> Held {
+        let fence = grant.fence.unwrap_or(0);
+        let lease = Arc::new(std::sync::Mutex::new(lease));
+        let (lost_tx, lost) = tokio::sync::mpsc::channel::<String>(1);
+        let renew_now = Arc::new(tokio::sync::Notify::new());
+        let file = LeaseFile::create(grant);
+        let writer = file.as_ref().map(|f| f.path.clone());
+        let keeper = tokio::spawn(crate::lease::keep(
+            client.clone(),
+            grant.run_id.clone(),
+            fence,
+            lease.clone(),
+            lost_tx,
+            renew_now.clone(),
+            move |run: &Run| {
+                if let Some(p) = &writer {
+                    LeaseFile::write(p, run);
+                }
+            },
+        ));
+        Held {
+            client,
+            run_id: grant.run_id.clone(),
+            fence,
+            lease,
+            lost,
+            renew_now,
+            keeper,
+            file,
+        }
+    }
+
+    fn lease(&self) -> crate::lease::Lease {
+        *self.lease.lock().expect("lease")
+    }
+
+    /// Releases the lease after CMD ended; the exit status of `berth run`. Any lost
+    /// lease ends in 75 and one line that says why (never a bare signal status): lost
+    /// while CMD ran, or found lost when releasing (it expired while berth run was
+    /// suspended or cut off, and the broker stopped CMD: issue 33 item 3).
+    async fn finish(mut self, status: ExitKind, lost_reason: Option<String>) -> u8 {
+        self.keeper.abort();
+        let lost = match lost_reason.or_else(|| self.lost.try_recv().ok()) {
+            Some(why) => Some(why),
+            None => release(&self.client, &self.run_id, self.fence).await.err(),
+        };
+        drop(self.file.take());
+        if let Some(why) = lost {
+            eprintln!(
+                "berth: the lease for run {} was lost ({why}); CMD was stopped ({})",
+                self.run_id,
+                status.describe()
+            );
+            return EXIT_TIMEOUT;
+        }
+        status.code()
+    }
+
+    /// CMD never ran: the lease goes back, and berth run exits `code` after `why`.
+    async fn abandon(mut self, code: u8, why: String) -> u8 {
+        self.keeper.abort();
+        eprintln!("berth: run {}: {why}", self.run_id);
+        drop(self.file.take());
+        let _ = release(&self.client, &self.run_id, self.fence).await;
+        code
+    }
+}
+
+/// Runs CMD under the granted lease: keeps the lease from the start, starts the
+/// runtime if asked, starts CMD behind its gate, registers it, opens the gate,
+/// supervises it and releases the lease after.
+async fn run_granted(
+    a: RunArgs,
+    client: Arc<Client>,
+    grant: Run,
+    lease: crate::lease::Lease,
     tty: Option<Tty>,
 ) -> anyhow::Result<u8> {
     use tokio::signal::unix::{signal, SignalKind};
+    let mut held = Held::start(client.clone(), &grant, lease);
+    let mut env: BTreeMap<String, String> = grant.env;
+    if let Some(f) = &held.file {
+        env.insert(
+            "BERTH_LEASE_FILE".into(),
+            f.path.to_string_lossy().into_owned(),
+        );
+    }
+    if a.runtime {
+        let started = tokio::select! {
+            r = start_runtime(&client, &held.run_id, held.fence) => r,
+            Some(why) = held.lost.recv() => Err((EXIT_TIMEOUT, format!("the lease was lost ({why})"))),
+        };
+        if let Err((code, why)) = started {
+            let why = format!("the runtime did not start: {why}");
+            return Ok(held.abandon(code, why).await);
+        }
+    }
     // Handlers first: a signal that arrives once CMD exists must reach CMD.
     let signals = Signals {
         int: signal(SignalKind::interrupt())?,
@@ -544,39 +671,10 @@ async fn run_granted(
         hup: signal(SignalKind::hangup())?,
         tstp: signal(SignalKind::from_raw(libc::SIGTSTP))?,
     };
-    // CMD must never run unregistered (P1): it starts behind a gate (berth itself) that
-    // waits for one byte on a pipe and then execs CMD under the same pid. If this
-    // process dies before it registers CMD, the pipe closes, the read fails and CMD
-    // never starts.
-    let (spawned, gate_write) = spawn_gated(&a.cmd, &env)?;
-    let child = match spawned {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("berth: cannot start {}: {e}", a.cmd[0]);
-            let _ = release(&client, &run_id, fence).await;
-            return Ok(127);
-        }
+    let (pgid, mut events, gate_write) = match launch(&held, &a.cmd, &env).await {
+        Ok(l) => l,
+        Err((code, why)) => return Ok(held.abandon(code, why).await),
     };
-    let pgid = child.id() as i32;
-    let mut events = watch_child(pgid);
-    berth_server::failpoint::hit("spawn-before-register");
-    // P1: the broker records the child by identity (and moves it into the run's
-    // cgroup), so it can stop the tree if this client dies (P6). CMD never runs
-    // unregistered: if registering fails, the gate stays shut (closing the pipe
-    // makes the gate's `read` fail, so the gate exits 125 without running CMD),
-    // the lease is released and berth run says why.
-    if let Err((code, why)) = register(&client, &run_id, fence, pgid, ttl_ms).await {
-        // Closing the pipe makes the gate's `read` fail: the gate exits 125.
-        drop(gate_write);
-        while let Some(ev) = events.recv().await {
-            if matches!(ev, ChildEvent::Exited(_)) {
-                break;
-            }
-        }
-        eprintln!("berth: run {run_id}: CMD was not started, because the broker could not record it: {why}");
-        let _ = release(&client, &run_id, fence).await;
-        return Ok(code);
-    }
     // The terminal goes to CMD before it starts: its first read must not stop it.
     if let Some(t) = &tty {
         t.give(pgid);
@@ -584,49 +682,60 @@ async fn run_granted(
     // Open the gate: CMD starts now.
     rustix::io::write(&gate_write, b"go\n")?;
     drop(gate_write);
-    let (lost_tx, mut lost_rx) = tokio::sync::mpsc::channel::<String>(1);
-    let renew_now = Arc::new(tokio::sync::Notify::new());
-    let renewer = spawn_renewer(
-        client.clone(),
-        run_id.clone(),
-        fence,
-        ttl_ms,
-        lost_tx,
-        renew_now.clone(),
-    );
-    let (status, lost_reason) =
-        supervise(pgid, &tty, &mut events, signals, &mut lost_rx, &renew_now).await;
-    renewer.abort();
+    let grace = held.lease().grace();
+    let renew_now = held.renew_now.clone();
+    let (status, lost_reason) = supervise(
+        pgid,
+        &tty,
+        &mut events,
+        signals,
+        &mut held.lost,
+        &renew_now,
+        grace,
+    )
+    .await;
     if let Some(t) = &tty {
         t.take_back();
     }
-    Ok(finish(&client, &run_id, fence, status, lost_reason).await)
+    Ok(held.finish(status, lost_reason).await)
 }
 
-/// Releases the lease after CMD ended; the exit status of `berth run`. Any lost lease
-/// ends in 75 and one line that says why (never a bare signal status): lost while CMD
-/// ran, or found lost when releasing (it expired while berth run was suspended, and
-/// the broker stopped CMD).
-async fn finish(
-    client: &Arc<Client>,
-    run_id: &str,
-    fence: u64,
-    status: ExitKind,
-    lost_reason: Option<String>,
-) -> u8 {
-    let lost = match lost_reason {
-        Some(why) => Some(why),
-        None => release(client, run_id, fence).await.err(),
-    };
-    if let Some(why) = lost {
-        eprintln!(
-            "berth: the lease for run {run_id} was lost ({why}); CMD was stopped ({})",
-            status.describe()
-        );
-        return EXIT_TIMEOUT;
+/// Starts CMD behind its gate and registers it; CMD starts when the gate (returned)
+/// gets its line. On failure, CMD never ran: the exit code and why.
+///
+/// CMD must never run unregistered (P1): it starts behind a gate (berth itself) that
+/// waits for one line on a pipe and then execs CMD under the same pid. If this process
+/// dies before it registers CMD, the pipe closes, the read fails and CMD never starts.
+async fn launch(
+    held: &Held,
+    cmd: &[String],
+    env: &BTreeMap<String, String>,
+) -> Result<(i32, ChildEvents, std::os::fd::OwnedFd), (u8, String)> {
+    let (spawned, gate_write) =
+        spawn_gated(cmd, env).map_err(|e| (EXIT_REFUSED, format!("cannot start CMD: {e}")))?;
+    let child = spawned.map_err(|e| (127, format!("cannot start {}: {e}", cmd[0])))?;
+    let pgid = child.id() as i32;
+    let mut events = watch_child(pgid);
+    berth_server::failpoint::hit("spawn-before-register");
+    // P1: the broker records the child by identity (and moves it into the run's
+    // cgroup), so it can stop the tree if this client dies (P6). If registering
+    // fails, the gate stays shut (closing the pipe makes the gate's `read` fail, so
+    // it exits 125 without running CMD).
+    if let Err((code, why)) = register(held, pgid).await {
+        drop(gate_write);
+        while let Some(ev) = events.recv().await {
+            if matches!(ev, ChildEvent::Exited(_)) {
+                break;
+            }
+        }
+        let why = format!("CMD was not started, because the broker could not record it: {why}");
+        return Err((code, why));
     }
-    status.code()
+    Ok((pgid, events, gate_write))
 }
+
+/// What `watch_child` reports.
+type ChildEvents = tokio::sync::mpsc::UnboundedReceiver<ChildEvent>;
 
 /// The signals berth run passes on to CMD's process group.
 struct Signals {
@@ -646,6 +755,7 @@ async fn supervise(
     mut signals: Signals,
     lost_rx: &mut tokio::sync::mpsc::Receiver<String>,
     renew_now: &tokio::sync::Notify,
+    grace: Duration,
 ) -> (ExitKind, Option<String>) {
     let mut lost_reason = None;
     let status = loop {
@@ -671,8 +781,9 @@ async fn supervise(
                 signal_group(pgid, rustix::process::Signal::TERM);
                 signal_group(pgid, rustix::process::Signal::CONT);
                 let pg = pgid;
+                // KILL when the lease runs out: the claim may go to another run then.
                 tokio::spawn(async move {
-                    tokio::time::sleep(STOP_GRACE).await;
+                    tokio::time::sleep(grace).await;
                     signal_group(pg, rustix::process::Signal::KILL);
                 });
             }
@@ -757,61 +868,6 @@ pub fn gate_main(args: &[std::ffi::OsString]) -> u8 {
     } else {
         126
     }
-}
-
-/// Renews the lease every third of its ttl (at once when `renew_now` is notified);
-/// sends why on `lost` when the lease is gone or berth stayed unreachable until it
-/// would have run out.
-fn spawn_renewer(
-    client: Arc<Client>,
-    run_id: String,
-    fence: u64,
-    ttl_ms: u64,
-    lost: tokio::sync::mpsc::Sender<String>,
-    renew_now: Arc<tokio::sync::Notify>,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let every = Duration::from_millis(ttl_ms / 3);
-        let mut deadline = Instant::now() + Duration::from_millis(ttl_ms);
-        let mut pause = every;
-        loop {
-            tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
-                _ = renew_now.notified() => {}
-            }
-            pause = every;
-            let c = client.clone();
-            let id = run_id.clone();
-            let r = tokio::task::spawn_blocking(move || {
-                let body = RenewRequest {
-                    fence: Some(fence),
-                    ttl_s: None,
-                };
-                c.call("POST", &format!("/v1/runs/{id}/renew"), Some(&body))
-            })
-            .await;
-            match r {
-                Ok(Ok(reply)) if reply.status == 200 => {
-                    deadline = Instant::now() + Duration::from_millis(ttl_ms);
-                }
-                Ok(Ok(reply)) if reply.status == 410 || reply.status == 409 => {
-                    let _ = lost.send(error_text(&reply.body)).await;
-                    return;
-                }
-                // Unreachable or busy (a restart): keep trying, sooner than the renew
-                // period, until the lease would have run out.
-                _ => {
-                    pause = every.min(RENEW_RETRY);
-                    if Instant::now() > deadline {
-                        let _ = lost
-                            .send("berth was unreachable until the lease ran out".into())
-                            .await;
-                        return;
-                    }
-                }
-            }
-        }
-    })
 }
 
 /// How CMD ended.
@@ -990,35 +1046,35 @@ fn suspend_with(tty: &Option<Tty>, pgid: i32, sig: i32) -> bool {
     true
 }
 
-/// After a failed renew (a daemon restarting), the next try comes this soon: waiting a
-/// whole third of the ttl again could let the lease run out while the daemon is back.
-const RENEW_RETRY: Duration = Duration::from_millis(250);
-
-/// How long `berth run` retries a registration the broker could not take yet (a
-/// restart, a full disk): at most this, and at most half the lease's ttl.
-const REGISTER_RETRY_FOR: Duration = Duration::from_secs(30);
-
 /// Registers `pid` with the run; on failure, the exit code and the reason: 69 when the
-/// broker refused (the rule said no), 75 when it could not be reached or the lease
-/// was lost (try again later).
-async fn register(
-    client: &Arc<Client>,
-    run_id: &str,
-    fence: u64,
-    pid: i32,
-    ttl_ms: u64,
-) -> Result<(), (u8, String)> {
-    let give_up = Instant::now() + REGISTER_RETRY_FOR.min(Duration::from_millis(ttl_ms / 2));
+/// broker refused (the rule said no), 75 when the lease was lost or could not be
+/// confirmed in time. A registration the broker could not take yet (a restart, a full
+/// disk) is tried again for as long as the lease can be kept (issue 33 item 2): the
+/// lease is renewed meanwhile, so a daemon that is down between the grant and the
+/// registration costs nothing but the wait.
+async fn register(held: &Held, pid: i32) -> Result<(), (u8, String)> {
     let mut pause = Duration::from_millis(100);
+    let mut last = String::from("no answer yet");
     loop {
-        let c = client.clone();
-        let id = run_id.to_string();
+        let lease = held.lease();
+        let Some(budget) = lease.budget(Instant::now()) else {
+            return Err((
+                EXIT_TIMEOUT,
+                format!("the lease could not be kept until it was: {last}"),
+            ));
+        };
+        let (c, id, fence) = (held.client.clone(), held.run_id.clone(), held.fence);
         let r = tokio::task::spawn_blocking(move || {
             let body = ProcessRequest { fence, pid };
-            c.call("POST", &format!("/v1/runs/{id}/processes"), Some(&body))
+            c.call_within(
+                "POST",
+                &format!("/v1/runs/{id}/processes"),
+                Some(&body),
+                budget,
+            )
         })
         .await;
-        let last = match r {
+        last = match r {
             Ok(Ok(reply)) if reply.status < 300 => return Ok(()),
             Ok(Ok(reply)) if reply.status == 409 || reply.status == 410 => {
                 return Err((
@@ -1030,18 +1086,11 @@ async fn register(
                 return Err((EXIT_REFUSED, error_text(&reply.body)));
             }
             Ok(Ok(reply)) => error_text(&reply.body),
-            Ok(Err(e)) => format!("cannot reach berth at {}: {e}", client.url),
+            Ok(Err(e)) => format!("cannot reach berth at {}: {e}", held.client.url),
             Err(e) => e.to_string(),
         };
-        // Keep trying for the whole window: a daemon that restarts (P5) between the
-        // grant and the registration comes back within it. (This gave up at the first
-        // pause that would overshoot the window, after half of it: regression test
-        // restart.rs::berth_run_keeps_renewing_across_a_daemon_restart.)
-        let now = Instant::now();
-        if now >= give_up {
-            return Err((EXIT_TIMEOUT, last));
-        }
-        tokio::time::sleep(pause.min(give_up - now)).await;
+        let left = lease.stop_at().saturating_duration_since(Instant::now());
+        tokio::time::sleep(pause.min(left)).await;
         pause = (pause * 2).min(Duration::from_secs(2));
     }
 }
@@ -1049,19 +1098,34 @@ async fn register(
 /// Releases the lease. `Err(why)` when it was no longer ours (it expired, or another
 /// fence holds it): the caller reports a lost lease.
 async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), String> {
-    for attempt in 0..20 {
+    let give_up = Instant::now() + RELEASE_FOR;
+    for attempt in 0.. {
+        let Some(left) = give_up.checked_duration_since(Instant::now()) else {
+            break;
+        };
+        let budget = left.min(crate::lease::REQUEST_TIMEOUT_MAX);
         let c = client.clone();
         let id = run_id.to_string();
         let r = tokio::task::spawn_blocking(move || {
             let body = ReleaseRequest { fence };
-            c.call("POST", &format!("/v1/runs/{id}/release"), Some(&body))
+            c.call_within(
+                "POST",
+                &format!("/v1/runs/{id}/release"),
+                Some(&body),
+                budget,
+            )
         })
         .await;
         match r {
             Ok(Ok(reply)) if reply.status < 300 => {
                 return match reply.parse::<Run>() {
-                    Ok(r) if r.state == RunState::Expired => {
-                        Err("it expired before CMD ended".into())
+                    // Expired, or being stopped because it expired (the broker's stop
+                    // grace): not a clean end, whatever CMD's status (item 3).
+                    Ok(r)
+                        if r.state == RunState::Expired
+                            || r.ending.as_deref() == Some("expired") =>
+                    {
+                        Err("it expired before CMD ended: it was not renewed in time, and the broker stopped CMD".into())
                     }
                     // berth ended it itself, and says why (e.g. an analysis run that
                     // listened, C6).
@@ -1080,4 +1144,52 @@ async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), S
     }
     eprintln!("berth: could not release run {run_id}; it will expire");
     Ok(())
+}
+
+/// How long `berth run` tries to release after CMD ended (the lease expires anyway).
+const RELEASE_FOR: Duration = Duration::from_secs(30);
+
+/// `$BERTH_LEASE_FILE`: the lease as it stands, rewritten (atomically, by rename) after
+/// each renew, so CMD can read its current expiry (an environment variable keeps its
+/// first value). Lines of `NAME=VALUE`, so `. "$BERTH_LEASE_FILE"` reads it in a shell.
+/// It lives in a directory of its own (mode 0700) under the temporary directory,
+/// removed when berth run ends.
+struct LeaseFile {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl LeaseFile {
+    fn create(grant: &Run) -> Option<LeaseFile> {
+        use std::os::unix::fs::DirBuilderExt;
+        let dir = std::env::temp_dir().join(format!("berth-lease-{}", random_id()));
+        // `create`, not `create_all`: a name someone else made first is refused.
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).ok()?;
+        let f = LeaseFile {
+            path: dir.join("lease"),
+            dir,
+        };
+        LeaseFile::write(&f.path, grant);
+        Some(f)
+    }
+
+    fn write(path: &std::path::Path, run: &Run) {
+        let text = format!(
+            "BERTH_RUN_ID={}\nBERTH_FENCE={}\nBERTH_LEASE_EXPIRES_AT={}\nBERTH_LEASE_TTL_MS={}\n",
+            run.run_id,
+            run.fence.unwrap_or(0),
+            run.expires_at.as_deref().unwrap_or(""),
+            run.ttl_ms.unwrap_or(0)
+        );
+        let tmp = path.with_extension("new");
+        if std::fs::write(&tmp, text).is_ok() {
+            let _ = std::fs::rename(&tmp, path);
+        }
+    }
+}
+
+impl Drop for LeaseFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }

@@ -21,10 +21,19 @@ pub fn duration(secs: u64) -> String {
 /// Seconds since the Unix epoch of an RFC 3339 UTC time as the daemon writes it
 /// (`2026-12-01T00:20:03.123Z`); `None` for anything else.
 pub fn parse_utc(s: &str) -> Option<i64> {
+    parse_utc_ms(s).map(|ms| ms.div_euclid(1000))
+}
+
+/// [`parse_utc`] in milliseconds (a fraction of 1 to 3 digits, or none).
+pub fn parse_utc_ms(s: &str) -> Option<i64> {
     let (date, time) = s.strip_suffix('Z')?.split_once('T')?;
     let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
     let (y, m, day) = (d.next()??, d.next()??, d.next()??);
-    let time = time.split('.').next()?;
+    let (time, frac) = time.split_once('.').unwrap_or((time, "0"));
+    if frac.is_empty() || frac.len() > 3 || !frac.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let ms: i64 = format!("{frac:0<3}").parse().ok()?;
     let mut t = time.splitn(3, ':').map(|p| p.parse::<i64>().ok());
     let (hh, mm, ss) = (t.next()??, t.next()??, t.next()??);
     if !(1..=12).contains(&m) || !(1..=31).contains(&day) || hh > 23 || mm > 59 || ss > 60 {
@@ -38,7 +47,13 @@ pub fn parse_utc(s: &str) -> Option<i64> {
     let doy = (153 * mp + 2) / 5 + day - 1;
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     let days = era * 146_097 + doe - 719_468;
-    Some(days * 86_400 + hh * 3_600 + mm * 60 + ss)
+    Some((days * 86_400 + hh * 3_600 + mm * 60 + ss) * 1000 + ms)
+}
+
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }
 
 pub fn now_s() -> i64 {
@@ -144,6 +159,15 @@ mod tests {
         assert_eq!(parse_utc("2024-02-29T12:00:00Z"), Some(1_709_208_000));
         assert_eq!(parse_utc("2026-13-01T00:00:00Z"), None);
         assert_eq!(parse_utc("yesterday"), None);
+        assert_eq!(
+            parse_utc_ms("2026-12-01T00:20:03.123Z"),
+            Some(1_796_084_403_123)
+        );
+        assert_eq!(
+            parse_utc_ms("2026-12-01T00:20:03.5Z"),
+            Some(1_796_084_403_500)
+        );
+        assert_eq!(parse_utc_ms("2026-12-01T00:20:03.Z"), None);
         assert_eq!(cpus(500), "0.5");
         assert_eq!(cpus(2000), "2");
         assert_eq!(

@@ -438,6 +438,68 @@ fn a_berth_run_that_dies_between_spawn_and_registration_never_starts_cmd() {
     assert_eq!(d.get("/v1/status").body["granted"], 0);
 }
 
+/// Issue 33 item 2: the daemon is down for more than half the ttl between the grant
+/// and CMD's registration. The lease is kept from the grant's own expiry (renewals
+/// run while the registration is retried), so the run keeps its lease and its
+/// command runs. (Before: registration gave up after ttl/2 from its own start, and
+/// the renewer only started after it: exit 75, CMD never ran.)
+#[test]
+fn issue_33_a_daemon_down_between_grant_and_registration_costs_the_run_nothing() {
+    let mut d = Daemon::start(&["--slots-max", "2"]);
+    let dir = tempfile::tempdir().unwrap();
+    let (go, marker) = (dir.path().join("go"), dir.path().join("ran"));
+    let child = d
+        .cli()
+        .env("BERTH_FAILPOINT", "spawn-before-register")
+        .env("BERTH_FAILPOINT_ACTION", "hold")
+        .env("BERTH_FAILPOINT_RELEASE", &go)
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--run-id",
+            "held",
+            "--cpus",
+            "0.1",
+            "--ttl",
+            "12s",
+            "--",
+            "sh",
+            "-c",
+        ])
+        .arg(format!("touch {}; sleep 1; exit 7", marker.display()))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    d.wait_until("held is granted", |d| {
+        d.get("/v1/runs/held").body["state"] == "granted"
+    });
+    let fence = d.get("/v1/runs/held").body["fence"].as_u64();
+    d.kill9();
+    // berth run goes on to register CMD while the daemon is down, for longer than
+    // half the ttl.
+    std::fs::write(&go, "").unwrap();
+    std::thread::sleep(Duration::from_millis(6_500));
+    d.kill9_and_restart();
+    let out = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "CMD's own exit; berth run said: {said}"
+    );
+    assert!(marker.exists(), "CMD ran");
+    let r = d.get("/v1/runs/held").body;
+    assert_eq!(r["state"], "released", "{r}");
+    assert_eq!(r["fence"].as_u64(), fence, "the same lease throughout");
+    assert!(
+        !d.journal()
+            .iter()
+            .any(|e| e["run_id"] == "held" && e["kind"] == "expired"),
+        "the lease never lapsed"
+    );
+}
+
 /// D5 across kill -9: the journal's sequence numbers run on after every restart with no
 /// gap and no repeat, and the journal and the runs never disagree. Every acknowledged
 /// grant has exactly one `granted` entry with the run's fence (a grant committed before

@@ -457,6 +457,56 @@ fn a_host_that_cannot_heartbeat_stops_its_fleet_wide_runs_before_the_lapse() {
     assert_eq!(r.code(), "expired", "e holds the key now: {:?}", r.body);
 }
 
+/// Issue 33 item 9: when a fleet host fences itself (F2), the `berth run` whose
+/// fleet-wide run it stopped exits 75 with one line saying why, not CMD's bare 143.
+#[test]
+fn issue_33_berth_run_on_a_host_that_fences_itself_exits_75_with_the_reason() {
+    let db = database();
+    let port = std::env::var("PGPORT").unwrap();
+    let relay = Relay::start(format!("{}:{port}", std::env::var("PGHOST").unwrap()));
+    let relayed = db
+        .replace(&format!("port={port}"), &format!("port={}", relay.port))
+        .replace(
+            &format!("host={}", std::env::var("PGHOST").unwrap()),
+            "host=127.0.0.1",
+        );
+    let d = host(&relayed, "d", "2s", "2s");
+    let child = d
+        .cli()
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--run-id",
+            "fenced",
+            "--singleton",
+            "fleet:db",
+            "--cpus",
+            "0.1",
+            "--memory",
+            "0",
+            "--disk",
+            "0",
+            "--ttl",
+            "2s",
+            "--",
+            "sleep",
+            "30",
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    d.wait_until("fenced is granted", |d| {
+        d.get("/v1/runs/fenced").body["state"] == "granted"
+    });
+    relay.cut();
+    let out = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    relay.restore();
+    assert_eq!(out.status.code(), Some(75), "berth run said: {said}");
+    assert!(said.contains("fenced itself"), "{said}");
+}
+
 /// F4: `berth fleet` shows every live host and the fleet's sums.
 #[test]
 fn berth_fleet_lists_the_live_hosts() {

@@ -293,6 +293,37 @@ fn a_lease_lost_while_suspended_exits_75_with_its_line() {
     eprintln!("--- transcript ---\n{}\n---", sh.text());
 }
 
+/// Issue 33 item 3: `fg` while the broker is still in its stop grace after the lease
+/// expired. CMD ends by the broker's TERM at once, and the release is answered
+/// `releasing`: that is a lost lease (75, one line), not CMD's bare 143.
+#[test]
+fn issue_33_fg_during_the_brokers_stop_grace_is_a_lost_lease_not_a_bare_143() {
+    let d = Daemon::start(&["--slots-max", "2", "--stop-grace", "30s"]);
+    let mut sh = shell(&d);
+    sh.type_(&format!(
+        "{} run --project l --run-id graced --cpus 0.1 --ttl 2s -- sh -c 'while :; do echo tick; sleep 0.2; done'\n",
+        common::BERTH
+    ));
+    sh.expect("\ntick");
+    sh.type_("\x1a");
+    sh.expect("Stopped");
+    d.wait_until("the lease expires and its stop begins", |d| {
+        state(d, "graced").0 == "releasing"
+    });
+    let n = sh.text().len();
+    sh.type_("fg\n");
+    sh.expect_after(n, "was lost");
+    let n = sh.text().len();
+    sh.type_("echo rc=$?\n");
+    sh.expect_after(n, "rc=75");
+    sh.type_("exit\n");
+    assert!(
+        sh.text().contains("ran out") || sh.text().contains("expired"),
+        "the line says why: {}",
+        sh.text()
+    );
+}
+
 /// On a terminal the waiting line is redrawn every second: its elapsed time ticks
 /// between the daemon's events.
 #[test]

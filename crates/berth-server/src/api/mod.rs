@@ -275,6 +275,8 @@ pub fn run_out(i: &RunInfo) -> Run {
             .map(|(k, v)| (k.to_string(), v.clone()))
             .collect(),
         expires_at: i.expires_at.clone(),
+        ttl_ms: v.ttl_ms,
+        ending: v.cause.map(|c| c.as_str().to_string()),
         failure: i.failure.clone(),
         fence: v.fence,
         labels: i.labels.clone(),

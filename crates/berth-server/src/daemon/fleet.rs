@@ -446,6 +446,14 @@ impl<H: Host> Daemon<H> {
 
     /// Ends a run whose fleet-wide claim is not (or no longer) this host's to use.
     fn stop_for_fleet(&mut self, run_id: &str, touched: &mut BTreeSet<String>) {
+        // berth itself ends it, and says why: its holder's `berth run` exits 75 with
+        // this line, not with CMD's bare 143 (issue 33 item 9).
+        if let Some(e) = self.extras.get_mut(run_id) {
+            e.failure = Some(
+                "its fleet-wide claim is no longer this host's to use (the host lost the fleet store and fenced itself, F2); berth stopped it"
+                    .into(),
+            );
+        }
         let cmd = match self.engine.fence_of(run_id) {
             Some(fence) => Command::Release {
                 run_id: run_id.into(),

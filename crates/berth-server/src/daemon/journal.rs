@@ -5,7 +5,7 @@
 //! once that commit is durable.
 
 use berth_client::wire;
-use berth_core::{EndCause, Event};
+use berth_core::Event;
 use berth_store::Mutation;
 use serde::Serialize;
 use serde_json::json;
@@ -117,10 +117,7 @@ impl<H: Host> Daemon<H> {
                 self.journal("wait_extended", run_id, json!({"deadline": deadline}));
             }
             Event::StopRequested { run_id, cause } => {
-                let kind = match cause {
-                    EndCause::Released => "released",
-                    EndCause::Expired => "expired",
-                };
+                let kind = cause.as_str();
                 let fence = self.engine.fence_of(run_id);
                 self.journal(kind, run_id, JournalData::Fence { fence });
             }
