@@ -89,16 +89,23 @@ pub fn wait_main(a: WaitArgs) -> anyhow::Result<u8> {
     let until = a
         .timeout
         .map(|t| std::time::Instant::now() + Duration::from_millis(t));
+    // A look first: `?wait_s=` waits for a change, and a run granted already has none
+    // coming (this waited a whole round for it).
+    let mut first = true;
     loop {
         let left_s = until.map_or(WAIT_ROUND_S, |u| {
             u.saturating_duration_since(std::time::Instant::now())
                 .as_secs()
         });
-        let path = format!(
-            "/v1/runs/{}?wait_s={}",
-            a.run_id,
-            left_s.clamp(1, WAIT_ROUND_S)
-        );
+        let path = if std::mem::take(&mut first) {
+            format!("/v1/runs/{}", a.run_id)
+        } else {
+            format!(
+                "/v1/runs/{}?wait_s={}",
+                a.run_id,
+                left_s.clamp(1, WAIT_ROUND_S)
+            )
+        };
         let r = match c.call::<()>("GET", &path, None) {
             Ok(r) => r,
             Err(e) => return Ok(c.unreachable(&e)),

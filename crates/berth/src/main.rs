@@ -56,8 +56,8 @@ enum Cmd {
     Events(events::EventsArgs),
     /// Show agent threads: owner, registration, workspace, evictions (G0-G3).
     Threads(threads::ThreadsArgs),
-    /// Drain the host: no new runs or registrations; --wait until nothing is in flight,
-    /// --off to end it (G4).
+    /// Show the host's drain; --start --reason TEXT drains it (no new runs or
+    /// registrations), --wait until nothing is in flight, --off ends it.
     Drain(threads::DrainArgs),
     /// Show or control an experiment scope: show, pause, stop, resume, reconcile
     /// (B1-B6).

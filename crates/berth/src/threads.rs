@@ -15,16 +15,21 @@ pub struct ThreadsArgs {
     pub conn: ConnArgs,
 }
 
+/// `berth drain` alone only shows the drain (it was run expecting a status view and
+/// drained the host: issue 33 item 5); starting one takes `--start --reason`.
 #[derive(Args)]
 pub struct DrainArgs {
-    /// Why (recorded with who and when).
-    #[arg(long)]
+    /// Start draining the host: no new runs or registrations (needs --reason).
+    #[arg(long, requires = "reason")]
+    pub start: bool,
+    /// Why the drain starts (recorded with who and when).
+    #[arg(long, requires = "start")]
     pub reason: Option<String>,
     /// Block until nothing is in flight, printing what the drain waits for as it shrinks.
     #[arg(long)]
     pub wait: bool,
     /// End the drain.
-    #[arg(long, conflicts_with_all = ["reason", "wait"])]
+    #[arg(long, conflicts_with_all = ["start", "reason", "wait"])]
     pub off: bool,
     #[command(flatten)]
     pub conn: ConnArgs,
@@ -107,9 +112,11 @@ pub fn drain_main(a: DrainArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a.conn)?;
     let r = if a.off {
         c.call::<()>("DELETE", "/v1/drain", None)
-    } else {
+    } else if a.start {
         let body = DrainRequest { reason: a.reason };
         c.call("POST", "/v1/drain", Some(&body))
+    } else {
+        c.call::<()>("GET", "/v1/drain", None)
     };
     let r = match r {
         Ok(r) => r,

@@ -549,7 +549,7 @@ fn berth_drain_wait_returns_once_the_last_run_releases() {
     let fence = lease.body["fence"].as_u64().unwrap();
     let mut wait = d
         .cli()
-        .args(["drain", "--reason", "recycle", "--wait"])
+        .args(["drain", "--start", "--reason", "recycle", "--wait"])
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
@@ -674,4 +674,39 @@ fn disk_pressure_evicts_idle_threads_and_spares_registered_ones() {
     );
     assert_eq!(refused[0]["data"]["key"], "kept");
     assert_eq!(refused[0]["data"]["reason"], "disk_pressure");
+}
+
+/// Issue 33 item 5: a bare `berth drain` shows the drain and changes nothing;
+/// starting one takes `--start --reason`, `--off` ends it. (Before: a bare `berth
+/// drain` drained the host.)
+#[test]
+fn issue_33_a_bare_berth_drain_only_shows_the_drain() {
+    let d = Daemon::start(&[]);
+    let out = d.cli().arg("drain").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("not draining"));
+    assert_eq!(d.get("/v1/drain").body["draining"], false);
+    // --start without a reason, or a reason without --start: a usage error, nothing
+    // changed.
+    for args in [&["drain", "--start"][..], &["drain", "--reason", "x"][..]] {
+        let out = d.cli().args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+        assert_eq!(d.get("/v1/drain").body["draining"], false, "{args:?}");
+    }
+    let out = d
+        .cli()
+        .args(["drain", "--start", "--reason", "deploy 7"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(d.get("/v1/drain").body["draining"], true);
+    let out = d.cli().arg("drain").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("draining since") && text.contains("deploy 7"),
+        "{text}"
+    );
+    let out = d.cli().args(["drain", "--off"]).output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(d.get("/v1/drain").body["draining"], false);
 }
