@@ -719,9 +719,38 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        get?: never;
+        /** Every token: id, scope, user, expiry (never a secret) */
+        get: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path?: never;
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["TokenList"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
         put?: never;
-        /** Make a token */
+        /** Make a token (with `uid`: one that acts for that user; with `expires_s`: refused after that) */
         post: {
             parameters: {
                 query?: never;
@@ -756,6 +785,53 @@ export interface paths {
             };
         };
         delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/tokens/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        post?: never;
+        /** Revoke a token by its id: refused from then on, here and after restarts */
+        delete: {
+            parameters: {
+                query?: never;
+                header?: never;
+                path: {
+                    id: string;
+                };
+                cookie?: never;
+            };
+            requestBody?: never;
+            responses: {
+                /** @description success */
+                200: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["TokenInfo"];
+                    };
+                };
+                /** @description refused: {"error": {code, message, details}} */
+                default: {
+                    headers: {
+                        [name: string]: unknown;
+                    };
+                    content: {
+                        "application/json": components["schemas"]["ErrorBody"];
+                    };
+                };
+            };
+        };
         options?: never;
         head?: never;
         patch?: never;
@@ -2332,6 +2408,30 @@ export interface components {
             scope: string;
             /** Format: int32 */
             uid: number;
+            /** @description Its public name (`GET /v1/tokens`, `DELETE /v1/tokens/{id}`). */
+            id?: string;
+            /** @description RFC 3339; `null`: until revoked. */
+            expires_at: string | null;
+        };
+        /**
+         * @description A token as `GET /v1/tokens` shows it: never its secret, nor its hash (only the
+         *     first 16 hex digits of the hash, its id).
+         */
+        TokenInfo: {
+            id: string;
+            scope: string;
+            /**
+             * Format: int32
+             * @description The user it acts for (`null`: berth's own).
+             */
+            uid: number | null;
+            /** @description RFC 3339; `null`: until revoked. */
+            expires_at: string | null;
+            expired: boolean;
+        };
+        /** @description `GET /v1/tokens`. */
+        TokenList: {
+            tokens: components["schemas"]["TokenInfo"][];
         };
         /** @description `POST /v1/tokens`. */
         TokenRequest: {
@@ -2342,6 +2442,12 @@ export interface components {
              * @description The user this token acts for when it registers processes; default: berth's own.
              */
             uid?: number | null;
+            /**
+             * Format: int64
+             * @description Seconds from now until the token is refused (1 to 315360000, ten years);
+             *     default: until revoked.
+             */
+            expires_s?: number | null;
         };
     };
     responses: never;

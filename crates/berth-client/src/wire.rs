@@ -141,6 +141,10 @@ pub struct TokenRequest {
     /// The user this token acts for when it registers processes; default: berth's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub uid: Option<u32>,
+    /// Seconds from now until the token is refused (1 to 315360000, ten years);
+    /// default: until revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_s: Option<u64>,
 }
 
 /// Why a run waits or was refused, in words a person can act on.
@@ -424,6 +428,34 @@ pub struct TokenCreated {
     pub token: String,
     pub scope: String,
     pub uid: u32,
+    /// Its public name (`GET /v1/tokens`, `DELETE /v1/tokens/{id}`).
+    #[serde(default)]
+    pub id: String,
+    /// RFC 3339; `null`: until revoked.
+    #[serde(default)]
+    #[schema(required = true)]
+    pub expires_at: Option<String>,
+}
+
+/// A token as `GET /v1/tokens` shows it: never its secret, nor its hash (only the
+/// first 16 hex digits of the hash, its id).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct TokenInfo {
+    pub id: String,
+    pub scope: String,
+    /// The user it acts for (`null`: berth's own).
+    #[schema(required = true)]
+    pub uid: Option<u32>,
+    /// RFC 3339; `null`: until revoked.
+    #[schema(required = true)]
+    pub expires_at: Option<String>,
+    pub expired: bool,
+}
+
+/// `GET /v1/tokens`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct TokenList {
+    pub tokens: Vec<TokenInfo>,
 }
 
 /// `POST /v1/runs/{id}/runtime` (C7): start the run's runtime under its fence.

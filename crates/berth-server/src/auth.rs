@@ -35,28 +35,55 @@ impl Scope {
 pub struct Grant {
     pub scope: Scope,
     pub uid: Option<u32>,
+    /// Unix milliseconds (wall clock: a token outlives restarts and reboots) after
+    /// which the token is refused; `None`: until revoked.
+    pub expires_ms: Option<u64>,
 }
 
 impl Grant {
-    /// The ledger keeps a grant as text: `scope` or `scope;uid=N` (the store knows
-    /// nothing of its shape).
+    /// The ledger keeps a grant as text: `scope`, then `;uid=N` and `;expires=MS` when
+    /// set (the store knows nothing of its shape).
     pub fn parse(s: &str) -> Option<Grant> {
-        let (scope, uid) = match s.split_once(";uid=") {
-            Some((scope, uid)) => (scope, Some(uid.parse().ok()?)),
-            None => (s, None),
+        let mut parts = s.split(';');
+        let mut g = Grant {
+            scope: Scope::parse(parts.next()?)?,
+            uid: None,
+            expires_ms: None,
         };
-        Some(Grant {
-            scope: Scope::parse(scope)?,
-            uid,
-        })
+        for part in parts {
+            // Each at most once, in this order: one text per grant.
+            match part.split_once('=')? {
+                ("uid", n) if g.uid.is_none() && g.expires_ms.is_none() => {
+                    g.uid = Some(n.parse().ok()?)
+                }
+                ("expires", ms) if g.expires_ms.is_none() => g.expires_ms = Some(ms.parse().ok()?),
+                _ => return None,
+            }
+        }
+        Some(g)
     }
 
     pub fn stored(&self) -> String {
-        match self.uid {
-            Some(u) => format!("{};uid={u}", self.scope.as_str()),
-            None => self.scope.as_str().to_string(),
+        let mut s = self.scope.as_str().to_string();
+        if let Some(u) = self.uid {
+            s.push_str(&format!(";uid={u}"));
         }
+        if let Some(ms) = self.expires_ms {
+            s.push_str(&format!(";expires={ms}"));
+        }
+        s
     }
+
+    /// Whether the token has expired at `wall_ms`.
+    pub fn expired(&self, wall_ms: u64) -> bool {
+        self.expires_ms.is_some_and(|e| e <= wall_ms)
+    }
+}
+
+/// A token's public name: the first 16 hex digits of its hash (what `berth token list`
+/// shows and `revoke` takes; never the secret).
+pub fn token_id(hash: &str) -> &str {
+    &hash[..hash.len().min(16)]
 }
 
 pub fn hash_token(token: &str) -> String {
@@ -115,7 +142,11 @@ mod tests {
     #[test]
     fn tokens_match_only_their_hash() {
         let t = new_token().unwrap();
-        let g = |scope, uid| Grant { scope, uid };
+        let g = |scope, uid| Grant {
+            scope,
+            uid,
+            expires_ms: None,
+        };
         let tokens = vec![
             (hash_token(&t), g(Scope::Operator, Some(1000))),
             (hash_token("other"), g(Scope::Admin, None)),
@@ -128,7 +159,13 @@ mod tests {
 
     #[test]
     fn grants_round_trip_through_their_stored_text() {
-        for s in ["read", "operator;uid=1000", "admin;uid=0"] {
+        for s in [
+            "read",
+            "operator;uid=1000",
+            "admin;uid=0",
+            "read;expires=1796084403123",
+            "operator;uid=65534;expires=1",
+        ] {
             assert_eq!(Grant::parse(s).unwrap().stored(), s);
         }
         for bad in [
@@ -136,9 +173,14 @@ mod tests {
             "operator;uid=",
             "operator;uid=-1",
             "operator;uid=1;uid=2",
+            "operator;expires=1;uid=2",
+            "read;expires=1;expires=2",
+            "read;expires=soon",
         ] {
             assert_eq!(Grant::parse(bad), None, "{bad}");
         }
+        let g = Grant::parse("read;expires=1000").unwrap();
+        assert!(!g.expired(999) && g.expired(1000));
     }
 
     /// Hashes already in ledgers must keep matching: lowercase hex SHA-256.

@@ -57,6 +57,9 @@ pub struct ServeConfig {
     pub init_ledger: bool,
     /// Fences reserved per write of the fence marker (L1, S6).
     pub fence_reserve_block: u64,
+    /// S9: where the workspaces of other users' runs go, theirs (`None`: in the state
+    /// dir, berth's, as any run's; berth must be root to give them away).
+    pub user_workspaces: Option<std::path::PathBuf>,
     /// Ended runs older than this are deleted from the ledger (and the newest
     /// `engine.ended_retained_max` are all that is kept in any case).
     pub retain_ended_for_ms: u64,
@@ -212,13 +215,24 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
     });
     let writer = spawn_writer(&cfg, opened.store, &shared);
     let fatal = Arc::new(Fatal::default());
-    let host = daemon::RealHost::new(
+    let mut host = daemon::RealHost::new(
         &runs_dir,
         diagnostics(&cfg),
         opened.marker,
         supervision(&cfg),
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if let Some(dir) = &cfg.user_workspaces {
+        let closed = workspace::ensure_users_dir(dir).map_err(|e| anyhow::anyhow!("{e}"))?;
+        for p in closed {
+            tracing::warn!(
+                "other users cannot reach their workspaces under {}: {} is not traversable by them (chmod o+x it, or set --user-workspaces elsewhere)",
+                dir.display(),
+                p.display()
+            );
+        }
+        host.set_users_dir(dir.clone());
+    }
     let how = daemon::Restore {
         cfg: cfg.engine.clone(),
         same_boot: opened.same_boot,
@@ -431,6 +445,7 @@ fn known_tokens(
         let grant = auth::Grant {
             scope: auth::Scope::Admin,
             uid: None,
+            expires_ms: None,
         };
         store.write(&[&berth_store::Batch {
             mutations: vec![berth_store::Mutation::Token {
@@ -553,6 +568,7 @@ mod tests {
             diagnostics_total_bytes_max: 1 << 30,
             init_ledger: false,
             fence_reserve_block: private::FENCE_RESERVE_BLOCK,
+            user_workspaces: None,
             retain_ended_for_ms: RETAIN_ENDED_FOR_MS_DEFAULT,
             token_streams_max: crate::limits::TOKEN_STREAMS_MAX_DEFAULT,
             token_waits_max: crate::limits::TOKEN_WAITS_MAX_DEFAULT,

@@ -128,6 +128,8 @@ pub enum Mutation {
     Run(RunRecord),
     /// A token, by the hash of its secret, and what it grants.
     Token { hash: String, scope: String },
+    /// A token revoked: gone, by the hash of its secret.
+    TokenRevoked { hash: String },
     /// C3/C4: a project's promotion evidence, written when a run proves it and
     /// removed (`None`) when it is invalidated.
     Evidence {

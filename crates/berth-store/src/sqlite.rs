@@ -791,6 +791,11 @@ impl Store for SqliteStore {
                     .and_then(|mut s| s.execute(params![hash, scope]))
                     .map_err(write_err)?;
                 }
+                Mutation::TokenRevoked { hash } => {
+                    tx.prepare_cached("DELETE FROM tokens WHERE hash = ?1")
+                        .and_then(|mut s| s.execute(params![hash]))
+                        .map_err(write_err)?;
+                }
             }
         }
         drop((upsert, add_process));

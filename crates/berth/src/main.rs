@@ -11,6 +11,7 @@ mod scopes;
 mod serve;
 mod show;
 mod threads;
+mod tokens;
 
 use std::process::ExitCode;
 
@@ -67,6 +68,8 @@ enum Cmd {
     /// Fleet mode: every live host's free capacity and queue, the fleet's sums, the
     /// dead hosts (F4).
     Fleet(client::ConnArgs),
+    /// Make, list and revoke tokens (admin): one per user, bound to their uid.
+    Token(tokens::TokenArgs),
     /// Print a completion script for a shell, e.g. `berth completions bash >
     /// /etc/bash_completion.d/berth`.
     Completions {
@@ -123,6 +126,7 @@ fn main() -> ExitCode {
         Cmd::Scope(a) => scopes::scope_main(a),
         Cmd::Budget(a) => scopes::budget_main(a),
         Cmd::Fleet(a) => fleet::fleet_main(a),
+        Cmd::Token(a) => tokens::token_main(a),
         Cmd::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
             Ok(0)

@@ -130,6 +130,13 @@ pub struct ServeArgs {
     /// makes the marker move within a session) [default: 1048576].
     #[arg(long, hide = true, env = "BERTH_FENCE_RESERVE_BLOCK", value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
     pub fence_reserve_block: Option<u64>,
+    /// Where the workspaces of runs made by a token of another user (`--uid`) go, each
+    /// user's own: DIR/UID/..., owned by that user, mode 0700. Needs root; DIR must be
+    /// owned by root and writable by nobody else, and traversable by the users
+    /// [default: /var/lib/berth-users when root; else such runs' workspaces are
+    /// berth's, in the state dir].
+    #[arg(long, env = "BERTH_USER_WORKSPACES", value_name = "DIR")]
+    pub user_workspaces: Option<PathBuf>,
     /// The longest lease a run may ask for (L4) [default: 24h]. In fleet mode a silent
     /// host is declared dead this long plus --fleet-margin after its last heartbeat.
     #[arg(long, env = "BERTH_TTL_MAX", value_parser = parse_duration)]
@@ -189,6 +196,7 @@ struct FileConfig {
     thread_grace: Option<String>,
     thread_disk_free_min: Option<String>,
     port_range: Option<String>,
+    user_workspaces: Option<PathBuf>,
 }
 
 /// What a run asks for when it names no CPUs: half a CPU. A coding agent mostly waits
@@ -244,6 +252,9 @@ fn file_config(a: &ServeArgs, state_dir: &std::path::Path) -> anyhow::Result<Fil
     })
 }
 
+/// Where the workspaces of other users' runs go when berth runs as root.
+const USER_WORKSPACES_DEFAULT: &str = "/var/lib/berth-users";
+
 pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     let state_dir = a
         .state_dir
@@ -295,6 +306,15 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             )?)
             .unwrap_or(256 << 20),
         init_ledger: a.init_ledger,
+        user_workspaces: a
+            .user_workspaces
+            .clone()
+            .or(file.user_workspaces)
+            .or_else(|| {
+                rustix::process::geteuid()
+                    .is_root()
+                    .then(|| PathBuf::from(USER_WORKSPACES_DEFAULT))
+            }),
         fence_reserve_block: a
             .fence_reserve_block
             .unwrap_or(berth_server::private::FENCE_RESERVE_BLOCK),

@@ -144,6 +144,35 @@ pub fn run_line(run: &Run) -> String {
     out
 }
 
+/// Rows under a header, each column as wide as its widest cell, the last one left
+/// ragged (for people; scripts use `--json`). No rows: the header alone.
+pub fn table<const N: usize>(header: [&str; N], rows: &[[String; N]]) -> String {
+    let mut width = header.map(str::len);
+    for row in rows {
+        for (w, cell) in width.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: [&str; N]| -> String {
+        let mut out = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            if i + 1 == N {
+                out.push_str(cell);
+            } else {
+                let pad = width[i] - cell.chars().count();
+                out.push_str(cell);
+                out.push_str(&" ".repeat(pad + 2));
+            }
+        }
+        out.trim_end().to_string()
+    };
+    let mut lines = vec![line(header)];
+    for row in rows {
+        lines.push(line(std::array::from_fn(|i| row[i].as_str())));
+    }
+    lines.join("\n")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,6 +197,13 @@ mod tests {
             Some(1_796_084_403_500)
         );
         assert_eq!(parse_utc_ms("2026-12-01T00:20:03.Z"), None);
+        assert_eq!(
+            table(
+                ["id", "scope", "note"],
+                &[["a".into(), "operator".into(), "x y".into()]]
+            ),
+            "id  scope     note\na   operator  x y"
+        );
         assert_eq!(cpus(500), "0.5");
         assert_eq!(cpus(2000), "2");
         assert_eq!(

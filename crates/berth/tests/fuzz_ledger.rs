@@ -87,6 +87,7 @@ fn serve_config(state: &Path) -> berth_server::ServeConfig {
         diagnostics_total_bytes_max: 1 << 30,
         init_ledger: false,
         fence_reserve_block: berth_server::private::FENCE_RESERVE_BLOCK,
+        user_workspaces: None,
         retain_ended_for_ms: berth_server::RETAIN_ENDED_FOR_MS_DEFAULT,
         token_streams_max: berth_server::limits::TOKEN_STREAMS_MAX_DEFAULT,
         token_waits_max: berth_server::limits::TOKEN_WAITS_MAX_DEFAULT,

@@ -16,7 +16,7 @@ use utoipa::openapi::{
     InfoBuilder, OpenApi, OpenApiBuilder, PathItem, PathsBuilder, Ref, RefOr, Required,
 };
 
-use super::{observe, runtime, Api};
+use super::{observe, runtime, tokens, Api};
 use crate::auth::Scope;
 
 /// What an answer's body is.
@@ -393,8 +393,8 @@ fn threads_and_drain() -> Vec<(Route, MethodRouter<Api>)> {
 
 /// (Continued: routes are listed in two functions to keep each short.)
 fn public_and_admin() -> Vec<(Route, MethodRouter<Api>)> {
-    use axum::routing::{get, post};
-    use HttpMethod::{Get, Post};
+    use axum::routing::{delete, get, post};
+    use HttpMethod::{Delete, Get, Post};
     let (o, a) = (Some(Scope::Operator), Some(Scope::Admin));
     vec![
         (
@@ -410,10 +410,20 @@ fn public_and_admin() -> Vec<(Route, MethodRouter<Api>)> {
             post(runtime::start_runtime),
         ),
         (
-            route(Post, "/v1/tokens", a, "Make a token")
+            route(Post, "/v1/tokens", a, "Make a token (with `uid`: one that acts for that user; with `expires_s`: refused after that)")
                 .takes("TokenRequest")
                 .answers(201, Body::Json("TokenCreated")),
-            post(super::create_token),
+            post(tokens::create_token),
+        ),
+        (
+            route(Get, "/v1/tokens", a, "Every token: id, scope, user, expiry (never a secret)")
+                .answers(200, Body::Json("TokenList")),
+            get(tokens::list_tokens),
+        ),
+        (
+            route(Delete, "/v1/tokens/{id}", a, "Revoke a token by its id: refused from then on, here and after restarts")
+                .answers(200, Body::Json("TokenInfo")),
+            delete(tokens::revoke_token),
         ),
         (
             route(Post, "/v1/reap", a, "One reaper pass now (P4)")
@@ -581,6 +591,8 @@ fn build() -> OpenApi {
         .schema_from::<wire::ReapReport>()
         .schema_from::<wire::FenceCheck>()
         .schema_from::<wire::TokenCreated>()
+        .schema_from::<wire::TokenInfo>()
+        .schema_from::<wire::TokenList>()
         .schema_from::<wire::RuntimeEvent>()
         .schema_from::<wire::RuntimeStarted>()
         .schema_from::<wire::JournalEntry>()

@@ -23,6 +23,7 @@ mod observe;
 mod runtime;
 mod scopes;
 mod threads;
+mod tokens;
 
 use crate::auth::{self, Scope};
 use crate::daemon::{Msg, RunInfo, Shared};
@@ -239,8 +240,7 @@ async fn json_body<T: DeserializeOwned>(body: Body, empty_ok: bool) -> Result<T,
 use berth_client::wire::{
     AcquireEvent, Claim, ErrorDetail, FenceCheck, Key, LedgerStatus, ProcessRequest as ProcessBody,
     ProjectStatus, Queued, ReapReport, ReaperStatus, Reason, ReleaseRequest as ReleaseBody,
-    RenewRequest as RenewBody, ResourceStatus, Run, RunList, Status, TokenCreated,
-    TokenRequest as TokenBody,
+    RenewRequest as RenewBody, ResourceStatus, Run, RunList, Status,
 };
 
 /// A run as API v1 shows it.
@@ -1015,36 +1015,8 @@ async fn fence_check(
     }))
 }
 
-async fn create_token(AxState(api): AxState<Api>, body: Body) -> Result<Response, ApiError> {
-    let b: TokenBody = json_body(body, false).await?;
-    let scope = Scope::parse(&b.scope)
-        .ok_or_else(|| ApiError::invalid("scope", "must be read, operator or admin"))?;
-    if let Some(uid) = b.uid {
-        let known = tokio::task::spawn_blocking(move || user_exists(uid))
-            .await
-            .unwrap_or(false);
-        if !known {
-            return Err(ApiError::invalid(
-                "uid",
-                format!("must name a user on this host; uid {uid} names none"),
-            ));
-        }
-    }
-    let grant = auth::Grant { scope, uid: b.uid };
-    let token = ask(&api, |reply| Msg::CreateToken { grant, reply }).await?;
-    Ok((
-        StatusCode::CREATED,
-        Json(TokenCreated {
-            token,
-            scope: scope.as_str().to_string(),
-            uid: b.uid.unwrap_or(api.uid),
-        }),
-    )
-        .into_response())
-}
-
 /// Whether `uid` names a user on this host (the password database, through NSS).
-fn user_exists(uid: u32) -> bool {
+pub(super) fn user_exists(uid: u32) -> bool {
     let mut buf = vec![0u8; 16 * 1024];
     // SAFETY: a zeroed passwd is a valid out-parameter; `buf` outlives the call and its
     // length is passed; `found` is only read, never dereferenced.
@@ -1164,10 +1136,15 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
         let tokens = api.shared.tokens.read().unwrap();
         auth::lookup_keyed(&tokens, token)
     };
-    let Some((auth::Grant { scope, uid }, key)) = grant else {
+    let Some((grant, key)) = grant else {
         let refused = ApiError::new(401, "unauthorized", "the token is not valid");
         return count_unmatched(&api, req.method(), refused.into_response());
     };
+    if grant.expired(crate::clock::wall_ms()) {
+        let refused = ApiError::new(401, "unauthorized", "the token has expired");
+        return count_unmatched(&api, req.method(), refused.into_response());
+    }
+    let auth::Grant { scope, uid, .. } = grant;
     req.extensions_mut().insert(Caller {
         uid: uid.unwrap_or(api.uid),
         // The admin token keeps full reach whatever uid it was made for (S9).

@@ -71,6 +71,7 @@ impl<H: Host> Daemon<H> {
             Msg::ReapStatus { runs, reply } => self.on_reap_status(runs, reply),
             Msg::Stopped { run_id, report } => self.on_stopped(run_id, report),
             Msg::CreateToken { grant, reply } => self.on_create_token(grant, reply),
+            Msg::RevokeToken { id, reply } => self.on_revoke_token(&id, reply),
             Msg::RuntimePlan {
                 run_id,
                 fence,
@@ -500,7 +501,8 @@ impl<H: Host> Daemon<H> {
                     .unwrap()
                     .push((hash.clone(), grant));
                 // The token's scope and user, never its secret or its hash.
-                let data = serde_json::json!({"scope": grant.scope.as_str(), "uid": grant.uid});
+                let data = serde_json::json!({"id": crate::auth::token_id(&hash),
+                    "scope": grant.scope.as_str(), "uid": grant.uid});
                 self.journal_entry("token_created", None, None, data);
                 let scope = grant.stored();
                 self.pending_mutations.push(Mutation::Token { hash, scope });
@@ -512,6 +514,29 @@ impl<H: Host> Daemon<H> {
                 let _ = reply.send(Err(Error::Internal(e)));
             }
         }
+    }
+
+    /// S9: the token is gone from the table requests are checked against at once, and
+    /// from the ledger with this step's commit (acknowledged once durable).
+    fn on_revoke_token(&mut self, id: &str, reply: Reply<Option<(String, Grant)>>) {
+        let revoked = {
+            let mut tokens = self.shared.tokens.write().unwrap();
+            let at = tokens
+                .iter()
+                .position(|(h, _)| crate::auth::token_id(h) == id);
+            at.map(|i| tokens.remove(i))
+        };
+        let Some((hash, grant)) = revoked else {
+            let _ = reply.send(Ok(None));
+            return;
+        };
+        let data = serde_json::json!({"id": id, "scope": grant.scope.as_str(), "uid": grant.uid});
+        self.journal_entry("token_revoked", None, None, data);
+        self.pending_mutations
+            .push(Mutation::TokenRevoked { hash: hash.clone() });
+        self.commit(BTreeSet::new(), move |r| {
+            let _ = reply.send(r.map_err(Error::store).map(|()| Some((hash, grant))));
+        });
     }
 
     /// Time passes: expiries and deadlines (L6, A8), reclaim windows (P5), cleanup

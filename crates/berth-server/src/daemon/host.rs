@@ -46,7 +46,13 @@ pub struct ListenWatch {
 /// answer it gets back is a value it can be handed again in a simulation.
 pub trait Host {
     /// W1: a fresh private workspace for a run that was just granted.
-    fn create_workspace(&mut self, run_id: &str) -> Result<WorkspaceIdentity, String>;
+    /// W1/S9: `owner` is the uid of the uid-bound token that made the run (or the
+    /// thread): where berth can, the workspace is that user's.
+    fn create_workspace(
+        &mut self,
+        run_id: &str,
+        owner: Option<u32>,
+    ) -> Result<WorkspaceIdentity, String>;
     /// W1/L5: removes a stopping run's workspace after its identity check.
     fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String>;
     /// Bytes free (to an unprivileged writer) on the file system of the workspaces, if
@@ -108,6 +114,9 @@ pub struct RealHost {
     supervision: Supervision,
     /// The daemon as the registration rule sees it (S3).
     me: crate::register::Me,
+    /// S9: where the workspaces of other users' runs go (`<dir>/<uid>/<digest>`, theirs);
+    /// `None` when berth cannot give a directory away (not root).
+    users_dir: Option<PathBuf>,
     /// For the stopper thread to report back; weak, so it does not keep the task alive.
     inbox: Option<mpsc::WeakSender<Msg>>,
     /// The one thread that stops processes, started on first use.
@@ -130,10 +139,17 @@ impl RealHost {
             marker,
             supervision,
             me: crate::register::Me::now(),
+            users_dir: None,
             inbox: None,
             stopper: None,
             listen_watch: None,
         })
+    }
+
+    /// S9: other users' runs get workspaces of their own under `dir` (see
+    /// `workspace::create_owned`).
+    pub fn set_users_dir(&mut self, dir: PathBuf) {
+        self.users_dir = Some(dir);
     }
 
     /// Gives the stopper a way to report back to the daemon.
@@ -148,8 +164,19 @@ impl RealHost {
 }
 
 impl Host for RealHost {
-    fn create_workspace(&mut self, run_id: &str) -> Result<WorkspaceIdentity, String> {
-        self.workspaces.create(run_id).map_err(|e| e.to_string())
+    fn create_workspace(
+        &mut self,
+        run_id: &str,
+        owner: Option<u32>,
+    ) -> Result<WorkspaceIdentity, String> {
+        let me = rustix::process::geteuid().as_raw();
+        match (&self.users_dir, owner) {
+            (Some(dir), Some(uid)) if uid != me => {
+                workspace::create_owned(dir, uid, primary_gid(uid), run_id)
+            }
+            _ => self.workspaces.create(run_id),
+        }
+        .map_err(|e| e.to_string())
     }
 
     fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String> {
@@ -326,4 +353,23 @@ fn spawn_stopper(
         })
         .expect("spawn stopper thread");
     tx
+}
+
+/// The primary group of `uid` in the password database (through NSS), if it has one.
+pub fn primary_gid(uid: u32) -> Option<u32> {
+    let mut buf = vec![0u8; 16 * 1024];
+    // SAFETY: a zeroed passwd is a valid out-parameter; `buf` outlives the call and its
+    // length is passed; `found` is only compared with null, never dereferenced.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    let rc = unsafe {
+        libc::getpwuid_r(
+            uid,
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    (rc == 0 && !found.is_null()).then_some(pwd.pw_gid)
 }

@@ -197,6 +197,12 @@ pub enum Msg {
         grant: Grant,
         reply: Reply<String>,
     },
+    /// S9: the token whose id (first 16 hex digits of its hash) this is is refused from
+    /// now on; the hash and grant revoked, `None` when no token has that id.
+    RevokeToken {
+        id: String,
+        reply: Reply<Option<(String, Grant)>>,
+    },
     /// P1: a process (tree) the run's client started; recorded before it is relied on.
     RegisterProcess {
         run_id: String,
@@ -753,7 +759,8 @@ impl<H: Host> Daemon<H> {
         if self.extras.get(run_id).is_some_and(|e| e.lease_only) {
             return Vec::new();
         }
-        match self.host.create_workspace(run_id) {
+        let owner = self.extras.get(run_id).and_then(|e| e.owner_uid);
+        match self.host.create_workspace(run_id, owner) {
             Ok(ws) => {
                 let mut thread = None;
                 if let Some(e) = self.extras.get_mut(run_id) {

@@ -260,7 +260,8 @@ impl<H: Host> Daemon<H> {
         if self.th.threads.get(key).is_some_and(|t| t.has_workspace) {
             return;
         }
-        match self.host.create_workspace(&seed(key)) {
+        let owner = self.th.owner_uids.get(key).copied();
+        match self.host.create_workspace(&seed(key), owner) {
             Ok(ws) => {
                 self.th.threads.made_workspace(self.now, key);
                 let data = json!({"key": key, "workspace": ws.path});

@@ -257,3 +257,104 @@ pub fn ensure_runs_dir(state_dir: &Path) -> std::io::Result<PathBuf> {
     let _ = CWD;
     Ok(runs)
 }
+
+/// Makes (or checks) the directory under which the workspaces of other users' runs
+/// live, `<dir>/<uid>/<digest>` (S9, issue 33 item 4). It must be a real directory
+/// owned by berth's user that nobody else can write: each user owns only their own
+/// `<uid>` below it, so no user can rename or replace another's (nor their own
+/// `<uid>`). Made 0711 if missing: users can reach their own `<uid>` but not list.
+/// Returns the ancestors that others cannot traverse (their workspaces are out of
+/// their reach until that is changed), for the daemon to say at start.
+pub fn ensure_users_dir(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let bad = |why: String| format!("--user-workspaces {}: {why}", dir.display());
+    match std::fs::DirBuilder::new().create(dir) {
+        Ok(()) => std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
+            .map_err(|e| bad(format!("chmod: {e}")))?,
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(bad(format!("cannot be made: {e}"))),
+    }
+    let m = std::fs::symlink_metadata(dir).map_err(|e| bad(e.to_string()))?;
+    if !m.file_type().is_dir() {
+        return Err(bad("must be a directory, not a link or a file".into()));
+    }
+    if m.uid() != rustix::process::geteuid().as_raw() || m.mode() & 0o022 != 0 {
+        return Err(bad(format!(
+            "must be owned by berth's user (uid {}) and writable by nobody else (it is uid {}, mode {:o})",
+            rustix::process::geteuid().as_raw(),
+            m.uid(),
+            m.mode() & 0o7777
+        )));
+    }
+    let mut closed = Vec::new();
+    let mut at = Some(dir);
+    while let Some(p) = at {
+        if let Ok(m) = std::fs::metadata(p) {
+            if m.mode() & 0o001 == 0 {
+                closed.push(p.to_path_buf());
+            }
+        }
+        at = p.parent();
+    }
+    Ok(closed)
+}
+
+/// A workspace for a run of another user `uid` (S9): `<users_dir>/<uid>/<digest>`,
+/// with the same five subdirectories, all owned by `uid` (group `gid` when known) and
+/// mode 0700, so the run's `ls` and `mktemp` work and no other user can look in.
+///
+/// Made root-owned through descriptors first and given away last, innermost first: while
+/// berth works in it, the user cannot touch its entries; the user owns `<uid>` and can
+/// rename the workspace meanwhile, but every step is relative to the descriptor berth
+/// opened, and the identity recorded is that directory's (W1).
+pub fn create_owned(
+    users_dir: &Path,
+    uid: u32,
+    gid: Option<u32>,
+    run_id: &str,
+) -> Result<WorkspaceIdentity, WorkspaceError> {
+    let home = users_dir.join(uid.to_string());
+    let users = fs::open(
+        users_dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io(users_dir, "open"))?;
+    let name = uid.to_string();
+    let owner = Some(rustix::fs::Uid::from_raw(uid));
+    let group = gid.map(rustix::fs::Gid::from_raw);
+    match fs::mkdirat(&users, name.as_str(), Mode::from_raw_mode(0o700)) {
+        Ok(()) | Err(Errno::EXIST) => {}
+        Err(e) => return Err(io(&home, "mkdir")(e)),
+    }
+    let home_fd = open_dir_nofollow(&users, name.as_str()).map_err(io(&home, "open"))?;
+    let st = fs::fstat(&home_fd).map_err(io(&home, "stat"))?;
+    let me = rustix::process::geteuid().as_raw();
+    if st.st_uid == me {
+        fs::fchown(&home_fd, owner, group).map_err(io(&home, "chown"))?;
+        fs::fchmod(&home_fd, Mode::from_raw_mode(0o700)).map_err(io(&home, "chmod"))?;
+    } else if st.st_uid != uid {
+        return Err(WorkspaceError::Swapped {
+            path: home.display().to_string(),
+        });
+    }
+    drop(home_fd);
+    let ws = create(&home, run_id)?;
+    let path = PathBuf::from(&ws.path);
+    let parent = fs::open(
+        &home,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io(&home, "open"))?;
+    let on = mount_of(&parent, &home)?;
+    let Some(dir) = open_verified(&parent, &dir_name(run_id), &ws, &on)? else {
+        return Err(WorkspaceError::Swapped { path: ws.path });
+    };
+    for sub in SUBDIRS {
+        fs::chownat(&dir, sub, owner, group, AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(io(&path, "chown subdirectory"))?;
+    }
+    fs::fchown(&dir, owner, group).map_err(io(&path, "chown"))?;
+    Ok(ws)
+}

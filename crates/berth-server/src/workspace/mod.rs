@@ -90,5 +90,5 @@ pub use diagnostics::{
     Diagnostics, DiagnosticsCounters, ARCHIVE_DEPTH_MAX, ARCHIVE_VISITS_MAX,
     DIAGNOSTICS_RUN_ENTRIES_MAX, DIAGNOSTICS_TOTAL_ENTRIES_MAX,
 };
-pub use dir::{create, ensure_runs_dir, remove};
+pub use dir::{create, create_owned, ensure_runs_dir, ensure_users_dir, remove};
 pub use pool::{Pool, POOL_MAX, POOL_TARGET};

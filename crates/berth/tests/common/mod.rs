@@ -272,6 +272,11 @@ impl Daemon {
                 args.push(value.into());
             }
         }
+        // Each daemon its own: the default (/var/lib/berth-users) is one per host.
+        if !extra.contains(&"--user-workspaces") {
+            args.push("--user-workspaces".into());
+            args.push(state.join("users").display().to_string());
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let log_dir = tempfile::tempdir().unwrap();
         let log = log_dir.path().join("daemon.log");
