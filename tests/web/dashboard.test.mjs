@@ -210,7 +210,7 @@ before(async () => diagnosed(async () => {
   ctx.base = `http://127.0.0.1:${port}`;
   const args = [
     'serve', '--state-dir', ctx.stateDir, '--listen', `127.0.0.1:${port}`,
-    '--slots-max', '1', '--memory-total', '8GiB', '--cpu-total', '4000', '--no-memory-sampling',
+    '--slots-max', '1', '--memory-total', '8GiB', '--cpu-total', '4', '--no-memory-sampling',
   ];
   ctx.daemon = spawn(bin, args, { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, NO_COLOR: '1' } });
   for (const out of [ctx.daemon.stdout, ctx.daemon.stderr]) {

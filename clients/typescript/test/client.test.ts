@@ -58,7 +58,7 @@ before(async () => {
     "--listen", listen,
     "--slots-max", "1",
     "--memory-total", "8GiB",
-    "--cpu-total", "4000",
+    "--cpu-total", "4",
     "--no-memory-sampling",
   ];
   const child = spawn(bin, args, { stdio: ["ignore", "pipe", "pipe"] });

@@ -119,7 +119,7 @@ fn start_berth() -> Server {
             "--memory-reserve",
             "0",
         ])
-        .args(["--cpu-total", "64000", "--cpu-reserve", "0"])
+        .args(["--cpu-total", "64", "--cpu-reserve", "0"])
         .args([
             "--disk-total",
             "16TiB",

@@ -99,7 +99,7 @@ impl Daemon {
             ])
             .args([
                 "--cpu-total",
-                "64000",
+                "64",
                 "--cpu-reserve",
                 "0",
                 "--disk-total",

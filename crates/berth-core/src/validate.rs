@@ -39,26 +39,50 @@ pub fn resource_name(s: &str) -> Result<(), String> {
     id_like(s, 128, b"._:-")
 }
 
-/// Parses `2GiB`, `512M`, `1.5G`, `4096` (bytes). Binary units throughout.
+/// Parses `2GiB`, `512MiB`, `1.5GiB`, `4GB`, `4096` (bytes): IEC units binary, SI units
+/// decimal, a bare `K`/`M`/`G`/`T` refused.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+    // Each unit exactly what it says: IEC binary (`GiB` = 2^30) and SI decimal (`GB` =
+    // 10^9). A bare `G` could be either, so it is refused naming both (it was read as
+    // GiB, so `4GB` silently meant 4 GiB: issue 33 item 7).
+    let unit = unit.trim();
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
+        "kib" => 1 << 10,
+        "mib" => 1 << 20,
+        "gib" => 1 << 30,
+        "tib" => 1 << 40,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
+        "tb" => 1_000_000_000_000,
+        short @ ("k" | "m" | "g" | "t") => {
+            let up = short.to_ascii_uppercase();
+            let (iec, si) = match short {
+                "k" => (1u64 << 10, 1_000u64),
+                "m" => (1 << 20, 1_000_000),
+                "g" => (1 << 30, 1_000_000_000),
+                _ => (1 << 40, 1_000_000_000_000),
+            };
+            let both = |m| scale(num, m).map_or("too many".into(), |b| b.to_string());
+            return Err(format!(
+                "{s:?} is ambiguous: write {num}{up}iB ({} bytes) or {num}{up}B ({} bytes)",
+                both(iec),
+                both(si)
+            ));
+        }
         other => {
             return Err(format!(
-                "unknown size unit {other:?} (use B, KiB, MiB, GiB, TiB)"
+                "unknown size unit {other:?} (use B, KiB, MiB, GiB, TiB or kB, MB, GB, TB)"
             ))
         }
     };
-    scale(num, mult).ok_or_else(|| format!("{s:?} is not a size like 2GiB or 512M"))
+    scale(num, mult).ok_or_else(|| format!("{s:?} is not a size like 2GiB or 512MB"))
 }
 
 /// Parses `30s`, `5m`, `1h`, `250ms`, `1.5s` into milliseconds. A bare number is seconds.
@@ -131,12 +155,22 @@ mod tests {
     #[test]
     fn sizes_and_durations_parse() {
         assert_eq!(parse_size("2GiB"), Ok(2 << 30));
-        assert_eq!(parse_size("512M"), Ok(512 << 20));
-        assert_eq!(parse_size("1.5G"), Ok(3 << 29));
+        assert_eq!(parse_size("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5GiB"), Ok(3 << 29));
+        // Issue 33 item 7: SI units are decimal, exactly; a bare letter is refused
+        // naming both readings.
+        assert_eq!(parse_size("4GB"), Ok(4_000_000_000));
+        assert_eq!(parse_size("512kB"), Ok(512_000));
+        let e = parse_size("4G").unwrap_err();
+        assert!(
+            e.contains("4GiB (4294967296 bytes)") && e.contains("4GB (4000000000 bytes)"),
+            "{e}"
+        );
+        assert!(parse_size("512M").is_err());
         assert_eq!(parse_size("4096"), Ok(4096));
         assert!(parse_size("2 parsecs").is_err());
         assert!(parse_size("").is_err());
-        assert!(parse_size("99999999999999999999G").is_err());
+        assert!(parse_size("99999999999999999999GiB").is_err());
         assert_eq!(parse_duration_ms("30s"), Ok(30_000));
         assert_eq!(parse_duration_ms("5m"), Ok(300_000));
         assert_eq!(parse_duration_ms("250ms"), Ok(250));

@@ -3,7 +3,7 @@
 
 use berth_core::validate;
 
-/// Sizes in bytes: `2GiB`, `512M`.
+/// Sizes in bytes: `2GiB`, `512MiB`, `4GB` (decimal).
 pub fn parse_size(s: &str) -> Result<u64, String> {
     validate::parse_size(s)
 }
@@ -13,12 +13,34 @@ pub fn parse_duration(s: &str) -> Result<u64, String> {
     validate::parse_duration_ms(s)
 }
 
-/// CPUs as millis: `1.5` is 1500.
+/// CPUs as millis, one unit everywhere (issue 33 item 7: `--cpu-total` was millis
+/// while `--cpus` was CPUs): decimal CPUs (`1.5` is 1500) or millis with an `m`, as
+/// Kubernetes writes them (`500m` is half a CPU). More than 0.
 pub fn parse_cpus(s: &str) -> Result<u64, String> {
-    let v: f64 = s
-        .parse()
-        .map_err(|_| format!("{s:?} is not a number of CPUs like 1.5"))?;
-    cpus_to_millis(v)
+    match parse_cpu_amount(s)? {
+        0 => Err(format!(
+            "{s:?}: must be more than 0 and at most {CPUS_MAX} CPUs"
+        )),
+        m => Ok(m),
+    }
+}
+
+/// [`parse_cpus`] that takes 0 too (a reserve).
+pub fn parse_cpu_amount(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let bad = || format!("{s:?} is not CPUs like 1.5 or millis like 500m");
+    if let Some(m) = s.strip_suffix('m') {
+        let m: u64 = m.parse().map_err(|_| bad())?;
+        if m > (CPUS_MAX as u64) * 1000 {
+            return Err(format!("{s:?}: at most {CPUS_MAX} CPUs"));
+        }
+        return Ok(m);
+    }
+    let v: f64 = s.parse().map_err(|_| bad())?;
+    if v == 0.0 {
+        return Ok(0);
+    }
+    cpus_to_millis(v).map_err(|e| format!("{s:?}: {e}"))
 }
 
 /// At most this many CPUs in one figure.
@@ -47,6 +69,19 @@ pub fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn cpus_are_decimal_or_millis_with_an_m() {
+        use super::*;
+        assert_eq!(parse_cpus("1.5"), Ok(1500));
+        assert_eq!(parse_cpus("4"), Ok(4000));
+        assert_eq!(parse_cpus("500m"), Ok(500));
+        assert_eq!(parse_cpu_amount("0"), Ok(0));
+        assert!(parse_cpus("0").is_err());
+        assert!(parse_cpus("4097").is_err());
+        assert!(parse_cpus("1.5m").is_err());
+        assert!(parse_cpus("lots").unwrap_err().contains("500m"));
+    }
+
     #[test]
     fn port_ranges_are_low_dash_high() {
         assert_eq!(super::parse_port_range("30000-30999"), Ok((30_000, 30_999)));

@@ -16,23 +16,24 @@ fn resources(r: &BTreeMap<String, FleetResource>) -> String {
         .join(", ")
 }
 
-fn host_line(h: &FleetHost) -> String {
-    let dead = h
-        .declared_by
-        .as_deref()
-        .map_or(String::new(), |by| format!("; declared dead by {by}"));
-    format!(
-        "{}\t{} v{} gen {}; beat {} ms ago; {} granted, {} queued; free {}{dead}",
-        h.host_id,
-        h.address,
-        h.version,
-        h.generation,
-        h.heartbeat_age_ms,
-        h.granted,
-        h.queue_depth,
-        resources(&h.resources)
-    )
+fn host_row(h: &FleetHost) -> [String; 7] {
+    [
+        h.host_id.clone(),
+        format!("{} v{}", h.address, h.version),
+        h.generation.to_string(),
+        format!("{} ms", h.heartbeat_age_ms),
+        h.granted.to_string(),
+        h.queue_depth.to_string(),
+        match h.declared_by.as_deref() {
+            Some(by) => format!("{}; declared dead by {by}", resources(&h.resources)),
+            None => resources(&h.resources),
+        },
+    ]
 }
+
+const HEADER: [&str; 7] = [
+    "host", "address", "gen", "beat", "granted", "queued", "free",
+];
 
 fn fleet_text(f: &Fleet) -> String {
     let mut out = vec![format!(
@@ -42,10 +43,12 @@ fn fleet_text(f: &Fleet) -> String {
         f.queue_depth,
         resources(&f.totals)
     )];
-    out.extend(f.hosts.iter().map(host_line));
+    let rows: Vec<[String; 7]> = f.hosts.iter().map(host_row).collect();
+    out.push(crate::show::table(HEADER, &rows));
     if !f.dead.is_empty() {
         out.push("dead:".into());
-        out.extend(f.dead.iter().map(host_line));
+        let rows: Vec<[String; 7]> = f.dead.iter().map(host_row).collect();
+        out.push(crate::show::table(HEADER, &rows));
     }
     out.join("\n")
 }

@@ -55,18 +55,17 @@ enum Cmd {
     Reap(client::ConnArgs),
     /// Print the journal's recent events; with --follow, every new one as it happens.
     Events(events::EventsArgs),
-    /// Show agent threads: owner, registration, workspace, evictions (G0-G3).
+    /// Show agent threads: owner, registration, workspace, evictions.
     Threads(threads::ThreadsArgs),
     /// Show the host's drain; --start --reason TEXT drains it (no new runs or
     /// registrations), --wait until nothing is in flight, --off ends it.
     Drain(threads::DrainArgs),
-    /// Show or control an experiment scope: show, pause, stop, resume, reconcile
-    /// (B1-B6).
+    /// Show or control an experiment scope: show, pause, stop, resume, reconcile.
     Scope(scopes::ScopeArgs),
     /// List the experiment scopes: control, generation, tokens held per harness.
     Budget(client::ConnArgs),
     /// Fleet mode: every live host's free capacity and queue, the fleet's sums, the
-    /// dead hosts (F4).
+    /// dead hosts.
     Fleet(client::ConnArgs),
     /// Make, list and revoke tokens (admin): one per user, bound to their uid.
     Token(tokens::TokenArgs),
@@ -76,8 +75,15 @@ enum Cmd {
         /// The shell.
         shell: clap_complete::Shell,
     },
-    /// Print berth's man page (roff), e.g. `berth man | man -l -`.
-    Man,
+    /// Print a man page (roff): berth's, or a subcommand's (`berth man run | man -l -`);
+    /// --install DIR writes every page (berth.1, berth-run.1, ...) into DIR.
+    Man {
+        /// The subcommand whose page to print, e.g. `run` or `scope show`.
+        command: Vec<String>,
+        /// Write every page into DIR (e.g. /usr/local/share/man/man1) instead.
+        #[arg(long, value_name = "DIR", conflicts_with = "command")]
+        install: Option<std::path::PathBuf>,
+    },
 }
 
 /// See `[workspace.dependencies]` for why.
@@ -131,10 +137,7 @@ fn main() -> ExitCode {
             clap_complete::generate(shell, &mut Cli::command(), "berth", &mut std::io::stdout());
             Ok(0)
         }
-        Cmd::Man => clap_mangen::Man::new(Cli::command())
-            .render(&mut std::io::stdout())
-            .map(|()| 0)
-            .map_err(anyhow::Error::from),
+        Cmd::Man { command, install } => man_main(&command, install.as_deref()),
     };
     match result {
         Ok(code) => ExitCode::from(code),
@@ -143,6 +146,34 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// `berth man [COMMAND...]` and `berth man --install DIR`: one page per subcommand,
+/// named as the top page's SEE ALSO names them (`berth-run(1)`).
+fn man_main(path: &[String], install: Option<&std::path::Path>) -> anyhow::Result<u8> {
+    let mut cmd = Cli::command().disable_help_subcommand(true);
+    cmd.build();
+    if let Some(dir) = install {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("--install {}: {e}", dir.display()))?;
+        clap_mangen::generate_to(cmd, dir)
+            .map_err(|e| anyhow::anyhow!("--install {}: {e}", dir.display()))?;
+        println!("man pages written to {}", dir.display());
+        return Ok(0);
+    }
+    let mut page = cmd;
+    for word in path {
+        let Some(sub) = page.find_subcommand(word).cloned() else {
+            eprintln!(
+                "berth: man: no subcommand {:?} (see `berth --help`)",
+                path.join(" ")
+            );
+            return Ok(EXIT_USAGE);
+        };
+        page = sub;
+    }
+    clap_mangen::Man::new(page).render(&mut std::io::stdout())?;
+    Ok(0)
 }
 
 #[cfg(test)]
@@ -174,5 +205,45 @@ mod tests {
         let mut missing = Vec::new();
         walk(&Cli::command(), "berth", &mut missing);
         assert!(missing.is_empty(), "without help: {missing:#?}");
+    }
+
+    /// The specification's rule ids (`G0-G3`, `B1/B2`, `F4`) mean nothing to a user:
+    /// no help text carries one (issue 33 item 7).
+    #[test]
+    fn no_help_text_names_a_contract_id() {
+        fn is_id(w: &str) -> bool {
+            let b = w.as_bytes();
+            b.len() >= 2
+                && b.len() <= 3
+                && b[0].is_ascii_uppercase()
+                && b[1..].iter().all(u8::is_ascii_digit)
+        }
+        fn texts(cmd: &clap::Command, path: &str, found: &mut Vec<String>) {
+            let mut all: Vec<String> = [cmd.get_about(), cmd.get_long_about()]
+                .into_iter()
+                .flatten()
+                .map(|t| t.to_string())
+                .collect();
+            for a in cmd.get_arguments() {
+                all.extend(
+                    [a.get_help(), a.get_long_help()]
+                        .into_iter()
+                        .flatten()
+                        .map(|t| t.to_string()),
+                );
+            }
+            for t in all {
+                let words = t.split(|c: char| !c.is_ascii_alphanumeric());
+                if words.clone().any(is_id) {
+                    found.push(format!("{path}: {t}"));
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                texts(sub, &format!("{path} {}", sub.get_name()), found);
+            }
+        }
+        let mut found = Vec::new();
+        texts(&Cli::command(), "berth", &mut found);
+        assert!(found.is_empty(), "contract ids in --help: {found:#?}");
     }
 }

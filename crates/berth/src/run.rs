@@ -47,7 +47,7 @@ pub struct ClaimArgs {
     /// Memory, e.g. 4GiB [default: the daemon's, 2GiB + 128MiB unless configured].
     #[arg(long, value_parser = crate::args::parse_size)]
     pub memory: Option<u64>,
-    /// CPUs, decimal: 1.5 = 1500 millis [default: the daemon's, 0.5 unless
+    /// CPUs, decimal (1.5) or millis (500m) [default: the daemon's, 0.5 unless
     /// configured].
     #[arg(long, value_parser = crate::args::parse_cpus)]
     pub cpus: Option<u64>,
@@ -75,7 +75,7 @@ pub struct ClaimArgs {
     #[arg(long, value_parser = crate::args::parse_duration)]
     pub wait: Option<u64>,
     /// SCOPE:HARNESS: the experiment budget whose harness token is part of the claim
-    /// (B1/B2); the run waits with `budget.full` while the harness is at its limit.
+    ///; the run waits with `budget.full` while the harness is at its limit.
     #[arg(long, value_name = "SCOPE:HARNESS")]
     pub budget: Option<String>,
     /// HARNESS=LIMIT,...: the scope's per-harness limits, required the first time the
@@ -85,6 +85,10 @@ pub struct ClaimArgs {
     /// The operation the run's token is reserved under [default: run].
     #[arg(long, requires = "budget")]
     pub operation_id: Option<String>,
+    /// The agent thread the run works in: BERTH_WORKSPACE is the thread's persistent
+    /// workspace (its tmp, logs and output stay the run's own).
+    #[arg(long, value_name = "KEY")]
+    pub thread: Option<String>,
     #[command(flatten)]
     pub conn: ConnArgs,
 }
@@ -222,6 +226,7 @@ fn acquire_body(c: &ClaimArgs) -> anyhow::Result<AcquireRequest> {
         ttl_s: c.ttl.map(|t| (t / 1000).max(1)),
         wait_s: c.wait.map(|w| w / 1000),
         budget: budget_of(c)?,
+        thread: c.thread.clone(),
         ..Default::default()
     })
 }

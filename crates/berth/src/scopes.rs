@@ -18,20 +18,20 @@ pub struct ScopeArgs {
 #[derive(Subcommand)]
 pub enum ScopeCmd {
     /// Policy, manifest, tokens with their owners, lapsed owners, control, generation,
-    /// receipts and waiters (B6).
+    /// receipts and waiters.
     Show {
         /// The scope's id.
         scope: String,
         #[command(flatten)]
         conn: ConnArgs,
     },
-    /// No new token in the scope until it resumes (B4, B5).
+    /// No new token in the scope until it resumes.
     Pause(ControlArgs),
-    /// For good: the scope never admits again; its waiters are refused (B4).
+    /// For good: the scope never admits again; its waiters are refused.
     Stop(ControlArgs),
     /// Clear a pause (never a stop).
     Resume(ControlArgs),
-    /// Free every token OWNER holds in the scope (B3; admin), with a reason.
+    /// Free every token OWNER holds in the scope (admin), with a reason.
     Reconcile {
         /// The scope's id.
         scope: String,
@@ -175,7 +175,7 @@ pub fn scope_main(a: ScopeArgs) -> anyhow::Result<u8> {
     }
 }
 
-/// `berth budget`: every scope, one line each.
+/// `berth budget`: every scope, a table row each.
 pub fn budget_main(conn: ConnArgs) -> anyhow::Result<u8> {
     let c = Client::new(&conn)?;
     let r = match c.call::<()>("GET", "/v1/scopes", None) {
@@ -183,26 +183,28 @@ pub fn budget_main(conn: ConnArgs) -> anyhow::Result<u8> {
         Err(e) => return Ok(c.unreachable(&e)),
     };
     print_reply(&r, conn.json, |l: &ScopeList| {
-        if l.scopes.is_empty() {
-            return "no scopes".to_string();
-        }
-        l.scopes
+        let rows: Vec<[String; 5]> = l
+            .scopes
             .iter()
             .map(|s| {
-                let lapsed = if s.lapsed > 0 {
-                    format!("; {} lapsed", s.lapsed)
-                } else {
-                    String::new()
-                };
-                format!(
-                    "{}\t{} (generation {}); {}{lapsed}",
-                    s.scope,
-                    s.control,
-                    s.generation,
-                    figures(&s.harnesses)
-                )
+                [
+                    s.scope.clone(),
+                    s.control.clone(),
+                    s.generation.to_string(),
+                    s.lapsed.to_string(),
+                    figures(&s.harnesses),
+                ]
             })
-            .collect::<Vec<_>>()
-            .join("\n")
+            .collect();
+        crate::show::table(
+            [
+                "scope",
+                "control",
+                "generation",
+                "lapsed",
+                "held/limit per harness",
+            ],
+            &rows,
+        )
     })
 }

@@ -11,7 +11,8 @@ use clap::Args;
 use serde::Deserialize;
 
 use crate::args::{
-    cpus_to_millis, parse_cpus, parse_duration, parse_port_range, parse_size as parse_size_arg,
+    cpus_to_millis, parse_cpu_amount, parse_cpus, parse_duration, parse_port_range,
+    parse_size as parse_size_arg,
 };
 
 #[derive(Args, Debug, Default)]
@@ -31,8 +32,9 @@ pub struct ServeArgs {
     /// Memory total, e.g. 64GiB [default: the host's MemTotal].
     #[arg(long, env = "BERTH_MEMORY_TOTAL", value_parser = parse_size_arg)]
     pub memory_total: Option<u64>,
-    /// CPU total in millis, 4000 = four CPUs [default: the host's CPUs].
-    #[arg(long, env = "BERTH_CPU_TOTAL")]
+    /// CPU total, in CPUs (decimal: 4, 1.5) or millis (4000m) [default: the host's
+    /// CPUs].
+    #[arg(long, env = "BERTH_CPU_TOTAL", value_parser = parse_cpus)]
     pub cpu_total: Option<u64>,
     /// Disk total of the state dir's file system, e.g. 500GiB [default: its size].
     #[arg(long, env = "BERTH_DISK_TOTAL", value_parser = parse_size_arg)]
@@ -40,8 +42,8 @@ pub struct ServeArgs {
     /// Memory never granted [default: 12.5% of the total, from 1GiB to 4GiB].
     #[arg(long, env = "BERTH_MEMORY_RESERVE", value_parser = parse_size_arg)]
     pub memory_reserve: Option<u64>,
-    /// CPU never granted, in millis [default: 1000].
-    #[arg(long, env = "BERTH_CPU_RESERVE")]
+    /// CPU never granted, in CPUs or millis (500m) [default: 1].
+    #[arg(long, env = "BERTH_CPU_RESERVE", value_parser = parse_cpu_amount)]
     pub cpu_reserve: Option<u64>,
     /// Disk never granted [default: 10GiB].
     #[arg(long, env = "BERTH_DISK_RESERVE", value_parser = parse_size_arg)]
@@ -56,10 +58,10 @@ pub struct ServeArgs {
     /// A named counted resource, NAME=COUNT (repeatable), e.g. gpu=2.
     #[arg(long = "resource", value_name = "NAME=COUNT")]
     pub resources: Vec<String>,
-    /// Waiters scanned per admission pass after the head (A6) [default: 64].
+    /// Waiters scanned per admission pass after the head [default: 64].
     #[arg(long, env = "BERTH_WINDOW")]
     pub window: Option<usize>,
-    /// How long the queue's head may wait before capacity is held back for it (A7)
+    /// How long the queue's head may wait before capacity is held back for it
     /// [default: 30s].
     #[arg(long, env = "BERTH_STARVATION_GUARD", value_parser = parse_duration)]
     pub starvation_guard: Option<u64>,
@@ -94,25 +96,25 @@ pub struct ServeArgs {
     #[arg(long, env = "BERTH_RETAIN_ENDED_FOR", value_parser = parse_duration)]
     pub retain_ended_for: Option<u64>,
     /// Event streams (`GET /v1/events`) one token may hold open at once; more are
-    /// refused `429 too_many_streams` (S10) [default: 64].
+    /// refused `429 too_many_streams` [default: 64].
     #[arg(long, env = "BERTH_TOKEN_STREAMS_MAX", value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub token_streams_max: Option<u32>,
     /// Long polls (waiting acquires, `GET /v1/runs/{id}?wait_s`) one token may hold
-    /// open at once; more are refused `429 too_many_waits` (S10) [default: 256].
+    /// open at once; more are refused `429 too_many_waits` [default: 256].
     #[arg(long, env = "BERTH_TOKEN_WAITS_MAX", value_parser = clap::value_parser!(u32).range(1..=65_536))]
     pub token_waits_max: Option<u32>,
     /// An experiment scope nothing holds (no run, no token, no control state) is
-    /// forgotten after this long idle (S10) [default: 24h].
+    /// forgotten after this long idle [default: 24h].
     #[arg(long, env = "BERTH_SCOPE_IDLE", value_parser = parse_duration)]
     pub scope_idle: Option<u64>,
     /// An agent thread's workspace with no attach and no live registration for this
-    /// long is evicted (G0) [default: 30m].
+    /// long is evicted [default: 30m].
     #[arg(long, env = "BERTH_THREAD_IDLE_AFTER", value_parser = parse_duration)]
     pub thread_idle_after: Option<u64>,
     /// A thread's workspace is evicted this long after it was made, unless registered [default: 7d].
     #[arg(long, env = "BERTH_THREAD_TTL", value_parser = parse_duration)]
     pub thread_ttl: Option<u64>,
-    /// A registration stays live this long past its deadline (G1) [default: 60s].
+    /// A registration stays live this long past its deadline [default: 60s].
     #[arg(long, env = "BERTH_THREAD_GRACE", value_parser = parse_duration)]
     pub thread_grace: Option<u64>,
     /// Below this much free space on the state dir's file system, idle threads'
@@ -137,11 +139,11 @@ pub struct ServeArgs {
     /// berth's, in the state dir].
     #[arg(long, env = "BERTH_USER_WORKSPACES", value_name = "DIR")]
     pub user_workspaces: Option<PathBuf>,
-    /// The longest lease a run may ask for (L4) [default: 24h]. In fleet mode a silent
+    /// The longest lease a run may ask for [default: 24h]. In fleet mode a silent
     /// host is declared dead this long plus --fleet-margin after its last heartbeat.
     #[arg(long, env = "BERTH_TTL_MAX", value_parser = parse_duration)]
     pub ttl_max: Option<u64>,
-    /// Fleet mode (F1): the fleet store, postgres://USER@HOST/DB (or a libpq
+    /// Fleet mode: the fleet store, postgres://USER@HOST/DB (or a libpq
     /// key=value string), or sqlite:PATH for daemons of one machine sharing a file.
     /// The local ledger stays in the state dir.
     #[arg(long, env = "BERTH_STORE")]
@@ -169,10 +171,10 @@ struct FileConfig {
     listen: Option<SocketAddr>,
     slots_max: Option<u64>,
     memory_total: Option<String>,
-    cpu_total: Option<u64>,
+    cpu_total: Option<CpuValue>,
     disk_total: Option<String>,
     memory_reserve: Option<String>,
-    cpu_reserve: Option<u64>,
+    cpu_reserve: Option<CpuValue>,
     disk_reserve: Option<String>,
     resources: Option<BTreeMap<String, u64>>,
     window: Option<usize>,
@@ -203,6 +205,26 @@ struct FileConfig {
 /// on a model; the engine's own default (2 CPUs) let a 2- or 4-core host run one agent
 /// at a time.
 pub const DEFAULT_RUN_CPU_MILLIS: u64 = 500;
+
+/// A CPU figure in `berth.toml`: CPUs as a number (`cpu_total = 16`, `1.5`) or a
+/// string (`"16"`, `"16000m"`).
+#[derive(Clone, Deserialize)]
+#[serde(untagged)]
+enum CpuValue {
+    Number(f64),
+    Text(String),
+}
+
+fn cpu_key(key: &str, v: Option<CpuValue>) -> anyhow::Result<Option<u64>> {
+    let text = match v {
+        None => return Ok(None),
+        Some(CpuValue::Number(n)) => n.to_string(),
+        Some(CpuValue::Text(t)) => t,
+    };
+    parse_cpu_amount(&text)
+        .map(Some)
+        .map_err(|e| anyhow!("berth.toml {key}: {e}"))
+}
 
 fn size(key: &str, v: Option<String>) -> anyhow::Result<Option<u64>> {
     v.map(|s| parse_size(&s).map_err(|e| anyhow!("berth.toml {key}: {e}")))
@@ -459,7 +481,10 @@ fn engine_config(
     if disk_given {
         c.disk_total = disk;
     }
-    if let Some(v) = a.cpu_total.or(file.cpu_total) {
+    if let Some(v) = a
+        .cpu_total
+        .or(cpu_key("cpu_total", file.cpu_total.clone())?)
+    {
         c.cpu_total_millis = v;
         c.slots_max = (v / 2000).clamp(1, 8);
     }
@@ -472,7 +497,10 @@ fn engine_config(
     {
         c.memory_reserve = v;
     }
-    if let Some(v) = a.cpu_reserve.or(file.cpu_reserve) {
+    if let Some(v) = a
+        .cpu_reserve
+        .or(cpu_key("cpu_reserve", file.cpu_reserve.clone())?)
+    {
         c.cpu_reserve_millis = v;
     }
     if let Some(v) = a
@@ -541,6 +569,13 @@ fn named_and_defaults(
     Ok(())
 }
 
+/// Colour in the daemon's log only on a terminal, and never with `NO_COLOR` set to
+/// anything but the empty string (no-color.org): a log redirected to a file kept ANSI
+/// escapes (issue 33 item 7).
+fn log_colour(stderr_is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -548,6 +583,10 @@ pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
                 .unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(log_colour(
+            std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            std::env::var_os("NO_COLOR").as_deref(),
+        ))
         .init();
     let cfg = build_config(a)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -577,4 +616,16 @@ pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
     rt.shutdown_timeout(std::time::Duration::from_secs(1));
     served?;
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_log_is_coloured_only_on_a_terminal_without_no_color() {
+        use std::ffi::OsStr;
+        assert!(super::log_colour(true, None));
+        assert!(super::log_colour(true, Some(OsStr::new(""))));
+        assert!(!super::log_colour(true, Some(OsStr::new("1"))));
+        assert!(!super::log_colour(false, None));
+    }
 }

@@ -38,26 +38,30 @@ pub struct DrainArgs {
 /// How often `--wait` asks again.
 const DRAIN_POLL: Duration = Duration::from_millis(500);
 
-fn thread_line(t: &Thread) -> String {
-    let owner = t.owner.as_ref().map_or("no owner".to_string(), |o| {
-        format!(
-            "owner {} fence {} (run {})",
-            o.owner_gen, o.owner_fence, o.run_id
-        )
+/// One thread as a table row: key, owner, registration, workspace, last eviction.
+fn thread_row(t: &Thread) -> [String; 5] {
+    let owner = t.owner.as_ref().map_or("-".to_string(), |o| {
+        format!("{} fence {} (run {})", o.owner_gen, o.owner_fence, o.run_id)
     });
     let reg = match &t.registration {
-        Some(r) if r.live => format!("registered until {}", r.live_until),
-        Some(r) => format!("registration lapsed at {}", r.live_until),
-        None => "not registered".into(),
+        Some(r) if r.live => format!("until {}", r.live_until),
+        Some(r) => format!("lapsed {}", r.live_until),
+        None => "-".into(),
     };
-    let ws = t.workspace.as_deref().unwrap_or("no workspace");
     let last = t
         .evictions
         .last()
-        .map(|e| format!("; last evicted {} ({})", e.at, e.reason))
-        .unwrap_or_default();
-    format!("{}\t{owner}; {reg}; {ws}{last}", t.key)
+        .map_or("-".into(), |e| format!("{} ({})", e.at, e.reason));
+    [
+        t.key.clone(),
+        owner,
+        reg,
+        t.workspace.clone().unwrap_or_else(|| "-".into()),
+        last,
+    ]
 }
+
+const THREAD_HEADER: [&str; 5] = ["thread", "owner", "registered", "workspace", "last evicted"];
 
 pub fn threads_main(a: ThreadsArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a.conn)?;
@@ -70,15 +74,13 @@ pub fn threads_main(a: ThreadsArgs) -> anyhow::Result<u8> {
         Err(e) => return Ok(c.unreachable(&e)),
     };
     if a.key.is_some() {
-        return print_reply(&r, a.conn.json, thread_line);
+        return print_reply(&r, a.conn.json, |t: &Thread| {
+            crate::show::table(THREAD_HEADER, &[thread_row(t)])
+        });
     }
     print_reply(&r, a.conn.json, |l: &ThreadList| {
-        let lines: Vec<String> = l.threads.iter().map(thread_line).collect();
-        if lines.is_empty() {
-            "no threads".into()
-        } else {
-            lines.join("\n")
-        }
+        let rows: Vec<[String; 5]> = l.threads.iter().map(thread_row).collect();
+        crate::show::table(THREAD_HEADER, &rows)
     })
 }
 

@@ -637,7 +637,7 @@ fn the_config_file_sets_totals_and_bad_files_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(
         dir.path().join("berth.toml"),
-        "slots_max = 3\nmemory_total = \"6GiB\"\nmemory_reserve = \"1GiB\"\ncpu_total = 8000\n[resources]\ngpu = 2\n",
+        "slots_max = 3\nmemory_total = \"6GiB\"\nmemory_reserve = \"1GiB\"\ncpu_total = 8\n[resources]\ngpu = 2\n",
     )
     .unwrap();
     let d = Daemon::start_in(dir.path(), common::free_port(), &[]);

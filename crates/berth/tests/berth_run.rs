@@ -251,3 +251,75 @@ fn issue_33_the_lease_file_follows_every_renew() {
         "{file} is removed at the end"
     );
 }
+
+/// Item 7: `berth run --thread KEY` works in the thread (its workspace is the
+/// thread's), and CPUs are one unit everywhere: `--cpus 500m` is half a CPU, as
+/// `--cpu-total 4` is four.
+#[test]
+fn issue_33_berth_run_takes_a_thread_and_cpus_in_one_unit() {
+    let d = Daemon::start(&[
+        "--slots-max",
+        "2",
+        "--cpu-total",
+        "3000m",
+        "--cpu-reserve",
+        "0.5",
+    ]);
+    let status = d.get("/v1/status").body;
+    let cpu = status["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "cpu_millis")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        (cpu["total"].as_u64(), cpu["reserve"].as_u64()),
+        (Some(3000), Some(500)),
+        "{status}"
+    );
+    let out = d
+        .cli()
+        .args([
+            "run",
+            "--project",
+            "p",
+            "--run-id",
+            "threaded",
+            "--thread",
+            "conv-1",
+            "--cpus",
+            "500m",
+            "--",
+            "sh",
+            "-c",
+            "echo \"thread=$BERTH_THREAD ws=$BERTH_WORKSPACE\"",
+        ])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("thread=conv-1"), "{said}");
+    let t = d.get("/v1/threads/conv-1").body;
+    let ws = t["workspace"].as_str().unwrap_or("none");
+    assert!(
+        said.contains(&format!("ws={ws}")),
+        "the thread's workspace: {said} {t}"
+    );
+    let r = d.get("/v1/runs/threaded").body;
+    assert_eq!(r["claim"]["resources"]["cpu_millis"], 500, "{r}");
+    // A size's unit is what it says: 4GB is decimal, a bare 4G is refused.
+    let out = d
+        .cli()
+        .args(["run", "--memory", "4G", "--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("4GiB") && said.contains("4GB"), "{said}");
+}

@@ -14,7 +14,7 @@ use common::Daemon;
 use serde_json::{json, Value};
 
 /// Enough room that the budget, not the host, is what runs wait for.
-const ROOMY: &[&str] = &["--slots-max", "64", "--cpu-total", "64000"];
+const ROOMY: &[&str] = &["--slots-max", "64", "--cpu-total", "64"];
 
 fn policy() -> Value {
     json!({"claude": 2, "codex": 5, "gemini": 10})
@@ -662,10 +662,15 @@ fn the_cli_acquires_shows_and_controls_a_scope() {
     assert!(ok, "{text}");
     let (ok, text) = run(&["budget"]);
     assert!(ok, "{text}");
-    assert!(
-        text.contains("exp\topen (generation 0); claude 1/1, codex 0/2"),
-        "{text}"
-    );
+    // A table with a header (issue 33 item 7: tab-separated lines before).
+    assert!(text.starts_with("scope"), "{text}");
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("exp "))
+        .expect("exp's row");
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(&cells[..4], ["exp", "open", "0", "0"], "{text}");
+    assert!(row.ends_with("claude 1/1, codex 0/2"), "{text}");
     let (ok, text) = run(&["scope", "pause", "exp", "--request-id", "p1"]);
     assert!(
         ok && text.contains("scope exp: paused (generation 1)"),

@@ -54,7 +54,7 @@ fn spawn_probe(d: &Daemon, project: &str, dir: &Path, group: &str) -> std::proce
 
 #[test]
 fn concurrency_never_exceeds_slots_max() {
-    let d = Daemon::start(&["--slots-max", "3", "--cpu-total", "64000"]);
+    let d = Daemon::start(&["--slots-max", "3", "--cpu-total", "64"]);
     let dir = tempfile::tempdir().unwrap();
     let children: Vec<_> = (0..10)
         .map(|i| spawn_probe(&d, &format!("p{i}"), dir.path(), "all"))
@@ -74,7 +74,7 @@ fn concurrency_never_exceeds_slots_max() {
 
 #[test]
 fn serial_projects_serialize_while_different_projects_run_in_parallel() {
-    let d = Daemon::start(&["--slots-max", "8", "--cpu-total", "64000"]);
+    let d = Daemon::start(&["--slots-max", "8", "--cpu-total", "64"]);
     let dir = tempfile::tempdir().unwrap();
     let mut children = Vec::new();
     for i in 0..4 {
@@ -580,6 +580,56 @@ fn completions_and_the_man_page() {
         man.contains("serve") && man.contains("completions"),
         "{man}"
     );
+    // Issue 33 item 7: a page per subcommand, `berth man run`, and --install.
+    let out = Command::new(common::BERTH)
+        .args(["man", "run"])
+        .output()
+        .unwrap();
+    let page = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && page.contains(".TH berth-run 1"),
+        "{page}"
+    );
+    assert!(page.contains("lease"), "{page}");
+    let out = Command::new(common::BERTH)
+        .args(["man", "nope"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(common::BERTH)
+        .args(["man", "--install"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    // Every page the top page points at exists.
+    let named: Vec<String> = man
+        .lines()
+        .filter_map(|l| l.strip_suffix("(1)"))
+        .map(|n| n.replace("\\-", "-"))
+        .collect();
+    assert!(named.len() >= 15, "{named:?}");
+    for n in named
+        .iter()
+        .chain([&"berth".to_string(), &"berth-scope-show".to_string()])
+    {
+        assert!(
+            dir.path().join(format!("{n}.1")).is_file(),
+            "{n}.1 is missing"
+        );
+    }
+}
+
+/// Issue 33 item 7: the daemon's log has ANSI colour only on a terminal (a log
+/// redirected to a file kept the escapes), and `NO_COLOR` turns it off there too.
+#[test]
+fn the_daemons_log_has_no_colour_in_a_file() {
+    let d = Daemon::start(&[]);
+    d.post("/v1/reap", "{}");
+    let log = std::fs::read_to_string(&d.log).unwrap();
+    assert!(log.contains("berth_server"), "a tracing line: {log}");
+    assert!(!log.contains('\x1b'), "ANSI escapes in a log file: {log:?}");
 }
 
 /// The example configuration in contrib/ is one `berth serve` accepts, and it is in
@@ -786,4 +836,58 @@ fn issue_33_a_closed_pipe_ends_every_command_quietly() {
             "berth {args:?}: {said}"
         );
     }
+}
+
+/// Issue 33 item 7: `contrib/berth.service` agrees with the README's install steps
+/// (`cargo install` puts berth in ~/.cargo/bin, `berth man --install` the pages its
+/// `Documentation=` names) and `systemd-analyze verify` accepts it. (Before: it ran a
+/// path no README step made, and named a man page nothing installed.)
+#[test]
+fn the_systemd_unit_verifies_against_the_readme_install_steps() {
+    let have = |tool: &str| {
+        Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !have("systemd-analyze") || !have("man") {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "systemd-analyze and man are needed to verify contrib/berth.service"
+        );
+        eprintln!("skipped: systemd-analyze or man is not installed");
+        return;
+    }
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    assert!(readme.contains("cargo install --locked --path crates/berth"));
+    assert!(readme.contains("berth man --install ~/.local/share/man/man1"));
+    let unit = concat!(env!("CARGO_MANIFEST_DIR"), "/../../contrib/berth.service");
+    assert!(std::fs::read_to_string(unit)
+        .unwrap()
+        .contains("ExecStart=%h/.cargo/bin/berth serve"));
+    // The README's steps, into a home of its own.
+    let home = tempfile::tempdir().unwrap();
+    let bin = home.path().join(".cargo/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::copy(common::BERTH, bin.join("berth")).unwrap();
+    let man = home.path().join(".local/share/man");
+    let out = Command::new(common::BERTH)
+        .args(["man", "--install"])
+        .arg(man.join("man1"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let out = Command::new("systemd-analyze")
+        .args(["verify", unit])
+        .env("HOME", home.path())
+        .env("MANPATH", &man)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "systemd-analyze verify: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -19,7 +19,7 @@ use berth_store::fleet::{FleetStore, PgFleet};
 use common::Daemon;
 use serde_json::{json, Value};
 
-const ROOMY: &[&str] = &["--slots-max", "64", "--cpu-total", "64000"];
+const ROOMY: &[&str] = &["--slots-max", "64", "--cpu-total", "64"];
 
 fn database() -> String {
     berth_store::fleet::testing::pg_fresh_database("fleet").unwrap_or_else(|e| panic!("{e}"))
@@ -457,6 +457,31 @@ fn a_host_that_cannot_heartbeat_stops_its_fleet_wide_runs_before_the_lapse() {
     assert_eq!(r.code(), "expired", "e holds the key now: {:?}", r.body);
 }
 
+/// Issue 33 item 8: a run waiting for a fleet key another host holds names the key
+/// and its holder (run and host), as a single-host wait does. (Before: only "waiting
+/// for its fleet-wide claim (run id, fence, budget token, fleet keys)".)
+#[test]
+fn issue_33_a_fleet_wait_names_the_key_and_its_holder() {
+    let db = database();
+    let d = host(&db, "d", "1h", "2s");
+    let e = host(&db, "e", "1h", "2s");
+    assert!(acquire(&d, "holder", json!({"singletons": ["fleet:db"]})).status < 300);
+    granted(&d, "holder");
+    let r = acquire(
+        &e,
+        "waiter",
+        json!({"singletons": ["fleet:db"], "wait_s": 60}),
+    );
+    assert!(r.status < 300, "{:?}", r.body);
+    e.wait_until("the waiter's reason names the holder", |e| {
+        let v = e.get("/v1/runs/waiter").body;
+        let m = v["reason"]["message"].as_str().unwrap_or("").to_string();
+        m.contains("fleet:db") && m.contains("holder") && m.contains("host d")
+    });
+    let v = e.get("/v1/runs/waiter").body;
+    assert_eq!(v["reason"]["code"], "fleet.claim", "{v}");
+}
+
 /// Issue 33 item 9: when a fleet host fences itself (F2), the `berth run` whose
 /// fleet-wide run it stopped exits 75 with one line saying why, not CMD's bare 143.
 #[test]
@@ -521,7 +546,8 @@ fn berth_fleet_lists_the_live_hosts() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
     assert!(text.contains("2 live host(s)"), "{text}");
-    assert!(text.contains("fa\t") && text.contains("fb\t"), "{text}");
+    assert!(text.contains("\nhost "), "a header: {text}");
+    assert!(text.contains("\nfa ") && text.contains("\nfb "), "{text}");
     let out = a.cli().args(["fleet", "--json"]).output().unwrap();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["totals"]["slots"]["total"], 128, "{v}");

@@ -45,10 +45,10 @@ const CASES_DEFAULT: u32 = 2_000;
 const SERVE_TOML: &str = r#"listen = "127.0.0.1:7420"
 slots_max = 3
 memory_total = "6GiB"
-cpu_total = 8000
+cpu_total = 8
 disk_total = "100GiB"
 memory_reserve = "1GiB"
-cpu_reserve = 1000
+cpu_reserve = 1
 disk_reserve = "10GiB"
 window = 64
 starvation_guard = "30s"

@@ -66,6 +66,9 @@ pub(super) struct FleetState {
     waiting: BTreeMap<String, VecDeque<String>>,
     /// Runs stopped by the host's own fence (F2): their claims end as lapsed.
     fenced: BTreeSet<String>,
+    /// What a waiter's last refused claim said (the key and its holder), shown as its
+    /// reason while it waits for its claim; one per waiting run, gone with its wait.
+    pub(super) why: BTreeMap<String, String>,
     /// Endings to hand to the fleet thread after the commit that ended the run.
     pending: Vec<Job>,
     /// `wait_s = 0` acquires whose claim was sent, by run id.
@@ -268,6 +271,7 @@ impl<H: Host> Daemon<H> {
             return self.preclaimed(p, gen, result);
         }
         let sent = self.fleet.asking.remove(&run_id).unwrap_or_default();
+        self.fleet.why.remove(&run_id);
         let queued = self
             .engine
             .fleet_needs(&run_id)
@@ -299,7 +303,21 @@ impl<H: Host> Daemon<H> {
                 let ch = ch.map_or(RETRY.into(), |(s, h, _)| token_channel(&s, &h));
                 self.park_or_retry(ch, run_id, &sent);
             }
-            Ok(ClaimOutcome::KeyHeld { key, .. }) => {
+            Ok(ClaimOutcome::KeyHeld {
+                key,
+                run_id: holder,
+                host_id,
+            }) => {
+                // A8/A11: the waiter's reason names the key and who holds it, as a
+                // single-host wait does (issue 33 item 8).
+                let on = if host_id.is_empty() {
+                    String::new()
+                } else {
+                    format!(" on host {host_id}")
+                };
+                let why = format!("waiting for fleet key {key}, held by run {holder}{on}");
+                self.fleet.why.insert(run_id.clone(), why);
+                touched.insert(run_id.clone());
                 self.park_or_retry(key_channel(&key), run_id, &sent)
             }
             Ok(ClaimOutcome::HostDead) | Err(FleetError::Unavailable(_)) => {
@@ -379,6 +397,7 @@ impl<H: Host> Daemon<H> {
 
     /// A run ended: its fleet-wide claim ends with it (after this step's commit).
     pub(super) fn on_fleet_ended(&mut self, run_id: &str, state: RunState) {
+        self.fleet.why.remove(run_id);
         if !self.fleet.held.contains_key(run_id) {
             return;
         }

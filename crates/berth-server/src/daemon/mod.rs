@@ -528,7 +528,13 @@ impl<H: Host> Daemon<H> {
     }
 
     fn info(&self, run_id: &str) -> Option<RunInfo> {
-        let view = self.engine.view_of(run_id)?;
+        let mut view = self.engine.view_of(run_id)?;
+        // F1: a waiter for its fleet-wide claim says what refused it last.
+        if let (Some(r), Some(why)) = (view.reason.as_mut(), self.fleet.why.get(run_id)) {
+            if r.code == "fleet.claim" {
+                r.message = why.clone();
+            }
+        }
         let extra = self.extras.get(run_id).map(|e| &**e);
         let expires_at = view.expires_at_ms.map(|t| self.host.show_time(t));
         let ws = extra

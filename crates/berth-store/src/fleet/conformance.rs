@@ -163,7 +163,8 @@ fn a_refused_claim_writes_nothing(open: Open) {
             .unwrap(),
         ClaimOutcome::KeyHeld {
             key: "db".into(),
-            run_id: "r1".into()
+            run_id: "r1".into(),
+            host_id: "a".into()
         }
     );
     // Neither the run id, the token nor the first key was kept.
@@ -357,7 +358,8 @@ fn a_refence_moves_the_fence_only(open: Open) {
         s.claim(&claim("r3", "a", a, None, &["db"])).unwrap(),
         ClaimOutcome::KeyHeld {
             key: "db".into(),
-            run_id: "r1".into()
+            run_id: "r1".into(),
+            host_id: "a".into()
         }
     );
     // Not this generation's, or not held: nothing moves.

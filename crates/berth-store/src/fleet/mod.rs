@@ -87,8 +87,13 @@ pub enum ClaimOutcome {
     /// The run id still owns a lapsed token in the scope (an earlier run under the same
     /// id expired holding it): an operator must reconcile it first (B3).
     TokenLapsed,
-    /// A fleet-wide key is held by another run.
-    KeyHeld { key: String, run_id: String },
+    /// A fleet-wide key is held by another run, on the host `host_id` (empty when the
+    /// store did not say).
+    KeyHeld {
+        key: String,
+        run_id: String,
+        host_id: String,
+    },
     /// This host generation was declared dead: it must re-register first (F2).
     HostDead,
 }
@@ -262,10 +267,13 @@ pub(crate) fn outcome(word: &str, fence: u64, detail: &str) -> Result<ClaimOutco
         },
         "token_lapsed" => ClaimOutcome::TokenLapsed,
         "key_held" => {
-            let (k, r) = detail.split_once('\t').unwrap_or((detail, ""));
+            // `key TAB run TAB host` (the host since the second schema).
+            let mut parts = detail.splitn(3, '\t');
+            let mut next = || parts.next().unwrap_or("").to_owned();
             ClaimOutcome::KeyHeld {
-                key: k.to_owned(),
-                run_id: r.to_owned(),
+                key: next(),
+                run_id: next(),
+                host_id: next(),
             }
         }
         "host_dead" => ClaimOutcome::HostDead,

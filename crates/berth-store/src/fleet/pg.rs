@@ -15,7 +15,7 @@ use super::{
 
 /// Migrations by version, applied in order under an advisory lock so that several
 /// daemons starting at once migrate exactly once (the version is the count applied).
-const MIGRATIONS: &[&str] = &[include_str!("pg_v1.sql")];
+const MIGRATIONS: &[&str] = &[include_str!("pg_v1.sql"), include_str!("pg_v2.sql")];
 /// The advisory lock id of the migration ("berth" in ASCII, as a number).
 const MIGRATION_LOCK: i64 = 0x0062_6572_7468;
 

@@ -129,9 +129,12 @@ fn take(tx: &Tx, c: &Claim, keys: &[String]) -> rusqlite::Result<Result<u64, (St
             params![k, c.run_id, c.host_id, c.gen],
         )?;
         if n == 0 {
-            let holder: String =
-                tx.query_row("SELECT run_id FROM keys WHERE key = ?1", [k], |r| r.get(0))?;
-            return Ok(Err(("key_held".into(), format!("{k}\t{holder}"))));
+            let (holder, host): (String, String) = tx.query_row(
+                "SELECT run_id, host_id FROM keys WHERE key = ?1",
+                [k],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )?;
+            return Ok(Err(("key_held".into(), format!("{k}\t{holder}\t{host}"))));
         }
     }
     Ok(Ok(u64::try_from(fence).unwrap_or(0)))

@@ -251,7 +251,7 @@ impl Daemon {
         let defaults = [
             ("--memory-total", "8GiB"),
             ("--memory-reserve", "1GiB"),
-            ("--cpu-total", "4000"),
+            ("--cpu-total", "4"),
             ("--disk-total", "100GiB"),
             ("--disk-reserve", "0"),
             // Threads' disk-pressure sweep off: no test may depend on how full the
