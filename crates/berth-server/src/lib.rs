@@ -223,15 +223,7 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     if let Some(dir) = &cfg.user_workspaces {
-        let closed = workspace::ensure_users_dir(dir).map_err(|e| anyhow::anyhow!("{e}"))?;
-        for p in closed {
-            tracing::warn!(
-                "other users cannot reach their workspaces under {}: {} is not traversable by them (chmod o+x it, or set --user-workspaces elsewhere)",
-                dir.display(),
-                p.display()
-            );
-        }
-        host.set_users_dir(dir.clone());
+        users_dir(dir, &mut host)?;
     }
     let how = daemon::Restore {
         cfg: cfg.engine.clone(),
@@ -456,6 +448,21 @@ fn known_tokens(
         tokens.push((hash, grant));
     }
     Ok((tokens, Some(token)))
+}
+
+/// S9: the directory other users' workspaces go under, checked (or made) and handed
+/// to the host; an ancestor they cannot traverse is said at start.
+fn users_dir(dir: &std::path::Path, host: &mut daemon::RealHost) -> anyhow::Result<()> {
+    let closed = workspace::ensure_users_dir(dir).map_err(|e| anyhow::anyhow!("{e}"))?;
+    for p in closed {
+        tracing::warn!(
+            "other users cannot reach their workspaces under {}: {} is not traversable by them (chmod o+x it, or set --user-workspaces elsewhere)",
+            dir.display(),
+            p.display()
+        );
+    }
+    host.set_users_dir(dir.to_path_buf());
+    Ok(())
 }
 
 fn supervision(cfg: &ServeConfig) -> daemon::Supervision {

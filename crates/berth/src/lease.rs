@@ -41,6 +41,10 @@ pub const REQUEST_TIMEOUT_MAX: Duration = Duration::from_secs(10);
 /// After a failed renew (a daemon restarting), the next try comes this soon.
 pub const RENEW_RETRY: Duration = Duration::from_millis(250);
 
+/// The ttl assumed for a grant that says neither its ttl nor its expiry (the
+/// daemon's default ttl).
+const TTL_UNKNOWN_MS: u64 = 300_000;
+
 /// A lease as `berth run` knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Lease {
@@ -66,12 +70,14 @@ impl Lease {
     /// then, to read the grant's `expires_at`). Without a readable expiry, one ttl
     /// from now (the daemon's expiry is at least that).
     pub fn from_grant(run: &Run, now: Instant, wall_now_ms: i64) -> Lease {
-        let ttl = Duration::from_millis(run.ttl_ms.unwrap_or(0).max(1_000));
         let left_ms = run
             .expires_at
             .as_deref()
             .and_then(crate::show::parse_utc_ms)
             .map(|e| e.saturating_sub(wall_now_ms).max(0) as u64);
+        // A daemon that does not say its ttl: what is left of this lease stands for it.
+        let ttl_ms = run.ttl_ms.or(left_ms).unwrap_or(TTL_UNKNOWN_MS);
+        let ttl = Duration::from_millis(ttl_ms.max(1_000));
         let left = left_ms.map_or(ttl, |ms| Duration::from_millis(ms).min(ttl));
         Lease {
             ttl,

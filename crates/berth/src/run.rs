@@ -1065,7 +1065,7 @@ async fn register(held: &Held, pid: i32) -> Result<(), (u8, String)> {
         let Some(budget) = lease.budget(Instant::now()) else {
             return Err((
                 EXIT_TIMEOUT,
-                format!("the lease could not be kept until it was: {last}"),
+                format!("the lease ran out before CMD could be registered: {last}"),
             ));
         };
         let (c, id, fence) = (held.client.clone(), held.run_id.clone(), held.fence);

@@ -797,6 +797,8 @@ fn issue_33_a_closed_pipe_ends_every_command_quietly() {
         vec!["budget"],
         vec!["scope", "show", "none"],
         vec!["fleet"],
+        vec!["token", "list"],
+        vec!["man", "run"],
         vec!["completions", "bash"],
         vec!["man"],
         vec!["--help"],

@@ -315,7 +315,8 @@ impl<H: Host> Daemon<H> {
                 } else {
                     format!(" on host {host_id}")
                 };
-                let why = format!("waiting for fleet key {key}, held by run {holder}{on}");
+                // As the run named it (`--singleton fleet:KEY`).
+                let why = format!("waiting for fleet:{key}, held by run {holder}{on}");
                 self.fleet.why.insert(run_id.clone(), why);
                 touched.insert(run_id.clone());
                 self.park_or_retry(key_channel(&key), run_id, &sent)

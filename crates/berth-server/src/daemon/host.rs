@@ -46,13 +46,8 @@ pub struct ListenWatch {
 /// answer it gets back is a value it can be handed again in a simulation.
 pub trait Host {
     /// W1: a fresh private workspace for a run that was just granted.
-    /// W1/S9: `owner` is the uid of the uid-bound token that made the run (or the
-    /// thread): where berth can, the workspace is that user's.
-    fn create_workspace(
-        &mut self,
-        run_id: &str,
-        owner: Option<u32>,
-    ) -> Result<WorkspaceIdentity, String>;
+    /// W1/S9: `owner`, the uid of the uid-bound token that made it, owns it if it can.
+    fn create_workspace(&mut self, run_id: &str, owner: Option<u32>) -> Made;
     /// W1/L5: removes a stopping run's workspace after its identity check.
     fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String>;
     /// Bytes free (to an unprivileged writer) on the file system of the workspaces, if
@@ -63,8 +58,7 @@ pub trait Host {
     /// Where stop orders go; the stopper behind it reports back with `Msg::Stopped`.
     fn stop_sink(&mut self) -> StopSink;
     /// S3: may `pid` be registered to a run by a caller acting as `uid`? Its identity.
-    fn check_process(&self, uid: u32, pid: i32, others: &[OtherRun<'_>])
-        -> Result<ProcId, Refusal>;
+    fn check_process(&self, uid: u32, pid: i32, others: &[OtherRun<'_>]) -> Checked;
     /// W3: is something outside berth using this port (a bind test fails)?
     fn port_in_use(&self, port: u16) -> bool;
     /// Moves a registered process into the run's cgroup, where the host has them.
@@ -164,14 +158,11 @@ impl RealHost {
 }
 
 impl Host for RealHost {
-    fn create_workspace(
-        &mut self,
-        run_id: &str,
-        owner: Option<u32>,
-    ) -> Result<WorkspaceIdentity, String> {
+    fn create_workspace(&mut self, run_id: &str, owner: Option<u32>) -> Made {
+        // Only root can give a directory away; otherwise the workspace is berth's.
         let me = rustix::process::geteuid().as_raw();
         match (&self.users_dir, owner) {
-            (Some(dir), Some(uid)) if uid != me => {
+            (Some(dir), Some(uid)) if uid != me && me == 0 => {
                 workspace::create_owned(dir, uid, primary_gid(uid), run_id)
             }
             _ => self.workspaces.create(run_id),
@@ -354,6 +345,12 @@ fn spawn_stopper(
         .expect("spawn stopper thread");
     tx
 }
+
+/// A workspace made, or why not.
+pub type Made = Result<WorkspaceIdentity, String>;
+
+/// A process the registration rule allows (its identity), or why not.
+pub type Checked = Result<ProcId, Refusal>;
 
 /// The primary group of `uid` in the password database (through NSS), if it has one.
 pub fn primary_gid(uid: u32) -> Option<u32> {

@@ -59,11 +59,7 @@ const FAILURE_STEPS_MAX: u64 = 25;
 struct SimHost(Arc<Mutex<Machine>>);
 
 impl Host for SimHost {
-    fn create_workspace(
-        &mut self,
-        run_id: &str,
-        _owner: Option<u32>,
-    ) -> Result<WorkspaceIdentity, String> {
+    fn create_workspace(&mut self, run_id: &str, _owner: Option<u32>) -> super::host::Made {
         let mut m = self.0.lock().unwrap();
         if m.fail_create {
             return Err("sim: no space left on device".into());
