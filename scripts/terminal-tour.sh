@@ -44,13 +44,13 @@ say "python3 -c 'import os; fds=[os.dup(2) for _ in range(10)]; [os.set_inherita
 wait_for "fds-done"
 
 step "item 2: kill -9 the daemon under a run and restart it: the run keeps its lease"
-say "berth run --project restart --run-id survivor --cpus 0.1 --ttl 6s -- sh -c 'sleep 8; echo cmd-finished' & sleep 1"
+say "berth run --project restart --run-id survivor --cpus 0.1 --ttl 6s -- sh -c 'sleep 8; echo cmd-finished' & R=\$!; sleep 1"
 say "pkill -9 -f 'berth serve'; sleep 2; berth serve --listen 127.0.0.1:$port --slots-max 4 --memory-total 8GiB --cpu-total 4 --stop-grace 30s --user-workspaces $work/users >>$work/daemon.log 2>&1 &"
-say "wait %1; echo rc=\$? restart\"\"-done"
+say "wait \$R; echo rc=\$? restart\"\"-done"
 wait_for "restart-done"
 say "berth runs --all | grep survivor"
 
-step "item 3: Ctrl-Z past the ttl, fg during the broker's stop grace: 75 and why"
+step "item 3: Ctrl-Z past the ttl, fg during the broker stop grace: 75 and why"
 say "berth run --project lost --run-id lost --cpus 0.1 --ttl 2s -- sh -c 'while :; do echo tick; sleep 0.5; done'"
 wait_for tick -x
 tmux send-keys -t "$sess" C-z
@@ -66,7 +66,7 @@ say "berth run --project late --singleton db --cpus 0.1 --wait 2s -- true; echo 
 wait_for "late-done"
 
 if [ "$(id -u)" = 0 ]; then
-  step "item 4: a token for nobody, and nobody's run in a workspace of its own"
+  step "item 4: a token for nobody, and a run of nobody in a workspace of its own"
   say "T=\$(berth token create --scope operator --uid 65534 --expires 1h 2>/dev/null); berth token list"
   say "su nobody -s /bin/sh -c \"BERTH_URL=\$BERTH_URL BERTH_TOKEN=\$T $work/berth run --project nobodys --cpus 0.1 -- sh -c 'cd \\\$BERTH_WORKSPACE && ls -ld . && mktemp'\"; echo rc=\$? nobody\"\"-done"
   wait_for "nobody-done"

@@ -99,14 +99,12 @@ fn drain_text(d: &Drain) -> String {
         Some(r) => format!("draining since {} by {}: {}", r.at, r.by, r.reason),
         None => "not draining".into(),
     };
-    if d.waiting_for.is_empty() {
-        format!("{head}; nothing in flight")
-    } else {
-        format!(
-            "{head}; waiting for {}:\n{}",
-            d.waiting_for.len(),
-            busy_lines(&d.waiting_for)
-        )
+    let n = d.waiting_for.len();
+    match (n, d.drain.is_some()) {
+        (0, _) => format!("{head}; nothing in flight"),
+        (n, true) => format!("{head}; waiting for {n}:\n{}", busy_lines(&d.waiting_for)),
+        // Without a drain nothing waits for them: they are only in flight.
+        (n, false) => format!("{head}; {n} in flight:\n{}", busy_lines(&d.waiting_for)),
     }
 }
 
