@@ -24,6 +24,16 @@ if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ]; then
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null; } ||
     echo "could not install ${missing[*]}: the node tests will say so" >&2
 fi
+# The OpenAPI document is checked by a real validator (openapi-spec-validator, pinned
+# in scripts/openapi-validator.txt), installed from PyPI into target/ (no venv needed,
+# nothing system-wide).
+validator=$PWD/target/openapi-validator
+if [ ! -d "$validator/openapi_spec_validator" ]; then
+  python3 -m pip install --quiet --disable-pip-version-check --target "$validator" \
+    -r scripts/openapi-validator.txt ||
+    echo "could not install openapi-spec-validator: the OpenAPI validation test will say so" >&2
+fi
+export BERTH_OPENAPI_VALIDATOR=$validator
 # Fleet mode's tests need a real PostgreSQL server: pg_virtualenv (Debian's
 # postgresql-common) makes a throwaway cluster, runs the command with PGHOST, PGPORT,
 # PGUSER and PGPASSWORD set, and drops the cluster after. A server the caller already

@@ -80,6 +80,8 @@ export type Fleet = Schemas["Fleet"];
 export type FleetHost = Schemas["FleetHost"];
 export type FleetResource = Schemas["FleetResource"];
 export type TokenCreated = Schemas["TokenCreated"];
+export type TokenInfo = Schemas["TokenInfo"];
+export type TokenList = Schemas["TokenList"];
 
 // ---- runtime (C7) ------------------------------------------------------------------
 

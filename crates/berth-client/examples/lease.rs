@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! berth serve &                      # in another terminal
-//! BERTH_URL=http://127.0.0.1:7878 BERTH_TOKEN=$(cat ~/.local/state/berth/admin.token) \
+//! BERTH_URL=http://127.0.0.1:7420 BERTH_TOKEN=$(cat ~/.local/state/berth/admin.token) \
 //!     cargo run -p berth-client --example lease -- my-project
 //! ```
 
@@ -11,7 +11,7 @@ use berth_client::Client;
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let url = std::env::var("BERTH_URL").unwrap_or_else(|_| "http://127.0.0.1:7878".into());
+    let url = std::env::var("BERTH_URL").unwrap_or_else(|_| "http://127.0.0.1:7420".into());
     let project = std::env::args().nth(1).unwrap_or_else(|| "example".into());
     let berth = Client::new(&url, std::env::var("BERTH_TOKEN").ok())?;
     let lease = berth

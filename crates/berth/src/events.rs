@@ -9,8 +9,6 @@ use serde_json::Value;
 
 use crate::client::{error_text, Client, ConnArgs};
 
-/// Entries shown without `--after` (and without a filter).
-const RECENT: u64 = 20;
 /// Pause before reconnecting a stream that dropped.
 const RECONNECT: Duration = Duration::from_secs(1);
 
@@ -31,10 +29,12 @@ pub struct EventsArgs {
     /// Only these kinds, comma-separated (e.g. granted,expired).
     #[arg(long, value_name = "KINDS")]
     pub kind: Option<String>,
-    /// Start after this sequence number [default: the last 20 entries; with --run, the
-    /// run's whole history].
+    /// Start after this sequence number [default: the whole journal, paged].
     #[arg(long, value_name = "SEQ")]
     pub after: Option<u64>,
+    /// Only the last N entries the other filters admit (of the whole journal).
+    #[arg(long, value_name = "N")]
+    pub last: Option<usize>,
 }
 
 impl EventsArgs {
@@ -124,12 +124,10 @@ pub fn events_main(a: EventsArgs) -> anyhow::Result<u8> {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    let mut after = a.after.unwrap_or(if a.run.is_some() {
-        0
-    } else {
-        last.saturating_sub(RECENT)
-    });
-    // What is written so far, page by page.
+    // The whole journal so far (issue 34: the last 20 were shown, and --kind filtered
+    // only those), page by page; with --last, only the last N it admits.
+    let mut after = a.after.unwrap_or(0);
+    let mut kept = std::collections::VecDeque::new();
     while after < last {
         let page = match c.get_stream(&format!("/v1/journal?after={after}"), &[]) {
             Ok(r) if r.status < 300 => r,
@@ -142,12 +140,27 @@ pub fn events_main(a: EventsArgs) -> anyhow::Result<u8> {
                 continue;
             };
             after = e.seq;
-            if a.admits(&e) && !print(&e, &raw, a.conn.json) {
-                return Ok(0);
+            if !a.admits(&e) {
+                continue;
+            }
+            match a.last {
+                Some(n) => {
+                    kept.push_back((e, raw));
+                    if kept.len() > n {
+                        kept.pop_front();
+                    }
+                }
+                None if !print(&e, &raw, a.conn.json) => return Ok(0),
+                None => {}
             }
         }
         if after == before {
             break;
+        }
+    }
+    for (e, raw) in kept {
+        if !print(&e, &raw, a.conn.json) {
+            return Ok(0);
         }
     }
     if a.follow {

@@ -207,6 +207,30 @@ mod tests {
         assert!(missing.is_empty(), "without help: {missing:#?}");
     }
 
+    /// Issue 34: the README's configuration table lists every flag of `berth serve`
+    /// (it left out the fleet, thread and ledger flags).
+    #[test]
+    fn the_readme_configuration_table_lists_every_serve_flag() {
+        let readme = include_str!("../../../README.md");
+        let at = readme
+            .find("| flag | `berth.toml` key | default |")
+            .expect("the configuration table");
+        let table = &readme[at..at + readme[at..].find("\n\n").unwrap_or(0)];
+        let cli = Cli::command();
+        let serve = cli.find_subcommand("serve").expect("serve");
+        let missing: Vec<String> = serve
+            .get_arguments()
+            .filter(|a| !a.is_hide_set())
+            .filter_map(|a| a.get_long())
+            .filter(|l| *l != "help" && !table.contains(&format!("`--{l}")))
+            .map(|l| format!("--{l}"))
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "not in README's configuration table: {missing:?}"
+        );
+    }
+
     /// The specification's rule ids (`G0-G3`, `B1/B2`, `F4`) mean nothing to a user:
     /// no help text carries one (issue 33 item 7).
     #[test]

@@ -534,6 +534,40 @@ fn metrics_parse_and_agree_with_the_journal_and_the_status() {
     assert_eq!(anon.status, 401);
 }
 
+/// Issue 34: `berth events` is the whole journal, paged, as the README says (it was the
+/// last 20 entries, and `--kind` filtered only those); `--last N` keeps the last N the
+/// filters admit.
+#[test]
+fn berth_events_reads_the_whole_journal_and_kind_filters_all_of_it() {
+    let d = Daemon::start(&["--slots-max", "2"]);
+    for i in 0..12 {
+        let id = format!("many{i}");
+        let f = acquire(&d, &id);
+        release(&d, &id, f);
+    }
+    let kinds = |args: &[&str]| -> Vec<String> {
+        let out = d.cli().args(args).output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|l| l.split_whitespace().nth(2).unwrap().to_string())
+            .collect()
+    };
+    let all = kinds(&["events"]);
+    assert!(
+        all.len() >= 48,
+        "every entry, not the last 20: {}",
+        all.len()
+    );
+    let granted = kinds(&["events", "--kind", "granted"]);
+    assert_eq!(granted.len(), 12, "{granted:?}");
+    assert_eq!(
+        kinds(&["events", "--kind", "granted", "--last", "3"]).len(),
+        3
+    );
+}
+
 /// `berth events` prints a run's history; `--follow` prints new events as they come.
 #[test]
 fn berth_events_prints_history_and_follows() {
