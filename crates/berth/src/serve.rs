@@ -139,6 +139,10 @@ pub struct ServeArgs {
     /// berth's, in the state dir].
     #[arg(long, env = "BERTH_USER_WORKSPACES", value_name = "DIR")]
     pub user_workspaces: Option<PathBuf>,
+    /// Print the configuration in force (flags, variables, berth.toml and defaults, as
+    /// berth.toml keys) and exit without starting.
+    #[arg(long)]
+    pub print_config: bool,
     /// The longest lease a run may ask for [default: 24h]. In fleet mode a silent
     /// host is declared dead this long plus --fleet-margin after its last heartbeat.
     #[arg(long, env = "BERTH_TTL_MAX", value_parser = parse_duration)]
@@ -569,6 +573,101 @@ fn named_and_defaults(
     Ok(())
 }
 
+/// A size as berth.toml writes it: the largest binary unit that divides it exactly.
+fn show_size(bytes: u64) -> String {
+    for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+        if bytes != 0 && bytes % (1u64 << shift) == 0 {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    format!("{bytes}B")
+}
+
+/// A duration as berth.toml writes it: the largest unit that divides it exactly.
+fn show_ms(ms: u64) -> String {
+    for (unit, per) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+    ] {
+        if ms != 0 && ms % per == 0 {
+            return format!("{}{unit}", ms / per);
+        }
+    }
+    format!("{ms}ms")
+}
+
+/// `--print-config`: every berth.toml key with the value in force, in the file's own
+/// syntax (issue 34: `contrib/berth.toml` is tested against this to show the real
+/// defaults).
+fn config_toml(c: &berth_server::ServeConfig) -> String {
+    let e = &c.engine;
+    let q = |s: String| format!("{s:?}");
+    let mut lines = vec![
+        format!("listen = {}", q(c.listen.to_string())),
+        format!("slots_max = {}", e.slots_max),
+        format!("memory_total = {}", q(show_size(e.memory_total))),
+        format!("cpu_total = {}", q(format!("{}m", e.cpu_total_millis))),
+        format!("disk_total = {}", q(show_size(e.disk_total))),
+        format!("memory_reserve = {}", q(show_size(e.memory_reserve))),
+        format!("cpu_reserve = {}", q(format!("{}m", e.cpu_reserve_millis))),
+        format!("disk_reserve = {}", q(show_size(e.disk_reserve))),
+        format!(
+            "default_cpus = {}",
+            e.default_request.cpu_millis as f64 / 1000.0
+        ),
+        format!(
+            "default_memory = {}",
+            q(show_size(e.default_request.memory))
+        ),
+        format!("window = {}", e.window),
+        format!("starvation_guard = {}", q(show_ms(e.starvation_guard_ms))),
+        format!("reconnect_window = {}", q(show_ms(c.reconnect_window_ms))),
+        format!("stop_grace = {}", q(show_ms(c.stop_grace_ms))),
+        format!("insecure_no_auth = {}", c.insecure_no_auth),
+        format!("no_memory_sampling = {}", !c.sample_memory),
+        format!("no_cgroups = {}", !c.cgroups),
+        format!(
+            "diagnostics_run_bytes = {}",
+            q(show_size(c.diagnostics_run_bytes_max))
+        ),
+        format!(
+            "diagnostics_total_bytes = {}",
+            q(show_size(c.diagnostics_total_bytes_max))
+        ),
+        format!("retain_ended = {}", e.ended_retained_max),
+        format!("retain_ended_for = {}", q(show_ms(c.retain_ended_for_ms))),
+        format!("token_streams_max = {}", c.token_streams_max),
+        format!("token_waits_max = {}", c.token_waits_max),
+        format!("scope_idle = {}", q(show_ms(e.scope_idle_ms))),
+        format!(
+            "thread_idle_after = {}",
+            q(show_ms(c.threads.idle_after_ms))
+        ),
+        format!("thread_ttl = {}", q(show_ms(c.threads.ttl_ms))),
+        format!("thread_grace = {}", q(show_ms(c.threads.grace_ms))),
+        format!(
+            "thread_disk_free_min = {}",
+            q(show_size(c.threads.disk_free_min))
+        ),
+        format!(
+            "port_range = {}",
+            q(format!("{}-{}", c.port_range.0, c.port_range.1))
+        ),
+    ];
+    if let Some(d) = &c.user_workspaces {
+        lines.push(format!("user_workspaces = {}", q(d.display().to_string())));
+    }
+    lines.push("[resources]".into());
+    for (name, n) in &e.named {
+        if name != berth_server::PORTS_RESOURCE {
+            lines.push(format!("{name} = {n}"));
+        }
+    }
+    lines.join("\n") + "\n"
+}
+
 /// Colour in the daemon's log only on a terminal, and never with `NO_COLOR` set to
 /// anything but the empty string (no-color.org): a log redirected to a file kept ANSI
 /// escapes (issue 33 item 7).
@@ -588,7 +687,12 @@ pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
             std::env::var_os("NO_COLOR").as_deref(),
         ))
         .init();
+    let print = a.print_config;
     let cfg = build_config(a)?;
+    if print {
+        print!("{}", config_toml(&cfg));
+        return Ok(0);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;

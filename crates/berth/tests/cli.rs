@@ -639,7 +639,10 @@ fn the_example_berth_toml_is_accepted() {
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../contrib/berth.toml");
     let d = Daemon::start(&["--config", example]);
     let s = d.get("/v1/status").body;
-    assert_eq!(s["slots_max"], 4, "{s}");
+    assert_eq!(
+        s["slots_max"], 2,
+        "the harness's --slots-max wins over the file: {s}"
+    );
     let unit = std::fs::read_to_string(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../contrib/berth.service"
@@ -892,4 +895,40 @@ fn the_systemd_unit_verifies_against_the_readme_install_steps() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Issue 34: `contrib/berth.toml` shows the real defaults (it said so, but set
+/// slots_max = 4 and a 2 GiB reserve): loading it changes nothing that
+/// `berth serve --print-config` shows, and every key it prints is in the file.
+#[test]
+fn the_example_berth_toml_shows_the_real_defaults() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/../../contrib/berth.toml");
+    let state = tempfile::tempdir().unwrap();
+    let print = |extra: &[&str]| -> String {
+        let out = Command::new(common::BERTH)
+            .args(["serve", "--print-config", "--state-dir"])
+            .arg(state.path())
+            .args(extra)
+            .env_remove("BERTH_USER_WORKSPACES")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let defaults = print(&[]);
+    assert!(defaults.contains("slots_max = ") && defaults.contains("thread_ttl = \"7d\""));
+    assert_eq!(print(&["--config", example]), defaults);
+    let file = std::fs::read_to_string(example).unwrap();
+    for key in defaults
+        .lines()
+        .filter_map(|l| l.split_once(" = "))
+        .map(|(k, _)| k)
+    {
+        assert!(
+            file.contains(&format!("\n{key} = ")) || file.contains(&format!("\n# {key} = ")),
+            "contrib/berth.toml lacks {key}"
+        );
+    }
+    // And a flag shows through.
+    assert!(print(&["--slots-max", "3"]).contains("slots_max = 3\n"));
 }
