@@ -463,3 +463,48 @@ fn finding_5_a_squatted_port_fails_the_start_and_promotes_nothing() {
     assert_ne!(p["concurrency"], "parallel_safe", "{p}");
     assert_eq!(p["evidence"], Value::Null, "{p}");
 }
+
+/// Issue 34: the README's runtime example runs as written (it needed a `make api`
+/// target and a `./bin/api` no one has): its `.berth.toml` block and its command, taken
+/// from README.md itself, start both ports and CMD reaches both.
+#[test]
+fn the_readme_runtime_example_runs_as_written() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let section = &readme[readme.find("## Parallel projects").expect("the section")..];
+    let toml = section
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("the .berth.toml block");
+    let cmd = section
+        .lines()
+        .find_map(|l| l.strip_prefix("    berth run --runtime"))
+        .map(|rest| format!("berth run --runtime{rest}"))
+        .expect("the command");
+    let r = range(40, 10);
+    let d = Daemon::start(&["--slots-max", "4", "--port-range", &r]);
+    let wt = worktree(toml);
+    let bin_dir = std::path::Path::new(common::BERTH).parent().unwrap();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = std::process::Command::new("sh")
+        .args(["-c", &cmd])
+        .current_dir(wt.path())
+        .env("PATH", path)
+        .env("BERTH_URL", &d.url)
+        .env("BERTH_TOKEN", &d.token)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{cmd}\n{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(said.contains("ok") && said.contains("both up"), "{said}");
+}
