@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -931,4 +932,83 @@ fn the_example_berth_toml_shows_the_real_defaults() {
     }
     // And a flag shows through.
     assert!(print(&["--slots-max", "3"]).contains("slots_max = 3\n"));
+}
+
+/// Issue 34, docs as tests: the README's tour runs as written. Every shell block of
+/// "A five-minute tour" but the install line and the API block with placeholders
+/// (`r-…`) runs, in order, in one shell, against the daemon the tour itself starts
+/// (on a port and state dir of the test's own, through BERTH_LISTEN, BERTH_URL and
+/// BERTH_STATE_DIR); the test only waits for that daemon to answer before going on.
+#[test]
+fn the_readme_tour_blocks_run_as_written() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let start = readme.find("## A five-minute tour").expect("the tour");
+    let end = start + 3 + readme[start + 3..].find("\n## ").unwrap();
+    let mut script = vec!["set -e".to_string()];
+    let mut blocks = 0;
+    let mut block: Vec<&str> = Vec::new();
+    for line in readme[start..end].lines().chain([""]) {
+        if let Some(code) = line.strip_prefix("    ") {
+            block.push(code);
+            continue;
+        }
+        if block.is_empty() {
+            continue;
+        }
+        let text = block.join("\n");
+        block.clear();
+        if text.contains('…') {
+            continue; // placeholders: the API block, shown for reading
+        }
+        blocks += 1;
+        for l in text.lines().filter(|l| !l.starts_with("cargo install")) {
+            script.push(l.to_string());
+            if l.starts_with("berth serve") {
+                script.push("until berth status >/dev/null 2>&1; do sleep 0.1; done".into());
+            }
+        }
+    }
+    assert!(blocks >= 4, "the tour's blocks: {script:?}");
+    script.push("wait %2 %3 2>/dev/null || true".into());
+    script.push("echo tour-complete".into());
+    let dir = tempfile::tempdir().unwrap();
+    let port = common::free_port();
+    let bin_dir = Path::new(common::BERTH).parent().unwrap();
+    let mut child = Command::new("bash")
+        .arg("-c")
+        .arg(script.join("\n"))
+        .current_dir(dir.path())
+        .env("PATH", format!("{}:/usr/bin:/bin", bin_dir.display()))
+        .env("HOME", dir.path())
+        .env("BERTH_STATE_DIR", dir.path().join("state"))
+        .env("BERTH_LISTEN", format!("127.0.0.1:{port}"))
+        .env("BERTH_URL", format!("http://127.0.0.1:{port}"))
+        .env_remove("BERTH_TOKEN")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let pgid = child.id() as i32;
+    let ended = common::killed_within(&mut child, Duration::from_secs(60));
+    // The daemon the tour started goes with its shell's group.
+    let _ = rustix::process::kill_process_group(
+        rustix::process::Pid::from_raw(pgid).unwrap(),
+        rustix::process::Signal::TERM,
+    );
+    let out = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(ended, "the tour did not finish: {said}{err}");
+    assert!(
+        out.status.success(),
+        "{}\n---\n{said}{err}",
+        script.join("\n")
+    );
+    assert!(said.contains("I waited for the first web run"), "{said}");
+    assert!(said.contains("BERTH_RUN_ID="), "{said}");
+    assert!(said.contains("reaped "), "berth reap's report: {said}");
+    assert!(said.contains("exp1-a7"), "the detached run: {said}");
+    assert!(said.contains("tour-complete"), "{said}");
 }
