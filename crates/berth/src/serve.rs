@@ -576,7 +576,7 @@ fn named_and_defaults(
 /// A size as berth.toml writes it: the largest binary unit that divides it exactly.
 fn show_size(bytes: u64) -> String {
     for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if bytes != 0 && bytes % (1u64 << shift) == 0 {
+        if bytes != 0 && bytes.is_multiple_of(1u64 << shift) {
             return format!("{}{unit}", bytes >> shift);
         }
     }
@@ -591,7 +591,7 @@ fn show_ms(ms: u64) -> String {
         ("m", 60_000),
         ("s", 1_000),
     ] {
-        if ms != 0 && ms % per == 0 {
+        if ms != 0 && ms.is_multiple_of(per) {
             return format!("{}{unit}", ms / per);
         }
     }
