@@ -65,6 +65,15 @@ elif [ -n "${CI:-}" ] || [ -n "${BERTH_REQUIRE_ROOT:-}" ]; then
 else
   echo "::warning:: node, npm or chromium is missing: the TypeScript and browser tests did not run" >&2
 fi
+# The Python client's suite (pytest) against the binary cargo just built; httpx and
+# pytest come from PyPI, pinned in clients/python/requirements-test.txt, into target/.
+pydeps=$PWD/target/python-deps
+if [ ! -d "$pydeps/httpx" ] || [ ! -d "$pydeps/_pytest" ]; then
+  python3 -m pip install --quiet --disable-pip-version-check --target "$pydeps" \
+    -r clients/python/requirements-test.txt
+fi
+(cd clients/python && BERTH_BIN="$PWD/../../target/debug/berth" PYTHONPATH="$pydeps:src" \
+  python3 -m pytest -q -p no:cacheprovider tests)
 # The crash tests need the daemon built with its failpoints (a cargo feature).
 cargo test --locked -p berth --features failpoints --test failpoints
 cargo run --locked -q -p berth-sim -- --seeds "${BERTH_SIM_SEEDS:-200}"
