@@ -74,8 +74,8 @@ pub struct ClaimArgs {
     /// How long to wait in the queue, e.g. 30m; 0 = do not wait [default: 30m].
     #[arg(long, value_parser = crate::args::parse_duration)]
     pub wait: Option<u64>,
-    /// SCOPE:HARNESS: the experiment budget whose harness token is part of the claim
-    ///; the run waits with `budget.full` while the harness is at its limit.
+    /// SCOPE:HARNESS: the experiment budget whose harness token is part of the claim;
+    /// the run waits with `budget.full` while the harness is at its limit.
     #[arg(long, value_name = "SCOPE:HARNESS")]
     pub budget: Option<String>,
     /// HARNESS=LIMIT,...: the scope's per-harness limits, required the first time the
