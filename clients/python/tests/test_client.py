@@ -121,3 +121,59 @@ def test_the_readmes_example_runs_as_written(daemon, monkeypatch, capsys):
     exec(compile(example, "README.md", "exec"), {})
     lines = capsys.readouterr().out.splitlines()
     assert sorted(int(l.split()[0]) for l in lines) == list(range(20))
+
+
+def test_every_operation_of_the_openapi_document_has_a_method():
+    import json
+    doc = json.loads(Path(__file__).resolve().parents[3].joinpath("docs/openapi.json").read_text())
+    ids = {op["operationId"] for item in doc["paths"].values() for op in item.values()
+           if isinstance(op, dict) and "operationId" in op}
+    assert ids == set(berth.OPERATIONS), ids ^ set(berth.OPERATIONS)
+    for method in berth.OPERATIONS.values():
+        assert callable(getattr(berth.Client, method)), method
+
+
+def test_every_operation_runs_against_the_daemon(daemon):
+    """Each method reaches its route: an answer, or a refusal of the request (never
+    "no such endpoint" or "method not allowed")."""
+    called = set()
+
+    def op(name, *args, **kw):
+        called.add(name)
+        try:
+            return getattr(daemon, name)(*args, **kw)
+        except berth.BerthError as e:
+            assert e.code != "method_not_allowed" and "no such endpoint" not in e.message, (name, e)
+            return e
+
+    run = op("acquire_stream", {"project": "all", **SMALL})
+    rid, fence = run["run_id"], run["fence"]
+    op("runs"); op("run", rid); op("check_fence", rid, fence); op("renew", rid, fence)
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        assert op("register", rid, fence, sleeper.pid)["run_id"] == rid
+    finally:
+        sleeper.kill()
+    op("start_runtime", rid, fence)
+    assert "granted" in [e["kind"] for e in op("journal")]
+    assert op("export_journal").strip()
+    assert next(op("events", 0))["seq"] == 1
+    assert "berth_" in op("metrics")
+    op("status"); op("fleet"); op("reap"); op("idle")
+    assert "<html" in op("dashboard").lower()
+    assert op("openapi")["openapi"] == "3.1.0"
+    made = op("create_token", "read", expires_s=60)
+    assert any(t["id"] == made["id"] for t in op("tokens"))
+    assert op("revoke_token", made["id"])["id"] == made["id"]
+    op("attach_thread", "t1", run_id=rid, owner_gen="g", owner_fence=1)
+    op("move_thread_deadline", "t1", run_id=rid, owner_gen="g", owner_fence=1, run_budget_ms=60000)
+    op("detach_thread", "t1", run_id=rid, owner_gen="g", owner_fence=1)
+    op("thread", "t1"); op("threads"); op("evict_thread", "t1")
+    assert op("start_drain", "test")["drain"]["reason"] == "test"
+    op("drain"); op("end_drain")
+    op("scopes"); op("scope", "s"); op("reserve", "s", "o", "op1", "h")
+    op("unreserve", "s", "o", "op1"); op("reconcile", "s", "o", "test")
+    op("control", "s", "pause", "req-1"); op("forget_scope", "s")
+    assert op("release", rid, fence)["run_id"] == rid
+    op("cancel", rid)
+    assert called == set(berth.OPERATIONS.values()), set(berth.OPERATIONS.values()) - called

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import httpx
 
-__all__ = ["BerthError", "Client", "Lease", "lease"]
+__all__ = ["BerthError", "Client", "Lease", "OPERATIONS", "lease"]
 
 DEFAULT_URL = "http://127.0.0.1:7420"
 
@@ -180,6 +180,121 @@ class Client:
                 elif not line and data:
                     yield json.loads("\n".join(data))
                     data = []
+
+
+    # ---- the rest of API v1, one method per operation ---------------------------------
+    def fleet(self) -> Dict[str, Any]:
+        return self._call("GET", "/v1/fleet")
+
+    def export_journal(self, start: int = 1, through: Optional[int] = None) -> str:
+        params = {"from": start, **({"through": through} if through else {})}
+        r = self._http.get("/v1/journal/export", params=params, timeout=None)
+        if r.status_code >= 300:
+            self._answer(r)
+        return r.text
+
+    def metrics(self) -> str:
+        r = self._http.get("/metrics")
+        if r.status_code >= 300:
+            self._answer(r)
+        return r.text
+
+    def start_runtime(self, run_id: str, fence: int) -> Dict[str, Any]:
+        return self._call("POST", f"/v1/runs/{run_id}/runtime", {"fence": fence}, timeout=None)
+
+    def tokens(self) -> List[Dict[str, Any]]:
+        return self._call("GET", "/v1/tokens")["tokens"]
+
+    def create_token(self, scope: str, uid: Optional[int] = None,
+                     expires_s: Optional[int] = None) -> Dict[str, Any]:
+        body = {"scope": scope, **({"uid": uid} if uid is not None else {}),
+                **({"expires_s": expires_s} if expires_s else {})}
+        return self._call("POST", "/v1/tokens", body)
+
+    def revoke_token(self, token_id: str) -> Dict[str, Any]:
+        return self._call("DELETE", f"/v1/tokens/{token_id}")
+
+    def reap(self) -> Dict[str, Any]:
+        return self._call("POST", "/v1/reap")
+
+    def dashboard(self) -> str:
+        return self._http.get("/").text
+
+    def openapi(self) -> Dict[str, Any]:
+        return self._call("GET", "/v1/openapi.json")
+
+    def attach_thread(self, key: str, **claim: Any) -> Dict[str, Any]:
+        return self._call("POST", f"/v1/threads/{key}/attach", claim)
+
+    def move_thread_deadline(self, key: str, **claim: Any) -> Dict[str, Any]:
+        return self._call("POST", f"/v1/threads/{key}/deadline", claim)
+
+    def detach_thread(self, key: str, **claim: Any) -> Dict[str, Any]:
+        return self._call("POST", f"/v1/threads/{key}/detach", claim)
+
+    def thread(self, key: str) -> Dict[str, Any]:
+        return self._call("GET", f"/v1/threads/{key}")
+
+    def evict_thread(self, key: str) -> Dict[str, Any]:
+        return self._call("DELETE", f"/v1/threads/{key}")
+
+    def threads(self) -> List[Dict[str, Any]]:
+        return self._call("GET", "/v1/threads")["threads"]
+
+    def drain(self) -> Dict[str, Any]:
+        return self._call("GET", "/v1/drain")
+
+    def start_drain(self, reason: str) -> Dict[str, Any]:
+        return self._call("POST", "/v1/drain", {"reason": reason})
+
+    def end_drain(self) -> Dict[str, Any]:
+        return self._call("DELETE", "/v1/drain")
+
+    def idle(self) -> Dict[str, Any]:
+        return self._call("GET", "/v1/idle")
+
+    def scopes(self) -> List[Dict[str, Any]]:
+        return self._call("GET", "/v1/scopes")["scopes"]
+
+    def scope(self, scope: str) -> Dict[str, Any]:
+        return self._call("GET", f"/v1/scopes/{scope}")
+
+    def forget_scope(self, scope: str) -> Dict[str, Any]:
+        return self._call("DELETE", f"/v1/scopes/{scope}")
+
+    def reserve(self, scope: str, owner: str, operation_id: str, harness: str) -> Dict[str, Any]:
+        body = {"owner": owner, "operation_id": operation_id, "harness": harness}
+        return self._call("POST", f"/v1/scopes/{scope}/reservations", body)
+
+    def unreserve(self, scope: str, owner: str, operation_id: str) -> Dict[str, Any]:
+        return self._call("DELETE", f"/v1/scopes/{scope}/reservations/{owner}/{operation_id}")
+
+    def reconcile(self, scope: str, owner: str, reason: str) -> Dict[str, Any]:
+        return self._call("POST", f"/v1/scopes/{scope}/reconcile", {"owner": owner, "reason": reason})
+
+    def control(self, scope: str, mode: str, request_id: str) -> Dict[str, Any]:
+        """`mode`: pause, stop or resume; the same `request_id` again is idempotent."""
+        body = {"mode": mode, "request_id": request_id}
+        return self._call("POST", f"/v1/scopes/{scope}/control", body)
+
+
+#: Each operation of the OpenAPI document (`operationId`) and the method that calls it
+#: (a test checks this covers the document, so a new endpoint needs a method here).
+OPERATIONS = {
+    "listRuns": "runs", "acquireRun": "acquire_stream", "getRun": "run",
+    "cancelRun": "cancel", "getStatus": "status", "getFleet": "fleet",
+    "checkFence": "check_fence", "readJournal": "journal", "exportJournal": "export_journal",
+    "streamEvents": "events", "getMetrics": "metrics", "renewRun": "renew",
+    "releaseRun": "release", "registerProcess": "register", "startRuntime": "start_runtime",
+    "listTokens": "tokens", "createToken": "create_token", "revokeToken": "revoke_token",
+    "reap": "reap", "getDashboard": "dashboard", "getOpenApi": "openapi",
+    "attachThread": "attach_thread", "moveThreadDeadline": "move_thread_deadline",
+    "detachThread": "detach_thread", "getThread": "thread", "evictThread": "evict_thread",
+    "listThreads": "threads", "getDrain": "drain", "startDrain": "start_drain",
+    "endDrain": "end_drain", "getIdle": "idle", "listScopes": "scopes", "getScope": "scope",
+    "forgetScope": "forget_scope", "reserveToken": "reserve", "unreserveToken": "unreserve",
+    "reconcileScope": "reconcile", "controlScope": "control",
+}
 
 
 class _Renewer(threading.Thread):
