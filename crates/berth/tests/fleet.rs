@@ -382,13 +382,9 @@ fn a_host_cut_off_from_the_database_keeps_its_runs_and_takes_no_new_claim() {
     release(&d, "rd", fd);
 }
 
-/// F2: a host that cannot heartbeat fences itself first. Cut off from the database, it
-/// stops its run holding a fleet-wide key before the lapse at which another host may
-/// declare it dead and hand the key on (its client kept renewing it), while its plain
-/// run goes on; the key is then taken on another host only after the lapse.
-#[test]
-fn a_host_that_cannot_heartbeat_stops_its_fleet_wide_runs_before_the_lapse() {
-    let db = database();
+/// `db` reached through a relay that can cut or restore the link: the relay, and the
+/// connection string that goes through it.
+fn through_relay(db: &str) -> (Relay, String) {
     let port = std::env::var("PGPORT").unwrap();
     let relay = Relay::start(format!("{}:{port}", std::env::var("PGHOST").unwrap()));
     let relayed = db
@@ -397,6 +393,17 @@ fn a_host_that_cannot_heartbeat_stops_its_fleet_wide_runs_before_the_lapse() {
             &format!("host={}", std::env::var("PGHOST").unwrap()),
             "host=127.0.0.1",
         );
+    (relay, relayed)
+}
+
+/// F2: a host that cannot heartbeat fences itself first. Cut off from the database, it
+/// stops its run holding a fleet-wide key before the lapse at which another host may
+/// declare it dead and hand the key on (its client kept renewing it), while its plain
+/// run goes on; the key is then taken on another host only after the lapse.
+#[test]
+fn a_host_that_cannot_heartbeat_stops_its_fleet_wide_runs_before_the_lapse() {
+    let db = database();
+    let (relay, relayed) = through_relay(&db);
     // Lapse 4 s (ttl max 2 s + 2 s); the host fences itself a quarter earlier.
     let d = host(&relayed, "d", "2s", "2s");
     let e = host(&db, "e", "2s", "2s");
@@ -487,14 +494,7 @@ fn issue_33_a_fleet_wait_names_the_key_and_its_holder() {
 #[test]
 fn issue_33_berth_run_on_a_host_that_fences_itself_exits_75_with_the_reason() {
     let db = database();
-    let port = std::env::var("PGPORT").unwrap();
-    let relay = Relay::start(format!("{}:{port}", std::env::var("PGHOST").unwrap()));
-    let relayed = db
-        .replace(&format!("port={port}"), &format!("port={}", relay.port))
-        .replace(
-            &format!("host={}", std::env::var("PGHOST").unwrap()),
-            "host=127.0.0.1",
-        );
+    let (relay, relayed) = through_relay(&db);
     let d = host(&relayed, "d", "2s", "2s");
     let child = d
         .cli()

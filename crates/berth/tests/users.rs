@@ -207,3 +207,66 @@ sleep 2"#;
         "{ws} is removed at the end"
     );
 }
+
+/// Malformed token requests are refused by field and change nothing: an expiry out of
+/// range, an id that is not one, a request revoking its own token, a non-admin token
+/// listing or revoking.
+#[test]
+fn malformed_token_requests_are_refused_by_name_and_change_nothing() {
+    let d = Daemon::start(&[]);
+    let count = |d: &Daemon| d.get("/v1/tokens").body["tokens"].as_array().unwrap().len();
+    let before = count(&d);
+    for bad in [
+        r#"{"scope":"read","expires_s":0}"#,
+        r#"{"scope":"read","expires_s":315360001}"#,
+    ] {
+        let r = d.post("/v1/tokens", bad);
+        assert_eq!(r.status, 400, "{bad}: {}", r.body);
+        assert_eq!(
+            r.body["error"]["details"]["field"], "expires_s",
+            "{}",
+            r.body
+        );
+    }
+    let r = d.call("DELETE", "/v1/tokens/ABC", None);
+    assert_eq!(
+        (r.status, r.body["error"]["details"]["field"].as_str()),
+        (400, Some("id"))
+    );
+    let mine = d.get("/v1/tokens").body["tokens"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = d.call("DELETE", &format!("/v1/tokens/{mine}"), None);
+    assert_eq!((r.status, r.code()), (409, "token_in_use"), "{}", r.body);
+    let op = d.post("/v1/tokens", r#"{"scope":"operator"}"#).body["token"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(d.call_as(Some(&op), "GET", "/v1/tokens", None).status, 403);
+    let r = d.call_as(Some(&op), "DELETE", &format!("/v1/tokens/{mine}"), None);
+    assert_eq!(r.status, 403);
+    assert_eq!(count(&d), before + 1, "only the operator token was made");
+}
+
+/// `--user-workspaces` must be a real directory of berth's user that nobody else can
+/// write: a symlink planted there, or a world-writable directory, stops `berth serve`
+/// at start with the flag named (another user could otherwise swap their home dirs).
+#[test]
+fn a_users_directory_that_is_a_link_or_writable_by_others_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink("/tmp", &link).unwrap();
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    for (path, why) in [(&link, "not a link"), (&open, "writable by nobody else")] {
+        let d = Daemon::unstarted(&["--user-workspaces", path.to_str().unwrap()]);
+        let (status, said) = d.start_fails(&[]);
+        assert!(!status.success(), "{said}");
+        assert!(
+            said.contains("--user-workspaces") && said.contains(why),
+            "{said}"
+        );
+    }
+}
