@@ -489,8 +489,14 @@ fn issue_33_a_daemon_down_between_grant_and_registration_costs_the_run_nothing()
         "CMD's own exit; berth run said: {said}"
     );
     assert!(marker.exists(), "CMD ran");
+    // A release is answered `releasing` (with `ending: released`); the stop and the
+    // workspace clean-up finish it a moment later.
     let r = d.get("/v1/runs/held").body;
-    assert_eq!(r["state"], "released", "{r}");
+    assert_eq!(r["ending"], "released", "{r}");
+    d.wait_until("held is released", |d| {
+        d.get("/v1/runs/held").body["state"] == "released"
+    });
+    let r = d.get("/v1/runs/held").body;
     assert_eq!(r["fence"].as_u64(), fence, "the same lease throughout");
     assert!(
         !d.journal()
