@@ -1,9 +1,12 @@
-//! berth's API v1 for Rust: the wire types ([`wire`]) and an async [`Client`].
+//! berth's API v1 for Rust: the wire types ([`wire`]) and an async [`Client`] with a
+//! method for every operation of the OpenAPI document (each method's doc names its
+//! `operationId`; a black-box test calls them all against a real daemon and checks,
+//! from the daemon's own request counters, that every operation was reached).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), berth_client::Error> {
 //! use berth_client::{wire::AcquireRequest, Client};
-//! let berth = Client::new("http://127.0.0.1:7878", std::env::var("BERTH_TOKEN").ok())?;
+//! let berth = Client::new("http://127.0.0.1:7420", std::env::var("BERTH_TOKEN").ok())?;
 //! let lease = berth
 //!     .acquire(&AcquireRequest { project: "shop".into(), ..Default::default() })
 //!     .await?;
@@ -15,8 +18,12 @@
 //! One connection per call (HTTP/1.1 on loopback costs a few tens of microseconds); the
 //! daemon answers each call once its effect is durable (D1).
 
+mod ops;
 pub mod schema;
+mod stream;
 pub mod wire;
+
+pub use stream::{AcquireStream, EventStream, EventsQuery};
 
 use std::time::Duration;
 
@@ -84,78 +91,7 @@ impl Client {
         })
     }
 
-    /// `POST /v1/runs`: waits up to the request's `wait_s` for a grant.
-    pub async fn acquire(&self, req: &AcquireRequest) -> Result<Run, Error> {
-        let wait = Duration::from_secs(req.wait_s.unwrap_or(0));
-        self.call(Method::POST, "/v1/runs", Some(req), wait).await
-    }
-
-    /// `GET /v1/runs/{id}`.
-    pub async fn get(&self, run_id: &str) -> Result<Run, Error> {
-        let path = format!("/v1/runs/{run_id}");
-        self.call(Method::GET, &path, None::<&()>, Duration::ZERO)
-            .await
-    }
-
-    /// `GET /v1/runs`: live runs (and ended ones still retained with `all`).
-    pub async fn list(&self, all: bool) -> Result<RunList, Error> {
-        let path = format!("/v1/runs?all={all}");
-        self.call(Method::GET, &path, None::<&()>, Duration::ZERO)
-            .await
-    }
-
-    /// `POST /v1/runs/{id}/renew`.
-    pub async fn renew(&self, run_id: &str, req: &RenewRequest) -> Result<Run, Error> {
-        let path = format!("/v1/runs/{run_id}/renew");
-        self.call(Method::POST, &path, Some(req), Duration::ZERO)
-            .await
-    }
-
-    /// `POST /v1/runs/{id}/release`: the answer comes once the run's processes are
-    /// stopped and its workspace is gone, or it is degraded.
-    pub async fn release(&self, run_id: &str, fence: u64) -> Result<Run, Error> {
-        let path = format!("/v1/runs/{run_id}/release");
-        let body = ReleaseRequest { fence };
-        self.call(Method::POST, &path, Some(&body), Duration::ZERO)
-            .await
-    }
-
-    /// `POST /v1/runs/{id}/processes` (P1).
-    pub async fn register_process(&self, run_id: &str, fence: u64, pid: i32) -> Result<Run, Error> {
-        let path = format!("/v1/runs/{run_id}/processes");
-        let body = ProcessRequest { fence, pid };
-        self.call(Method::POST, &path, Some(&body), Duration::ZERO)
-            .await
-    }
-
-    /// `POST /v1/runs/{id}/runtime` (C7): starts the run's runtime (each port's build,
-    /// command and ready probe) and answers once every port is ready, or with the
-    /// failing port's last lines (`Error::Refused`, code `runtime_failed`). Waits up
-    /// to `within` beyond the usual call timeout (builds and probes take their time).
-    pub async fn start_runtime(
-        &self,
-        run_id: &str,
-        fence: u64,
-        within: Duration,
-    ) -> Result<RuntimeStarted, Error> {
-        let path = format!("/v1/runs/{run_id}/runtime");
-        let body = RuntimeRequest { fence };
-        self.call(Method::POST, &path, Some(&body), within).await
-    }
-
-    /// `GET /v1/status`.
-    pub async fn status(&self) -> Result<Status, Error> {
-        self.call(Method::GET, "/v1/status", None::<&()>, Duration::ZERO)
-            .await
-    }
-
-    /// `GET /v1/fences/check`: is `fence` still the lease of `run_id`?
-    pub async fn fence_check(&self, run_id: &str, fence: u64) -> Result<FenceCheck, Error> {
-        let path = format!("/v1/fences/check?run_id={run_id}&fence={fence}");
-        self.call(Method::GET, &path, None::<&()>, Duration::ZERO)
-            .await
-    }
-
+    /// A JSON call: the answer read as `T`, or berth's refusal as [`Error::Refused`].
     async fn call<B: Serialize, T: DeserializeOwned>(
         &self,
         method: Method,
@@ -163,20 +99,53 @@ impl Client {
         body: Option<&B>,
         waits: Duration,
     ) -> Result<T, Error> {
+        let (status, bytes) = self.whole(method, path, body, JSON, waits).await?;
+        serde_json::from_slice(&bytes).map_err(|e| Error::Answer {
+            status,
+            what: e.to_string(),
+        })
+    }
+
+    /// A call whose answer is text (metrics, the dashboard, NDJSON): the whole body.
+    async fn text(&self, path: &str, accept: &str) -> Result<String, Error> {
+        let (status, bytes) = self
+            .whole(Method::GET, path, None::<&()>, accept, Duration::ZERO)
+            .await?;
+        String::from_utf8(bytes.to_vec()).map_err(|e| Error::Answer {
+            status,
+            what: e.to_string(),
+        })
+    }
+
+    /// One exchange read whole within the call timeout (plus `waits`): a 2xx status
+    /// and its body, or the refusal.
+    async fn whole<B: Serialize>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        accept: &str,
+        waits: Duration,
+    ) -> Result<(u16, Bytes), Error> {
         let limit = waits + Duration::from_millis(CALL_TIMEOUT_MS);
-        let (status, bytes) = tokio::time::timeout(limit, self.exchange(method, path, body))
+        let exchange = async {
+            let res = self.send(method, path, body, accept).await?;
+            let status = res.status().as_u16();
+            let limited = http_body_util::Limited::new(res.into_body(), ANSWER_BYTES_MAX);
+            let bytes = limited
+                .collect()
+                .await
+                .map_err(|e| self.unreachable(format!("reading the answer: {e}")))?
+                .to_bytes();
+            Ok::<_, Error>((status, bytes))
+        };
+        let (status, bytes) = tokio::time::timeout(limit, exchange)
             .await
             .map_err(|_| self.unreachable(format!("no answer within {limit:?}")))??;
-        let bad = |what: String| Error::Answer { status, what };
         if (200..300).contains(&status) {
-            return serde_json::from_slice(&bytes).map_err(|e| bad(e.to_string()));
-        }
-        match serde_json::from_slice::<ErrorBody>(&bytes) {
-            Ok(b) => Err(Error::Refused {
-                status,
-                error: b.error,
-            }),
-            Err(e) => Err(bad(e.to_string())),
+            Ok((status, bytes))
+        } else {
+            Err(refusal(status, &bytes))
         }
     }
 
@@ -187,13 +156,15 @@ impl Client {
         }
     }
 
-    /// One request on a fresh connection: its status and whole body.
-    async fn exchange<B: Serialize>(
+    /// One request on a fresh connection: the answer's head, its body still to read
+    /// (a stream is read line by line as it comes).
+    async fn send<B: Serialize>(
         &self,
         method: Method,
         path: &str,
         body: Option<&B>,
-    ) -> Result<(u16, Bytes), Error> {
+        accept: &str,
+    ) -> Result<hyper::Response<hyper::body::Incoming>, Error> {
         let stream = tokio::net::TcpStream::connect(&self.addr)
             .await
             .map_err(|e| self.unreachable(e))?;
@@ -213,24 +184,56 @@ impl Client {
             .method(method)
             .uri(path)
             .header("host", &self.addr)
-            .header("content-type", "application/json");
+            .header("accept", accept)
+            .header("content-type", JSON);
         if let Some(t) = &self.token {
             req = req.header("authorization", format!("Bearer {t}"));
         }
         let req = req
             .body(Full::new(Bytes::from(payload)))
             .map_err(|e| self.unreachable(e))?;
-        let res = send
-            .send_request(req)
+        send.send_request(req)
             .await
-            .map_err(|e| self.unreachable(e))?;
-        let status = res.status().as_u16();
-        let limited = http_body_util::Limited::new(res.into_body(), ANSWER_BYTES_MAX);
-        let bytes = limited
-            .collect()
-            .await
-            .map_err(|e| self.unreachable(format!("reading the answer: {e}")))?
-            .to_bytes();
-        Ok((status, bytes))
+            .map_err(|e| self.unreachable(e))
+    }
+}
+
+const JSON: &str = "application/json";
+
+/// A non-2xx answer as an error: berth's envelope, or a body that is not API v1.
+fn refusal(status: u16, bytes: &[u8]) -> Error {
+    match serde_json::from_slice::<ErrorBody>(bytes) {
+        Ok(b) => Error::Refused {
+            status,
+            error: b.error,
+        },
+        Err(e) => Error::Answer {
+            status,
+            what: e.to_string(),
+        },
+    }
+}
+
+/// `s` as one path segment or query value: everything but RFC 3986's unreserved
+/// characters percent-encoded (an id with `/` or `?` cannot reach another route).
+fn seg(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_segment_cannot_leave_its_place_in_the_path() {
+        assert_eq!(super::seg("run-1_a.b~"), "run-1_a.b~");
+        assert_eq!(super::seg("a/b?c=d&e"), "a%2Fb%3Fc%3Dd%26e");
+        assert_eq!(super::seg("é"), "%C3%A9");
     }
 }
