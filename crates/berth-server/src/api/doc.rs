@@ -68,6 +68,19 @@ const fn route(
 }
 
 impl Route {
+    /// The method as HTTP spells it.
+    pub fn method_str(&self) -> &'static str {
+        match self.method {
+            HttpMethod::Get => "GET",
+            HttpMethod::Post => "POST",
+            HttpMethod::Delete => "DELETE",
+            HttpMethod::Put => "PUT",
+            HttpMethod::Patch => "PATCH",
+            HttpMethod::Head => "HEAD",
+            HttpMethod::Options => "OPTIONS",
+            HttpMethod::Trace => "TRACE",
+        }
+    }
     fn query(mut self, q: &'static [(&'static str, &'static str)]) -> Route {
         self.query = q;
         self
@@ -558,7 +571,8 @@ fn operation(r: &Route) -> utoipa::openapi::path::Operation {
         );
     }
     if let Some(req) = r.request {
-        let (media, c) = content(Body::Json(req));
+        let (media, mut c) = content(Body::Json(req));
+        c.example = request_example(req);
         op = op.request_body(Some(
             RequestBodyBuilder::new()
                 .content(media, c)
@@ -584,11 +598,101 @@ fn operation(r: &Route) -> utoipa::openapi::path::Operation {
             .content(media, c);
         op = op.response(status.to_string(), also);
     }
+    for (status, code, message) in refusals(r) {
+        let (media, mut c) = content(Body::Json("ErrorBody"));
+        c.example =
+            Some(serde_json::json!({"error": {"code": code, "message": message, "details": {}}}));
+        let says = ResponseBuilder::new()
+            .description(format!("refused: {code}"))
+            .content(media, c);
+        op = op.response(status.to_string(), says);
+    }
     op = op.response("default", refused);
     if r.scope.is_some() {
         op = op.security(SecurityRequirement::new("bearer", Vec::<String>::new()));
     }
     op.build()
+}
+
+/// The request bodies that carry a fence: a stale one is refused (L2).
+const FENCED: &[&str] = &[
+    "RenewRequest",
+    "ReleaseRequest",
+    "ProcessRequest",
+    "RuntimeRequest",
+];
+
+/// The refusals every route of its kind can answer, each documented with its status,
+/// code and an example message (any other is the `default` response, the same
+/// envelope). A test sends each route what these say it refuses and checks the answer.
+fn refusals(r: &Route) -> Vec<(u16, &'static str, &'static str)> {
+    let mut out = Vec::new();
+    if r.request.is_some() || !r.query.is_empty() {
+        out.push((
+            400,
+            "invalid",
+            "ttl_s: must be at most 86400 (the daemon's --ttl-max)",
+        ));
+    }
+    if let Some(scope) = r.scope {
+        out.push((
+            401,
+            "unauthorized",
+            "a bearer token is required (Authorization: Bearer <token>)",
+        ));
+        if scope > Scope::Read {
+            out.push((
+                403,
+                "forbidden",
+                "this call needs the operator scope; the token has read",
+            ));
+        }
+    }
+    if r.path.contains('{') {
+        out.push((404, "not_found", "run agent-7 is not known"));
+    }
+    if r.request.is_some_and(|q| FENCED.contains(&q)) {
+        out.push((
+            409,
+            "stale_fence",
+            "fence 41 is not the current fence of run agent-7 (current: 42)",
+        ));
+        out.push((
+            410,
+            "gone",
+            "run agent-7 is released: its lease is over and cannot be acted on",
+        ));
+    }
+    out
+}
+
+/// An example of each request body, as a client would send it (a test parses each
+/// into its wire type, so an example cannot name a field the API does not take).
+fn request_example(schema: &str) -> Option<serde_json::Value> {
+    use serde_json::json;
+    Some(match schema {
+        "AcquireRequest" => json!({
+            "project": "shop", "run_id": "agent-7", "priority": "foreground",
+            "resources": {"memory": 2147483648_u64, "cpu_millis": 1000},
+            "singletons": ["db"], "ttl_s": 300, "wait_s": 600,
+            "labels": {"ticket": "SHOP-12"}
+        }),
+        "RenewRequest" => json!({"fence": 42, "ttl_s": 300}),
+        "ReleaseRequest" | "RuntimeRequest" => json!({"fence": 42}),
+        "ProcessRequest" => json!({"fence": 42, "pid": 31337}),
+        "TokenRequest" => json!({"scope": "operator", "uid": 1000, "expires_s": 86400}),
+        "ThreadClaim" => json!({
+            "run_id": "agent-7", "owner_gen": "orchestrator-3", "owner_fence": 1,
+            "run_budget_ms": 600000
+        }),
+        "DrainRequest" => json!({"reason": "kernel upgrade at 18:00"}),
+        "ReservationRequest" => json!({
+            "owner": "agent-7", "operation_id": "turn-12", "harness": "claude-code"
+        }),
+        "ReconcileRequest" => json!({"owner": "agent-7", "reason": "its orchestrator crashed"}),
+        "ControlRequest" => json!({"request_id": "ctl-1", "mode": "pause"}),
+        _ => return None,
+    })
 }
 
 /// B1–B6's wire types.
@@ -774,6 +878,103 @@ mod tests {
             cfg: Arc::new(berth_core::Config::for_host(4, 8 << 30, 100 << 30)),
             uid: 0,
             starting: Arc::default(),
+        }
+    }
+
+    /// Issue 34: each request body's example is a request the API takes: it parses
+    /// into its wire type (which refuses unknown fields), and every body has one.
+    #[test]
+    fn every_request_example_is_a_request_the_api_takes() {
+        fn parses<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result<(), String> {
+            serde_json::from_value::<T>(v)
+                .map(drop)
+                .map_err(|e| e.to_string())
+        }
+        for (r, _) in routes() {
+            let Some(name) = r.request else { continue };
+            let example = request_example(name).unwrap_or_else(|| panic!("{name} has no example"));
+            let parsed = match name {
+                "AcquireRequest" => parses::<wire::AcquireRequest>(example),
+                "RenewRequest" => parses::<wire::RenewRequest>(example),
+                "ReleaseRequest" => parses::<wire::ReleaseRequest>(example),
+                "RuntimeRequest" => parses::<wire::RuntimeRequest>(example),
+                "ProcessRequest" => parses::<wire::ProcessRequest>(example),
+                "TokenRequest" => parses::<wire::TokenRequest>(example),
+                "ThreadClaim" => parses::<wire::ThreadClaim>(example),
+                "DrainRequest" => parses::<wire::DrainRequest>(example),
+                "ReservationRequest" => parses::<wire::ReservationRequest>(example),
+                "ReconcileRequest" => parses::<wire::ReconcileRequest>(example),
+                "ControlRequest" => parses::<wire::ControlRequest>(example),
+                other => panic!("{other}: no wire type named here for its example"),
+            };
+            assert_eq!(parsed, Ok(()), "{} {}'s example", r.method_str(), r.path);
+        }
+    }
+
+    /// Issue 34: the refusals the document lists for a route are what it answers:
+    /// without a token, each route that lists 401 answers 401 `unauthorized`; with a
+    /// read token, each that lists 403 answers 403 `forbidden` and each that does not
+    /// is let through; a body that is not JSON is 400 `invalid` wherever 400 is listed.
+    #[tokio::test]
+    async fn every_documented_refusal_is_what_the_route_answers() {
+        let mut locked = api();
+        locked.auth = true;
+        let read = crate::auth::Grant {
+            scope: Scope::Read,
+            uid: None,
+            expires_ms: None,
+        };
+        *locked.shared.tokens.write().unwrap() = vec![(crate::auth::hash_token("r"), read)];
+        let mut router = super::super::router(locked);
+        for (r, _) in routes() {
+            let listed: Vec<u16> = refusals(&r).iter().map(|(s, _, _)| *s).collect();
+            let uri = r.path.replace(['{', '}'], "");
+            for (token, status, code) in
+                [(None, 401, "unauthorized"), (Some("r"), 403, "forbidden")]
+            {
+                let mut req = axum::http::Request::builder()
+                    .method(r.method_str())
+                    .uri(&uri);
+                if let Some(t) = token {
+                    req = req.header("authorization", format!("Bearer {t}"));
+                }
+                let res = router
+                    .call(req.body(AxBody::empty()).unwrap())
+                    .await
+                    .unwrap();
+                let got = res.status().as_u16();
+                if listed.contains(&status) {
+                    assert_eq!(got, status, "{} {}", r.method_str(), r.path);
+                    let body = axum::body::to_bytes(res.into_body(), 1 << 20)
+                        .await
+                        .unwrap();
+                    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                    assert_eq!(v["error"]["code"], code, "{} {}", r.method_str(), r.path);
+                } else if r.scope.is_some() {
+                    assert_ne!(
+                        got,
+                        status,
+                        "{} {} is not documented to answer it",
+                        r.method_str(),
+                        r.path
+                    );
+                }
+            }
+        }
+        let mut open = super::super::router(api());
+        for (r, _) in routes() {
+            if r.request.is_none() {
+                continue;
+            }
+            assert!(refusals(&r).iter().any(|(s, _, _)| *s == 400));
+            let req = axum::http::Request::builder()
+                .method(r.method_str())
+                .uri(r.path.replace(['{', '}'], ""))
+                .header("content-type", "application/json")
+                .body(AxBody::from("[not json"))
+                .unwrap();
+            let res = open.call(req).await.unwrap();
+            assert_eq!(res.status().as_u16(), 400, "{} {}", r.method_str(), r.path);
         }
     }
 
