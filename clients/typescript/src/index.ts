@@ -1,26 +1,91 @@
-// berth's HTTP API v1 for TypeScript: a fetch-based client, the streamed acquire, the
+// berth's HTTP API v1 for TypeScript: a fetch-based client with a method for every
+// operation of docs/openapi.json (`OPERATIONS` names them), the streamed acquire, the
 // event stream (`GET /v1/events`) and `withBerth`, which holds a lease around a task.
 //
-// The wire types are in ./wire.ts only (see the note there); this file declares none.
+// The wire types are in ./wire.ts only (see the note there); this file adds only the
+// client's own refinements of them (`GrantedRun`, `LeaseRequest`, `LeaseEvent`) and the
+// shapes of the answers the document gives no schema for (`JournalExport`,
+// `OpenApiDocument`).
 
 import type {
   AcquireEvent,
   AcquireRequest,
+  ControlReceipt,
+  ControlRequest,
+  Drain,
+  DrainRequest,
   ErrorBody,
   FenceCheck,
   Fleet,
+  Idle,
   JournalEntry,
   JsonValue,
+  OperationId,
   ProcessRequest,
+  ReapReport,
+  ReconcileRequest,
+  Reconciled,
   ReleaseRequest,
   RenewRequest,
+  Reservation,
+  ReservationRequest,
   Run,
   RunList,
+  RuntimeRequest,
+  RuntimeStarted,
+  Scope,
+  ScopeList,
+  ScopeSummary,
+  ScopeToken,
   Status,
   StreamCutoff,
+  Thread,
+  ThreadClaim,
+  ThreadList,
+  TokenCreated,
+  TokenInfo,
+  TokenList,
+  TokenRequest,
 } from "./wire.js";
 
 export type * from "./wire.js";
+
+/**
+ * A run that holds its lease: what `acquire` answers and `withBerth` hands to `fn`.
+ * berth sets these fields on every granted run it shows to the run's own user (another
+ * user's run shows no fence, S9), so they need no `!`; `isGranted` checks a `Run`.
+ */
+export type GrantedRun = Run & { state: "granted"; fence: number; expires_at: string; ttl_ms: number };
+
+/** An acquire that waits for its lease (not `detach: true`): `acquire` answers a `GrantedRun`. */
+export type LeaseRequest = AcquireRequest & { detach?: false | null };
+
+/** A line of `acquireStream`: an `AcquireEvent` whose `granted` lease is a `GrantedRun`. */
+export type LeaseEvent = Exclude<AcquireEvent, { event: "granted" }> | { event: "granted"; lease: GrantedRun };
+
+/** `exportJournal`: the entries' exact bytes and what berth says of them. */
+export interface JournalExport {
+  /** The entries, one JSON object a line, exactly as berth stored them. */
+  ndjson: string;
+  /** The SHA-256 of `ndjson`'s bytes (lower-case hex), from `X-Berth-Journal-Sha256`. */
+  sha256: string;
+  /** The range exported: the first and the last sequence number. */
+  first: number;
+  through: number;
+}
+
+/** The daemon's OpenAPI 3.1 document (`GET /v1/openapi.json`). */
+export type OpenApiDocument = { openapi: string; paths: { [path: string]: JsonValue }; [key: string]: JsonValue };
+
+/** Whether `run` holds its lease and shows its fence, expiry and ttl (a `GrantedRun`). */
+export function isGranted(run: Run): run is GrantedRun {
+  return (
+    run.state === "granted" &&
+    typeof run.fence === "number" &&
+    typeof run.expires_at === "string" &&
+    typeof run.ttl_ms === "number"
+  );
+}
 
 /** A fetch function: the global one by default (Node 20 or later, browsers, Deno, Bun). */
 export type FetchLike = (input: string, init?: RequestInit) => Promise<Response>;
@@ -64,7 +129,8 @@ export class BerthError extends Error {
   /** The HTTP status. */
   readonly status: number;
   /** The stable snake_case code (`stale_fence`, `gone`, …); `unexpected_answer` when
-   *  the body was not API v1. */
+   *  the body was not API v1, or not what the call promises (an acquire answered
+   *  without a granted lease). */
   readonly code: string;
   /** The refusal's details (`{fence, current_fence}` for `stale_fence`, …). */
   readonly details: JsonValue;
@@ -99,33 +165,43 @@ export class LeaseLostError extends Error {
 }
 
 const NDJSON = "application/x-ndjson";
-/** The daemon's default lease, when neither the grant nor the request says. */
-const DEFAULT_TTL_S = 300;
 const BACKOFF_FIRST_MS = 100;
 const BACKOFF_MAX_MS = 1000;
 
-/** A handle on one berth daemon. Every method is one HTTP request (or one stream). */
+/**
+ * A handle on one berth daemon. Every method is one HTTP request (or one stream) of one
+ * operation of the API (`OPERATIONS`). A refusal rejects with `BerthError`, an
+ * unreachable daemon with `BerthConnectionError`, a bad path or query parameter (an
+ * empty id, a fractional number) with a `TypeError` before anything is sent.
+ */
 export class BerthClient {
   readonly baseUrl: string;
   readonly #token: string | null;
   readonly #fetch: FetchLike;
 
   constructor(options: BerthClientOptions) {
-    const url = options.baseUrl.replace(/\/+$/, "");
+    const given: unknown = options?.baseUrl;
+    const url = typeof given === "string" ? given.replace(/\/+$/, "") : "";
     if (!/^https?:\/\/[^/]+/.test(url)) {
-      throw new TypeError(`berth baseUrl ${JSON.stringify(options.baseUrl)}: must be http://host:port`);
+      throw new TypeError(`berth baseUrl ${JSON.stringify(given) ?? String(given)}: must be http://host:port`);
     }
     this.baseUrl = url;
     this.#token = options.token ?? null;
     this.#fetch = options.fetch ?? ((input, init) => globalThis.fetch(input, init));
   }
 
+  // ---- runs ------------------------------------------------------------------------
+
   /**
    * `POST /v1/runs`: waits (long-poll) until the run is granted and answers its lease.
    * Throws `BerthError` 410 `expired` when `wait_s` runs out, and any other refusal.
+   * With `detach: true` it answers at once: the run, queued (`202`) or granted.
    */
-  acquire(req: AcquireRequest, opts: CallOptions = {}): Promise<Run> {
-    return this.#call<Run>("POST", "/v1/runs", req, opts);
+  acquire(req: LeaseRequest, opts?: CallOptions): Promise<GrantedRun>;
+  acquire(req: AcquireRequest, opts?: CallOptions): Promise<Run>;
+  async acquire(req: AcquireRequest, opts: CallOptions = {}): Promise<Run> {
+    const run = await this.#call<Run>("POST", "/v1/runs", req, opts);
+    return req.detach === true ? run : granted(run);
   }
 
   /**
@@ -137,7 +213,8 @@ export class BerthClient {
    * cancels the waiting run (A9); the abort rejects the iteration with the signal's
    * reason.
    */
-  async *acquireStream(req: AcquireRequest, opts: CallOptions = {}): AsyncGenerator<AcquireEvent, void, undefined> {
+  async *acquireStream(req: AcquireRequest, opts: CallOptions = {}): AsyncGenerator<LeaseEvent, void, undefined> {
+    if (req.detach === true) throw new TypeError("berth acquireStream: a detached acquire is not streamed (use acquire)");
     const link = linkSignal(opts.signal);
     try {
       const res = await this.#send("POST", "/v1/runs", req, { signal: link.signal, accept: NDJSON });
@@ -145,7 +222,7 @@ export class BerthClient {
       const type = res.headers.get("content-type") ?? "";
       if (!type.includes(NDJSON)) {
         // Not streamed after all: a plain answer is the lease.
-        const lease = parseAnswer<Run>(res.status, await this.#text(res, opts.signal));
+        const lease = granted(parseAnswer<Run>(res.status, await this.#text(res, opts.signal)));
         yield { event: "granted", lease };
         return;
       }
@@ -156,7 +233,7 @@ export class BerthClient {
           if (line.trim() === "") continue;
           const event = parseAnswer<AcquireEvent>(res.status, line);
           ended = event.event !== "queued";
-          yield event;
+          yield event.event === "granted" ? { event: "granted", lease: granted(event.lease) } : event;
           if (ended) return;
         }
       } catch (e) {
@@ -174,56 +251,127 @@ export class BerthClient {
   }
 
   /** `POST /v1/runs/{id}/renew {fence, ttl_s?}`: extends the lease. */
-  renew(runId: string, fence: number, ttl_s?: number, opts: CallOptions = {}): Promise<Run> {
+  async renew(runId: string, fence: number, ttl_s?: number, opts: CallOptions = {}): Promise<Run> {
     const body: RenewRequest = ttl_s === undefined ? { fence } : { fence, ttl_s };
-    return this.#call<Run>("POST", `/v1/runs/${enc(runId)}/renew`, body, opts);
+    return this.#call<Run>("POST", `/v1/runs/${seg("run id", runId)}/renew`, body, opts);
   }
 
-  /** `POST /v1/runs/{id}/release {fence}`: answers once the run's processes are
-   *  stopped and its workspace is gone (or it is degraded). */
-  release(runId: string, fence: number, opts: CallOptions = {}): Promise<Run> {
+  /** `POST /v1/runs/{id}/release {fence}`: the run is `released`, or `releasing` while
+   *  berth still stops its processes (`getRun` with `wait_s` follows it). */
+  async release(runId: string, fence: number, opts: CallOptions = {}): Promise<Run> {
     const body: ReleaseRequest = { fence };
-    return this.#call<Run>("POST", `/v1/runs/${enc(runId)}/release`, body, opts);
+    return this.#call<Run>("POST", `/v1/runs/${seg("run id", runId)}/release`, body, opts);
+  }
+
+  /** `DELETE /v1/runs/{id}`: cancels a waiting run; with `fence`, releases a lease. */
+  async cancelRun(runId: string, opts: CallOptions & { fence?: number } = {}): Promise<Run> {
+    const q = query({ fence: opts.fence });
+    return this.#call<Run>("DELETE", `/v1/runs/${seg("run id", runId)}${q}`, undefined, opts);
   }
 
   /** `POST /v1/runs/{id}/processes {fence, pid}`: berth stops this process tree when
    *  the run ends (P1). */
-  registerProcess(runId: string, fence: number, pid: number, opts: CallOptions = {}): Promise<Run> {
+  async registerProcess(runId: string, fence: number, pid: number, opts: CallOptions = {}): Promise<Run> {
     const body: ProcessRequest = { fence, pid };
-    return this.#call<Run>("POST", `/v1/runs/${enc(runId)}/processes`, body, opts);
+    return this.#call<Run>("POST", `/v1/runs/${seg("run id", runId)}/processes`, body, opts);
   }
 
-  /** `GET /v1/runs/{id}`. */
-  getRun(runId: string, opts: CallOptions = {}): Promise<Run> {
-    return this.#call<Run>("GET", `/v1/runs/${enc(runId)}`, undefined, opts);
+  /** `POST /v1/runs/{id}/runtime {fence}` (C7): starts the ports of the contract in the
+   *  run's worktree and answers once each is ready (or `BerthError` 422 `runtime_failed`). */
+  async startRuntime(runId: string, fence: number, opts: CallOptions = {}): Promise<RuntimeStarted> {
+    const body: RuntimeRequest = { fence };
+    return this.#call<RuntimeStarted>("POST", `/v1/runs/${seg("run id", runId)}/runtime`, body, opts);
+  }
+
+  /** `GET /v1/runs/{id}`; with `wait_s`, as soon as the run changes (or unchanged after
+   *  `wait_s`). */
+  async getRun(runId: string, opts: CallOptions & { wait_s?: number } = {}): Promise<Run> {
+    const q = query({ wait_s: opts.wait_s });
+    return this.#call<Run>("GET", `/v1/runs/${seg("run id", runId)}${q}`, undefined, opts);
   }
 
   /** `GET /v1/runs`: live runs; with `all`, ended runs still remembered too. */
-  listRuns(opts: CallOptions & { all?: boolean; limit?: number } = {}): Promise<RunList> {
-    const q = new URLSearchParams();
-    if (opts.all !== undefined) q.set("all", String(opts.all));
-    if (opts.limit !== undefined) q.set("limit", String(opts.limit));
-    const query = q.size > 0 ? `?${q}` : "";
-    return this.#call<RunList>("GET", `/v1/runs${query}`, undefined, opts);
-  }
-
-  /** `GET /v1/status`: capacity, queue, projects, reaper (A12). */
-  status(opts: CallOptions = {}): Promise<Status> {
-    return this.#call<Status>("GET", "/v1/status", undefined, opts);
+  async listRuns(opts: CallOptions & { all?: boolean; limit?: number } = {}): Promise<RunList> {
+    return this.#call<RunList>("GET", `/v1/runs${query({ all: opts.all, limit: opts.limit })}`, undefined, opts);
   }
 
   /** `GET /v1/fences/check`: is `fence` still the lease of `runId` (L8)? */
-  checkFence(runId: string, fence: number, opts: CallOptions = {}): Promise<FenceCheck> {
-    const q = new URLSearchParams({ run_id: runId, fence: String(fence) });
-    return this.#call<FenceCheck>("GET", `/v1/fences/check?${q}`, undefined, opts);
+  async checkFence(runId: string, fence: number, opts: CallOptions = {}): Promise<FenceCheck> {
+    const q = query({ run_id: nonEmpty("run id", runId), fence });
+    return this.#call<FenceCheck>("GET", `/v1/fences/check${q}`, undefined, opts);
+  }
+
+  // ---- the host --------------------------------------------------------------------
+
+  /** `GET /v1/status`: capacity, queue, projects, reaper (A12). */
+  async status(opts: CallOptions = {}): Promise<Status> {
+    return this.#call<Status>("GET", "/v1/status", undefined, opts);
   }
 
   /**
    * `GET /v1/fleet`: every live host's capacity and queue, the fleet's sums and the dead
    * hosts (F4; `404 fleet_mode_off` on a host without `--store`).
    */
-  fleet(opts: CallOptions = {}): Promise<Fleet> {
+  async fleet(opts: CallOptions = {}): Promise<Fleet> {
     return this.#call<Fleet>("GET", "/v1/fleet", undefined, opts);
+  }
+
+  /** `POST /v1/reap` (admin): one reaper pass now (P4). */
+  async reap(opts: CallOptions = {}): Promise<ReapReport> {
+    return this.#call<ReapReport>("POST", "/v1/reap", undefined, opts);
+  }
+
+  /** `GET /v1/idle`: whether the host may be taken away now, and what is in flight. */
+  async getIdle(opts: CallOptions = {}): Promise<Idle> {
+    return this.#call<Idle>("GET", "/v1/idle", undefined, opts);
+  }
+
+  /** `GET /metrics`: the OpenMetrics text (Prometheus). */
+  async getMetrics(opts: CallOptions = {}): Promise<string> {
+    return (await this.#getText("/metrics", "application/openmetrics-text", opts)).text;
+  }
+
+  /** `GET /`: the dashboard's HTML page (it asks the API with the token a person gives it). */
+  async getDashboard(opts: CallOptions = {}): Promise<string> {
+    return (await this.#getText("/", "text/html", opts)).text;
+  }
+
+  /** `GET /v1/openapi.json`: the API's OpenAPI 3.1 document, as the daemon serves it. */
+  async getOpenApi(opts: CallOptions = {}): Promise<OpenApiDocument> {
+    return this.#call<OpenApiDocument>("GET", "/v1/openapi.json", undefined, opts);
+  }
+
+  // ---- the journal (D5) ------------------------------------------------------------
+
+  /** `GET /v1/journal`: the entries after `after` (default 0: from the first kept), at
+   *  most `limit` (berth's default and most: 1000). */
+  async readJournal(opts: CallOptions & { after?: number; limit?: number } = {}): Promise<JournalEntry[]> {
+    const q = query({ after: opts.after, limit: opts.limit });
+    const { status, text } = await this.#getText(`/v1/journal${q}`, NDJSON, opts);
+    return parseLines<JournalEntry>(status, text);
+  }
+
+  /**
+   * `GET /v1/journal/export`: the entries `from` (default 1) `through` (default: the
+   * last), or only experiment scope `scope`'s, as the bytes berth stored, with their
+   * SHA-256. `BerthError` 410 `journal_pruned` once retention deleted the start.
+   */
+  async exportJournal(
+    opts: CallOptions & { from?: number; through?: number; scope?: string } = {},
+  ): Promise<JournalExport> {
+    const q = query({ from: opts.from, through: opts.through, scope: opts.scope });
+    const { status, headers, text } = await this.#getText(`/v1/journal/export${q}`, NDJSON, opts);
+    const header = (name: string): string => {
+      const v = headers.get(name);
+      if (v === null) throw new BerthError(status, "unexpected_answer", `berth answered an export without ${name}`);
+      return v;
+    };
+    return {
+      ndjson: text,
+      sha256: header("x-berth-journal-sha256"),
+      first: Number(header("x-berth-journal-first")),
+      through: Number(header("x-berth-journal-through")),
+    };
   }
 
   /**
@@ -307,10 +455,118 @@ export class BerthClient {
     }
   }
 
+  // ---- tokens (admin) --------------------------------------------------------------
+
+  /** `GET /v1/tokens`: every token's id, scope, user and expiry (never a secret). */
+  async listTokens(opts: CallOptions = {}): Promise<TokenList> {
+    return this.#call<TokenList>("GET", "/v1/tokens", undefined, opts);
+  }
+
+  /** `POST /v1/tokens`: a new token of `scope` (`read`, `operator`, `admin`), shown once. */
+  async createToken(req: TokenRequest, opts: CallOptions = {}): Promise<TokenCreated> {
+    return this.#call<TokenCreated>("POST", "/v1/tokens", req, opts);
+  }
+
+  /** `DELETE /v1/tokens/{id}`: refused from then on, here and after restarts. */
+  async revokeToken(tokenId: string, opts: CallOptions = {}): Promise<TokenInfo> {
+    return this.#call<TokenInfo>("DELETE", `/v1/tokens/${seg("token id", tokenId)}`, undefined, opts);
+  }
+
+  // ---- agent threads and the drain (G0–G4) -----------------------------------------
+
+  /** `POST /v1/threads/{key}/attach`: registers the thread for `claim.run_id` until
+   *  `claim.run_budget_ms` from now (G1); 409 `registration_mismatch` names the owner. */
+  async attachThread(key: string, claim: ThreadClaim, opts: CallOptions = {}): Promise<Thread> {
+    return this.#call<Thread>("POST", `/v1/threads/${seg("thread key", key)}/attach`, claim, opts);
+  }
+
+  /** `POST /v1/threads/{key}/deadline`: the owner moves its registration's deadline to
+   *  `claim.run_budget_ms` from now (G3). */
+  async moveThreadDeadline(key: string, claim: ThreadClaim, opts: CallOptions = {}): Promise<Thread> {
+    return this.#call<Thread>("POST", `/v1/threads/${seg("thread key", key)}/deadline`, claim, opts);
+  }
+
+  /** `POST /v1/threads/{key}/detach`: the owner ends its registration (G3); with
+   *  `claim.evict`, the thread's workspace goes too. */
+  async detachThread(key: string, claim: ThreadClaim, opts: CallOptions = {}): Promise<Thread> {
+    return this.#call<Thread>("POST", `/v1/threads/${seg("thread key", key)}/detach`, claim, opts);
+  }
+
+  /** `GET /v1/threads/{key}`: owner, registration, workspace, evictions. */
+  async getThread(key: string, opts: CallOptions = {}): Promise<Thread> {
+    return this.#call<Thread>("GET", `/v1/threads/${seg("thread key", key)}`, undefined, opts);
+  }
+
+  /** `DELETE /v1/threads/{key}`: evicts the thread's workspace (refused while registered). */
+  async evictThread(key: string, opts: CallOptions = {}): Promise<Thread> {
+    return this.#call<Thread>("DELETE", `/v1/threads/${seg("thread key", key)}`, undefined, opts);
+  }
+
+  /** `GET /v1/threads`: every thread. */
+  async listThreads(opts: CallOptions = {}): Promise<ThreadList> {
+    return this.#call<ThreadList>("GET", "/v1/threads", undefined, opts);
+  }
+
+  /** `GET /v1/drain`: the drain in force, if any, and what it waits for (G4). */
+  async getDrain(opts: CallOptions = {}): Promise<Drain> {
+    return this.#call<Drain>("GET", "/v1/drain", undefined, opts);
+  }
+
+  /** `POST /v1/drain {reason?}`: no new runs or registrations until `endDrain` (G4). */
+  async startDrain(req: DrainRequest = {}, opts: CallOptions = {}): Promise<Drain> {
+    return this.#call<Drain>("POST", "/v1/drain", req, opts);
+  }
+
+  /** `DELETE /v1/drain`: ends the drain. */
+  async endDrain(opts: CallOptions = {}): Promise<Drain> {
+    return this.#call<Drain>("DELETE", "/v1/drain", undefined, opts);
+  }
+
+  // ---- experiment scopes and their tokens (B1–B6) ----------------------------------
+
+  /** `GET /v1/scopes`: every scope's control, generation and tokens per harness. */
+  async listScopes(opts: CallOptions = {}): Promise<ScopeList> {
+    return this.#call<ScopeList>("GET", "/v1/scopes", undefined, opts);
+  }
+
+  /** `GET /v1/scopes/{id}`: policy, manifest, tokens and owners, control, waiters (B6). */
+  async getScope(scope: string, opts: CallOptions = {}): Promise<Scope> {
+    return this.#call<Scope>("GET", `/v1/scopes/${seg("scope", scope)}`, undefined, opts);
+  }
+
+  /** `DELETE /v1/scopes/{id}`: forgets an idle scope (409 `scope_in_use` otherwise; S10). */
+  async forgetScope(scope: string, opts: CallOptions = {}): Promise<ScopeSummary> {
+    return this.#call<ScopeSummary>("DELETE", `/v1/scopes/${seg("scope", scope)}`, undefined, opts);
+  }
+
+  /** `POST /v1/scopes/{id}/reservations`: a turn's token, by `(owner, operation_id)`;
+   *  a retry gets the same token (`new: false`); 409 `budget_full` never queues (B2). */
+  async reserveToken(scope: string, req: ReservationRequest, opts: CallOptions = {}): Promise<Reservation> {
+    return this.#call<Reservation>("POST", `/v1/scopes/${seg("scope", scope)}/reservations`, req, opts);
+  }
+
+  /** `DELETE /v1/scopes/{id}/reservations/{owner}/{operation_id}`: the owner gives its
+   *  token back (B3). */
+  async unreserveToken(scope: string, owner: string, operationId: string, opts: CallOptions = {}): Promise<ScopeToken> {
+    const p = `${seg("scope", scope)}/reservations/${seg("owner", owner)}/${seg("operation id", operationId)}`;
+    return this.#call<ScopeToken>("DELETE", `/v1/scopes/${p}`, undefined, opts);
+  }
+
+  /** `POST /v1/scopes/{id}/reconcile` (admin): frees every token `req.owner` holds (B3). */
+  async reconcileScope(scope: string, req: ReconcileRequest, opts: CallOptions = {}): Promise<Reconciled> {
+    return this.#call<Reconciled>("POST", `/v1/scopes/${seg("scope", scope)}/reconcile`, req, opts);
+  }
+
+  /** `POST /v1/scopes/{id}/control`: `pause`, `stop` or `resume`; the same `request_id`
+   *  again answers the same receipt (B4). */
+  async controlScope(scope: string, req: ControlRequest, opts: CallOptions = {}): Promise<ControlReceipt> {
+    return this.#call<ControlReceipt>("POST", `/v1/scopes/${seg("scope", scope)}/control`, req, opts);
+  }
+
   /** `withBerth(this, req, fn, opts)`. */
   withBerth<T>(
     req: AcquireRequest,
-    fn: (lease: Run, signal: AbortSignal) => Promise<T>,
+    fn: (lease: GrantedRun, signal: AbortSignal) => Promise<T>,
     opts: CallOptions = {},
   ): Promise<T> {
     return withBerth(this, req, fn, opts);
@@ -318,11 +574,24 @@ export class BerthClient {
 
   // ---- plumbing --------------------------------------------------------------------
 
+  /** One JSON request: the answer parsed, or the refusal thrown. */
   async #call<T>(method: string, path: string, body: unknown, opts: CallOptions): Promise<T> {
     const res = await this.#send(method, path, body, { signal: opts.signal });
     const text = await this.#text(res, opts.signal);
     if (!res.ok) throw refusal(res.status, text);
     return parseAnswer<T>(res.status, text);
+  }
+
+  /** One `GET` whose answer is not JSON: its text and headers, or the refusal thrown. */
+  async #getText(
+    path: string,
+    accept: string,
+    opts: CallOptions,
+  ): Promise<{ status: number; headers: Headers; text: string }> {
+    const res = await this.#send("GET", path, undefined, { signal: opts.signal, accept });
+    const text = await this.#text(res, opts.signal);
+    if (!res.ok) throw refusal(res.status, text);
+    return { status: res.status, headers: res.headers, text };
   }
 
   async #send(
@@ -358,6 +627,56 @@ export class BerthClient {
   }
 }
 
+/** The methods of `BerthClient` by name. */
+type Method = { [K in keyof BerthClient]: BerthClient[K] extends (...args: never[]) => unknown ? K : never }[keyof BerthClient];
+
+/**
+ * Each operation of the OpenAPI document (its `operationId`) and the `BerthClient` method
+ * that calls it (`acquireStream` calls `acquireRun` too). tsc checks that it names every
+ * operation of src/schema.ts, and a test that it covers docs/openapi.json and that a
+ * daemon answers each, so a new endpoint needs a method here.
+ */
+export const OPERATIONS = {
+  listRuns: "listRuns",
+  acquireRun: "acquire",
+  getRun: "getRun",
+  cancelRun: "cancelRun",
+  getStatus: "status",
+  getFleet: "fleet",
+  checkFence: "checkFence",
+  readJournal: "readJournal",
+  exportJournal: "exportJournal",
+  streamEvents: "events",
+  getMetrics: "getMetrics",
+  renewRun: "renew",
+  releaseRun: "release",
+  registerProcess: "registerProcess",
+  startRuntime: "startRuntime",
+  listTokens: "listTokens",
+  createToken: "createToken",
+  revokeToken: "revokeToken",
+  reap: "reap",
+  getDashboard: "getDashboard",
+  getOpenApi: "getOpenApi",
+  attachThread: "attachThread",
+  moveThreadDeadline: "moveThreadDeadline",
+  detachThread: "detachThread",
+  getThread: "getThread",
+  evictThread: "evictThread",
+  listThreads: "listThreads",
+  getDrain: "getDrain",
+  startDrain: "startDrain",
+  endDrain: "endDrain",
+  getIdle: "getIdle",
+  listScopes: "listScopes",
+  getScope: "getScope",
+  forgetScope: "forgetScope",
+  reserveToken: "reserveToken",
+  unreserveToken: "unreserveToken",
+  reconcileScope: "reconcileScope",
+  controlScope: "controlScope",
+} as const satisfies Record<OperationId, Method>;
+
 /**
  * Holds a lease around `fn`: acquires (waiting as `req.wait_s` allows), renews every
  * third of the lease's ttl, and releases when `fn` settles. If the lease is lost (a
@@ -372,24 +691,20 @@ export class BerthClient {
 export async function withBerth<T>(
   client: BerthClient,
   req: AcquireRequest,
-  fn: (lease: Run, signal: AbortSignal) => Promise<T>,
+  fn: (lease: GrantedRun, signal: AbortSignal) => Promise<T>,
   opts: CallOptions = {},
 ): Promise<T> {
-  const lease = await client.acquire(req, opts);
+  const { detach, ...waiting } = req;
+  if (detach === true) throw new TypeError("berth withBerth: holds a lease, so its acquire must not detach");
+  const lease = await client.acquire(waiting, opts);
   const fence = lease.fence;
   const runId = lease.run_id;
-  if (fence === null) {
-    throw new BerthError(201, "unexpected_answer", `run ${runId} was granted without a fence`);
-  }
-  const grantedAt = Date.now();
-  const requestedMs = (req.ttl_s ?? DEFAULT_TTL_S) * 1000;
-  let expiresAt = parseTime(lease.expires_at) ?? grantedAt + requestedMs;
-  let ttlMs = expiresAt - grantedAt;
-  if (!(ttlMs > 0)) ttlMs = requestedMs;
-  // A clock skewed ahead of berth's must not stretch the interval past what was asked.
-  if (req.ttl_s != null) ttlMs = Math.min(ttlMs, req.ttl_s * 1000);
+  // The lease's own ttl (berth's default or its ttl_max may have decided it), counted
+  // on this clock (from the grant's answer, then from before each renewal), so that no
+  // skew between this clock and berth's stretches it.
+  const ttlMs = lease.ttl_ms;
   const every = Math.max(ttlMs / 3, 50);
-  if (!(expiresAt > grantedAt)) expiresAt = grantedAt + ttlMs;
+  let expiresAt = Date.now() + ttlMs;
 
   const ctl = new AbortController();
   const onOuterAbort = () => ctl.abort(opts.signal?.reason);
@@ -425,8 +740,9 @@ export async function withBerth<T>(
     const limitMs = Math.max(every, 1000);
     const limit = setTimeout(() => call.abort(new Error(`no answer within ${limitMs} ms`)), limitMs);
     try {
-      const r = await client.renew(runId, fence, undefined, { signal: call.signal });
-      expiresAt = parseTime(r.expires_at) ?? Date.now() + ttlMs;
+      const sent = Date.now();
+      await client.renew(runId, fence, undefined, { signal: call.signal });
+      expiresAt = sent + ttlMs;
       schedule(every);
     } catch (e) {
       if (stopped) return;
@@ -475,10 +791,6 @@ export async function withBerth<T>(
 
 // ---- helpers -----------------------------------------------------------------------
 
-function enc(s: string): string {
-  return encodeURIComponent(s);
-}
-
 function describe(e: unknown): string {
   if (e instanceof Error) {
     const cause = (e as { cause?: unknown }).cause;
@@ -487,10 +799,49 @@ function describe(e: unknown): string {
   return String(e);
 }
 
-function parseTime(s: string | null | undefined): number | undefined {
-  if (s === null || s === undefined) return undefined;
-  const t = Date.parse(s);
-  return Number.isFinite(t) ? t : undefined;
+/** `value`, which must be a non-empty string; else a `TypeError` naming it. */
+function nonEmpty(what: string, value: string): string {
+  if (typeof value !== "string" || value === "") {
+    throw new TypeError(`berth: the ${what} must be a non-empty string, not ${JSON.stringify(value) ?? String(value)}`);
+  }
+  return value;
+}
+
+/** A path parameter: a non-empty string, percent-encoded. */
+function seg(what: string, value: string): string {
+  return encodeURIComponent(nonEmpty(what, value));
+}
+
+/** `?name=value&…` of the parameters given (none: ""); a number must be a non-negative
+ *  integer, else a `TypeError` naming it. */
+function query(params: Record<string, string | number | boolean | undefined>): string {
+  const q = new URLSearchParams();
+  for (const [name, value] of Object.entries(params)) {
+    if (value === undefined) continue;
+    if (typeof value === "number" && !(Number.isSafeInteger(value) && value >= 0)) {
+      throw new TypeError(`berth: ${name} must be a non-negative integer, not ${value}`);
+    }
+    q.set(name, String(value));
+  }
+  return q.size > 0 ? `?${q}` : "";
+}
+
+/** The run an acquire answered, which must hold its lease; `BerthError` if not. */
+function granted(run: Run): GrantedRun {
+  if (isGranted(run)) return run;
+  throw new BerthError(
+    201,
+    "unexpected_answer",
+    `berth answered an acquire with run ${run.run_id} ${run.state}${run.fence === null ? " without a fence" : ""}, not a lease`,
+  );
+}
+
+/** NDJSON: each non-empty line as JSON. */
+function parseLines<T>(status: number, text: string): T[] {
+  return text
+    .split("\n")
+    .filter((line) => line.trim() !== "")
+    .map((line) => parseAnswer<T>(status, line));
 }
 
 /** A 2xx body (or one stream line) as JSON; `BerthError` `unexpected_answer` if not. */

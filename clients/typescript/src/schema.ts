@@ -1285,6 +1285,42 @@ export interface operations {
                     "application/json": components["schemas"]["RunList"];
                 };
             };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -1305,6 +1341,25 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "labels": {
+                 *         "ticket": "SHOP-12"
+                 *       },
+                 *       "priority": "foreground",
+                 *       "project": "shop",
+                 *       "resources": {
+                 *         "cpu_millis": 1000,
+                 *         "memory": 2147483648
+                 *       },
+                 *       "run_id": "agent-7",
+                 *       "singletons": [
+                 *         "db"
+                 *       ],
+                 *       "ttl_s": 300,
+                 *       "wait_s": 600
+                 *     }
+                 */
                 "application/json": components["schemas"]["AcquireRequest"];
             };
         };
@@ -1326,6 +1381,60 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Run"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1361,6 +1470,60 @@ export interface operations {
                     "application/json": components["schemas"]["Run"];
                 };
             };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -1394,6 +1557,78 @@ export interface operations {
                     "application/json": components["schemas"]["Run"];
                 };
             };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -1423,6 +1658,24 @@ export interface operations {
                     "application/json": components["schemas"]["Status"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -1450,6 +1703,24 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Fleet"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1484,6 +1755,42 @@ export interface operations {
                     "application/json": components["schemas"]["FenceCheck"];
                 };
             };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -1514,6 +1821,42 @@ export interface operations {
                 };
                 content: {
                     "application/x-ndjson": components["schemas"]["JournalEntry"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1547,6 +1890,42 @@ export interface operations {
                 };
                 content: {
                     "application/x-ndjson": components["schemas"]["JournalEntry"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1583,6 +1962,42 @@ export interface operations {
                     "text/event-stream": components["schemas"]["JournalEntry"];
                 };
             };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -1612,6 +2027,24 @@ export interface operations {
                     "application/openmetrics-text": unknown;
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -1634,6 +2067,12 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "fence": 42,
+                 *       "ttl_s": 300
+                 *     }
+                 */
                 "application/json": components["schemas"]["RenewRequest"];
             };
         };
@@ -1645,6 +2084,114 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Run"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: stale_fence */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "stale_fence",
+                     *         "details": {},
+                     *         "message": "fence 41 is not the current fence of run agent-7 (current: 42)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: gone */
+            410: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "gone",
+                     *         "details": {},
+                     *         "message": "run agent-7 is released: its lease is over and cannot be acted on"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1669,6 +2216,11 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "fence": 42
+                 *     }
+                 */
                 "application/json": components["schemas"]["ReleaseRequest"];
             };
         };
@@ -1680,6 +2232,114 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Run"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: stale_fence */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "stale_fence",
+                     *         "details": {},
+                     *         "message": "fence 41 is not the current fence of run agent-7 (current: 42)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: gone */
+            410: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "gone",
+                     *         "details": {},
+                     *         "message": "run agent-7 is released: its lease is over and cannot be acted on"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1704,6 +2364,12 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "fence": 42,
+                 *       "pid": 31337
+                 *     }
+                 */
                 "application/json": components["schemas"]["ProcessRequest"];
             };
         };
@@ -1715,6 +2381,114 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Run"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: stale_fence */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "stale_fence",
+                     *         "details": {},
+                     *         "message": "fence 41 is not the current fence of run agent-7 (current: 42)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: gone */
+            410: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "gone",
+                     *         "details": {},
+                     *         "message": "run agent-7 is released: its lease is over and cannot be acted on"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1739,6 +2513,11 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "fence": 42
+                 *     }
+                 */
                 "application/json": components["schemas"]["RuntimeRequest"];
             };
         };
@@ -1751,6 +2530,114 @@ export interface operations {
                 content: {
                     "application/json": components["schemas"]["RuntimeStarted"];
                     "application/x-ndjson": components["schemas"]["RuntimeEvent"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: stale_fence */
+            409: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "stale_fence",
+                     *         "details": {},
+                     *         "message": "fence 41 is not the current fence of run agent-7 (current: 42)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: gone */
+            410: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "gone",
+                     *         "details": {},
+                     *         "message": "run agent-7 is released: its lease is over and cannot be acted on"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1782,6 +2669,42 @@ export interface operations {
                     "application/json": components["schemas"]["TokenList"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -1802,6 +2725,13 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "expires_s": 86400,
+                 *       "scope": "operator",
+                 *       "uid": 1000
+                 *     }
+                 */
                 "application/json": components["schemas"]["TokenRequest"];
             };
         };
@@ -1813,6 +2743,60 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["TokenCreated"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1846,6 +2830,60 @@ export interface operations {
                     "application/json": components["schemas"]["TokenInfo"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -1873,6 +2911,42 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ReapReport"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1955,6 +3029,14 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "owner_fence": 1,
+                 *       "owner_gen": "orchestrator-3",
+                 *       "run_budget_ms": 600000,
+                 *       "run_id": "agent-7"
+                 *     }
+                 */
                 "application/json": components["schemas"]["ThreadClaim"];
             };
         };
@@ -1966,6 +3048,78 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Thread"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -1990,6 +3144,14 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "owner_fence": 1,
+                 *       "owner_gen": "orchestrator-3",
+                 *       "run_budget_ms": 600000,
+                 *       "run_id": "agent-7"
+                 *     }
+                 */
                 "application/json": components["schemas"]["ThreadClaim"];
             };
         };
@@ -2001,6 +3163,78 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Thread"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -2025,6 +3259,14 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "owner_fence": 1,
+                 *       "owner_gen": "orchestrator-3",
+                 *       "run_budget_ms": 600000,
+                 *       "run_id": "agent-7"
+                 *     }
+                 */
                 "application/json": components["schemas"]["ThreadClaim"];
             };
         };
@@ -2036,6 +3278,78 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Thread"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -2069,6 +3383,42 @@ export interface operations {
                     "application/json": components["schemas"]["Thread"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -2100,6 +3450,60 @@ export interface operations {
                     "application/json": components["schemas"]["Thread"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -2127,6 +3531,24 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ThreadList"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -2158,6 +3580,24 @@ export interface operations {
                     "application/json": components["schemas"]["Drain"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -2178,6 +3618,11 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "reason": "kernel upgrade at 18:00"
+                 *     }
+                 */
                 "application/json": components["schemas"]["DrainRequest"];
             };
         };
@@ -2189,6 +3634,60 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Drain"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -2220,6 +3719,42 @@ export interface operations {
                     "application/json": components["schemas"]["Drain"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -2249,6 +3784,24 @@ export interface operations {
                     "application/json": components["schemas"]["Idle"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -2276,6 +3829,24 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ScopeList"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -2309,6 +3880,42 @@ export interface operations {
                     "application/json": components["schemas"]["Scope"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -2340,6 +3947,60 @@ export interface operations {
                     "application/json": components["schemas"]["ScopeSummary"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -2362,6 +4023,13 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "harness": "claude-code",
+                 *       "operation_id": "turn-12",
+                 *       "owner": "agent-7"
+                 *     }
+                 */
                 "application/json": components["schemas"]["ReservationRequest"];
             };
         };
@@ -2382,6 +4050,78 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Reservation"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -2417,6 +4157,60 @@ export interface operations {
                     "application/json": components["schemas"]["ScopeToken"];
                 };
             };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
             /** @description refused: {"error": {code, message, details}} */
             default: {
                 headers: {
@@ -2439,6 +4233,12 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "owner": "agent-7",
+                 *       "reason": "its orchestrator crashed"
+                 *     }
+                 */
                 "application/json": components["schemas"]["ReconcileRequest"];
             };
         };
@@ -2450,6 +4250,78 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["Reconciled"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */
@@ -2474,6 +4346,12 @@ export interface operations {
         };
         requestBody: {
             content: {
+                /**
+                 * @example {
+                 *       "mode": "pause",
+                 *       "request_id": "ctl-1"
+                 *     }
+                 */
                 "application/json": components["schemas"]["ControlRequest"];
             };
         };
@@ -2485,6 +4363,78 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ControlReceipt"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: not_found */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "not_found",
+                     *         "details": {},
+                     *         "message": "run agent-7 is not known"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
                 };
             };
             /** @description refused: {"error": {code, message, details}} */

@@ -14,9 +14,12 @@
 //   `skip_serializing_if`), so read it as possibly absent.
 // - Every `u64`/`i32`/`u16` is a JSON number (berth keeps them below 2^53).
 
-import type { components } from "./schema.js";
+import type { components, operations } from "./schema.js";
 
 type Schemas = components["schemas"];
+
+/** The `operationId` of each operation of the document (`acquireRun`, `renewRun`, …). */
+export type OperationId = keyof operations;
 
 /** Any JSON value (`serde_json::Value`). */
 export type JsonValue =

@@ -5,11 +5,6 @@
 
 import { after, before, test } from "node:test";
 import assert from "node:assert/strict";
-import { spawn, type ChildProcess } from "node:child_process";
-import { mkdtemp, readFile, rm } from "node:fs/promises";
-import { createServer } from "node:net";
-import { tmpdir } from "node:os";
-import { join } from "node:path";
 
 import {
   BerthClient,
@@ -17,101 +12,26 @@ import {
   LeaseLostError,
   withBerth,
   type AcquireRequest,
+  type GrantedRun,
   type JournalEntry,
   type Run,
 } from "../src/index.js";
+import { sleep, startDaemon, type Daemon } from "./daemon.js";
 
 const MiB = 1024 * 1024;
 /** Small enough for any host; named so that no default depends on the host's size. */
 const SMALL: AcquireRequest["resources"] = { memory: 64 * MiB, cpu_millis: 100, disk: MiB };
 
-let daemon: ChildProcess | undefined;
-let daemonLog = "";
-let stateDir: string | undefined;
+let daemon: Daemon | undefined;
 let client: BerthClient;
 
-const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
-
-function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const srv = createServer();
-    srv.once("error", reject);
-    srv.listen(0, "127.0.0.1", () => {
-      const addr = srv.address();
-      const port = typeof addr === "object" && addr !== null ? addr.port : 0;
-      srv.close(() => resolve(port));
-    });
-  });
-}
-
 before(async () => {
-  const bin = process.env["BERTH_BIN"];
-  if (bin === undefined || bin === "") {
-    throw new Error("BERTH_BIN is not set: set it to the berth binary to test against (e.g. target/release/berth)");
-  }
-  stateDir = await mkdtemp(join(tmpdir(), "berth-ts-"));
-  const port = await freePort();
-  const listen = `127.0.0.1:${port}`;
-  const args = [
-    "serve",
-    "--state-dir", stateDir,
-    "--listen", listen,
-    "--slots-max", "1",
-    "--memory-total", "8GiB",
-    "--cpu-total", "4",
-    "--no-memory-sampling",
-  ];
-  const child = spawn(bin, args, { stdio: ["ignore", "pipe", "pipe"] });
-  daemon = child;
-  const keep = (b: Buffer) => {
-    daemonLog = (daemonLog + b.toString()).slice(-20_000);
-  };
-  child.stdout?.on("data", keep);
-  child.stderr?.on("data", keep);
-  let exited: string | undefined;
-  let spawnError: Error | undefined;
-  child.once("error", (e) => {
-    spawnError = e;
-  });
-  child.once("exit", (code, signal) => {
-    exited = `exited with ${code ?? signal}`;
-  });
-
-  const baseUrl = `http://${listen}`;
-  const deadline = Date.now() + 20_000;
-  for (;;) {
-    if (spawnError !== undefined) throw new Error(`could not start ${bin}: ${spawnError.message}`);
-    if (exited !== undefined) throw new Error(`berth serve ${exited} before it answered:\n${daemonLog}`);
-    if (Date.now() > deadline) throw new Error(`berth serve did not answer /v1/status within 20 s:\n${daemonLog}`);
-    try {
-      const token = (await readFile(join(stateDir, "admin.token"), "utf8")).trim();
-      const c = new BerthClient({ baseUrl, token });
-      await c.status();
-      client = c;
-      return;
-    } catch {
-      await sleep(50);
-    }
-  }
+  daemon = await startDaemon(["--slots-max", "1"]);
+  client = daemon.client;
 });
 
 after(async () => {
-  const child = daemon;
-  if (child !== undefined && child.exitCode === null && child.signalCode === null) {
-    const gone = new Promise<void>((resolve) => child.once("exit", () => resolve()));
-    child.kill("SIGTERM");
-    let timer: ReturnType<typeof setTimeout> | undefined;
-    const grace = new Promise<boolean>((resolve) => {
-      timer = setTimeout(() => resolve(true), 10_000);
-    });
-    const timedOut = await Promise.race([gone.then(() => false), grace]);
-    clearTimeout(timer);
-    if (timedOut) {
-      child.kill("SIGKILL");
-      await gone;
-    }
-  }
-  if (stateDir !== undefined) await rm(stateDir, { recursive: true, force: true });
+  await daemon?.stop();
 });
 
 /** The state of every queued run, polled until there is none or `ms` pass. */
@@ -124,20 +44,16 @@ async function queuedAfter(ms: number): Promise<Run[]> {
   }
 }
 
-function fenceOf(run: Run): number {
-  assert.equal(typeof run.fence, "number", `run ${run.run_id} has no fence`);
-  return run.fence as number;
-}
-
 test("acquire, renew and release a lease; its fence is not current afterwards", { timeout: 30_000 }, async () => {
   const lease = await client.acquire({ project: "t1", ttl_s: 30, wait_s: 10, resources: SMALL });
   assert.equal(lease.state, "granted");
-  const fence = fenceOf(lease);
+  const fence = lease.fence;
   assert.ok(fence > 0);
   assert.equal(lease.env["BERTH_FENCE"], String(fence));
   assert.equal(lease.env["BERTH_RUN_ID"], lease.run_id);
   assert.equal(lease.claim.resources["memory"], 64 * MiB);
-  assert.ok(lease.expires_at !== null);
+  assert.equal(lease.ttl_ms, 30_000, "the lease's ttl is the one asked for");
+  assert.ok(Date.parse(lease.expires_at) > Date.now(), `expires_at ${lease.expires_at} is past`);
   assert.deepEqual(await client.checkFence(lease.run_id, fence), {
     run_id: lease.run_id,
     fence,
@@ -212,13 +128,13 @@ test("a second acquire waits while the slot is held; aborting its stream cancels
     assert.deepEqual(left.map((r) => r.run_id), [], "no run is queued 5 s after the abort");
     assert.equal((await client.getRun(ev.run_id)).state, "cancelled");
   } finally {
-    await client.release(holder.run_id, fenceOf(holder));
+    await client.release(holder.run_id, holder.fence);
   }
 });
 
 test("a stale fence is refused with 409 stale_fence", { timeout: 30_000 }, async () => {
   const lease = await client.acquire({ project: "t3", ttl_s: 30, wait_s: 10, resources: SMALL });
-  const fence = fenceOf(lease);
+  const fence = lease.fence;
   try {
     await assert.rejects(client.renew(lease.run_id, fence + 1), (e: unknown) => {
       assert.ok(e instanceof BerthError, `not a BerthError: ${String(e)}`);
@@ -252,13 +168,13 @@ test("fleet() on a host without fleet mode is refused with 404 fleet_mode_off", 
 });
 
 test("withBerth runs fn with a lease and releases it after", { timeout: 30_000 }, async () => {
-  let seen: Run | undefined;
+  let seen: GrantedRun | undefined;
   let signal: AbortSignal | undefined;
   const out = await withBerth(client, { project: "t4a", ttl_s: 30, wait_s: 10, resources: SMALL }, async (lease, s) => {
     seen = lease;
     signal = s;
     assert.equal(lease.state, "granted");
-    assert.equal((await client.checkFence(lease.run_id, fenceOf(lease))).current, true);
+    assert.equal((await client.checkFence(lease.run_id, lease.fence)).current, true);
     return 42;
   });
   assert.equal(out, 42);
@@ -268,7 +184,7 @@ test("withBerth runs fn with a lease and releases it after", { timeout: 30_000 }
 });
 
 test("withBerth renews a short lease while fn outlives its ttl", { timeout: 30_000 }, async () => {
-  let seen: Run | undefined;
+  let seen: GrantedRun | undefined;
   const out = await client.withBerth({ project: "t4b", ttl_s: 3, wait_s: 10, resources: SMALL }, async (lease, signal) => {
     seen = lease;
     await sleep(5_000);
@@ -276,10 +192,10 @@ test("withBerth renews a short lease while fn outlives its ttl", { timeout: 30_0
     const now = await client.getRun(lease.run_id);
     assert.equal(now.state, "granted");
     assert.ok(
-      Date.parse(now.expires_at ?? "") > Date.parse(lease.expires_at ?? "") + 1_000,
+      Date.parse(now.expires_at ?? "") > Date.parse(lease.expires_at) + 1_000,
       `expires_at moved from ${lease.expires_at} to ${now.expires_at}`,
     );
-    assert.equal((await client.checkFence(lease.run_id, fenceOf(lease))).current, true);
+    assert.equal((await client.checkFence(lease.run_id, lease.fence)).current, true);
     return "kept";
   });
   assert.equal(out, "kept");
@@ -288,13 +204,13 @@ test("withBerth renews a short lease while fn outlives its ttl", { timeout: 30_0
 });
 
 test("withBerth aborts fn and rejects with LeaseLostError when the lease is lost", { timeout: 30_000 }, async () => {
-  let seen: Run | undefined;
+  let seen: GrantedRun | undefined;
   let abortedWith: unknown;
   const started = Date.now();
   const run = withBerth(client, { project: "t4c", ttl_s: 3, wait_s: 10, resources: SMALL }, async (lease, signal) => {
     seen = lease;
     // Behind withBerth's back: its next renewal is refused.
-    await client.release(lease.run_id, fenceOf(lease));
+    await client.release(lease.run_id, lease.fence);
     await new Promise<void>((resolve, reject) => {
       const t = setTimeout(() => reject(new Error("fn's signal did not abort within 5 s")), 5_000);
       signal.addEventListener(
@@ -325,7 +241,7 @@ test("withBerth aborts fn and rejects with LeaseLostError when the lease is lost
 // `GET /v1/events` is planned (D5): a daemon without it answers 404 and this test fails.
 test("events: a run's journal in order, resumed after a given seq", { timeout: 30_000 }, async () => {
   const lease = await client.acquire({ project: "t5", ttl_s: 30, wait_s: 10, resources: SMALL });
-  await client.release(lease.run_id, fenceOf(lease));
+  await client.release(lease.run_id, lease.fence);
 
   const got: JournalEntry[] = [];
   const ctl = new AbortController();
