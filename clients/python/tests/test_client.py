@@ -1,72 +1,42 @@
-"""The Python client against a real daemon (BERTH_BIN: the berth binary to start)."""
+"""The sync client and `berth.lease()` against a real daemon."""
 
-import os
-import socket
-import subprocess
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 import berth
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def daemon():
-    binary = os.environ.get("BERTH_BIN")
-    if not binary:
-        pytest.fail("BERTH_BIN is not set: the berth binary to test against")
-    state = tempfile.mkdtemp()
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "serve", "--state-dir", state, "--listen", f"127.0.0.1:{port}",
-         "--slots-max", "4", "--memory-total", "8GiB", "--cpu-total", "4",
-         "--disk-total", "100GiB", "--disk-reserve", "0", "--no-memory-sampling",
-         "--user-workspaces", os.path.join(state, "users")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    token = None
-    for _ in range(200):
-        try:
-            token = Path(state, "admin.token").read_text().strip()
-            with berth.Client(url, token) as c:
-                c.status()
-            break
-        except Exception:
-            time.sleep(0.05)
-    client = berth.Client(url, token)
-    yield client
-    client.close()
-    proc.terminate()
-    proc.wait(10)
-
-
-SMALL = {"resources": {"memory": 1 << 20, "cpu_millis": 10, "disk": 0}}
+from berth import models
+from conftest import ROOT, SMALL
 
 
 def test_a_lease_is_granted_renewed_and_released_by_the_context_manager(daemon):
     with berth.lease("py", client=daemon, ttl_s=2, **SMALL) as lease:
         assert lease.env["BERTH_RUN_ID"] == lease.run_id
-        assert daemon.check_fence(lease.run_id, lease.fence)["current"] is True
+        assert isinstance(lease.run, models.Run) and lease.run.claim.resources["memory"] == 1 << 20
+        assert daemon.check_fence(lease.run_id, lease.fence).current is True
         time.sleep(3)  # past the 2 s ttl: the background renewals kept it
-        assert daemon.run(lease.run_id)["state"] == "granted"
-    assert daemon.run(lease.run_id)["state"] in ("releasing", "released")
-    assert daemon.check_fence(lease.run_id, lease.fence)["current"] is False
+        assert daemon.run(lease.run_id).state == "granted"
+    assert daemon.run(lease.run_id).state in ("releasing", "released")
+    assert daemon.check_fence(lease.run_id, lease.fence).current is False
 
 
 def test_an_exception_in_the_block_still_releases(daemon):
+    with pytest.raises(RuntimeError, match="the agent failed"):
+        with berth.lease("py", client=daemon, **SMALL) as lease:
+            assert daemon.run(lease.run_id).state == "granted"
+            raise RuntimeError("the agent failed")
+    assert daemon.run(lease.run_id).state in ("releasing", "released")
+    assert daemon.check_fence(lease.run_id, lease.fence).current is False
+
+
+def test_a_keyboard_interrupt_in_the_block_still_releases(daemon):
     with pytest.raises(KeyboardInterrupt):
         with berth.lease("py", client=daemon, **SMALL) as lease:
+            assert daemon.run(lease.run_id).state == "granted"
             raise KeyboardInterrupt
-    assert daemon.run(lease.run_id)["state"] in ("releasing", "released")
+    assert daemon.run(lease.run_id).state in ("releasing", "released")
+    assert daemon.check_fence(lease.run_id, lease.fence).current is False
 
 
 def test_twenty_parallel_leases_never_exceed_the_slots(daemon):
@@ -85,16 +55,32 @@ def test_twenty_parallel_leases_never_exceed_the_slots(daemon):
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(20)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    assert most[0] <= 4
-    ended = [r for r in daemon.runs(all=True) if r["run_id"].startswith("agent-")]
-    assert len(ended) == 20 and all(r["state"] == "released" for r in ended)
+    assert 1 <= most[0] <= 4
+    ended = [r for r in daemon.runs(all=True) if r.run_id.startswith("agent-")]
+    assert len(ended) == 20 and all(r.state == "released" for r in ended)
+
+
+def test_a_streamed_acquire_reports_its_place_in_the_queue(daemon):
+    holder = daemon.acquire("a", singletons=["db"], **SMALL)
+    seen = []
+
+    def on_queued(position, reason):
+        seen.append((position, reason))
+        if len(seen) == 1:  # now that it waits, let the holder go
+            daemon.release(holder.run_id, holder.fence)
+
+    run = daemon.acquire_stream({"project": "b", "singletons": ["db"], **SMALL}, on_queued)
+    assert isinstance(run, models.Run) and run.state == "granted" and run.fence > holder.fence
+    assert seen and seen[0][0] == 1 and isinstance(seen[0][1], models.Reason)
+    assert seen[0][1].code == "key.exclusive" and holder.run_id in seen[0][1].message
+    daemon.release(run.run_id, run.fence)
 
 
 def test_a_wait_that_runs_out_is_expired_with_its_reason(daemon):
     holder = daemon.acquire("a", singletons=["db"], **SMALL)
     with pytest.raises(berth.BerthError) as e:
         daemon.acquire("b", singletons=["db"], wait_s=0, **SMALL)
-    assert e.value.code == "expired"
+    assert e.value.status == 410 and e.value.code == "expired"
     assert "db" in e.value.message
     daemon.release(holder.run_id, holder.fence)
     with pytest.raises(berth.BerthError) as e:
@@ -102,78 +88,56 @@ def test_a_wait_that_runs_out_is_expired_with_its_reason(daemon):
     assert e.value.status == 409
 
 
-def test_status_runs_journal_and_events(daemon):
+def test_a_detached_acquire_answers_the_queued_run_at_once(daemon):
+    holder = daemon.acquire("a", singletons=["db"], **SMALL)
+    run = daemon.acquire_stream({"project": "b", "singletons": ["db"], "detach": True,
+                                 "wait_s": 60, **SMALL})
+    assert run.state == "queued" and run.detached is True and run.fence is None
+    with pytest.raises(berth.BerthError) as e:
+        berth.Lease.of(run)
+    assert e.value.code == "not_granted"
+    assert daemon.cancel(run.run_id).state == "cancelled"
+    daemon.release(holder.run_id, holder.fence)
+
+
+def test_status_runs_and_journal_answer_their_models(daemon):
     lease = daemon.acquire("j", **SMALL)
-    assert daemon.status()["granted"] == 1
-    assert [r["run_id"] for r in daemon.runs()] == [lease.run_id]
-    kinds = [e["kind"] for e in daemon.journal()]
-    assert "granted" in kinds
+    status = daemon.status()
+    assert isinstance(status, models.Status) and status.granted == 1
+    assert status.projects[0].project == "j" and status.projects[0].active == 1
+    assert [r.run_id for r in daemon.runs()] == [lease.run_id]
+    entries = daemon.journal()
+    assert [e.seq for e in entries] == list(range(1, len(entries) + 1))
+    assert "granted" in [e.kind for e in entries]
     first = next(daemon.events(after=0, kinds=["granted"]))
-    assert first["kind"] == "granted" and first["run_id"] == lease.run_id
+    assert first.kind == "granted" and first.run_id == lease.run_id
     daemon.release(lease.run_id, lease.fence)
 
 
-def test_the_readmes_example_runs_as_written(daemon, monkeypatch, capsys):
-    readme = Path(__file__).resolve().parents[3].joinpath("README.md").read_text()
+def test_the_readmes_example_runs_as_written(daemon, server, monkeypatch, capsys):
+    readme = ROOT.joinpath("README.md").read_text()
     example = readme.split("```python\n")[1].split("```")[0]
-    monkeypatch.setenv("BERTH_URL", daemon.url)
-    monkeypatch.setenv("BERTH_TOKEN", daemon._http.headers["Authorization"].split()[1])
+    monkeypatch.setenv("BERTH_URL", server.url)
+    monkeypatch.setenv("BERTH_TOKEN", server.token)
     exec(compile(example, "README.md", "exec"), {})
     lines = capsys.readouterr().out.splitlines()
     assert sorted(int(l.split()[0]) for l in lines) == list(range(20))
 
 
-def test_every_operation_of_the_openapi_document_has_a_method():
-    import json
-    doc = json.loads(Path(__file__).resolve().parents[3].joinpath("docs/openapi.json").read_text())
-    ids = {op["operationId"] for item in doc["paths"].values() for op in item.values()
-           if isinstance(op, dict) and "operationId" in op}
-    assert ids == set(berth.OPERATIONS), ids ^ set(berth.OPERATIONS)
-    for method in berth.OPERATIONS.values():
-        assert callable(getattr(berth.Client, method)), method
-
-
-def test_every_operation_runs_against_the_daemon(daemon):
-    """Each method reaches its route: an answer, or a refusal of the request (never
-    "no such endpoint" or "method not allowed")."""
-    called = set()
-
-    def op(name, *args, **kw):
-        called.add(name)
-        try:
-            return getattr(daemon, name)(*args, **kw)
-        except berth.BerthError as e:
-            assert e.code != "method_not_allowed" and "no such endpoint" not in e.message, (name, e)
-            return e
-
-    run = op("acquire_stream", {"project": "all", **SMALL})
-    rid, fence = run["run_id"], run["fence"]
-    op("runs"); op("run", rid); op("check_fence", rid, fence); op("renew", rid, fence)
-    sleeper = subprocess.Popen(["sleep", "30"])
-    try:
-        assert op("register", rid, fence, sleeper.pid)["run_id"] == rid
-    finally:
-        sleeper.kill()
-    op("start_runtime", rid, fence)
-    assert "granted" in [e["kind"] for e in op("journal")]
-    assert op("export_journal").strip()
-    assert next(op("events", 0))["seq"] == 1
-    assert "berth_" in op("metrics")
-    op("status"); op("fleet"); op("reap"); op("idle")
-    assert "<html" in op("dashboard").lower()
-    assert op("openapi")["openapi"] == "3.1.0"
-    made = op("create_token", "read", expires_s=60)
-    assert any(t["id"] == made["id"] for t in op("tokens"))
-    assert op("revoke_token", made["id"])["id"] == made["id"]
-    op("attach_thread", "t1", run_id=rid, owner_gen="g", owner_fence=1)
-    op("move_thread_deadline", "t1", run_id=rid, owner_gen="g", owner_fence=1, run_budget_ms=60000)
-    op("detach_thread", "t1", run_id=rid, owner_gen="g", owner_fence=1)
-    op("thread", "t1"); op("threads"); op("evict_thread", "t1")
-    assert op("start_drain", "test")["drain"]["reason"] == "test"
-    op("drain"); op("end_drain")
-    op("scopes"); op("scope", "s"); op("reserve", "s", "o", "op1", "h")
-    op("unreserve", "s", "o", "op1"); op("reconcile", "s", "o", "test")
-    op("control", "s", "pause", "req-1"); op("forget_scope", "s")
-    assert op("release", rid, fence)["run_id"] == rid
-    op("cancel", rid)
-    assert called == set(berth.OPERATIONS.values()), set(berth.OPERATIONS.values()) - called
+def test_the_clients_readme_examples_run_as_written(server, monkeypatch, capsys):
+    readme = ROOT.joinpath("clients", "python", "README.md").read_text()
+    examples = [block.split("```")[0] for block in readme.split("```python\n")[1:]]
+    assert len(examples) == 3
+    monkeypatch.setenv("BERTH_URL", server.url)
+    monkeypatch.setenv("BERTH_TOKEN", server.token)
+    outputs = []
+    for example in examples:
+        exec(compile(example, "clients/python/README.md", "exec"), {})
+        outputs.append(capsys.readouterr().out.split())
+    assert outputs[0][:2] == ["runs", "in"] and outputs[0][-3:-1] == ["with", "fence"]
+    fences = [int(f.strip("[],")) for f in outputs[1][1:]]
+    assert len(set(fences)) == 8  # each agent its own lease
+    state, fence, granted, *journal = outputs[2]
+    assert (state, granted) == ("granted", "1") and int(fence) > max(fences)
+    kinds = journal[1::2]
+    assert kinds == ["granted", "released"]

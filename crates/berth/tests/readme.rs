@@ -226,3 +226,103 @@ fn the_readme_api_journal_thread_and_budget_blocks_run_as_written() {
         "the reservation: {all}"
     );
 }
+
+/// The API's routes: (METHOD, path pattern, query parameter names), from the document.
+fn routes() -> Vec<(String, String, Vec<String>)> {
+    let doc: serde_json::Value =
+        serde_json::from_str(include_str!("../../../docs/openapi.json")).unwrap();
+    let mut out = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for (method, op) in item.as_object().unwrap() {
+            let Some(params) = op.get("responses").map(|_| &op["parameters"]) else {
+                continue;
+            };
+            let query = params
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter(|p| p["in"] == "query")
+                .map(|p| p["name"].as_str().unwrap().to_string())
+                .collect();
+            out.push((method.to_uppercase(), path.clone(), query));
+        }
+    }
+    out
+}
+
+/// Whether `concrete` (`/v1/runs/demo-1`, `/v1/threads/`) is an instance of `pattern`
+/// (`/v1/runs/{id}`): a `{name}` stands for any segment, an empty one included.
+fn instance_of(concrete: &str, pattern: &str) -> bool {
+    let (c, p): (Vec<&str>, Vec<&str>) =
+        (concrete.split('/').collect(), pattern.split('/').collect());
+    c.len() == p.len() && c.iter().zip(&p).all(|(c, p)| c == p || p.starts_with('{'))
+}
+
+/// Issue 34, docs current: every route the docs name (`GET /v1/…` in README.md,
+/// docs/contract.md, ARCHITECTURE.md and the clients' READMEs) is a route of the API,
+/// with only query parameters it takes; every file they name exists; and
+/// docs/contract.md's interface section names every operation of the API.
+#[test]
+fn the_docs_name_only_routes_and_files_that_exist_and_the_contract_names_every_route() {
+    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+    let routes = routes();
+    let docs = [
+        "README.md",
+        "docs/contract.md",
+        "ARCHITECTURE.md",
+        "clients/typescript/README.md",
+        "clients/python/README.md",
+    ];
+    let mut wrong = Vec::new();
+    for doc in docs {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        let words: Vec<&str> = text
+            .split(|c: char| c.is_whitespace() || matches!(c, '`' | '(' | ')' | ',' | '"' | '\''))
+            .collect();
+        for pair in words.windows(2) {
+            let [method, target] = pair else { continue };
+            if !["GET", "POST", "DELETE", "PUT", "PATCH"].contains(method) {
+                continue;
+            }
+            if !(target.starts_with("/v1/") || *target == "/metrics" || *target == "/") {
+                continue;
+            }
+            let target = target.trim_end_matches(['.', ':', ';']);
+            let (path, query) = target.split_once('?').unwrap_or((target, ""));
+            let Some((_, _, takes)) = routes
+                .iter()
+                .find(|(m, p, _)| m == method && instance_of(path, p))
+            else {
+                wrong.push(format!("{doc}: {method} {target} is no route of the API"));
+                continue;
+            };
+            for name in query.split('&').filter(|q| !q.is_empty()) {
+                let name = name.split('=').next().unwrap();
+                if !takes.iter().any(|t| t == name) {
+                    wrong.push(format!(
+                        "{doc}: {method} {path} takes no query parameter {name:?}"
+                    ));
+                }
+            }
+        }
+        for word in &words {
+            let file = word.trim_end_matches(['.', ':', ';', ',']);
+            let named = [
+                "crates/", "scripts/", "docs/", "clients/", "contrib/", "tests/", ".ci/",
+            ];
+            if named.iter().any(|p| file.starts_with(p))
+                && !file.contains(['*', '<', '{', '…'])
+                && !root.join(file.split(['#', ':']).next().unwrap()).exists()
+            {
+                wrong.push(format!("{doc}: {file} does not exist"));
+            }
+        }
+    }
+    let contract = std::fs::read_to_string(root.join("docs/contract.md")).unwrap();
+    for (method, path, _) in &routes {
+        if !contract.contains(&format!("{method} {path}")) {
+            wrong.push(format!("docs/contract.md does not name {method} {path}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
