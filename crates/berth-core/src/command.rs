@@ -95,8 +95,11 @@ pub enum Error {
         given: Option<Fence>,
         current: Option<Fence>,
     },
+    /// A call on a run that holds (or held, while it ends) a fence, without it: names
+    /// the run's state, so a releasing run is not said to be granted.
     FenceRequired {
         run_id: String,
+        state: RunState,
     },
     Gone {
         run_id: String,
@@ -168,9 +171,11 @@ impl fmt::Display for Error {
                     show(current)
                 )
             }
-            Error::FenceRequired { run_id } => {
-                write!(f, "fence: run {run_id} is granted; the call must carry its fence")
-            }
+            Error::FenceRequired { run_id, state } => write!(
+                f,
+                "fence: run {run_id} is {}; the call must carry its fence",
+                state.as_str()
+            ),
             Error::Gone { run_id, state } => write!(
                 f,
                 "run {run_id} is {}: its lease is over and cannot be acted on",

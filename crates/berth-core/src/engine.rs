@@ -1049,9 +1049,10 @@ impl Engine {
                 Ok(Some(self.view(s)))
             }
             RunState::Cancelled => Ok(Some(self.view(s))),
-            RunState::Granted | RunState::Releasing | RunState::Degraded => {
+            state @ (RunState::Granted | RunState::Releasing | RunState::Degraded) => {
                 Err(Error::FenceRequired {
                     run_id: run_id.to_string(),
+                    state,
                 })
             }
             state => Err(Error::Gone {
@@ -1131,6 +1132,7 @@ impl Engine {
             (Some(cur), Some(f)) if cur == f => Ok(()),
             (Some(_), None) if !run.state.is_terminal() => Err(Error::FenceRequired {
                 run_id: run.req.run_id.clone(),
+                state: run.state,
             }),
             (Some(_), None) => Err(Error::Gone {
                 run_id: run.req.run_id.clone(),

@@ -236,7 +236,7 @@ impl From<CoreError> for ApiError {
                 409,
                 json!({ "run_id": run_id, "fence": given, "current_fence": current }),
             ),
-            CoreError::FenceRequired { run_id } => {
+            CoreError::FenceRequired { run_id, .. } => {
                 (400, json!({ "run_id": run_id, "field": "fence" }))
             }
             CoreError::Gone { run_id, state } => {
