@@ -8,8 +8,8 @@ use crate::config::Config;
 use crate::queue::{Queue, Slot};
 use crate::scopes::{Block, Scope, ScopeError, Scopes};
 use crate::types::{
-    fmt_bytes, Class, Concurrency, ConcurrencyClass, ContractInfo, EndCause, Evidence, Fence,
-    KeyMode, Priority, Reason, Request, Resources, RunState, RunView, TimeMs,
+    Class, Concurrency, ConcurrencyClass, ContractInfo, EndCause, Evidence, Fence, KeyMode,
+    Priority, Reason, Request, Resources, RunState, RunView, TimeMs,
 };
 use crate::validate;
 
@@ -42,6 +42,16 @@ pub struct FleetNeeds {
     pub token: Option<(String, String, u32)>,
     pub keys: Vec<String>,
     pub state: RunState,
+}
+
+/// A run refused nothing and claimed in full, ready to be queued (`Engine::enqueue`).
+struct Queued {
+    req: Request,
+    project: ProjectId,
+    amounts: Box<[u64]>,
+    keys: Vec<(KeyId, KeyMode)>,
+    promoted_shared: bool,
+    permit: Option<Fence>,
 }
 
 #[derive(Clone, Debug)]
@@ -154,7 +164,7 @@ pub struct Engine {
     key_ids: HashMap<String, KeyId>,
     pub(crate) projects: Vec<Option<ProjectState>>,
     free_projects: Vec<ProjectId>,
-    project_ids: HashMap<String, ProjectId>,
+    pub(crate) project_ids: HashMap<String, ProjectId>,
     pub(crate) queues: [Queue; 2],
     /// G4: while set, no waiter is granted (runs already granted go on as before).
     pub(crate) draining: bool,
@@ -860,6 +870,8 @@ impl Engine {
         a.into_boxed_slice()
     }
 
+    /// A1–A3, B1, C3–C6, L7: refuse what cannot be, claim everything the run needs,
+    /// enqueue it, and run a pass that considers it at once.
     fn acquire(
         &mut self,
         now: TimeMs,
@@ -877,17 +889,12 @@ impl Engine {
         let mut req = req;
         // S10: who sends it is no part of the request (L7 compares without it).
         let tenant = req.budget.as_deref_mut().and_then(|b| b.tenant.take());
-        if let Some(b) = req.budget.as_deref_mut() {
-            // B1: a policy or manifest given must match the frozen one, on a retry too;
-            // once checked, the run keeps only its scope, harness and operation (the
-            // scope holds the policy: a deep queue does not hold a copy per run).
+        if let Some(b) = req.budget.as_deref() {
+            // B1: a policy or manifest given must match the frozen one, on a retry too.
             if self.scopes.get(&b.scope).is_some() {
-                self.scopes.check_freeze(
-                    &b.scope,
-                    b.per_harness.as_ref(),
-                    b.manifest.as_ref(),
-                    tenant,
-                )?;
+                let (policy, manifest) = (b.per_harness.as_ref(), b.manifest.as_ref());
+                self.scopes
+                    .check_freeze(&b.scope, policy, manifest, tenant)?;
             }
         }
         // L7: the same run_id re-attaches with the same body, conflicts with another.
@@ -897,21 +904,50 @@ impl Engine {
                 return Err(Error::Conflict { run_id: req.run_id });
             }
             if run.state.is_terminal() {
+                let state = run.state;
                 return Err(Error::Gone {
                     run_id: req.run_id,
-                    state: run.state,
+                    state,
                 });
             }
             return Ok(self.view_of(&req.run_id));
         }
-        if let Some(c) = &req.contract {
-            if c.concurrency == Concurrency::Disabled {
-                return Err(Error::ContractDisabled {
-                    project: req.project.clone(),
-                });
-            }
+        let amounts = self.refuse(&req)?;
+        self.freeze_budget(now, &mut req, tenant, ev)?;
+        let (project, keys, promoted_shared) = self.claim(&req, ev);
+        let wait_now = req.wait_ms == 0;
+        let run_id = req.run_id.clone();
+        let queued = Queued {
+            req,
+            project,
+            amounts,
+            keys,
+            promoted_shared,
+            permit,
+        };
+        let slot = self.enqueue(now, queued, ev);
+        // The newcomer is considered in this very pass even if the window is elsewhere.
+        self.pass(now, Some(slot), ev);
+        if wait_now && self.run(slot).state == RunState::Queued {
+            // `wait_s = 0`: not admitted at once means expired, with the reason why.
+            self.expire_waiter(slot, ev);
+            return Ok(Some(self.view(slot)));
         }
-        // A3: refuse at once what could never fit an empty host.
+        Ok(self.view_of(&run_id))
+    }
+
+    /// What is refused before a run is queued: a disabled contract, a claim no empty
+    /// host could hold (A3), a full queue. Answers the claim's amounts.
+    fn refuse(&self, req: &Request) -> Result<Box<[u64]>, Error> {
+        if req
+            .contract
+            .as_ref()
+            .is_some_and(|c| c.concurrency == Concurrency::Disabled)
+        {
+            return Err(Error::ContractDisabled {
+                project: req.project.clone(),
+            });
+        }
         let amounts = self.amounts_of(&req.resources);
         for (i, (&need, &max)) in amounts.iter().zip(&self.allocatable).enumerate() {
             if need > max {
@@ -927,41 +963,61 @@ impl Engine {
                 max: self.cfg.queue_len_max,
             });
         }
-        // B1: the last refusal; past it the policy freezes with this admission.
-        if let Some(b) = req.budget.as_deref_mut() {
-            self.check_budget(&req.run_id, b, tenant)?;
-            let (policy, manifest) = (b.per_harness.as_ref(), b.manifest.as_ref());
-            let frozen = self
-                .scopes
-                .freeze(&b.scope, policy, manifest, tenant, now)
-                .map_err(Error::from)?;
-            if frozen {
-                ev.push(Event::ScopeFrozen {
-                    scope: b.scope.clone(),
-                });
-            }
-            b.per_harness = None;
-            b.manifest = None;
-            self.scopes.count_user(&b.scope, true, now);
-        }
+        Ok(amounts)
+    }
 
-        // The whole claim is known before queueing (A1): resources and every key.
+    /// B1: the last refusal; past it the scope's policy freezes with this admission, and
+    /// the run keeps only its scope, harness and operation (the scope holds the policy:
+    /// a deep queue does not hold a copy per run).
+    fn freeze_budget(
+        &mut self,
+        now: TimeMs,
+        req: &mut Request,
+        tenant: Option<u32>,
+        ev: &mut Vec<Event>,
+    ) -> Result<(), Error> {
+        let Some(b) = req.budget.as_deref_mut() else {
+            return Ok(());
+        };
+        self.check_budget(&req.run_id, b, tenant)?;
+        let (policy, manifest) = (b.per_harness.as_ref(), b.manifest.as_ref());
+        let frozen = self
+            .scopes
+            .freeze(&b.scope, policy, manifest, tenant, now)
+            .map_err(Error::from)?;
+        if frozen {
+            ev.push(Event::ScopeFrozen {
+                scope: b.scope.clone(),
+            });
+        }
+        b.per_harness = None;
+        b.manifest = None;
+        self.scopes.count_user(&b.scope, true, now);
+        Ok(())
+    }
+
+    /// A1: the whole claim is known before queueing: the run's project, every key with
+    /// its mode (the project's runtime key shared for an analysis run (C6) or a
+    /// foreground run riding on matching promotion evidence (C3, C5), else exclusive),
+    /// and whether it rides on promotion. Stale evidence is invalidated (C4).
+    fn claim(
+        &mut self,
+        req: &Request,
+        ev: &mut Vec<Event>,
+    ) -> (ProjectId, Vec<(KeyId, KeyMode)>, bool) {
         let p = self.intern_project(&req.project);
         let mut promoted_shared = false;
         let primary_mode = match req.class {
-            Class::Analysis => KeyMode::Shared, // C6
+            Class::Analysis => KeyMode::Shared,
             Class::Managed => {
                 if let Some(c) = &req.contract {
                     self.project_mut(p).parallel_asked = c.concurrency == Concurrency::Parallel;
                 }
-                let evidence = self.project(p).evidence.clone();
-                match evidence {
+                match self.project(p).evidence.clone() {
                     Some(e) if req.contract.is_some() && !contract_matches(&req.contract, &e) => {
-                        // C4: a different contract or commit makes the evidence stale.
                         self.invalidate_evidence(p, &req.run_id, ev);
                         KeyMode::Exclusive
                     }
-                    // C3 + C5: only foreground runs ride on promotion.
                     Some(e)
                         if req.priority == Priority::Foreground
                             && contract_matches(&req.contract, &e) =>
@@ -974,7 +1030,7 @@ impl Engine {
             }
         };
         let mut keys = Vec::new();
-        for (i, name) in key_names(&req).into_iter().enumerate() {
+        for (i, name) in key_names(req).into_iter().enumerate() {
             let mode = if i == 0 {
                 primary_mode
             } else {
@@ -982,8 +1038,13 @@ impl Engine {
             };
             keys.push((self.intern_key(name), mode));
         }
+        (p, keys, promoted_shared)
+    }
 
-        let band = req.priority.index();
+    /// Puts a claimed run at the back of its band, waiting on each of its keys, with
+    /// its deadline; journals `Queued` with its position.
+    fn enqueue(&mut self, now: TimeMs, q: Queued, ev: &mut Vec<Event>) -> Slot {
+        let band = q.req.priority.index();
         let slot = match self.free_slots.pop() {
             Some(s) => s,
             None => {
@@ -992,25 +1053,24 @@ impl Engine {
             }
         };
         let seq = self.queues[band].push(slot);
-        let deadline = now.saturating_add(req.wait_ms);
-        for &(k, mode) in &keys {
+        let deadline = now.saturating_add(q.req.wait_ms);
+        for &(k, mode) in &q.keys {
             let ks = self.key_mut(k);
-            ks.waiters.insert((req.priority, seq, slot));
+            ks.waiters.insert((q.req.priority, seq, slot));
             if mode == KeyMode::Exclusive {
                 ks.exclusive_waiting[band] += 1;
             }
         }
         self.deadlines.insert((deadline, slot));
-        self.project_mut(p).waiting += 1;
-        let run_id = req.run_id.clone();
-        let wait_now = req.wait_ms == 0;
+        self.project_mut(q.project).waiting += 1;
+        let run_id = q.req.run_id.clone();
         self.runs[slot as usize] = Some(Box::new(Run {
-            contract: req.contract.clone(),
-            req,
-            project: p,
-            amounts,
-            keys,
-            promoted_shared,
+            contract: q.req.contract.clone(),
+            req: q.req,
+            project: q.project,
+            amounts: q.amounts,
+            keys: q.keys,
+            promoted_shared: q.promoted_shared,
             state: RunState::Queued,
             seq,
             enqueued_at: now,
@@ -1021,23 +1081,14 @@ impl Engine {
             cause: None,
             upgrade: None,
             pending_mem: false,
-            permit,
-            permit_asked: permit.is_some(),
+            permit: q.permit,
+            permit_asked: q.permit.is_some(),
             last_reason: None,
         }));
         self.by_id.insert(run_id.clone(), slot);
-        ev.push(Event::Queued {
-            run_id: run_id.clone(),
-            position: self.position(slot),
-        });
-        // The newcomer is considered in this very pass even if the window is elsewhere.
-        self.pass(now, Some(slot), ev);
-        if wait_now && self.run(slot).state == RunState::Queued {
-            // `wait_s = 0`: not admitted at once means expired, with the reason why.
-            self.expire_waiter(slot, ev);
-            return Ok(Some(self.view(slot)));
-        }
-        Ok(self.view_of(&run_id))
+        let position = self.position(slot);
+        ev.push(Event::Queued { run_id, position });
+        slot
     }
 
     fn cancel(&mut self, run_id: &str, ev: &mut Vec<Event>) -> Result<Option<RunView>, Error> {
@@ -2180,167 +2231,7 @@ impl Engine {
         }
     }
 
-    pub(crate) fn render_blocker(&self, b: Blocker) -> Reason {
-        let (code, message) = match b {
-            Blocker::ForegroundWaiting => (
-                "priority.foreground_waiting".to_string(),
-                format!(
-                    "{} foreground run(s) waiting; background runs only use spare capacity",
-                    self.queues[0].len()
-                ),
-            ),
-            Blocker::Upgrade(k) => (
-                "key.upgrade_pending".into(),
-                format!(
-                    "{} is being taken back exclusively by run {}",
-                    self.describe_key(k),
-                    self.key(k).upgrades.front().map_or("?".into(), |&u| self
-                        .run(u)
-                        .req
-                        .run_id
-                        .clone())
-                ),
-            ),
-            Blocker::ExclusiveHeld(k, h) => {
-                let holder = &self.run(h).req.run_id;
-                let name = &self.key(k).name;
-                let msg = if let Some(p) = name
-                    .strip_prefix("project:")
-                    .and_then(|x| x.strip_suffix(":runtime"))
-                {
-                    let class = self
-                        .project_ids
-                        .get(p)
-                        .map_or(ConcurrencyClass::Serial, |&id| {
-                            concurrency_class(self.project(id))
-                        });
-                    match class {
-                        ConcurrencyClass::Serial => {
-                            format!("project {p} is serial; run {holder} holds it")
-                        }
-                        ConcurrencyClass::ParallelCandidate => format!(
-                            "project {p} runs serially until a run proves it parallel; run {holder} holds it"
-                        ),
-                        ConcurrencyClass::ParallelSafe => {
-                            format!("project {p}'s runtime is held exclusively by run {holder}")
-                        }
-                    }
-                } else {
-                    format!(
-                        "{} is held exclusively by run {holder}",
-                        self.describe_key(k)
-                    )
-                };
-                ("key.exclusive".into(), msg)
-            }
-            Blocker::SharedHeld(k, n) => (
-                "key.shared".into(),
-                format!(
-                    "{} is held shared by {n} run(s); this run needs it alone",
-                    self.describe_key(k)
-                ),
-            ),
-            Blocker::WriterWaiting(k) => (
-                "key.writer_waiting".into(),
-                format!(
-                    "an exclusive claim on {} is queued; shared claims wait behind it",
-                    self.describe_key(k)
-                ),
-            ),
-            Blocker::Resource { res, need, free } => {
-                let name = &self.res_names[res];
-                let total = self.allocatable[res];
-                let msg = match res {
-                    MEMORY | DISK => format!(
-                        "needs {}, {} of {} allocatable {name} free",
-                        fmt_bytes(need),
-                        fmt_bytes(free),
-                        fmt_bytes(total)
-                    ),
-                    SLOTS => format!("needs {need} slot(s), {free} of {total} free"),
-                    CPU => format!("needs {need} cpu millis, {free} of {total} free"),
-                    _ => format!("needs {need} {name}, {free} of {total} free"),
-                };
-                let code = match res {
-                    SLOTS => "capacity.slots".to_string(),
-                    MEMORY => "capacity.memory".to_string(),
-                    CPU => "capacity.cpu".to_string(),
-                    DISK => "capacity.disk".to_string(),
-                    _ => format!("capacity.{name}"),
-                };
-                (code, msg)
-            }
-            Blocker::Ambient { need, free } => (
-                "capacity.memory".into(),
-                format!(
-                    "needs {}, {} free under the {} host reserve",
-                    fmt_bytes(need),
-                    fmt_bytes(free),
-                    fmt_bytes(self.cfg.memory_reserve)
-                ),
-            ),
-            Blocker::Budget(s, block) => {
-                let b = self.run(s).req.budget.as_deref().expect("a budget blocks");
-                match block {
-                    Block::Full { limit, holders } => (
-                        "budget.full".into(),
-                        format!(
-                            "scope {}: {holders} of {limit} {} tokens are held",
-                            b.scope, b.harness
-                        ),
-                    ),
-                    Block::Paused => (
-                        "scope.paused".into(),
-                        format!("scope {} is paused: no new token until it resumes", b.scope),
-                    ),
-                    Block::Stopped => (
-                        "scope.stopped".into(),
-                        format!("scope {} is stopped: it never admits again", b.scope),
-                    ),
-                    Block::Conflict => (
-                        "budget.conflict".into(),
-                        format!(
-                            "its key {}/{} in scope {} holds a token of another harness",
-                            self.run(s).req.run_id,
-                            b.operation(),
-                            b.scope
-                        ),
-                    ),
-                    Block::HostFull => (
-                        "budget.host_full".into(),
-                        format!(
-                            "{} budget tokens are held on this host, its maximum",
-                            crate::scopes::TOKENS_HOST_MAX
-                        ),
-                    ),
-                }
-            }
-            Blocker::Permit => (
-                "fleet.claim".into(),
-                "waiting for its fleet-wide claim (run id, fence, budget token, fleet keys) \
-                 from the fleet store"
-                    .into(),
-            ),
-            Blocker::Draining => (
-                "host.draining".into(),
-                "the host is draining: nothing new is granted until the drain ends".into(),
-            ),
-            Blocker::Guard { head } => {
-                let h = self.run(head);
-                (
-                    "queue.starvation_guard".into(),
-                    format!(
-                        "run {} has waited {} s at the head; what it needs is held back for it",
-                        h.req.run_id,
-                        self.now.saturating_sub(h.enqueued_at) / 1000
-                    ),
-                )
-            }
-        };
-        Reason { code, message }
-    }
-
-    fn describe_key(&self, k: KeyId) -> String {
+    pub(crate) fn describe_key(&self, k: KeyId) -> String {
         let name = &self.key(k).name;
         if let Some(s) = name.strip_prefix("singleton:") {
             format!("singleton {s}")

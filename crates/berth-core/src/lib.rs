@@ -11,6 +11,7 @@ mod config;
 mod engine;
 mod invariants;
 mod queue;
+mod reasons;
 pub mod scopes;
 mod snapshot;
 pub mod threads;
