@@ -342,72 +342,22 @@ impl Engine {
         }
         let p = self.intern_project(&r.request.project);
         let amounts = self.amounts_of(&r.request.resources);
-        let mut keys = Vec::new();
-        for (i, name) in key_names(&r.request).into_iter().enumerate() {
-            let mode = if i == 0 {
-                r.primary_mode
-            } else {
-                KeyMode::Exclusive
-            };
-            keys.push((self.intern_key(name), mode));
-        }
-        let band = r.request.priority.index();
-        let slot = match self.free_slots.pop() {
-            Some(s) => s,
-            None => {
-                self.runs.push(None);
-                (self.runs.len() - 1) as Slot
-            }
-        };
+        let keys = self.intern_keys(&r.request, r.primary_mode);
+        let slot = self.alloc_slot();
         let live = !r.state.is_terminal();
         if let Some(b) = r.request.budget.as_deref().filter(|_| live) {
             self.scopes.count_user(&b.scope, true, self.now);
         }
         let seq = if r.state == RunState::Queued {
-            let seq = self.queues[band].push(slot);
-            for &(k, mode) in &keys {
-                let ks = self.key_mut(k);
-                ks.waiters.insert((r.request.priority, seq, slot));
-                if mode == KeyMode::Exclusive {
-                    ks.exclusive_waiting[band] += 1;
-                }
-            }
+            let seq = self.queues[r.request.priority.index()].push(slot);
+            self.wait_on_keys(slot, seq, r.request.priority, &keys);
             self.deadlines.insert((r.deadline, slot));
             seq
         } else {
             0
         };
         if r.state.holds_claim() {
-            for (i, a) in amounts.iter().enumerate() {
-                self.committed[i] = self.committed[i].saturating_add(*a);
-                if self.committed[i] > self.allocatable[i] {
-                    return Err(format!("restored claims over-commit {}", self.res_names[i]));
-                }
-            }
-            for (i, &(k, mode)) in keys.iter().enumerate() {
-                if i == 0 && r.upgrading {
-                    // C4: back in the upgrade queue, holding nothing on the key.
-                    if mode != KeyMode::Exclusive || r.request.class != Class::Managed {
-                        return Err(format!(
-                            "run {id} upgrades a key it does not claim exclusively"
-                        ));
-                    }
-                    self.key_mut(k).upgrades.push_back(slot);
-                    self.keys_with_upgrades.insert(k);
-                    continue;
-                }
-                let ks = self.key_mut(k);
-                match mode {
-                    KeyMode::Exclusive if ks.exclusive.is_none() && ks.shared == 0 => {
-                        ks.exclusive = Some(slot)
-                    }
-                    KeyMode::Shared if ks.exclusive.is_none() => ks.shared += 1,
-                    _ => return Err(format!("run {id} conflicts on key {}", ks.name)),
-                }
-            }
-            if r.state == RunState::Granted {
-                self.expiries.insert((r.expires_at, slot));
-            }
+            self.restore_holdings(&r, slot, &amounts, &keys)?;
         }
         // Memory granted recently is still pending (A2), across a restart too.
         let settle = r.granted_at.saturating_add(self.cfg.pending_settle_ms);
@@ -444,16 +394,90 @@ impl Engine {
         self.by_id.insert(id, slot);
         self.project_mut(p).waiting += 1;
         if r.state != RunState::Queued {
-            if live {
-                self.set_state(slot, r.state);
-            } else {
+            self.set_state(slot, r.state);
+            if !live {
                 // Terminal: remembered for `410 gone` and idempotent re-acquire.
-                self.set_state(slot, r.state);
                 self.ended.push_back(slot);
                 self.gc_project(p);
             }
         }
         Ok(())
+    }
+
+    /// A restored run that holds its claim takes it again: its resources (never over
+    /// the allocatable), its keys (a conflict means the ledger is inconsistent), its
+    /// place in an upgrade queue (C4) and its expiry.
+    fn restore_holdings(
+        &mut self,
+        r: &RestoredRun,
+        slot: Slot,
+        amounts: &[u64],
+        keys: &[(KeyId, KeyMode)],
+    ) -> Result<(), String> {
+        let id = &r.request.run_id;
+        for (i, a) in amounts.iter().enumerate() {
+            self.committed[i] = self.committed[i].saturating_add(*a);
+            if self.committed[i] > self.allocatable[i] {
+                return Err(format!("restored claims over-commit {}", self.res_names[i]));
+            }
+        }
+        for (i, &(k, mode)) in keys.iter().enumerate() {
+            if i == 0 && r.upgrading {
+                // C4: back in the upgrade queue, holding nothing on the key.
+                if mode != KeyMode::Exclusive || r.request.class != Class::Managed {
+                    return Err(format!(
+                        "run {id} upgrades a key it does not claim exclusively"
+                    ));
+                }
+                self.key_mut(k).upgrades.push_back(slot);
+                self.keys_with_upgrades.insert(k);
+                continue;
+            }
+            let ks = self.key_mut(k);
+            match mode {
+                KeyMode::Exclusive if ks.exclusive.is_none() && ks.shared == 0 => {
+                    ks.exclusive = Some(slot)
+                }
+                KeyMode::Shared if ks.exclusive.is_none() => ks.shared += 1,
+                _ => return Err(format!("run {id} conflicts on key {}", ks.name)),
+            }
+        }
+        if r.state == RunState::Granted {
+            self.expiries.insert((r.expires_at, slot));
+        }
+        Ok(())
+    }
+
+    /// A free slot for a new run (a freed one first).
+    fn alloc_slot(&mut self) -> Slot {
+        self.free_slots.pop().unwrap_or_else(|| {
+            self.runs.push(None);
+            (self.runs.len() - 1) as Slot
+        })
+    }
+
+    /// The run's keys, interned: the first (the project's runtime key) in `primary`
+    /// mode, every other exclusive.
+    fn intern_keys(&mut self, req: &Request, primary: KeyMode) -> Vec<(KeyId, KeyMode)> {
+        let names = key_names(req);
+        let mut keys = Vec::with_capacity(names.len());
+        for (i, name) in names.into_iter().enumerate() {
+            let mode = if i == 0 { primary } else { KeyMode::Exclusive };
+            keys.push((self.intern_key(name), mode));
+        }
+        keys
+    }
+
+    /// A queued run waits on each of its keys (an exclusive waiter is counted per band,
+    /// for writer preference, A4).
+    fn wait_on_keys(&mut self, slot: Slot, seq: u64, prio: Priority, keys: &[(KeyId, KeyMode)]) {
+        for &(k, mode) in keys {
+            let ks = self.key_mut(k);
+            ks.waiters.insert((prio, seq, slot));
+            if mode == KeyMode::Exclusive {
+                ks.exclusive_waiting[prio.index()] += 1;
+            }
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -1029,38 +1053,16 @@ impl Engine {
                 }
             }
         };
-        let mut keys = Vec::new();
-        for (i, name) in key_names(req).into_iter().enumerate() {
-            let mode = if i == 0 {
-                primary_mode
-            } else {
-                KeyMode::Exclusive
-            };
-            keys.push((self.intern_key(name), mode));
-        }
-        (p, keys, promoted_shared)
+        (p, self.intern_keys(req, primary_mode), promoted_shared)
     }
 
     /// Puts a claimed run at the back of its band, waiting on each of its keys, with
     /// its deadline; journals `Queued` with its position.
     fn enqueue(&mut self, now: TimeMs, q: Queued, ev: &mut Vec<Event>) -> Slot {
-        let band = q.req.priority.index();
-        let slot = match self.free_slots.pop() {
-            Some(s) => s,
-            None => {
-                self.runs.push(None);
-                (self.runs.len() - 1) as Slot
-            }
-        };
-        let seq = self.queues[band].push(slot);
+        let slot = self.alloc_slot();
+        let seq = self.queues[q.req.priority.index()].push(slot);
         let deadline = now.saturating_add(q.req.wait_ms);
-        for &(k, mode) in &q.keys {
-            let ks = self.key_mut(k);
-            ks.waiters.insert((q.req.priority, seq, slot));
-            if mode == KeyMode::Exclusive {
-                ks.exclusive_waiting[band] += 1;
-            }
-        }
+        self.wait_on_keys(slot, seq, q.req.priority, &q.keys);
         self.deadlines.insert((deadline, slot));
         self.project_mut(q.project).waiting += 1;
         let run_id = q.req.run_id.clone();
@@ -1258,6 +1260,10 @@ impl Engine {
         }
     }
 
+    /// C3: a granted foreground run whose parallel contract started proves its project
+    /// parallel-safe: the evidence is recorded, the prover's exclusive hold becomes
+    /// shared, and queued runs with the same contract become shared claimants, granted
+    /// at once where they fit.
     fn promote(
         &mut self,
         now: TimeMs,
@@ -1273,31 +1279,9 @@ impl Engine {
                 rule: format!("at most {PORTS_MAX} entries"),
             });
         }
+        let contract = self.promotable(s)?;
         let run = self.run(s);
-        let not = |why: &str| {
-            Err(Error::NotEligible {
-                run_id: run_id.to_string(),
-                why: why.to_string(),
-            })
-        };
-        if run.req.class != Class::Managed {
-            return not("only managed runs prove a project parallel");
-        }
-        if run.req.priority != Priority::Foreground {
-            return not("background runs never promote a project (C5)");
-        }
-        let Some(contract) = run.contract.clone() else {
-            return not("the run has no runtime contract");
-        };
-        if contract.concurrency != Concurrency::Parallel {
-            return not("the run's contract does not ask for parallel");
-        }
-        if run.upgrade.is_some() {
-            return not("the run is waiting to hold the runtime key exclusively");
-        }
-        let p = run.project;
-        let k = run.keys[0].0;
-        let held_mode = run.keys[0].1;
+        let (p, (k, held_mode)) = (run.project, run.keys[0]);
         let evidence = Evidence {
             fingerprint: contract.fingerprint.clone(),
             commit: contract.commit.clone(),
@@ -1310,51 +1294,15 @@ impl Engine {
             project: self.project(p).name.clone(),
             evidence: evidence.clone(),
         });
-        let key_name = self.key(k).name.clone();
         if held_mode == KeyMode::Exclusive {
-            // C3: the prover's exclusive hold becomes a shared one at once.
+            // The prover's exclusive hold becomes a shared one at once.
             let ks = self.key_mut(k);
             assert_eq!(ks.exclusive, Some(s));
             ks.exclusive = None;
             ks.shared += 1;
-            let run = self.run_mut(s);
-            run.keys[0].1 = KeyMode::Shared;
-            run.promoted_shared = true;
-            ev.push(Event::KeyModeChanged {
-                run_id: run_id.to_string(),
-                key: key_name.clone(),
-                mode: KeyMode::Shared,
-            });
+            self.share_primary_key(s, ev);
         }
-        // C3: queued foreground exclusive waiters with the same contract and commit
-        // become shared claimants; the pass after this command grants those that fit.
-        let waiters: Vec<Slot> = self
-            .key(k)
-            .waiters
-            .iter()
-            .filter(|(prio, _, _)| *prio == Priority::Foreground)
-            .map(|&(_, _, w)| w)
-            .collect();
-        let mut converted = Vec::new();
-        for w in waiters {
-            let r = self.run(w);
-            if r.keys[0].0 == k
-                && r.keys[0].1 == KeyMode::Exclusive
-                && r.req.class == Class::Managed
-                && contract_matches(&r.contract, &evidence)
-            {
-                self.key_mut(k).exclusive_waiting[0] -= 1;
-                let r = self.run_mut(w);
-                r.keys[0].1 = KeyMode::Shared;
-                r.promoted_shared = true;
-                ev.push(Event::KeyModeChanged {
-                    run_id: r.req.run_id.clone(),
-                    key: key_name.clone(),
-                    mode: KeyMode::Shared,
-                });
-                converted.push(w);
-            }
-        }
+        let converted = self.convert_waiters(k, &evidence, ev);
         // "Into shared holders at once": each converted waiter that fits is granted now,
         // in queue order, ahead of the window. Like the head, it is exempt from writer
         // preference: it was already queued for this key before the promotion.
@@ -1370,6 +1318,75 @@ impl Engine {
             }
         }
         Ok(Some(self.view(s)))
+    }
+
+    /// Whether the run at `s` may prove its project parallel (C3, C5): its contract, or
+    /// why not.
+    fn promotable(&self, s: Slot) -> Result<ContractInfo, Error> {
+        let run = self.run(s);
+        let not = |why: &str| Error::NotEligible {
+            run_id: run.req.run_id.clone(),
+            why: why.to_string(),
+        };
+        if run.req.class != Class::Managed {
+            return Err(not("only managed runs prove a project parallel"));
+        }
+        if run.req.priority != Priority::Foreground {
+            return Err(not("background runs never promote a project (C5)"));
+        }
+        let Some(contract) = run.contract.clone() else {
+            return Err(not("the run has no runtime contract"));
+        };
+        if contract.concurrency != Concurrency::Parallel {
+            return Err(not("the run's contract does not ask for parallel"));
+        }
+        if run.upgrade.is_some() {
+            return Err(not(
+                "the run is waiting to hold the runtime key exclusively",
+            ));
+        }
+        Ok(contract)
+    }
+
+    /// The run's claim on its project's runtime key becomes shared (it rides on the
+    /// promotion), journaled.
+    fn share_primary_key(&mut self, s: Slot, ev: &mut Vec<Event>) {
+        let k = self.run(s).keys[0].0;
+        let key = self.key(k).name.clone();
+        let run = self.run_mut(s);
+        run.keys[0].1 = KeyMode::Shared;
+        run.promoted_shared = true;
+        let run_id = run.req.run_id.clone();
+        ev.push(Event::KeyModeChanged {
+            run_id,
+            key,
+            mode: KeyMode::Shared,
+        });
+    }
+
+    /// C3: queued foreground exclusive waiters on `k` with the evidence's contract and
+    /// commit become shared claimants (in queue order); the pass grants those that fit.
+    fn convert_waiters(&mut self, k: KeyId, evidence: &Evidence, ev: &mut Vec<Event>) -> Vec<Slot> {
+        let waiters: Vec<Slot> = self
+            .key(k)
+            .waiters
+            .iter()
+            .filter(|(prio, _, _)| *prio == Priority::Foreground)
+            .map(|&(_, _, w)| w)
+            .collect();
+        let mut converted = Vec::new();
+        for w in waiters {
+            let r = self.run(w);
+            if r.keys[0] == (k, KeyMode::Exclusive)
+                && r.req.class == Class::Managed
+                && contract_matches(&r.contract, evidence)
+            {
+                self.key_mut(k).exclusive_waiting[0] -= 1;
+                self.share_primary_key(w, ev);
+                converted.push(w);
+            }
+        }
+        converted
     }
 
     fn demote(
