@@ -1,19 +1,99 @@
-//! Issue 10: no function in berth-server or the berth CLI is longer than
-//! `FN_LINES_MAX` lines, so each reads like the core's (TigerBeetle aims at 70).
+//! Issue 35 (after issue 10): no function in any crate is longer than `FN_LINES_MAX`
+//! lines (TigerBeetle's 70), and no test function longer than `TEST_FN_LINES_MAX`.
 //!
-//! How it is checked: every `.rs` file under `crates/berth-server/src` and
-//! `crates/berth/src` is read; each line that declares a function with a body (`fn`,
-//! after any of `pub`, `pub(..)`, `const`, `async`, `unsafe`) is measured to the first
-//! later line that is its own indentation followed by `}`, which is where rustfmt puts
-//! the closing brace (`cargo fmt --check` runs before the tests in `.ci/run`). Unit
-//! tests (from a file's first `#[cfg(test)]` at column 0) are not held to it: a
-//! scenario written out in full is clearer than one split to fit.
+//! How it is checked: every `.rs` file under `crates/` is read whole. A function is
+//! measured from the line that declares it (`fn`, after any of `pub`, `pub(..)`,
+//! `const`, `async`, `unsafe`, `extern "C"`) to the first later line that is its own
+//! indentation followed by `}`, which is where rustfmt puts the closing brace (`cargo
+//! fmt --check` runs before the tests in `.ci/run`); a signature over several lines
+//! counts from its first, and a declaration without a body (`;`) is not a function.
+//! Test code is held to the test limit: a file under a `tests/` directory, a file a
+//! `#[cfg(test)] mod name;` declares, a `#[cfg(test)] mod name { … }` block wherever it
+//! is in its file, and a function marked `#[test]` or `#[tokio::test]`.
+//!
+//! `OVER` lists the functions still over the limit, with their length today: one may
+//! shrink but not grow, a function not listed may not pass the limit, and an entry whose
+//! function is back within it must go. The list only gets shorter.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-const FN_LINES_MAX: usize = 80;
+const FN_LINES_MAX: usize = 70;
+const TEST_FN_LINES_MAX: usize = 150;
 
-/// The name of the function a line declares, if it declares one with a body.
+/// Test suites that ship in a library (every store implementation runs them): their
+/// functions are tests, held to the test limit.
+const TEST_SUITES: &[&str] = &[
+    "crates/berth-store/src/conformance.rs",
+    "crates/berth-store/src/fleet/conformance.rs",
+];
+
+/// (file, function, lines today): issue 35's remaining work.
+const OVER: &[(&str, &str, usize)] = &[
+    ("crates/berth/src/run.rs", "wait_for_lease_with", 79),
+    ("crates/berth/src/serve.rs", "build_config", 79),
+    ("crates/berth/src/serve.rs", "engine_config", 72),
+    (
+        "crates/berth/tests/api.rs",
+        "malformed_requests_get_4xx_with_a_code_and_change_nothing",
+        252,
+    ),
+    ("crates/berth/tests/failpoints.rs", "crash_at", 312),
+    (
+        "crates/berth/tests/tenancy.rs",
+        "finding_1_a_uid_bound_token_acts_only_on_its_own_users_runs",
+        204,
+    ),
+    (
+        "crates/berth/tests/threads.rs",
+        "malformed_thread_and_drain_requests_change_nothing",
+        277,
+    ),
+    ("crates/berth-bench/src/http.rs", "drive", 74),
+    ("crates/berth-bench/src/recovery.rs", "main", 122),
+    ("crates/berth-bench/src/waiters.rs", "main", 118),
+    ("crates/berth-core/src/command.rs", "fmt", 80),
+    ("crates/berth-core/src/engine.rs", "restore_one", 71),
+    ("crates/berth-core/src/engine.rs", "apply", 78),
+    ("crates/berth-core/src/scopes.rs", "fmt", 75),
+    ("crates/berth-core/src/snapshot.rs", "snapshot", 95),
+    ("crates/berth-proc/src/lib.rs", "look", 74),
+    ("crates/berth-proc/src/lib.rs", "round_with", 74),
+    ("crates/berth-server/src/api/doc.rs", "operation", 76),
+    ("crates/berth-server/src/api/doc.rs", "build", 73),
+    ("crates/berth-server/src/api/mod.rs", "authenticate", 78),
+    (
+        "crates/berth-server/src/daemon/fleet.rs",
+        "on_fleet_claimed",
+        73,
+    ),
+    ("crates/berth-server/src/daemon/handlers.rs", "handle", 72),
+    ("crates/berth-server/src/daemon/mod.rs", "carry_out", 95),
+    ("crates/berth-server/src/daemon/restore.rs", "restore", 80),
+    ("crates/berth-server/src/daemon/scopes.rs", "on_scope", 72),
+    (
+        "crates/berth-server/src/daemon/scopes.rs",
+        "on_scope_event",
+        72,
+    ),
+    ("crates/berth-server/src/lib.rs", "start", 78),
+    ("crates/berth-server/src/metrics.rs", "register", 79),
+    ("crates/berth-server/src/register.rs", "check", 72),
+    ("crates/berth-server/src/walk.rs", "remove_contents", 78),
+    (
+        "crates/berth-server/src/workspace/diagnostics.rs",
+        "copy_tree",
+        76,
+    ),
+    ("crates/berth-sim/src/lib.rs", "on_event", 79),
+    ("crates/berth-sim/src/lib.rs", "stale_fence_call", 74),
+    ("crates/berth-store/src/sqlite.rs", "read_run_fields", 94),
+    ("crates/berth-store/src/sqlite.rs", "load", 136),
+    ("crates/berth-store/src/sqlite.rs", "load_threads", 88),
+    ("crates/berth-store/src/sqlite.rs", "load_scopes", 103),
+];
+
+/// The name of the function a line declares, if it declares one.
 fn declared_fn(line: &str) -> Option<&str> {
     let mut rest = line.trim_start();
     loop {
@@ -25,6 +105,7 @@ fn declared_fn(line: &str) -> Option<&str> {
             "const ",
             "async ",
             "unsafe ",
+            "extern \"C\" ",
         ] {
             if let Some(r) = rest.strip_prefix(prefix) {
                 rest = r;
@@ -35,32 +116,97 @@ fn declared_fn(line: &str) -> Option<&str> {
         }
     }
     let rest = rest.strip_prefix("fn ")?;
-    if line.trim_end().ends_with(';') {
-        return None;
-    }
     let end = rest
         .find(|c: char| !(c.is_alphanumeric() || c == '_'))
         .unwrap_or(rest.len());
     Some(&rest[..end])
 }
 
-/// (lines, name, first line) of every function in `text` outside its unit tests.
-fn functions(text: &str) -> Vec<(usize, String, usize)> {
+fn indent(line: &str) -> &str {
+    &line[..line.len() - line.trim_start().len()]
+}
+
+/// Lines inside `#[cfg(test)] mod name { … }` blocks, wherever they are in the file.
+fn test_blocks(lines: &[&str]) -> Vec<bool> {
+    let mut inside = vec![false; lines.len()];
+    let mut i = 0;
+    while i < lines.len() {
+        if lines[i].trim() != "#[cfg(test)]" {
+            i += 1;
+            continue;
+        }
+        let mut j = i + 1;
+        while j < lines.len() && lines[j].trim_start().starts_with("#[") {
+            j += 1;
+        }
+        let decl = lines.get(j).map_or("", |l| l.trim());
+        if decl.starts_with("mod ") || decl.starts_with("pub mod ") {
+            if decl.ends_with('{') {
+                let close = format!("{}}}", indent(lines[j]));
+                let end = (j + 1..lines.len())
+                    .find(|&k| lines[k] == close)
+                    .unwrap_or(lines.len() - 1);
+                inside[i..=end].iter_mut().for_each(|x| *x = true);
+                i = end;
+            }
+        }
+        i += 1;
+    }
+    inside
+}
+
+/// The files `#[cfg(test)] mod name;` declares, next to the file that declares them.
+fn test_module_files(path: &Path, lines: &[&str]) -> Vec<PathBuf> {
+    let dir = match path.file_name().and_then(|n| n.to_str()) {
+        Some("lib.rs" | "main.rs" | "mod.rs") => path.parent().unwrap().to_path_buf(),
+        _ => path.with_extension(""),
+    };
+    let mut out = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        if l.trim() != "#[cfg(test)]" {
+            continue;
+        }
+        let next = lines.get(i + 1).map_or("", |l| l.trim());
+        if let Some(name) = next.strip_prefix("mod ").and_then(|n| n.strip_suffix(';')) {
+            out.push(dir.join(format!("{name}.rs")));
+            out.push(dir.join(name).join("mod.rs"));
+        }
+    }
+    out
+}
+
+/// (lines, name, first line, is test code) of every function with a body in `text`.
+fn functions(text: &str, whole_file_is_test: bool) -> Vec<(usize, String, usize, bool)> {
     let lines: Vec<&str> = text.lines().collect();
-    let end = lines
-        .iter()
-        .position(|l| l.starts_with("#[cfg(test)]"))
-        .unwrap_or(lines.len());
+    let in_test_block = test_blocks(&lines);
     let mut found = Vec::new();
-    for (i, line) in lines[..end].iter().enumerate() {
+    for (i, line) in lines.iter().enumerate() {
         let Some(name) = declared_fn(line) else {
             continue;
         };
-        let indent = &line[..line.len() - line.trim_start().len()];
-        let close = format!("{indent}}}");
-        if let Some(k) = lines[i + 1..end].iter().position(|l| *l == close) {
-            found.push((k + 2, name.to_string(), i + 1));
+        // The signature ends at the first line ending in `{` (a body) or `;` (none).
+        let Some(open) = (i..lines.len()).find(|&k| {
+            let t = lines[k].trim_end();
+            t.ends_with('{') || t.ends_with(';') || (t.contains('{') && t.ends_with('}'))
+        }) else {
+            continue;
+        };
+        if !lines[open].trim_end().ends_with('{') {
+            continue; // a declaration, or a body on one line
         }
+        let close = format!("{}}}", indent(line));
+        let Some(end) = (open + 1..lines.len()).find(|&k| lines[k] == close) else {
+            continue;
+        };
+        let attrs = lines[..i]
+            .iter()
+            .rev()
+            .take_while(|l| l.trim_start().starts_with("#[") || l.trim_start().starts_with("///"));
+        let marked = attrs
+            .into_iter()
+            .any(|l| l.contains("#[test]") || l.contains("#[tokio::test"));
+        let test = whole_file_is_test || in_test_block[i] || marked;
+        found.push((end - i + 1, name.to_string(), i + 1, test));
     }
     found
 }
@@ -68,7 +214,7 @@ fn functions(text: &str) -> Vec<(usize, String, usize)> {
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for e in std::fs::read_dir(dir).unwrap() {
         let p = e.unwrap().path();
-        if p.is_dir() {
+        if p.is_dir() && !p.ends_with("target") && !p.ends_with("node_modules") {
             rust_files(&p, out);
         } else if p.extension().is_some_and(|x| x == "rs") {
             out.push(p);
@@ -77,38 +223,122 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 }
 
 #[test]
-fn no_function_in_the_server_or_the_cli_is_over_80_lines() {
-    let crates = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+fn no_function_in_any_crate_is_over_70_lines_and_no_test_over_150() {
+    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
     let mut files = Vec::new();
-    for dir in ["berth-server/src", "berth/src"] {
-        rust_files(&crates.join(dir), &mut files);
-    }
+    rust_files(&root.join("crates"), &mut files);
     files.sort();
+    let texts: Vec<(PathBuf, String)> = files
+        .into_iter()
+        .map(|f| {
+            let t = std::fs::read_to_string(&f).unwrap();
+            (f, t)
+        })
+        .collect();
+    let mut test_files = BTreeSet::new();
+    for (f, t) in &texts {
+        let lines: Vec<&str> = t.lines().collect();
+        test_files.extend(test_module_files(f, &lines));
+    }
+    let mut wrong = Vec::new();
+    // A listed (file, name) is held by its longest function of that name (a file has
+    // several `fmt`s).
+    let mut listed_longest = std::collections::BTreeMap::new();
     let mut measured = 0;
-    let mut long = Vec::new();
-    for f in &files {
-        for (n, name, at) in functions(&std::fs::read_to_string(f).unwrap()) {
+    for (f, text) in &texts {
+        let rel = f.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+        let whole_test = rel.split('/').any(|c| c == "tests")
+            || test_files.contains(f)
+            || TEST_SUITES.contains(&rel.as_str());
+        for (n, name, at, test) in functions(text, whole_test) {
             measured += 1;
-            if n > FN_LINES_MAX {
-                long.push(format!("{}:{at} {name}: {n} lines", f.display()));
+            let max = if test {
+                TEST_FN_LINES_MAX
+            } else {
+                FN_LINES_MAX
+            };
+            if OVER
+                .iter()
+                .any(|(file, func, _)| *file == rel && *func == name)
+            {
+                let longest = listed_longest
+                    .entry((rel.clone(), name))
+                    .or_insert((0, at, max));
+                if n > longest.0 {
+                    *longest = (n, at, max);
+                }
+            } else if n > max {
+                wrong.push(format!("{rel}:{at} {name} is {n} lines (max {max})"));
             }
         }
     }
-    // Not vacuous: the scan finds the functions there are.
-    assert!(measured > 300, "only {measured} functions found");
+    for (file, func, was) in OVER {
+        match listed_longest.get(&(file.to_string(), func.to_string())) {
+            None => wrong.push(format!(
+                "OVER lists {file} {func}, which is gone: take it off"
+            )),
+            Some(&(n, at, _)) if n > *was => wrong.push(format!(
+                "{file}:{at} {func} grew to {n} lines (listed at {was})"
+            )),
+            Some(&(n, at, max)) if n <= max => wrong.push(format!(
+                "{file}:{at} {func} is {n} lines now: take it off OVER"
+            )),
+            Some(_) => {}
+        }
+    }
     assert!(
-        long.is_empty(),
-        "{} functions over {FN_LINES_MAX} lines:\n{}",
-        long.len(),
-        long.join("\n")
+        measured > 1_000,
+        "only {measured} functions found: the reader is broken"
     );
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// The reader itself: a multi-line signature counts from its first line, a declaration
+/// has no body, a test block anywhere in a file is test code, and so is a `#[test]`.
+#[test]
+fn the_function_reader_measures_what_rustfmt_writes() {
+    let text = "\
+fn one() {
+    a();
+}
+
+pub(crate) async fn long(
+    x: u32,
+) -> u32 {
+    x
+}
+
+trait T {
+    fn declared(&self) -> u32;
+}
+
+#[cfg(test)]
+mod tests {
+    fn helper() {
+        b();
+    }
+}
+
+fn after_the_tests() {
+    c();
 }
 
 #[test]
-fn the_measure_counts_a_function_from_its_line_to_its_closing_brace() {
-    let text = "fn a() {\n    x();\n}\n\n    pub(crate) async fn b(\n        y: u8,\n    ) -> u8 {\n        y\n    }\nfn c();\n#[cfg(test)]\nfn t() {\n}\n";
-    assert_eq!(
-        functions(text),
-        [(3, "a".to_string(), 1), (5, "b".to_string(), 5)]
-    );
+fn marked() {
+    d();
+}
+";
+    let got: Vec<(usize, String, usize, bool)> = functions(text, false);
+    let want = [
+        (3, "one", 1, false),
+        (5, "long", 5, false),
+        (3, "helper", 17, true),
+        (3, "after_the_tests", 22, false),
+        (3, "marked", 27, true),
+    ];
+    let want: Vec<(usize, String, usize, bool)> = want
+        .iter()
+        .map(|(n, s, at, t)| (*n, s.to_string(), *at, *t))
+        .collect();
+    assert_eq!(got, want);
 }
