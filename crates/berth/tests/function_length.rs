@@ -140,15 +140,14 @@ fn test_blocks(lines: &[&str]) -> Vec<bool> {
             j += 1;
         }
         let decl = lines.get(j).map_or("", |l| l.trim());
-        if decl.starts_with("mod ") || decl.starts_with("pub mod ") {
-            if decl.ends_with('{') {
-                let close = format!("{}}}", indent(lines[j]));
-                let end = (j + 1..lines.len())
-                    .find(|&k| lines[k] == close)
-                    .unwrap_or(lines.len() - 1);
-                inside[i..=end].iter_mut().for_each(|x| *x = true);
-                i = end;
-            }
+        let is_mod = decl.starts_with("mod ") || decl.starts_with("pub mod ");
+        if is_mod && decl.ends_with('{') {
+            let close = format!("{}}}", indent(lines[j]));
+            let end = (j + 1..lines.len())
+                .find(|&k| lines[k] == close)
+                .unwrap_or(lines.len() - 1);
+            inside[i..=end].iter_mut().for_each(|x| *x = true);
+            i = end;
         }
         i += 1;
     }
