@@ -362,6 +362,20 @@ impl fmt::Display for Event {
             Event::MemoryStabilized { available } => {
                 write!(f, "memory-stabilized {}", fmt_bytes(*available))
             }
+            Event::ScopeFrozen { .. }
+            | Event::ScopeForgotten { .. }
+            | Event::TokenTaken { .. }
+            | Event::TokenFreed { .. }
+            | Event::TokenLapsed { .. }
+            | Event::ScopeControlled { .. } => self.fmt_budget(f),
+        }
+    }
+}
+
+impl Event {
+    /// B1–B5's events (the caller, `fmt`, sends only those).
+    fn fmt_budget(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
             Event::ScopeFrozen { scope } => write!(f, "scope-frozen {scope}"),
             Event::ScopeForgotten { scope, by_operator } => {
                 let by = if *by_operator { "operator" } else { "idle" };
@@ -396,6 +410,7 @@ impl fmt::Display for Event {
                 receipt.mode.as_str(),
                 receipt.generation
             ),
+            _ => Ok(()),
         }
     }
 }

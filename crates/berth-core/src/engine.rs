@@ -367,16 +367,15 @@ impl Engine {
             self.pending.push_back((settle, slot, r.fence.unwrap_or(0)));
         }
         let upgrade = (r.upgrading && r.state.holds_claim()).then(|| keys[0].0);
-        let contract = r.request.contract.clone();
         let promoted_shared =
             r.request.class == Class::Managed && r.primary_mode == KeyMode::Shared;
         self.runs[slot as usize] = Some(Box::new(Run {
+            contract: r.request.contract.clone(),
             req: r.request,
             project: p,
             amounts,
             keys,
             promoted_shared,
-            contract,
             state: RunState::Queued,
             seq,
             enqueued_at: r.enqueued_at,
@@ -530,62 +529,7 @@ impl Engine {
         let advanced = !ev.is_empty();
         let now = self.now;
         let is_acquire = matches!(cmd, Command::Acquire(_) | Command::AcquirePermitted { .. });
-        let result = match cmd {
-            Command::Acquire(req) => self.acquire(now, req, None, &mut ev),
-            Command::AcquirePermitted { req, fence } => {
-                self.acquire(now, req, Some(fence), &mut ev)
-            }
-            Command::Cancel { run_id } => self.cancel(&run_id, &mut ev),
-            Command::Renew {
-                run_id,
-                fence,
-                ttl_ms,
-            } => self.renew(now, &run_id, fence, ttl_ms, &mut ev),
-            Command::Release { run_id, fence } => self.release(&run_id, fence, &mut ev),
-            Command::StopDone { run_id, ok } => self.stop_done(&run_id, ok, &mut ev),
-            Command::Tick => Ok(None),
-            Command::Drain { on } => {
-                self.draining = on;
-                Ok(None)
-            }
-            Command::Sample { mem_available } => {
-                self.sample(mem_available, &mut ev);
-                Ok(None)
-            }
-            Command::Promote {
-                run_id,
-                fence,
-                ports,
-            } => self.promote(now, &run_id, fence, ports, &mut ev),
-            Command::Demote {
-                run_id,
-                fence,
-                fingerprint,
-                commit,
-            } => self.demote(&run_id, fence, fingerprint, commit, &mut ev),
-            Command::RuntimeFailed { run_id, fence } => {
-                self.runtime_failed(&run_id, fence, &mut ev)
-            }
-            Command::Reserve {
-                scope,
-                owner,
-                operation_id,
-                harness,
-            } => self.reserve(now, &scope, &owner, &operation_id, &harness, &mut ev),
-            Command::Unreserve {
-                scope,
-                owner,
-                operation_id,
-            } => self.unreserve(&scope, &owner, &operation_id, &mut ev),
-            Command::Reconcile { scope, owner } => self.reconcile(&scope, &owner, &mut ev),
-            Command::ScopeControl {
-                scope,
-                request_id,
-                mode,
-            } => self.scope_control(now, &scope, &request_id, mode, &mut ev),
-            Command::Permit { run_id, fence } => self.permit(&run_id, fence),
-            Command::DeleteScope { scope } => self.delete_scope(scope, &mut ev),
-        };
+        let result = self.dispatch(now, cmd, &mut ev);
         // Every command ends with a bounded admission pass: whatever it changed may let
         // someone in, and passes on ticks rotate the window through a deep queue (A6).
         // A refused command skips it unless time itself changed something; an acquire
@@ -601,6 +545,67 @@ impl Engine {
             })
         });
         Output { events: ev, result }
+    }
+
+    /// One command, carried out (the pass after it is `apply`'s).
+    fn dispatch(
+        &mut self,
+        now: TimeMs,
+        cmd: Command,
+        ev: &mut Vec<Event>,
+    ) -> Result<Option<RunView>, Error> {
+        match cmd {
+            Command::Acquire(req) => self.acquire(now, req, None, ev),
+            Command::AcquirePermitted { req, fence } => self.acquire(now, req, Some(fence), ev),
+            Command::Cancel { run_id } => self.cancel(&run_id, ev),
+            Command::Renew {
+                run_id,
+                fence,
+                ttl_ms,
+            } => self.renew(now, &run_id, fence, ttl_ms, ev),
+            Command::Release { run_id, fence } => self.release(&run_id, fence, ev),
+            Command::StopDone { run_id, ok } => self.stop_done(&run_id, ok, ev),
+            Command::Tick => Ok(None),
+            Command::Drain { on } => {
+                self.draining = on;
+                Ok(None)
+            }
+            Command::Sample { mem_available } => {
+                self.sample(mem_available, ev);
+                Ok(None)
+            }
+            Command::Promote {
+                run_id,
+                fence,
+                ports,
+            } => self.promote(now, &run_id, fence, ports, ev),
+            Command::Demote {
+                run_id,
+                fence,
+                fingerprint,
+                commit,
+            } => self.demote(&run_id, fence, fingerprint, commit, ev),
+            Command::RuntimeFailed { run_id, fence } => self.runtime_failed(&run_id, fence, ev),
+            Command::Reserve {
+                scope,
+                owner,
+                operation_id,
+                harness,
+            } => self.reserve(now, &scope, &owner, &operation_id, &harness, ev),
+            Command::Unreserve {
+                scope,
+                owner,
+                operation_id,
+            } => self.unreserve(&scope, &owner, &operation_id, ev),
+            Command::Reconcile { scope, owner } => self.reconcile(&scope, &owner, ev),
+            Command::ScopeControl {
+                scope,
+                request_id,
+                mode,
+            } => self.scope_control(now, &scope, &request_id, mode, ev),
+            Command::Permit { run_id, fence } => self.permit(&run_id, fence),
+            Command::DeleteScope { scope } => self.delete_scope(scope, ev),
+        }
     }
 
     // ----- time -----------------------------------------------------------------------

@@ -425,12 +425,7 @@ impl ScopeError {
 
 impl std::fmt::Display for ScopeError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let show = |p: &Policy| {
-            p.iter()
-                .map(|(h, n)| format!("{h}={n}"))
-                .collect::<Vec<_>>()
-                .join(",")
-        };
+        let show = show_policy;
         match self {
             ScopeError::PolicyConflict { scope, frozen, given } => write!(
                 f,
@@ -441,10 +436,7 @@ impl std::fmt::Display for ScopeError {
             ScopeError::ManifestChanged { scope, frozen, given } => write!(
                 f,
                 "scope {scope}'s manifest is frozen as {}; this request gives {} sha256 {} (B1)",
-                frozen.as_ref().map_or("none".to_string(), |m| format!(
-                    "{} sha256 {}",
-                    m.path, m.sha256
-                )),
+                frozen.as_ref().map_or("none".into(), |m| format!("{} sha256 {}", m.path, m.sha256)),
                 given.path,
                 given.sha256
             ),
@@ -499,6 +491,12 @@ impl std::fmt::Display for ScopeError {
             ScopeError::Invalid { field, rule } => write!(f, "{field}: {rule}"),
         }
     }
+}
+
+/// A policy as `harness=limit,...`.
+fn show_policy(p: &Policy) -> String {
+    let parts: Vec<String> = p.iter().map(|(h, n)| format!("{h}={n}")).collect();
+    parts.join(",")
 }
 
 fn no_scope(id: &str) -> ScopeError {

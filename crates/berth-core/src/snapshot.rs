@@ -45,61 +45,12 @@ pub struct Snapshot {
 }
 
 impl Engine {
+    /// A12: what admission sees now, every figure from the engine's own state.
     pub fn snapshot(&self) -> Snapshot {
         let cfg = &self.cfg;
-        let totals = [
-            (cfg.slots_max, 0),
-            (cfg.memory_total, cfg.memory_reserve),
-            (cfg.cpu_total_millis, cfg.cpu_reserve_millis),
-            (cfg.disk_total, cfg.disk_reserve),
-        ];
-        let resources = (0..self.allocatable.len())
-            .map(|i| {
-                let (total, reserve) = if i < FIXED {
-                    totals[i]
-                } else {
-                    (cfg.named[i - FIXED].1, 0)
-                };
-                ResourceFigures {
-                    name: self.res_names[i].clone(),
-                    total,
-                    reserve,
-                    allocatable: self.allocatable[i],
-                    committed: self.committed[i],
-                    available: self.allocatable[i] - self.committed[i],
-                }
-            })
-            .collect();
-
-        // How many more default-size runs fit, and if none, what stops the first.
-        let d = &cfg.default_request;
-        let want = [d.slots, d.memory, d.cpu_millis, d.disk];
-        let mut more = u64::MAX;
-        let mut blocked = None;
-        for (i, &need) in want.iter().enumerate() {
-            if need == 0 {
-                continue;
-            }
-            let free = self.allocatable[i] - self.committed[i];
-            let n = free / need;
-            if n == 0 && blocked.is_none() {
-                blocked = Some(Blocker::Resource { res: i, need, free });
-            }
-            more = more.min(n);
-        }
-        if d.memory > 0 {
-            let free = self.ambient_free();
-            if free < d.memory && blocked.is_none() {
-                blocked = Some(Blocker::Ambient {
-                    need: d.memory,
-                    free,
-                });
-            }
-            more = more.min(free / d.memory);
-        }
+        let (more, blocked) = self.default_runs_that_fit();
         let slots_used = self.committed[SLOTS];
         let effective_max_now = slots_used.saturating_add(more).min(cfg.slots_max);
-
         let mut counts = [0usize; 3];
         for run in self.runs.iter().flatten() {
             match run.state {
@@ -125,7 +76,7 @@ impl Engine {
         projects.sort_by(|a, b| a.name.cmp(&b.name));
         Snapshot {
             now_ms: self.now,
-            resources,
+            resources: self.resource_figures(),
             memory_available: self.stabilized_available,
             memory_pending: self.pending_memory,
             slots_max: cfg.slots_max,
@@ -139,5 +90,63 @@ impl Engine {
             last_fence: self.last_fence,
             projects,
         }
+    }
+
+    /// Each resource: its total, reserve, allocatable, committed and available.
+    fn resource_figures(&self) -> Vec<ResourceFigures> {
+        let cfg = &self.cfg;
+        let totals = [
+            (cfg.slots_max, 0),
+            (cfg.memory_total, cfg.memory_reserve),
+            (cfg.cpu_total_millis, cfg.cpu_reserve_millis),
+            (cfg.disk_total, cfg.disk_reserve),
+        ];
+        (0..self.allocatable.len())
+            .map(|i| {
+                let (total, reserve) = if i < FIXED {
+                    totals[i]
+                } else {
+                    (cfg.named[i - FIXED].1, 0)
+                };
+                ResourceFigures {
+                    name: self.res_names[i].clone(),
+                    total,
+                    reserve,
+                    allocatable: self.allocatable[i],
+                    committed: self.committed[i],
+                    available: self.allocatable[i] - self.committed[i],
+                }
+            })
+            .collect()
+    }
+
+    /// How many more default-size runs fit, and if none, what stops the first.
+    fn default_runs_that_fit(&self) -> (u64, Option<Blocker>) {
+        let d = &self.cfg.default_request;
+        let want = [d.slots, d.memory, d.cpu_millis, d.disk];
+        let mut more = u64::MAX;
+        let mut blocked = None;
+        for (i, &need) in want.iter().enumerate() {
+            if need == 0 {
+                continue;
+            }
+            let free = self.allocatable[i] - self.committed[i];
+            let n = free / need;
+            if n == 0 && blocked.is_none() {
+                blocked = Some(Blocker::Resource { res: i, need, free });
+            }
+            more = more.min(n);
+        }
+        if d.memory > 0 {
+            let free = self.ambient_free();
+            if free < d.memory && blocked.is_none() {
+                blocked = Some(Blocker::Ambient {
+                    need: d.memory,
+                    free,
+                });
+            }
+            more = more.min(free / d.memory);
+        }
+        (more, blocked)
     }
 }
