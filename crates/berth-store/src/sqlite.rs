@@ -485,35 +485,8 @@ fn read_run(row: &Row) -> Result<RunRecord, StoreError> {
 }
 
 fn read_run_fields(row: &Row) -> Result<RunRecord, StoreError> {
-    let g = |i: usize| -> Result<i64, StoreError> { row.get::<_, i64>(i).map_err(corrupt) };
-    let s = |i: usize| -> Result<String, StoreError> { row.get::<_, String>(i).map_err(corrupt) };
-    let os = |i: usize| -> Result<Option<String>, StoreError> {
-        row.get::<_, Option<String>>(i).map_err(corrupt)
-    };
-    let oi = |i: usize| -> Result<Option<i64>, StoreError> {
-        row.get::<_, Option<i64>>(i).map_err(corrupt)
-    };
-    let named = decode_map(&s(col::NAMED)?)?
-        .into_iter()
-        .map(|(k, v)| {
-            v.parse::<u64>()
-                .map(|n| (k, n))
-                .map_err(|_| StoreError::Corrupt(format!("bad named amount {v:?}")))
-        })
-        .collect::<Result<BTreeMap<_, _>, _>>()?;
-    let singletons: Vec<String> = s(col::SINGLETONS)?
-        .split(',')
-        .filter(|x| !x.is_empty())
-        .map(str::to_string)
-        .collect();
-    let contract = match os(col::CONTRACT_CONCURRENCY)? {
-        Some(c) => Some(ContractInfo {
-            concurrency: word(&c)?,
-            fingerprint: os(col::CONTRACT_FINGERPRINT)?.unwrap_or_default(),
-            commit: os(col::CONTRACT_COMMIT)?,
-        }),
-        None => None,
-    };
+    let (g, s) = (|i| int(row, i), |i| text(row, i));
+    let (os, oi) = (|i| opt_text(row, i), |i| opt_int(row, i));
     let (dev, ino) = (
         oi(col::WS_DEV)?.map(u).transpose()?,
         oi(col::WS_INO)?.map(u).transpose()?,
@@ -523,29 +496,7 @@ fn read_run_fields(row: &Row) -> Result<RunRecord, StoreError> {
         _ => None,
     };
     Ok(RunRecord {
-        request: Request {
-            run_id: s(col::RUN_ID)?,
-            project: s(col::PROJECT)?,
-            class: word(&s(col::CLASS)?)?,
-            priority: word(&s(col::PRIORITY)?)?,
-            resources: Resources {
-                slots: u(g(col::SLOTS)?)?,
-                memory: u(g(col::MEMORY)?)?,
-                cpu_millis: u(g(col::CPU_MILLIS)?)?,
-                disk: u(g(col::DISK)?)?,
-                named,
-            },
-            singletons,
-            contract,
-            ttl_ms: u(g(col::TTL_MS)?)?,
-            wait_ms: u(g(col::WAIT_MS)?)?,
-            budget: match os(col::BUDGET)? {
-                Some(j) => Some(Box::new(serde_json::from_str(&j).map_err(|e| {
-                    StoreError::Corrupt(format!("a run's budget does not parse: {e}"))
-                })?)),
-                None => None,
-            },
-        },
+        request: read_request(row)?,
         worktree: os(col::WORKTREE)?,
         labels: decode_map(&s(col::LABELS)?)?,
         state: word(&s(col::STATE)?)?,
@@ -579,6 +530,71 @@ fn read_run_fields(row: &Row) -> Result<RunRecord, StoreError> {
     })
 }
 
+/// The run's request as it was accepted: its claim, contract and budget.
+fn read_request(row: &Row) -> Result<Request, StoreError> {
+    let (g, s, os) = (|i| int(row, i), |i| text(row, i), |i| opt_text(row, i));
+    let named = decode_map(&s(col::NAMED)?)?
+        .into_iter()
+        .map(|(k, v)| {
+            v.parse::<u64>()
+                .map(|n| (k, n))
+                .map_err(|_| StoreError::Corrupt(format!("bad named amount {v:?}")))
+        })
+        .collect::<Result<BTreeMap<_, _>, _>>()?;
+    let contract = match os(col::CONTRACT_CONCURRENCY)? {
+        Some(c) => Some(ContractInfo {
+            concurrency: word(&c)?,
+            fingerprint: os(col::CONTRACT_FINGERPRINT)?.unwrap_or_default(),
+            commit: os(col::CONTRACT_COMMIT)?,
+        }),
+        None => None,
+    };
+    let budget = match os(col::BUDGET)? {
+        Some(j) => Some(Box::new(serde_json::from_str(&j).map_err(|e| {
+            StoreError::Corrupt(format!("a run's budget does not parse: {e}"))
+        })?)),
+        None => None,
+    };
+    Ok(Request {
+        run_id: s(col::RUN_ID)?,
+        project: s(col::PROJECT)?,
+        class: word(&s(col::CLASS)?)?,
+        priority: word(&s(col::PRIORITY)?)?,
+        resources: Resources {
+            slots: u(g(col::SLOTS)?)?,
+            memory: u(g(col::MEMORY)?)?,
+            cpu_millis: u(g(col::CPU_MILLIS)?)?,
+            disk: u(g(col::DISK)?)?,
+            named,
+        },
+        singletons: s(col::SINGLETONS)?
+            .split(',')
+            .filter(|x| !x.is_empty())
+            .map(str::to_string)
+            .collect(),
+        contract,
+        ttl_ms: u(g(col::TTL_MS)?)?,
+        wait_ms: u(g(col::WAIT_MS)?)?,
+        budget,
+    })
+}
+
+fn int(row: &Row, i: usize) -> Result<i64, StoreError> {
+    row.get::<_, i64>(i).map_err(corrupt)
+}
+
+fn text(row: &Row, i: usize) -> Result<String, StoreError> {
+    row.get::<_, String>(i).map_err(corrupt)
+}
+
+fn opt_text(row: &Row, i: usize) -> Result<Option<String>, StoreError> {
+    row.get::<_, Option<String>>(i).map_err(corrupt)
+}
+
+fn opt_int(row: &Row, i: usize) -> Result<Option<i64>, StoreError> {
+    row.get::<_, Option<i64>>(i).map_err(corrupt)
+}
+
 const ADD_PROCESS: &str = "INSERT OR IGNORE INTO processes (run_id, pid, start_ticks, boot_id)
      VALUES (?1, ?2, ?3, ?4)";
 
@@ -604,120 +620,13 @@ const UPSERT: &str =
   WHERE runs.terminal = 0 AND runs.queue_seq = excluded.queue_seq";
 
 impl Store for SqliteStore {
+    /// The whole ledger, one loader per table; the cross-table checks (L1, D4) here.
     fn load(&mut self, ended_max: usize) -> Result<Ledger, StoreError> {
-        let last_fence: String = self
-            .conn
-            .query_row("SELECT value FROM meta WHERE key = 'last_fence'", [], |r| {
-                r.get(0)
-            })
-            .map_err(corrupt)?;
-        let last_fence: u64 = last_fence
-            .parse()
-            .map_err(|_| StoreError::Corrupt(format!("last_fence {last_fence:?}")))?;
-        let boot_id: Option<String> = self
-            .conn
-            .query_row("SELECT value FROM meta WHERE key = 'boot_id'", [], |r| {
-                r.get(0)
-            })
-            .optional()
-            .map_err(corrupt)?;
-        // D4: `terminal` says which half of the load a run is in; any other value would
-        // leave the run out of both, silently.
-        let astray: Option<String> = self
-            .conn
-            .query_row(
-                "SELECT CAST(run_id AS TEXT) FROM runs
-                 WHERE terminal IS NOT 0 AND terminal IS NOT 1 LIMIT 1",
-                [],
-                |r| r.get(0),
-            )
-            .optional()
-            .map_err(corrupt)?;
-        if let Some(id) = astray {
-            return Err(StoreError::Corrupt(format!(
-                "run {id}: terminal is neither 0 nor 1"
-            )));
-        }
-        let mut runs = Vec::new();
-        {
-            let mut stmt = self
-                .conn
-                .prepare(&format!(
-                    "SELECT {RUN_COLUMNS} FROM runs WHERE terminal = 0
-                     UNION ALL
-                     SELECT {RUN_COLUMNS} FROM (SELECT * FROM runs WHERE terminal = 1
-                                    ORDER BY queue_seq DESC LIMIT ?1)
-                     ORDER BY queue_seq",
-                ))
-                .map_err(corrupt)?;
-            let mut rows = stmt.query([ended_max as i64]).map_err(corrupt)?;
-            while let Some(row) = rows.next().map_err(corrupt)? {
-                runs.push(read_run(row)?);
-            }
-        }
-        {
-            let mut index: std::collections::HashMap<String, usize> =
-                std::collections::HashMap::new();
-            for (i, r) in runs.iter().enumerate() {
-                index.insert(r.request.run_id.clone(), i);
-            }
-            let mut stmt = self
-                .conn
-                // Only the loaded runs' (by the primary key's prefix): the processes of
-                // runs retention has not yet pruned are not read at all.
-                .prepare(
-                    "SELECT run_id, pid, start_ticks, boot_id FROM processes WHERE run_id IN
-                       (SELECT run_id FROM runs WHERE terminal = 0
-                        UNION ALL
-                        SELECT run_id FROM (SELECT run_id FROM runs WHERE terminal = 1
-                                            ORDER BY queue_seq DESC LIMIT ?1))
-                     ORDER BY run_id, pid, start_ticks",
-                )
-                .map_err(corrupt)?;
-            let mut rows = stmt.query([ended_max as i64]).map_err(corrupt)?;
-            while let Some(row) = rows.next().map_err(corrupt)? {
-                let run_id: String = row.get(0).map_err(corrupt)?;
-                if let Some(&i) = index.get(&run_id) {
-                    // A pid is 1..=i32::MAX: another number cut to 32 bits could name
-                    // any process (D4: refused, never a guess).
-                    let pid: i64 = row.get(1).map_err(corrupt)?;
-                    let pid = i32::try_from(pid).ok().filter(|p| *p > 0).ok_or_else(|| {
-                        StoreError::Corrupt(format!("run {run_id}: process id {pid}"))
-                    })?;
-                    runs[i].processes.push(ProcessRecord {
-                        pid,
-                        start_ticks: u(row.get(2).map_err(corrupt)?)
-                            .map_err(|e| of(&format!("run {run_id}: process {pid}"), e))?,
-                        boot_id: row.get(3).map_err(corrupt)?,
-                    });
-                }
-            }
-        }
-        load_ports(&self.conn, &mut runs)?;
-        // Two index lookups (not a scan of every row), and never below what pruned runs
-        // had reached.
-        let next_queue_seq: i64 = self
-            .conn
-            .query_row(
-                "SELECT MAX(COALESCE((SELECT MAX(queue_seq) + 1 FROM runs WHERE terminal = 0), 0),
-                            COALESCE((SELECT MAX(queue_seq) + 1 FROM runs WHERE terminal = 1), 0),
-                            (SELECT CAST(value AS INTEGER) FROM meta
-                             WHERE key = 'queue_seq_floor'))",
-                [],
-                |r| r.get(0),
-            )
-            .map_err(corrupt)?;
-        let mut tokens = Vec::new();
-        {
-            let mut stmt = self
-                .conn
-                .prepare("SELECT hash, scope FROM tokens ORDER BY hash")
-                .map_err(corrupt)?;
-            let mut rows = stmt.query([]).map_err(corrupt)?;
-            while let Some(row) = rows.next().map_err(corrupt)? {
-                tokens.push((row.get(0).map_err(corrupt)?, row.get(1).map_err(corrupt)?));
-            }
-        }
+        let c = &self.conn;
+        let (last_fence, boot_id) = load_meta(c)?;
+        let mut runs = load_runs(c, ended_max)?;
+        load_processes(c, &mut runs, ended_max)?;
+        load_ports(c, &mut runs)?;
         // L1: no fence issued may exceed the counter; if it does the ledger is damaged.
         if let Some(max) = runs.iter().filter_map(|r| r.fence).max() {
             if max > last_fence {
@@ -726,18 +635,17 @@ impl Store for SqliteStore {
                 )));
             }
         }
-        let journal_last = journal_last(&self.conn)?;
         Ok(Ledger {
-            threads: load_threads(&self.conn)?,
-            scopes: load_scopes(&self.conn)?,
-            drain: load_drain(&self.conn)?,
-            journal_last,
-            evidence: load_evidence(&self.conn)?,
+            threads: load_threads(c)?,
+            scopes: load_scopes(c)?,
+            drain: load_drain(c)?,
+            journal_last: journal_last(c)?,
+            evidence: load_evidence(c)?,
             last_fence,
             boot_id,
             runs,
-            next_queue_seq: next_queue_seq as u64,
-            tokens,
+            next_queue_seq: next_queue_seq(c)?,
+            tokens: load_tokens(c)?,
         })
     }
 
@@ -994,8 +902,137 @@ fn write_thread(tx: &rusqlite::Transaction, r: &crate::ThreadRecord) -> Result<(
     Ok(())
 }
 
+/// The fence counter and the boot the ledger last ran in.
+fn load_meta(c: &Connection) -> Result<(u64, Option<String>), StoreError> {
+    let last_fence: String = c
+        .query_row("SELECT value FROM meta WHERE key = 'last_fence'", [], |r| {
+            r.get(0)
+        })
+        .map_err(corrupt)?;
+    let last_fence: u64 = last_fence
+        .parse()
+        .map_err(|_| StoreError::Corrupt(format!("last_fence {last_fence:?}")))?;
+    let boot_id: Option<String> = c
+        .query_row("SELECT value FROM meta WHERE key = 'boot_id'", [], |r| {
+            r.get(0)
+        })
+        .optional()
+        .map_err(corrupt)?;
+    Ok((last_fence, boot_id))
+}
+
+/// Every live run and the `ended_max` most recent ended ones, in queue order.
+fn load_runs(c: &Connection, ended_max: usize) -> Result<Vec<RunRecord>, StoreError> {
+    // D4: `terminal` says which half of the load a run is in; any other value would
+    // leave the run out of both, silently.
+    let astray: Option<String> = c
+        .query_row(
+            "SELECT CAST(run_id AS TEXT) FROM runs
+             WHERE terminal IS NOT 0 AND terminal IS NOT 1 LIMIT 1",
+            [],
+            |r| r.get(0),
+        )
+        .optional()
+        .map_err(corrupt)?;
+    if let Some(id) = astray {
+        return Err(StoreError::Corrupt(format!(
+            "run {id}: terminal is neither 0 nor 1"
+        )));
+    }
+    let mut stmt = c
+        .prepare(&format!(
+            "SELECT {RUN_COLUMNS} FROM runs WHERE terminal = 0
+             UNION ALL
+             SELECT {RUN_COLUMNS} FROM (SELECT * FROM runs WHERE terminal = 1
+                            ORDER BY queue_seq DESC LIMIT ?1)
+             ORDER BY queue_seq",
+        ))
+        .map_err(corrupt)?;
+    let mut rows = stmt.query([ended_max as i64]).map_err(corrupt)?;
+    let mut runs = Vec::new();
+    while let Some(row) = rows.next().map_err(corrupt)? {
+        runs.push(read_run(row)?);
+    }
+    Ok(runs)
+}
+
+/// The loaded runs' registered processes.
+fn load_processes(
+    c: &Connection,
+    runs: &mut [RunRecord],
+    ended_max: usize,
+) -> Result<(), StoreError> {
+    let index: std::collections::HashMap<String, usize> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.request.run_id.clone(), i))
+        .collect();
+    // Only the loaded runs' (by the primary key's prefix): the processes of runs
+    // retention has not yet pruned are not read at all.
+    let mut stmt = c
+        .prepare(
+            "SELECT run_id, pid, start_ticks, boot_id FROM processes WHERE run_id IN
+               (SELECT run_id FROM runs WHERE terminal = 0
+                UNION ALL
+                SELECT run_id FROM (SELECT run_id FROM runs WHERE terminal = 1
+                                    ORDER BY queue_seq DESC LIMIT ?1))
+             ORDER BY run_id, pid, start_ticks",
+        )
+        .map_err(corrupt)?;
+    let mut rows = stmt.query([ended_max as i64]).map_err(corrupt)?;
+    while let Some(row) = rows.next().map_err(corrupt)? {
+        let run_id: String = row.get(0).map_err(corrupt)?;
+        let Some(&i) = index.get(&run_id) else {
+            continue;
+        };
+        // A pid is 1..=i32::MAX: another number cut to 32 bits could name any process
+        // (D4: refused, never a guess).
+        let pid: i64 = row.get(1).map_err(corrupt)?;
+        let pid = i32::try_from(pid)
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| StoreError::Corrupt(format!("run {run_id}: process id {pid}")))?;
+        runs[i].processes.push(ProcessRecord {
+            pid,
+            start_ticks: u(row.get(2).map_err(corrupt)?)
+                .map_err(|e| of(&format!("run {run_id}: process {pid}"), e))?,
+            boot_id: row.get(3).map_err(corrupt)?,
+        });
+    }
+    Ok(())
+}
+
+/// The next queue sequence number: two index lookups (not a scan of every row), and
+/// never below what pruned runs had reached.
+fn next_queue_seq(c: &Connection) -> Result<u64, StoreError> {
+    let next: i64 = c
+        .query_row(
+            "SELECT MAX(COALESCE((SELECT MAX(queue_seq) + 1 FROM runs WHERE terminal = 0), 0),
+                        COALESCE((SELECT MAX(queue_seq) + 1 FROM runs WHERE terminal = 1), 0),
+                        (SELECT CAST(value AS INTEGER) FROM meta
+                         WHERE key = 'queue_seq_floor'))",
+            [],
+            |r| r.get(0),
+        )
+        .map_err(corrupt)?;
+    Ok(next as u64)
+}
+
+/// The API tokens: (hash, grant as text).
+fn load_tokens(c: &Connection) -> Result<Vec<(String, String)>, StoreError> {
+    let mut stmt = c
+        .prepare("SELECT hash, scope FROM tokens ORDER BY hash")
+        .map_err(corrupt)?;
+    let mut rows = stmt.query([]).map_err(corrupt)?;
+    let mut tokens = Vec::new();
+    while let Some(row) = rows.next().map_err(corrupt)? {
+        tokens.push((row.get(0).map_err(corrupt)?, row.get(1).map_err(corrupt)?));
+    }
+    Ok(tokens)
+}
+
 fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>, StoreError> {
-    use berth_core::threads::{EvictReason, Eviction, Owner, Registration, Thread};
+    use berth_core::threads::{Owner, Thread};
     let mut stmt = conn
         .prepare(
             "SELECT key, owner_gen, owner_fence, owner_run, reg_attached_ms, reg_deadline_ms,
@@ -1023,20 +1060,11 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
             (None, None, None) => None,
             _ => return Err(bad("a partial owner")),
         };
-        let registration = match (
+        let (attached, deadline) = (
             ms(row.get(4).map_err(corrupt)?)?,
             ms(row.get(5).map_err(corrupt)?)?,
-        ) {
-            (Some(attached_ms), Some(deadline_ms)) => Some(Registration {
-                owner: owner
-                    .clone()
-                    .ok_or_else(|| bad("a registration without an owner"))?,
-                attached_ms,
-                deadline_ms,
-            }),
-            (None, None) => None,
-            _ => return Err(bad("a partial registration")),
-        };
+        );
+        let registration = read_registration(&owner, attached, deadline).map_err(bad)?;
         let path: Option<String> = row.get(7).map_err(corrupt)?;
         let workspace = match path {
             Some(path) => Some(WorkspaceIdentity {
@@ -1050,20 +1078,7 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
             Some(v) => Some(u32::try_from(v).map_err(|_| bad("an owner uid that is not a uid"))?),
             None => None,
         };
-        let text: String = row.get(12).map_err(corrupt)?;
-        let mut evictions = Vec::new();
-        for e in text.split(',').filter(|e| !e.is_empty()) {
-            let (reason, at) = e
-                .split_once('@')
-                .ok_or_else(|| bad("an eviction without a time"))?;
-            evictions.push(Eviction {
-                reason: EvictReason::parse(reason)
-                    .ok_or_else(|| bad("an unknown eviction reason"))?,
-                at_ms: at
-                    .parse()
-                    .map_err(|_| bad("an eviction time that is not a number"))?,
-            });
-        }
+        let evictions = read_evictions(&row.get::<_, String>(12).map_err(corrupt)?).map_err(bad)?;
         let thread = Thread {
             owner,
             registration,
@@ -1081,6 +1096,39 @@ fn load_threads(conn: &rusqlite::Connection) -> Result<Vec<crate::ThreadRecord>,
         });
     }
     Ok(out)
+}
+
+/// A thread's registration: both times (with an owner), or neither.
+fn read_registration(
+    owner: &Option<berth_core::threads::Owner>,
+    attached: Option<u64>,
+    deadline: Option<u64>,
+) -> Result<Option<berth_core::threads::Registration>, &'static str> {
+    match (attached, deadline) {
+        (Some(attached_ms), Some(deadline_ms)) => Ok(Some(berth_core::threads::Registration {
+            owner: owner.clone().ok_or("a registration without an owner")?,
+            attached_ms,
+            deadline_ms,
+        })),
+        (None, None) => Ok(None),
+        _ => Err("a partial registration"),
+    }
+}
+
+/// A thread's evictions, `reason@ms` comma-separated.
+fn read_evictions(text: &str) -> Result<Vec<berth_core::threads::Eviction>, &'static str> {
+    use berth_core::threads::{EvictReason, Eviction};
+    let mut evictions = Vec::new();
+    for e in text.split(',').filter(|e| !e.is_empty()) {
+        let (reason, at) = e.split_once('@').ok_or("an eviction without a time")?;
+        evictions.push(Eviction {
+            reason: EvictReason::parse(reason).ok_or("an unknown eviction reason")?,
+            at_ms: at
+                .parse()
+                .map_err(|_| "an eviction time that is not a number")?,
+        });
+    }
+    Ok(evictions)
 }
 
 /// G4: the drain row, replaced or removed.
@@ -1696,8 +1744,26 @@ fn write_budget_token(
 /// rules (a bad word, a policy that does not parse, a token of a harness outside the
 /// policy, a harness over its limit) is a corrupt ledger (D4), never a guess.
 fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Scope>, StoreError> {
-    use berth_core::scopes::{Manifest, Receipt, Scope, Scopes, Token};
-    let mut out: BTreeMap<String, Scope> = BTreeMap::new();
+    use berth_core::scopes::Scopes;
+    let mut out = load_scope_rows(conn)?;
+    load_scope_receipts(conn, &mut out)?;
+    load_scope_tokens(conn, &mut out)?;
+    // The rules' own check: counts, limits, harnesses (D4: refuse, never guess).
+    let mut all = Scopes::default();
+    for s in out.values() {
+        all.restore(s.clone());
+    }
+    all.check_invariants()
+        .map_err(|e| StoreError::Corrupt(format!("scopes: {e}")))?;
+    Ok(all.iter().cloned().collect())
+}
+
+type ScopeMap = BTreeMap<String, berth_core::scopes::Scope>;
+
+/// The scopes' own rows: policy, manifest, control, generation, owner.
+fn load_scope_rows(conn: &rusqlite::Connection) -> Result<ScopeMap, StoreError> {
+    use berth_core::scopes::Scope;
+    let mut out = ScopeMap::new();
     let mut st = conn
         .prepare(
             "SELECT id, policy, manifest_path, manifest_sha256, manifest_ids, control,
@@ -1717,22 +1783,7 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
             policy.insert(h.to_string(), n);
         }
         berth_core::scopes::check_policy(&policy).map_err(|e| bad(e.to_string()))?;
-        let path: Option<String> = row.get(2).map_err(corrupt)?;
-        let sha: Option<String> = row.get(3).map_err(corrupt)?;
-        let ids: Option<String> = row.get(4).map_err(corrupt)?;
-        let manifest = match (path, sha, ids) {
-            (Some(path), Some(sha256), Some(ids)) => Some(Manifest {
-                path,
-                sha256,
-                execution_ids: ids
-                    .split('\n')
-                    .filter(|x| !x.is_empty())
-                    .map(str::to_string)
-                    .collect(),
-            }),
-            (None, None, None) => None,
-            _ => return Err(bad("a manifest in part".into())),
-        };
+        let manifest = read_manifest(row.get(2), row.get(3), row.get(4)).map_err(bad)?;
         let mut s = Scope::new(&id, policy, manifest);
         s.control = word(&row.get::<_, String>(5).map_err(corrupt)?)?;
         s.generation =
@@ -1743,6 +1794,36 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
         };
         out.insert(id, s);
     }
+    Ok(out)
+}
+
+/// A frozen manifest from its three columns: all set, or none.
+fn read_manifest(
+    path: rusqlite::Result<Option<String>>,
+    sha: rusqlite::Result<Option<String>>,
+    ids: rusqlite::Result<Option<String>>,
+) -> Result<Option<berth_core::scopes::Manifest>, String> {
+    let cols = (path, sha, ids);
+    let (Ok(path), Ok(sha), Ok(ids)) = cols else {
+        return Err("a manifest column of the wrong type".into());
+    };
+    match (path, sha, ids) {
+        (Some(path), Some(sha256), Some(ids)) => Ok(Some(berth_core::scopes::Manifest {
+            path,
+            sha256,
+            execution_ids: ids
+                .split('\n')
+                .filter(|x| !x.is_empty())
+                .map(str::to_string)
+                .collect(),
+        })),
+        (None, None, None) => Ok(None),
+        _ => Err("a manifest in part".into()),
+    }
+}
+
+/// Each scope's control receipts, oldest first.
+fn load_scope_receipts(conn: &rusqlite::Connection, out: &mut ScopeMap) -> Result<(), StoreError> {
     let mut st = conn
         .prepare(
             "SELECT scope, request_id, mode, generation, control, at_ms FROM scope_receipts
@@ -1755,7 +1836,7 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
         let n = |i: usize| -> Result<u64, StoreError> {
             u(row.get(i).map_err(corrupt)?).map_err(|e| of(&format!("scope {scope}: a receipt"), e))
         };
-        let r = Receipt {
+        let r = berth_core::scopes::Receipt {
             request_id: row.get(1).map_err(corrupt)?,
             mode: word(&row.get::<_, String>(2).map_err(corrupt)?)?,
             generation: n(3)?,
@@ -1767,6 +1848,11 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
             .receipts
             .push(r);
     }
+    Ok(())
+}
+
+/// Each scope's tokens, by (owner, operation).
+fn load_scope_tokens(conn: &rusqlite::Connection, out: &mut ScopeMap) -> Result<(), StoreError> {
     let mut st = conn
         .prepare(
             "SELECT scope, owner, operation, harness, run_id, since_ms, owner_lapsed
@@ -1777,7 +1863,7 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
     while let Some(row) = rows.next().map_err(corrupt)? {
         let scope: String = row.get(0).map_err(corrupt)?;
         let key = (row.get(1).map_err(corrupt)?, row.get(2).map_err(corrupt)?);
-        let t = Token {
+        let t = berth_core::scopes::Token {
             harness: row.get(3).map_err(corrupt)?,
             run_id: row.get(4).map_err(corrupt)?,
             since_ms: u(row.get(5).map_err(corrupt)?)
@@ -1789,14 +1875,7 @@ fn load_scopes(conn: &rusqlite::Connection) -> Result<Vec<berth_core::scopes::Sc
             .tokens
             .insert(key, t);
     }
-    // The rules' own check: counts, limits, harnesses (D4: refuse, never guess).
-    let mut all = Scopes::default();
-    for s in out.values() {
-        all.restore(s.clone());
-    }
-    all.check_invariants()
-        .map_err(|e| StoreError::Corrupt(format!("scopes: {e}")))?;
-    Ok(all.iter().cloned().collect())
+    Ok(())
 }
 
 #[cfg(test)]

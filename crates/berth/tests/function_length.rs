@@ -82,10 +82,6 @@ const OVER: &[(&str, &str, usize)] = &[
     ),
     ("crates/berth-sim/src/lib.rs", "on_event", 79),
     ("crates/berth-sim/src/lib.rs", "stale_fence_call", 74),
-    ("crates/berth-store/src/sqlite.rs", "read_run_fields", 94),
-    ("crates/berth-store/src/sqlite.rs", "load", 136),
-    ("crates/berth-store/src/sqlite.rs", "load_threads", 88),
-    ("crates/berth-store/src/sqlite.rs", "load_scopes", 103),
 ];
 
 /// The name of the function a line declares, if it declares one.
