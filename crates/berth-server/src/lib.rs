@@ -183,9 +183,10 @@ fn used(
         })
 }
 
-/// Starts the daemon on the current tokio runtime and returns once it is serving.
-pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
-    count_ports(&mut cfg)?;
+/// What `start` refuses before it touches anything: a non-loopback listener without
+/// auth, and an engine configuration that does not hold.
+fn check_config(cfg: &mut ServeConfig) -> anyhow::Result<()> {
+    count_ports(cfg)?;
     if cfg.insecure_no_auth && !is_loopback(&cfg.listen) {
         bail!(
             "--insecure-no-auth is only allowed with a loopback listen address, not {}",
@@ -194,7 +195,27 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
     }
     cfg.engine
         .validate()
-        .map_err(|e| anyhow::anyhow!("configuration: {e}"))?;
+        .map_err(|e| anyhow::anyhow!("configuration: {e}"))
+}
+
+/// The one door to the machine (`daemon::host`), with the users' workspaces directory
+/// checked when runs of other users get theirs there.
+fn real_host(
+    cfg: &ServeConfig,
+    runs_dir: &std::path::Path,
+    marker: private::FenceMarker,
+) -> anyhow::Result<daemon::RealHost> {
+    let mut host = daemon::RealHost::new(runs_dir, diagnostics(cfg), marker, supervision(cfg))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    if let Some(dir) = &cfg.user_workspaces {
+        users_dir(dir, &mut host)?;
+    }
+    Ok(host)
+}
+
+/// Starts the daemon on the current tokio runtime and returns once it is serving.
+pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
+    check_config(&mut cfg)?;
     // S5: everything berth creates from here on is private to its user (ledger,
     // tokens, diagnostics, workspaces).
     rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o077));
@@ -215,16 +236,7 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
     });
     let writer = spawn_writer(&cfg, opened.store, &shared);
     let fatal = Arc::new(Fatal::default());
-    let mut host = daemon::RealHost::new(
-        &runs_dir,
-        diagnostics(&cfg),
-        opened.marker,
-        supervision(&cfg),
-    )
-    .map_err(|e| anyhow::anyhow!("{e}"))?;
-    if let Some(dir) = &cfg.user_workspaces {
-        users_dir(dir, &mut host)?;
-    }
+    let host = real_host(&cfg, &runs_dir, opened.marker)?;
     let how = daemon::Restore {
         cfg: cfg.engine.clone(),
         same_boot: opened.same_boot,

@@ -200,6 +200,12 @@ impl Metrics {
             "Runs waiting, by the code of the reason they wait (A11)",
             self.queue_reasons.clone(),
         );
+        self.register_capacity_and_io();
+    }
+
+    /// Capacity, the ledger's commits, HTTP and the event streams.
+    fn register_capacity_and_io(&mut self) {
+        let r = &mut self.registry;
         r.register(
             "capacity_total",
             "Each resource's total (bytes, CPU millis or a count)",

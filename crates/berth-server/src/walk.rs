@@ -281,20 +281,7 @@ pub fn remove_contents<Fd: AsFd>(top: Fd, on: &Mount) -> Result<u64, WalkError> 
                 continue;
             }
             None => {
-                // Emptied: closed first, then removed from the level above.
-                let Some((done, name)) = stack.pop() else {
-                    break;
-                };
-                drop(done);
-                let Some((parent, _)) = stack.last() else {
-                    break;
-                };
-                let parent = parent.fd().map_err(fail("read directory"))?;
-                match fs::unlinkat(parent, name.as_c_str(), AtFlags::REMOVEDIR) {
-                    Ok(()) | Err(Errno::NOENT) => removed += 1,
-                    Err(Errno::BUSY) => return Err(WalkError::Mount),
-                    Err(e) => return Err(fail("rmdir")(e)),
-                }
+                removed += rmdir_emptied(&mut stack)?;
                 continue;
             }
         };
@@ -307,14 +294,14 @@ pub fn remove_contents<Fd: AsFd>(top: Fd, on: &Mount) -> Result<u64, WalkError> 
         // The type from the listing decides only which call is tried: `unlinkat`
         // without `AT_REMOVEDIR` never removes a directory, and a directory is opened
         // with `O_NOFOLLOW | O_DIRECTORY` and checked on its descriptor.
-        let mut kind = entry.file_type();
-        if kind == FileType::Unknown {
-            kind = match stat_at(fd, name.as_c_str()) {
+        let kind = match entry.file_type() {
+            FileType::Unknown => match stat_at(fd, name.as_c_str()) {
                 Ok(m) => m.kind,
                 Err(Errno::NOENT) => continue,
                 Err(e) => return Err(fail("stat")(e)),
-            };
-        }
+            },
+            kind => kind,
+        };
         if kind != FileType::Directory {
             removed += unlink_file(fd, &name)?;
             continue;
@@ -329,6 +316,24 @@ pub fn remove_contents<Fd: AsFd>(top: Fd, on: &Mount) -> Result<u64, WalkError> 
         moved_up |= move_up(fd, &name, top, on, &mut fresh)?;
     }
     Ok(removed)
+}
+
+/// The directory on top of the stack is empty: closed first, then removed from the
+/// level above (1 if it was removed or already gone).
+fn rmdir_emptied(stack: &mut Vec<(Dir, CString)>) -> Result<u64, WalkError> {
+    let Some((done, name)) = stack.pop() else {
+        return Ok(0);
+    };
+    drop(done);
+    let Some((parent, _)) = stack.last() else {
+        return Ok(0);
+    };
+    let parent = parent.fd().map_err(fail("read directory"))?;
+    match fs::unlinkat(parent, name.as_c_str(), AtFlags::REMOVEDIR) {
+        Ok(()) | Err(Errno::NOENT) => Ok(1),
+        Err(Errno::BUSY) => Err(WalkError::Mount),
+        Err(e) => Err(fail("rmdir")(e)),
+    }
 }
 
 /// Unlinks the non-directory `name` under `fd`; 1 if it was removed, 0 if it was gone.

@@ -541,34 +541,8 @@ fn operation(r: &Route) -> utoipa::openapi::path::Operation {
     let mut op = OperationBuilder::new()
         .summary(Some(r.summary))
         .operation_id(operation_id(&r.method, r.path));
-    // Every `{name}` of the path, each declared (the reservation's three were one).
-    for name in r
-        .path
-        .split('{')
-        .skip(1)
-        .filter_map(|s| s.split('}').next())
-    {
-        op = op.parameter(
-            ParameterBuilder::new()
-                .name(name)
-                .parameter_in(ParameterIn::Path)
-                .required(Required::True)
-                .schema(Some(ObjectBuilder::new().schema_type(Type::String))),
-        );
-    }
-    for (name, ty) in r.query {
-        let t = match *ty {
-            "integer" => Type::Integer,
-            "boolean" => Type::Boolean,
-            _ => Type::String,
-        };
-        op = op.parameter(
-            ParameterBuilder::new()
-                .name(*name)
-                .parameter_in(ParameterIn::Query)
-                .required(Required::False)
-                .schema(Some(ObjectBuilder::new().schema_type(t))),
-        );
+    for p in parameters(r) {
+        op = op.parameter(p);
     }
     if let Some(req) = r.request {
         let (media, mut c) = content(Body::Json(req));
@@ -612,6 +586,42 @@ fn operation(r: &Route) -> utoipa::openapi::path::Operation {
         op = op.security(SecurityRequirement::new("bearer", Vec::<String>::new()));
     }
     op.build()
+}
+
+/// Every `{name}` of the path (each declared: the reservation's three were one), then
+/// the query's.
+fn parameters(r: &Route) -> Vec<utoipa::openapi::path::Parameter> {
+    let names = r
+        .path
+        .split('{')
+        .skip(1)
+        .filter_map(|s| s.split('}').next());
+    let mut out: Vec<_> = names
+        .map(|name| {
+            ParameterBuilder::new()
+                .name(name)
+                .parameter_in(ParameterIn::Path)
+                .required(Required::True)
+                .schema(Some(ObjectBuilder::new().schema_type(Type::String)))
+                .build()
+        })
+        .collect();
+    for (name, ty) in r.query {
+        let t = match *ty {
+            "integer" => Type::Integer,
+            "boolean" => Type::Boolean,
+            _ => Type::String,
+        };
+        out.push(
+            ParameterBuilder::new()
+                .name(*name)
+                .parameter_in(ParameterIn::Query)
+                .required(Required::False)
+                .schema(Some(ObjectBuilder::new().schema_type(t)))
+                .build(),
+        );
+    }
+    out
 }
 
 /// The request bodies that carry a fence: a stale one is refused (L2).
@@ -695,35 +705,9 @@ fn request_example(schema: &str) -> Option<serde_json::Value> {
     })
 }
 
-/// B1–B6's wire types.
-fn budget_schemas(c: ComponentsBuilder) -> ComponentsBuilder {
-    c.schema_from::<wire::BudgetClaim>()
-        .schema_from::<wire::ScopeManifest>()
-        .schema_from::<wire::ReservationRequest>()
-        .schema_from::<wire::ReconcileRequest>()
-        .schema_from::<wire::ControlRequest>()
-        .schema_from::<wire::ControlReceipt>()
-        .schema_from::<wire::ScopeToken>()
-        .schema_from::<wire::Reservation>()
-        .schema_from::<wire::Reconciled>()
-        .schema_from::<wire::ScopeWaiter>()
-        .schema_from::<wire::HarnessFigures>()
-        .schema_from::<wire::Scope>()
-        .schema_from::<wire::ScopeSummary>()
-        .schema_from::<wire::ScopeList>()
-}
-
-fn build() -> OpenApi {
-    let mut paths = PathsBuilder::new();
-    for (r, _) in routes() {
-        let mut item = PathItem::new(r.method.clone(), operation(&r));
-        if let Some(scope) = r.scope {
-            item.description = Some(format!("Needs a token of the {} scope.", scope.as_str()));
-        }
-        paths = paths.path(r.path, item);
-    }
-    let components = ComponentsBuilder::new()
-        .schema_from::<wire::AcquireRequest>()
+/// Runs, the host, tokens, the journal, threads and drain: their wire types.
+fn run_and_host_schemas(c: ComponentsBuilder) -> ComponentsBuilder {
+    c.schema_from::<wire::AcquireRequest>()
         .schema_from::<wire::RenewRequest>()
         .schema_from::<wire::ReleaseRequest>()
         .schema_from::<wire::ProcessRequest>()
@@ -766,7 +750,37 @@ fn build() -> OpenApi {
         .schema_from::<wire::DrainRecord>()
         .schema_from::<wire::Busy>()
         .schema_from::<wire::Drain>()
-        .schema_from::<wire::Idle>();
+        .schema_from::<wire::Idle>()
+}
+
+/// B1–B6's wire types.
+fn budget_schemas(c: ComponentsBuilder) -> ComponentsBuilder {
+    c.schema_from::<wire::BudgetClaim>()
+        .schema_from::<wire::ScopeManifest>()
+        .schema_from::<wire::ReservationRequest>()
+        .schema_from::<wire::ReconcileRequest>()
+        .schema_from::<wire::ControlRequest>()
+        .schema_from::<wire::ControlReceipt>()
+        .schema_from::<wire::ScopeToken>()
+        .schema_from::<wire::Reservation>()
+        .schema_from::<wire::Reconciled>()
+        .schema_from::<wire::ScopeWaiter>()
+        .schema_from::<wire::HarnessFigures>()
+        .schema_from::<wire::Scope>()
+        .schema_from::<wire::ScopeSummary>()
+        .schema_from::<wire::ScopeList>()
+}
+
+fn build() -> OpenApi {
+    let mut paths = PathsBuilder::new();
+    for (r, _) in routes() {
+        let mut item = PathItem::new(r.method.clone(), operation(&r));
+        if let Some(scope) = r.scope {
+            item.description = Some(format!("Needs a token of the {} scope.", scope.as_str()));
+        }
+        paths = paths.path(r.path, item);
+    }
+    let components = run_and_host_schemas(ComponentsBuilder::new());
     let components = budget_schemas(components)
         .security_scheme(
             "bearer",

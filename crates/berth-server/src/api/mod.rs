@@ -1118,6 +1118,18 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
         });
         return next.run(req).await;
     }
+    match caller_of(&api, &req) {
+        Ok(caller) => {
+            req.extensions_mut().insert(caller);
+            authed();
+            next.run(req).await
+        }
+        Err(refused) => count_unmatched(&api, req.method(), refused.into_response()),
+    }
+}
+
+/// Who calls, by the bearer token: a known token that has not expired, or `401`.
+fn caller_of(api: &Api, req: &Request) -> Result<Caller, ApiError> {
     let token = req
         .headers()
         .get(header::AUTHORIZATION)
@@ -1125,36 +1137,31 @@ async fn authenticate(AxState(api): AxState<Api>, mut req: Request, next: Next) 
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::trim);
     let Some(token) = token else {
-        let refused = ApiError::new(
+        return Err(ApiError::new(
             401,
             "unauthorized",
             "a bearer token is required (Authorization: Bearer <token>)",
-        );
-        return count_unmatched(&api, req.method(), refused.into_response());
+        ));
     };
     let grant = {
         let tokens = api.shared.tokens.read().unwrap();
         auth::lookup_keyed(&tokens, token)
     };
     let Some((grant, key)) = grant else {
-        let refused = ApiError::new(401, "unauthorized", "the token is not valid");
-        return count_unmatched(&api, req.method(), refused.into_response());
+        return Err(ApiError::new(401, "unauthorized", "the token is not valid"));
     };
     // The clock is read only for a token that can expire.
     if grant.expires_ms.is_some() && grant.expired(crate::clock::wall_ms()) {
-        let refused = ApiError::new(401, "unauthorized", "the token has expired");
-        return count_unmatched(&api, req.method(), refused.into_response());
+        return Err(ApiError::new(401, "unauthorized", "the token has expired"));
     }
     let auth::Grant { scope, uid, .. } = grant;
-    req.extensions_mut().insert(Caller {
+    Ok(Caller {
         uid: uid.unwrap_or(api.uid),
         // The admin token keeps full reach whatever uid it was made for (S9).
         tenant: uid.filter(|_| scope != Scope::Admin),
         token: Some(key),
         scope,
-    });
-    authed();
-    next.run(req).await
+    })
 }
 
 async fn not_found(AxState(api): AxState<Api>, method: axum::http::Method) -> Response {

@@ -697,24 +697,10 @@ impl<H: Host> Daemon<H> {
                 Event::Degraded { run_id } => self.on_degraded(run_id),
                 // C3/C4: evidence is durable with the step that proved or disproved it.
                 Event::Promoted { project, evidence } => {
-                    tracing::info!(project, run_id = evidence.run_id.as_str(), "project promoted: its runtime was proven on every declared port; runs with the same contract and commit now run side by side");
-                    self.pending_mutations
-                        .push(berth_store::Mutation::Evidence {
-                            project: project.clone(),
-                            evidence: Some(evidence.clone()),
-                        });
+                    self.on_evidence(project, Some(evidence), &evidence.run_id)
                 }
                 Event::EvidenceInvalidated { project, by_run } => {
-                    tracing::info!(
-                        project,
-                        run_id = by_run.as_str(),
-                        "promotion evidence invalidated: the project's runs are serial again"
-                    );
-                    self.pending_mutations
-                        .push(berth_store::Mutation::Evidence {
-                            project: project.clone(),
-                            evidence: None,
-                        });
+                    self.on_evidence(project, None, by_run)
                 }
                 Event::ScopeFrozen { .. }
                 | Event::ScopeForgotten { .. }
@@ -723,23 +709,7 @@ impl<H: Host> Daemon<H> {
                 | Event::TokenLapsed { .. }
                 | Event::ScopeControlled { .. } => self.on_scope_event(&ev),
                 Event::PermitWanted { run_id } => self.on_permit_wanted(run_id),
-                Event::Ended { run_id, state } => {
-                    tracing::debug!(run_id, state = state.as_str(), "ended");
-                    self.on_fleet_ended(run_id, *state);
-                    self.cleanup_retry.remove(run_id);
-                    if let Some(e) = self.extras.get_mut(run_id) {
-                        e.survivors.clear();
-                        // W3: its processes are gone; its ports come back.
-                        let held: Vec<u16> = e.ports.iter().map(|(_, p)| *p).collect();
-                        self.ports.release(run_id, &held);
-                    }
-                    if self.listen_watched.remove(run_id).is_some() {
-                        self.send_listen_watch();
-                    }
-                    self.attached.remove(run_id);
-                    self.unclaimed.remove(run_id);
-                    self.ended.push_back(run_id.clone());
-                }
+                Event::Ended { run_id, state } => self.on_ended(run_id, *state),
                 _ => {}
             }
         }
@@ -752,6 +722,40 @@ impl<H: Host> Daemon<H> {
             }
         }
         shrink_sparse(&mut self.extras);
+    }
+
+    /// C3/C4: promotion evidence recorded (`Some`) or invalidated (`None`), made
+    /// durable with the step that proved or disproved it.
+    fn on_evidence(&mut self, project: &str, evidence: Option<&berth_core::Evidence>, by: &str) {
+        match evidence {
+            Some(_) => tracing::info!(project, run_id = by, "project promoted: its runtime was proven on every declared port; runs with the same contract and commit now run side by side"),
+            None => tracing::info!(project, run_id = by, "promotion evidence invalidated: the project's runs are serial again"),
+        }
+        self.pending_mutations
+            .push(berth_store::Mutation::Evidence {
+                project: project.to_string(),
+                evidence: evidence.cloned(),
+            });
+    }
+
+    /// A run ended: its fleet claim, clean-up retries, ports, listener watch and
+    /// connection bookkeeping go; it is remembered among the ended runs.
+    fn on_ended(&mut self, run_id: &str, state: RunState) {
+        tracing::debug!(run_id, state = state.as_str(), "ended");
+        self.on_fleet_ended(run_id, state);
+        self.cleanup_retry.remove(run_id);
+        if let Some(e) = self.extras.get_mut(run_id) {
+            e.survivors.clear();
+            // W3: its processes are gone; its ports come back.
+            let held: Vec<u16> = e.ports.iter().map(|(_, p)| *p).collect();
+            self.ports.release(run_id, &held);
+        }
+        if self.listen_watched.remove(run_id).is_some() {
+            self.send_listen_watch();
+        }
+        self.attached.remove(run_id);
+        self.unclaimed.remove(run_id);
+        self.ended.push_back(run_id.to_string());
     }
 
     /// W1: a granted run gets its workspace, or is released in this same step (before

@@ -156,6 +156,59 @@ fn restored_engine(
     Ok(engine)
 }
 
+/// The ledger's runs, sorted into what the daemon keeps of them: the engine's view,
+/// each run's extras, the waiters that must come back, the ended, the clean-ups to
+/// retry, the ports held and the analysis runs whose listeners are watched again.
+struct Sorted {
+    restored: Vec<RestoredRun>,
+    extras: HashMap<String, Box<Extra>>,
+    unclaimed: BTreeMap<String, u64>,
+    ended: VecDeque<String>,
+    cleanup_retry: BTreeMap<String, (u32, u64)>,
+    ports: super::PortBroker,
+    rewatch: Vec<String>,
+}
+
+fn sort_runs(runs: Vec<RunRecord>, now: u64, how: &Restore) -> Sorted {
+    let mut out = Sorted {
+        restored: Vec::with_capacity(runs.len()),
+        extras: HashMap::with_capacity(runs.len()),
+        unclaimed: BTreeMap::new(),
+        ended: VecDeque::new(),
+        cleanup_retry: BTreeMap::new(),
+        ports: super::PortBroker::new(how.port_range),
+        rewatch: Vec::new(),
+    };
+    let reboot_window = (!how.same_boot).then_some(how.reconnect_window_ms);
+    for r in runs {
+        let id = r.request.run_id.clone();
+        match r.state {
+            // A detached waiter needs no client to come back for it.
+            RunState::Queued if !r.detached => {
+                out.unclaimed
+                    .insert(id.clone(), now + how.reconnect_window_ms);
+            }
+            RunState::Releasing | RunState::Degraded => {
+                out.cleanup_retry.insert(id.clone(), (0, 0));
+            }
+            s if s.is_terminal() => out.ended.push_back(id.clone()),
+            _ => {}
+        }
+        let (run, extra) = restored_run(r, now, reboot_window);
+        if !run.state.is_terminal() {
+            if run.request.class == Class::Analysis && !extra.processes.is_empty() {
+                out.rewatch.push(id.clone());
+            }
+            for (_, p) in extra.ports.iter().filter(|(_, p)| *p != 0) {
+                out.ports.hold(*p, &id);
+            }
+        }
+        out.extras.insert(id, Box::new(extra));
+        out.restored.push(run);
+    }
+    out
+}
+
 impl<H: Host> Daemon<H> {
     /// Rebuilds the daemon from the ledger (P5). Times in the ledger are this boot's
     /// monotonic milliseconds; after a reboot every lease is over and every waiter has
@@ -172,39 +225,15 @@ impl<H: Host> Daemon<H> {
     ) -> Result<Daemon<H>, String> {
         restore_summary(&ledger, how.same_boot);
         shared.journal.start(ledger.journal_last, writer.reader());
-        let mut restored = Vec::with_capacity(ledger.runs.len());
-        let mut extras = HashMap::with_capacity(ledger.runs.len());
-        let mut unclaimed = BTreeMap::new();
-        let mut ended = VecDeque::new();
-        let mut cleanup_retry = BTreeMap::new();
-        let reboot_window = (!how.same_boot).then_some(how.reconnect_window_ms);
-        let mut ports = super::PortBroker::new(how.port_range);
-        let mut rewatch = Vec::new();
-        for r in ledger.runs {
-            let id = r.request.run_id.clone();
-            match r.state {
-                // A detached waiter needs no client to come back for it.
-                RunState::Queued if !r.detached => {
-                    unclaimed.insert(id.clone(), now + how.reconnect_window_ms);
-                }
-                RunState::Releasing | RunState::Degraded => {
-                    cleanup_retry.insert(id.clone(), (0, 0));
-                }
-                s if s.is_terminal() => ended.push_back(id.clone()),
-                _ => {}
-            }
-            let (run, extra) = restored_run(r, now, reboot_window);
-            if !run.state.is_terminal() {
-                if run.request.class == Class::Analysis && !extra.processes.is_empty() {
-                    rewatch.push(id.clone());
-                }
-                for (_, p) in extra.ports.iter().filter(|(_, p)| *p != 0) {
-                    ports.hold(*p, &id);
-                }
-            }
-            extras.insert(id, Box::new(extra));
-            restored.push(run);
-        }
+        let Sorted {
+            restored,
+            extras,
+            unclaimed,
+            ended,
+            cleanup_retry,
+            ports,
+            rewatch,
+        } = sort_runs(ledger.runs, now, &how);
         let kept = (ledger.last_fence, ledger.scopes, ledger.evidence);
         let mut engine = restored_engine(how.cfg, now, restored, kept, how.same_boot)?;
         let g = (ledger.threads, ledger.drain);
