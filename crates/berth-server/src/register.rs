@@ -153,21 +153,8 @@ pub fn check(me: &Me, uid: u32, pid: i32, others: &[OtherRun<'_>]) -> Result<Pro
         return forbidden("a kernel thread");
     }
     let status = status(pid)?;
-    if status.tgid != pid {
-        return forbidden(&format!(
-            "a thread of process {}, not a process",
-            status.tgid
-        ));
-    }
-    if status.tgid == me.pid {
-        return forbidden("a thread of the berth daemon");
-    }
-    if pid == me.pgrp || pid == me.session {
-        return forbidden("the leader of the berth daemon's process group or session");
-    }
-    // Ancestors read again now (the daemon may have been re-parented since it started).
-    if me.ancestors.contains(&pid) || ancestors(me.pid).contains(&pid) {
-        return forbidden("an ancestor of the berth daemon");
+    if let Some(why) = part_of_berth(me, pid, status.tgid) {
+        return forbidden(&why);
     }
     // Rule 2: the kernel lets an unprivileged sender signal a process whose real or
     // saved uid is its own.
@@ -199,6 +186,25 @@ pub fn check(me: &Me, uid: u32, pid: i32, others: &[OtherRun<'_>]) -> Result<Pro
         start_ticks: st.start_ticks,
         boot_id: berth_proc::boot_id(),
     })
+}
+
+/// Rule 1's relatives of the daemon: a thread rather than a process, a thread of the
+/// daemon, the leader of its group or session, one of its ancestors (read again now:
+/// the daemon may have been re-parented since it started). What `pid` is, if so.
+fn part_of_berth(me: &Me, pid: i32, tgid: i32) -> Option<String> {
+    if tgid != pid {
+        return Some(format!("a thread of process {tgid}, not a process"));
+    }
+    if tgid == me.pid {
+        return Some("a thread of the berth daemon".into());
+    }
+    if pid == me.pgrp || pid == me.session {
+        return Some("the leader of the berth daemon's process group or session".into());
+    }
+    if me.ancestors.contains(&pid) || ancestors(me.pid).contains(&pid) {
+        return Some("an ancestor of the berth daemon".into());
+    }
+    None
 }
 
 /// Rule 3 over one reading of `/proc` (pure): the run whose live root `pid`'s tree

@@ -54,24 +54,7 @@ const OVER: &[(&str, &str, usize)] = &[
     ("crates/berth-bench/src/waiters.rs", "main", 118),
     ("crates/berth-proc/src/lib.rs", "look", 74),
     ("crates/berth-proc/src/lib.rs", "round_with", 74),
-    (
-        "crates/berth-server/src/daemon/fleet.rs",
-        "on_fleet_claimed",
-        73,
-    ),
     ("crates/berth-server/src/daemon/handlers.rs", "handle", 72),
-    ("crates/berth-server/src/daemon/scopes.rs", "on_scope", 72),
-    (
-        "crates/berth-server/src/daemon/scopes.rs",
-        "on_scope_event",
-        72,
-    ),
-    ("crates/berth-server/src/register.rs", "check", 72),
-    (
-        "crates/berth-server/src/workspace/diagnostics.rs",
-        "copy_tree",
-        76,
-    ),
     ("crates/berth-sim/src/lib.rs", "on_event", 79),
     ("crates/berth-sim/src/lib.rs", "stale_fence_call", 74),
 ];

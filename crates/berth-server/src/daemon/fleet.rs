@@ -310,14 +310,9 @@ impl<H: Host> Daemon<H> {
             }) => {
                 // A8/A11: the waiter's reason names the key and who holds it, as a
                 // single-host wait does (issue 33 item 8).
-                let on = if host_id.is_empty() {
-                    String::new()
-                } else {
-                    format!(" on host {host_id}")
-                };
-                // As the run named it (`--singleton fleet:KEY`).
-                let why = format!("waiting for fleet:{key}, held by run {holder}{on}");
-                self.fleet.why.insert(run_id.clone(), why);
+                self.fleet
+                    .why
+                    .insert(run_id.clone(), key_held(&key, &holder, &host_id));
                 touched.insert(run_id.clone());
                 self.park_or_retry(key_channel(&key), run_id, &sent)
             }
@@ -559,4 +554,14 @@ impl<H: Host> Daemon<H> {
         self.fleet.self_fence_ms = self_fence_ms;
         self.fleet.recheck_ms = recheck_ms;
     }
+}
+
+/// Why a fleet waiter waits, as the run named the key (`--singleton fleet:KEY`).
+fn key_held(key: &str, holder: &str, host_id: &str) -> String {
+    let on = if host_id.is_empty() {
+        String::new()
+    } else {
+        format!(" on host {host_id}")
+    };
+    format!("waiting for fleet:{key}, held by run {holder}{on}")
 }

@@ -114,7 +114,22 @@ impl<H: Host> Daemon<H> {
                 Err(e) => return self.commit_and_answer(BTreeSet::new(), reply, Err(e)),
             },
         };
-        let answer: Answer<Self> = match &cmd {
+        let Some(answer) = self.scope_answer(&cmd) else {
+            let e = Error::Internal("not a budget command".into());
+            return self.answer(reply, Err(e));
+        };
+        let (touched, done) = self.scope_step(cmd);
+        let v = done.and_then(|()| {
+            answer(self).ok_or_else(|| Error::Internal("the scope's answer vanished".into()))
+        });
+        self.commit_and_answer(touched, reply, v);
+    }
+
+    /// How a budget command's answer is read once it is applied (what it reads from
+    /// before, such as a token about to be freed, is taken now); `None`: not a budget
+    /// command.
+    fn scope_answer(&self, cmd: &Command) -> Option<Answer<Self>> {
+        Some(match cmd {
             Command::Reserve {
                 scope,
                 owner,
@@ -156,17 +171,9 @@ impl<H: Host> Daemon<H> {
                 let before = self.engine.scopes().get(scope).map(summary);
                 Box::new(move |_: &Self| before.map(ScopeAnswer::Deleted))
             }
-            // Not a budget command: refused here, nothing applied.
-            _ => {
-                let e = Error::Internal("not a budget command".into());
-                return self.answer(reply, Err(e));
-            }
-        };
-        let (touched, done) = self.scope_step(cmd);
-        let v = done.and_then(|()| {
-            answer(self).ok_or_else(|| Error::Internal("the scope's answer vanished".into()))
-        });
-        self.commit_and_answer(touched, reply, v);
+            // Not a budget command: refused, nothing applied.
+            _ => return None,
+        })
     }
 
     /// S9: a uid-bound token controls or deletes only scopes its user's runs froze.
@@ -247,17 +254,7 @@ impl<H: Host> Daemon<H> {
     /// B1–B5: a budget event's ledger row and journal entry, in this step's commit.
     pub(super) fn on_scope_event(&mut self, ev: &Event) {
         match ev {
-            Event::ScopeFrozen { scope } => {
-                let Some(s) = self.engine.scopes().get(scope) else {
-                    return;
-                };
-                let data = json!({"scope": scope, "policy": s.policy,
-                                  "manifest": s.manifest});
-                // Its story starts with this entry: retention keeps it from here.
-                let first = self.journal_next;
-                self.push_scope(scope, first);
-                self.journal_entry("scope_frozen", None, None, data);
-            }
+            Event::ScopeFrozen { scope } => self.on_scope_frozen(scope),
             Event::ScopeForgotten { scope, by_operator } => {
                 self.pending_mutations
                     .push(Mutation::ScopeDeleted(scope.clone()));
@@ -302,20 +299,35 @@ impl<H: Host> Daemon<H> {
                 let data = json!({"scope": scope, "owner": owner, "operation_id": operation});
                 self.journal_entry("budget_token_lapsed", None, None, data);
             }
-            Event::ScopeControlled { scope, receipt } => {
-                self.push_scope(scope, 0);
-                self.pending_mutations.push(Mutation::ScopeReceipt {
-                    scope: scope.clone(),
-                    receipt: receipt.clone(),
-                });
-                let data = json!({"scope": scope, "request_id": receipt.request_id,
-                                  "mode": receipt.mode.as_str(),
-                                  "generation": receipt.generation,
-                                  "control": receipt.control.as_str()});
-                self.journal_entry("scope_control", None, None, data);
-            }
+            Event::ScopeControlled { scope, receipt } => self.on_scope_controlled(scope, receipt),
             _ => {}
         }
+    }
+
+    /// B1: the scope's policy froze; its story starts with this entry (retention keeps
+    /// it from here).
+    fn on_scope_frozen(&mut self, scope: &str) {
+        let Some(s) = self.engine.scopes().get(scope) else {
+            return;
+        };
+        let data = json!({"scope": scope, "policy": s.policy, "manifest": s.manifest});
+        let first = self.journal_next;
+        self.push_scope(scope, first);
+        self.journal_entry("scope_frozen", None, None, data);
+    }
+
+    /// B4: an accepted control request: the scope's row, its receipt, the entry.
+    fn on_scope_controlled(&mut self, scope: &str, receipt: &berth_core::scopes::Receipt) {
+        self.push_scope(scope, 0);
+        self.pending_mutations.push(Mutation::ScopeReceipt {
+            scope: scope.to_string(),
+            receipt: receipt.clone(),
+        });
+        let data = json!({"scope": scope, "request_id": receipt.request_id,
+                          "mode": receipt.mode.as_str(),
+                          "generation": receipt.generation,
+                          "control": receipt.control.as_str()});
+        self.journal_entry("scope_control", None, None, data);
     }
 
     /// The scope's row; `journal_first` is its first journal entry when known (0: the

@@ -354,7 +354,6 @@ fn copy_tree(
     visits: &mut u64,
     dir: &Path,
 ) -> u64 {
-    let block = budget.block;
     let mut stack = vec![first];
     let mut files = 0u64;
     let mut buf = vec![0u8; COPY_BUF_BYTES];
@@ -393,34 +392,62 @@ fn copy_tree(
                 }
             }
             FileType::Directory if depth < ARCHIVE_DEPTH_MAX => {
-                if budget.room().is_none() {
-                    break;
+                let mounts = (on, diag_on);
+                match enter_dir(f, &entry, mounts, budget, visits, dir) {
+                    Enter::Into(frame) => stack.push(frame),
+                    Enter::Skip => continue,
+                    Enter::Stop => break,
                 }
-                let Ok((src, _)) = walk::open_dir(&f.src, entry.as_c_str(), on) else {
-                    continue;
-                };
-                let dest = match make_private_dir(&f.dest, &entry, diag_on) {
-                    Ok(fd) => fd,
-                    Err(e) => {
-                        tracing::warn!("diagnostics {}: copying a log: {e}", dir.display());
-                        break;
-                    }
-                };
-                budget.charge(block);
-                f.charge_growth(budget);
-                let names = list_sorted(&src, visits);
-                stack.push(CopyFrame {
-                    src,
-                    names,
-                    dest,
-                    dest_bytes: block,
-                });
             }
             // Links, fifos, sockets, devices, directories too deep: not archived.
             _ => {}
         }
     }
     files
+}
+
+/// What `copy_tree` does with a directory it meets.
+enum Enter {
+    /// Copy what is in it next: its frame.
+    Into(CopyFrame),
+    /// Leave it out (a link or a mount swapped in since the listing).
+    Skip,
+    /// The budget is spent or the archive cannot grow: stop copying.
+    Stop,
+}
+
+/// Opens `entry` under `f` (never through a link or onto another mount), makes its
+/// private copy in the archive and charges the budget for it.
+fn enter_dir(
+    f: &mut CopyFrame,
+    entry: &std::ffi::CStr,
+    (on, diag_on): (&walk::Mount, &walk::Mount),
+    budget: &mut Budget,
+    visits: &mut u64,
+    dir: &Path,
+) -> Enter {
+    if budget.room().is_none() {
+        return Enter::Stop;
+    }
+    let Ok((src, _)) = walk::open_dir(&f.src, entry, on) else {
+        return Enter::Skip;
+    };
+    let dest = match make_private_dir(&f.dest, entry, diag_on) {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::warn!("diagnostics {}: copying a log: {e}", dir.display());
+            return Enter::Stop;
+        }
+    };
+    budget.charge(budget.block);
+    f.charge_growth(budget);
+    let names = list_sorted(&src, visits);
+    Enter::Into(CopyFrame {
+        src,
+        names,
+        dest,
+        dest_bytes: budget.block,
+    })
 }
 
 /// Names the complete archive `<diagnostics>/<partial>` as `<name>`, or `<name>-1`,
