@@ -405,6 +405,29 @@ struct Active {
     group_holds_protected: bool,
 }
 
+impl Active {
+    /// What became of each process signalled this round.
+    fn record(&mut self, outcomes: Vec<(ProcId, Signalled)>) {
+        for (id, outcome) in outcomes {
+            match outcome {
+                Signalled::Sent => {
+                    self.signalled.insert(id);
+                }
+                // Proven gone, or no longer the run's: nothing left to remember.
+                Signalled::Gone | Signalled::Reused => {
+                    self.known.remove(&id.pid);
+                }
+                Signalled::Protected => {
+                    self.known.remove(&id.pid);
+                    self.spared.insert(id.pid);
+                }
+                // Still (possibly) alive: the next round looks again.
+                Signalled::Denied | Signalled::Unknown => {}
+            }
+        }
+    }
+}
+
 /// How a round signals one process: [`signal`], except in tests, which must see what
 /// would have been signalled without sending anything.
 type SignalFn = Box<dyn FnMut(&ProcId, Signal) -> Signalled + Send>;
@@ -562,31 +585,41 @@ fn look(
         }
     }
     if let Some(g) = &job.group {
-        match g.pids() {
-            Ok(pids) => {
-                for pid in pids {
-                    match stat(pid) {
-                        Ok(s) if guard.spares(&s) => {
-                            l.spared.insert(pid);
-                            l.group_holds_protected = true;
-                        }
-                        Ok(s) if s.state == 'Z' => {}
-                        Ok(s) => {
-                            l.alive.entry(pid).or_insert_with(|| id(&s));
-                        }
-                        Err(ProcError::NoSuchProcess { .. }) => {}
-                        Err(_) => l.unverified = true,
-                    }
-                }
-            }
-            Err(_) => l.unverified = true,
-        }
-        match g.populated() {
-            Ok(p) => l.populated = p,
-            Err(_) => l.unverified = true,
-        }
+        look_in_group(g, guard, boot, &mut l);
     }
     l
+}
+
+/// The run's cgroup: each member (one the guard spares is noted, and the group then
+/// holds a protected process) and whether anything is left in it.
+fn look_in_group(g: &cgroup::Group, guard: &Guard, boot: &str, l: &mut Look) {
+    match g.pids() {
+        Ok(pids) => {
+            for pid in pids {
+                match stat(pid) {
+                    Ok(s) if guard.spares(&s) => {
+                        l.spared.insert(pid);
+                        l.group_holds_protected = true;
+                    }
+                    Ok(s) if s.state == 'Z' => {}
+                    Ok(s) => {
+                        l.alive.entry(pid).or_insert_with(|| ProcId {
+                            pid: s.pid,
+                            start_ticks: s.start_ticks,
+                            boot_id: boot.to_string(),
+                        });
+                    }
+                    Err(ProcError::NoSuchProcess { .. }) => {}
+                    Err(_) => l.unverified = true,
+                }
+            }
+        }
+        Err(_) => l.unverified = true,
+    }
+    match g.populated() {
+        Ok(p) => l.populated = p,
+        Err(_) => l.unverified = true,
+    }
 }
 
 /// Signals every process in `alive` the guard allows, and returns what became of each
@@ -706,23 +739,7 @@ impl Stopper {
                 }
             };
             a.known = look.alive;
-            for (id, outcome) in outcomes {
-                match outcome {
-                    Signalled::Sent => {
-                        a.signalled.insert(id);
-                    }
-                    // Proven gone, or no longer the run's: nothing left to remember.
-                    Signalled::Gone | Signalled::Reused => {
-                        a.known.remove(&id.pid);
-                    }
-                    Signalled::Protected => {
-                        a.known.remove(&id.pid);
-                        a.spared.insert(id.pid);
-                    }
-                    // Still (possibly) alive: the next round looks again.
-                    Signalled::Denied | Signalled::Unknown => {}
-                }
-            }
+            a.record(outcomes);
             if matches!(action, StopAction::Done | StopAction::Degraded) {
                 let mut a = self.active.swap_remove(i);
                 a.report.terminated = a.signalled.len();

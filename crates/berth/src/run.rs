@@ -413,32 +413,10 @@ fn wait_for_lease_with(
                 // The stream broke without an answer: the daemon went away. Re-post the
                 // same run id; it keeps its place (P5).
             }
-            Ok((status, mut reader)) => {
+            Ok((status, reader)) => {
                 ever_reached = true;
-                let mut text = String::new();
-                let _ = std::io::Read::read_to_string(&mut reader, &mut text);
-                let mut v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
-                client.explain_401(status, &mut v);
-                let error = error_of(&v);
-                if !transient(status, &error) {
-                    let (code, msg) = refusal(&error);
-                    return Admission::Refused(
-                        if status == 410 { code } else { EXIT_REFUSED },
-                        msg,
-                    );
-                }
-                // 503: berth cannot take it now (draining, a full queue, its ledger or
-                // the fleet store away, shutting down): waited out within --wait, the
-                // reason on the waiting line (issue 33 item 9).
-                line.queued(format!("berth answered {status}: {}", error.message));
-                if Instant::now() >= wait_until {
-                    return Admission::Refused(
-                        EXIT_TIMEOUT,
-                        format!(
-                            "not admitted within --wait: {}: {}",
-                            error.code, error.message
-                        ),
-                    );
+                if let Some(done) = not_now_or_never(client, status, reader, line, wait_until) {
+                    return done;
                 }
             }
             Err(e) => {
@@ -464,6 +442,37 @@ fn wait_for_lease_with(
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_secs(2));
     }
+}
+
+/// A refused acquire: the refusal if it is final, or if berth's "not now" (503:
+/// draining, a full queue, its ledger or the fleet store away, shutting down) has
+/// lasted past `--wait`; `None` to try again, the reason on the waiting line (issue 33
+/// item 9).
+fn not_now_or_never(
+    client: &Client,
+    status: u16,
+    mut reader: impl std::io::Read,
+    line: &WaitLine,
+    wait_until: Instant,
+) -> Option<Admission> {
+    let mut text = String::new();
+    let _ = reader.read_to_string(&mut text);
+    let mut v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    client.explain_401(status, &mut v);
+    let error = error_of(&v);
+    if !transient(status, &error) {
+        let (code, msg) = refusal(&error);
+        let code = if status == 410 { code } else { EXIT_REFUSED };
+        return Some(Admission::Refused(code, msg));
+    }
+    line.queued(format!("berth answered {status}: {}", error.message));
+    (Instant::now() >= wait_until).then(|| {
+        let why = format!(
+            "not admitted within --wait: {}: {}",
+            error.code, error.message
+        );
+        Admission::Refused(EXIT_TIMEOUT, why)
+    })
 }
 
 /// A refusal that is only "not now": a 503 about berth itself, not about the run (a

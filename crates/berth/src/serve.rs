@@ -302,6 +302,8 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     if let Err(e) = c.validate() {
         bail!("configuration: {e}");
     }
+    let diagnostics = diagnostics_limits(&a, &file)?;
+    let user_workspaces = user_workspaces(&a, &file);
     Ok(berth_server::ServeConfig {
         fleet,
         state_dir,
@@ -320,27 +322,10 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             .or(duration("stop_grace", file.stop_grace)?)
             .unwrap_or(10_000),
         cgroups: !(a.no_cgroups || file.no_cgroups.unwrap_or(false)),
-        diagnostics_run_bytes_max: a
-            .diagnostics_run_bytes
-            .or(size("diagnostics_run_bytes", file.diagnostics_run_bytes)?)
-            .unwrap_or(1 << 20),
-        diagnostics_total_bytes_max: a
-            .diagnostics_total_bytes
-            .or(size(
-                "diagnostics_total_bytes",
-                file.diagnostics_total_bytes,
-            )?)
-            .unwrap_or(256 << 20),
+        diagnostics_run_bytes_max: diagnostics.0,
+        diagnostics_total_bytes_max: diagnostics.1,
         init_ledger: a.init_ledger,
-        user_workspaces: a
-            .user_workspaces
-            .clone()
-            .or(file.user_workspaces)
-            .or_else(|| {
-                rustix::process::geteuid()
-                    .is_root()
-                    .then(|| PathBuf::from(USER_WORKSPACES_DEFAULT))
-            }),
+        user_workspaces,
         fence_reserve_block: a
             .fence_reserve_block
             .unwrap_or(berth_server::private::FENCE_RESERVE_BLOCK),
@@ -359,6 +344,38 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             .unwrap_or(berth_server::limits::TOKEN_WAITS_MAX_DEFAULT),
         port_range: port_range(a.port_range, &file.port_range)?,
     })
+}
+
+/// P3: what a run's archived logs may take, and all archives together (bytes).
+fn diagnostics_limits(a: &ServeArgs, file: &FileConfig) -> anyhow::Result<(u64, u64)> {
+    let run = a
+        .diagnostics_run_bytes
+        .or(size(
+            "diagnostics_run_bytes",
+            file.diagnostics_run_bytes.clone(),
+        )?)
+        .unwrap_or(1 << 20);
+    let total = a
+        .diagnostics_total_bytes
+        .or(size(
+            "diagnostics_total_bytes",
+            file.diagnostics_total_bytes.clone(),
+        )?)
+        .unwrap_or(256 << 20);
+    Ok((run, total))
+}
+
+/// Where other users' runs get their workspaces: the flag, else the file, else (as
+/// root) the default; none for a daemon that is not root and was not told.
+fn user_workspaces(a: &ServeArgs, file: &FileConfig) -> Option<PathBuf> {
+    a.user_workspaces
+        .clone()
+        .or(file.user_workspaces.clone())
+        .or_else(|| {
+            rustix::process::geteuid()
+                .is_root()
+                .then(|| PathBuf::from(USER_WORKSPACES_DEFAULT))
+        })
 }
 
 /// W3: the ports runs get, from the flag, else the file, else the default.
@@ -495,24 +512,7 @@ fn engine_config(
     if let Some(v) = a.slots_max.or(file.slots_max) {
         c.slots_max = v;
     }
-    if let Some(v) = a
-        .memory_reserve
-        .or(size("memory_reserve", file.memory_reserve.clone())?)
-    {
-        c.memory_reserve = v;
-    }
-    if let Some(v) = a
-        .cpu_reserve
-        .or(cpu_key("cpu_reserve", file.cpu_reserve.clone())?)
-    {
-        c.cpu_reserve_millis = v;
-    }
-    if let Some(v) = a
-        .disk_reserve
-        .or(size("disk_reserve", file.disk_reserve.clone())?)
-    {
-        c.disk_reserve = v;
-    }
+    reserves(&mut c, a, file)?;
     if let Some(v) = a.window.or(file.window) {
         c.window = v;
     }
@@ -528,6 +528,23 @@ fn engine_config(
     }
     named_and_defaults(&mut c, a, file)?;
     Ok(c)
+}
+
+/// A2: what admission keeps back of memory, CPU and disk, where given.
+fn reserves(c: &mut berth_core::Config, a: &ServeArgs, file: &FileConfig) -> anyhow::Result<()> {
+    let mem = size("memory_reserve", file.memory_reserve.clone())?;
+    if let Some(v) = a.memory_reserve.or(mem) {
+        c.memory_reserve = v;
+    }
+    let cpu = cpu_key("cpu_reserve", file.cpu_reserve.clone())?;
+    if let Some(v) = a.cpu_reserve.or(cpu) {
+        c.cpu_reserve_millis = v;
+    }
+    let disk = size("disk_reserve", file.disk_reserve.clone())?;
+    if let Some(v) = a.disk_reserve.or(disk) {
+        c.disk_reserve = v;
+    }
+    Ok(())
 }
 
 /// Named resources (`--resource`, `[resources]`) and what a run that names nothing
