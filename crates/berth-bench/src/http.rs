@@ -104,34 +104,7 @@ pub(crate) fn drive(
         events: (0..subscribers).map(|_| AtomicU64::new(0)).collect(),
         cutoffs: AtomicU64::new(0),
     });
-    // The load generator shares the machine's two cores with the daemon, so it must
-    // cost little: the clients are tasks on one thread (epoll, as wrk does), each with
-    // its own keep-alive connection, not one blocked OS thread per client.
-    let client_rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let clients_thread = {
-        let load = load.clone();
-        std::thread::spawn(move || {
-            client_rt.block_on(async move {
-                // Subscribers first, so that every lifecycle's events reach them.
-                let subs: Vec<_> = (0..subscribers)
-                    .map(|s| tokio::spawn(subscriber(s, load.clone())))
-                    .collect();
-                tokio::time::sleep(Duration::from_millis(200)).await;
-                let tasks: Vec<_> = (0..clients)
-                    .map(|c| tokio::spawn(client(c, load.clone())))
-                    .collect();
-                for t in tasks {
-                    t.await.unwrap();
-                }
-                for s in subs {
-                    s.abort();
-                }
-            })
-        })
-    };
+    let clients_thread = spawn_clients(load.clone(), clients, subscribers);
     std::thread::sleep(WARMUP);
     let commits_before = commits();
     let started = Instant::now();
@@ -156,6 +129,38 @@ pub(crate) fn drive(
             .collect(),
         cutoffs: load.cutoffs.load(Ordering::Relaxed),
     }
+}
+
+/// The load generator shares the machine's two cores with the daemon, so it must cost
+/// little: the clients are tasks on one thread (epoll, as wrk does), each with its own
+/// keep-alive connection, not one blocked OS thread per client.
+fn spawn_clients(
+    load: Arc<Load>,
+    clients: usize,
+    subscribers: usize,
+) -> std::thread::JoinHandle<()> {
+    let client_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    std::thread::spawn(move || {
+        client_rt.block_on(async move {
+            // Subscribers first, so that every lifecycle's events reach them.
+            let subs: Vec<_> = (0..subscribers)
+                .map(|s| tokio::spawn(subscriber(s, load.clone())))
+                .collect();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let tasks: Vec<_> = (0..clients)
+                .map(|c| tokio::spawn(client(c, load.clone())))
+                .collect();
+            for t in tasks {
+                t.await.unwrap();
+            }
+            for s in subs {
+                s.abort();
+            }
+        })
+    })
 }
 
 pub(crate) fn pct(v: &[f64], p: f64) -> f64 {

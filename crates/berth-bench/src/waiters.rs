@@ -236,14 +236,17 @@ pub fn main(attached: usize, detached: usize) {
     );
     let dir = tempfile::tempdir().unwrap();
     let (child, url) = crate::retention::spawn_daemon("waiters-daemon", dir.path());
-    let p = Proc(child.id());
+    let w = Stage {
+        p: Proc(child.id()),
+        url,
+        rt: tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap(),
+    };
     let _child = Killed(child);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let (st, text) = rt.block_on(async {
-        let mut c = Conn::open(&url).await;
+    let (st, text) = w.rt.block_on(async {
+        let mut c = Conn::open(&w.url).await;
         let body = r#"{"run_id":"holder","project":"holder","wait_s":0,"resources":{"memory":1048576,"cpu_millis":1,"disk":0}}"#;
         c.request("POST", "/v1/runs", "", body).await.unwrap()
     });
@@ -253,84 +256,26 @@ pub fn main(attached: usize, detached: usize) {
         field_u64(&text, "\"fence\":").unwrap(),
     );
     std::thread::sleep(Duration::from_secs(1));
-    let rss_before = p.rss_bytes();
-    let fds_before = p.fds();
-    // A daemon in service remembers its last `ended_retained_max` ended runs (for late
-    // clients' GETs): as many waiters as that come and go first, so that the figure
-    // after the queue leaves can be told apart from what retention keeps by design.
-    let retained = crate::http::config(dir.path(), true)
-        .engine
-        .ended_retained_max;
-    let warm: Vec<String> = (0..retained).map(|i| format!("w{i:06}")).collect();
-    rt.block_on(async {
-        let body = |id: &str| acquire_body(id, true);
-        for_each(&url, "POST", SUBMITTERS, warm.clone(), body, 202).await;
-        for_each(&url, "DELETE", SUBMITTERS, warm, |_| String::new(), 200).await;
-    });
-    wait_queued(&url, 0);
-    std::thread::sleep(SETTLE);
-    let rss_warm = p.rss_bytes();
-
-    // 1. Detached waiters.
-    let ids: Vec<String> = (0..detached).map(|i| format!("d{i:06}")).collect();
-    let t = Instant::now();
-    // The heads that `time_grants` follows are queued first, in order; the rest on
-    // several connections at once (their order among themselves is whatever it is).
-    rt.block_on(async {
-        let (heads, rest) = ids.split_at(GRANTS_TIMED);
-        let body = |id: &str| acquire_body(id, true);
-        for_each(&url, "POST", 1, heads.to_vec(), body, 202).await;
-        for_each(&url, "POST", SUBMITTERS, rest.to_vec(), body, 202).await;
-    });
-    let submit_s = t.elapsed().as_secs_f64();
-    wait_queued(&url, detached as u64);
-    std::thread::sleep(Duration::from_secs(2));
-    let rss_detached = p.rss_bytes();
-    let per_detached = (rss_detached - rss_warm) / detached as f64;
-    let idle_detached = p.idle_cpu_pct(IDLE_WINDOW);
-    let mut grant_ms = rt.block_on(time_grants(&url, holder, &ids[..GRANTS_TIMED]));
-    let (p50, p99) = (pct(&mut grant_ms, 0.5), pct(&mut grant_ms, 0.99));
-    println!(
-        "{{\"bench\":\"waiters\",\"kind\":\"detached\",\"waiters\":{detached},\"submit_per_s\":{:.0},\"rss_before_mib\":{:.1},\"rss_mib\":{:.1},\"bytes_per_waiter\":{per_detached:.0},\"idle_cpu_pct\":{idle_detached:.2},\"release_to_grant_p50_ms\":{p50:.2},\"release_to_grant_p99_ms\":{p99:.2},\"met\":{}}}",
-        detached as f64 / submit_s,
-        rss_warm / 1048576.0,
-        rss_detached / 1048576.0,
-        per_detached <= DETACHED_BYTES_TARGET
-            && idle_detached < IDLE_CPU_PCT_TARGET
-            && p99 <= GRANT_P99_MS_TARGET
-    );
-
-    // 2. Attached waiters, behind the detached ones.
-    let left = (detached - GRANTS_TIMED) as u64;
-    let rss_base = p.rss_bytes();
-    let conns = attach(&url, attached);
-    wait_queued(&url, left + attached as u64);
-    std::thread::sleep(Duration::from_secs(2));
-    let rss_attached = p.rss_bytes();
-    let per_attached = (rss_attached - rss_base) / attached.max(1) as f64;
-    let idle_all = p.idle_cpu_pct(IDLE_WINDOW);
-    let fds = p.fds();
-    println!(
-        "{{\"bench\":\"waiters\",\"kind\":\"attached\",\"waiters\":{attached},\"queued_in_all\":{},\"rss_mib\":{:.1},\"bytes_per_waiter\":{per_attached:.0},\"idle_cpu_pct\":{idle_all:.2},\"descriptors_before\":{fds_before},\"descriptors\":{fds},\"met\":{}}}",
-        left + attached as u64,
-        rss_attached / 1048576.0,
-        per_attached <= ATTACHED_BYTES_TARGET && idle_all < IDLE_CPU_PCT_TARGET
-    );
-
+    let rss_before = w.p.rss_bytes();
+    let fds_before = w.p.fds();
+    let rss_warm = w.warm(dir.path());
+    let ids = w.detached(detached, holder, rss_warm);
+    let conns = w.attached(attached, (detached - GRANTS_TIMED) as u64, fds_before);
     // 3. Everyone leaves.
     drop(conns);
     let rest: Vec<String> = ids[GRANTS_TIMED..].to_vec();
-    rt.block_on(for_each(
-        &url,
+    let url = &w.url;
+    w.rt.block_on(for_each(
+        url,
         "DELETE",
         SUBMITTERS,
         rest,
         |_| String::new(),
         200,
     ));
-    wait_queued(&url, 0);
+    wait_queued(url, 0);
     std::thread::sleep(SETTLE);
-    let rss_after = p.rss_bytes();
+    let rss_after = w.p.rss_bytes();
     let ratio = rss_after / rss_before;
     let ratio_warm = rss_after / rss_warm;
     println!(
@@ -338,7 +283,96 @@ pub fn main(attached: usize, detached: usize) {
         rss_before / 1048576.0,
         rss_warm / 1048576.0,
         rss_after / 1048576.0,
-        p.fds(),
+        w.p.fds(),
         ratio <= RSS_AFTER_RATIO_TARGET
     );
+}
+
+/// The daemon under test and the runtime that drives its clients.
+struct Stage {
+    p: Proc,
+    url: String,
+    rt: tokio::runtime::Runtime,
+}
+
+impl Stage {
+    /// A daemon in service remembers its last `ended_retained_max` ended runs (for late
+    /// clients' GETs): as many waiters as that come and go first, so that the figure
+    /// after the queue leaves can be told apart from what retention keeps by design.
+    /// Its RSS then.
+    fn warm(&self, state: &std::path::Path) -> f64 {
+        let retained = crate::http::config(state, true).engine.ended_retained_max;
+        let warm: Vec<String> = (0..retained).map(|i| format!("w{i:06}")).collect();
+        self.rt.block_on(async {
+            let body = |id: &str| acquire_body(id, true);
+            for_each(&self.url, "POST", SUBMITTERS, warm.clone(), body, 202).await;
+            for_each(
+                &self.url,
+                "DELETE",
+                SUBMITTERS,
+                warm,
+                |_| String::new(),
+                200,
+            )
+            .await;
+        });
+        wait_queued(&self.url, 0);
+        std::thread::sleep(SETTLE);
+        self.p.rss_bytes()
+    }
+
+    /// 1. Detached waiters: what each costs, the idle CPU, and release-to-grant times
+    /// for the first `GRANTS_TIMED`. Their ids.
+    fn detached(&self, detached: usize, holder: (String, u64), rss_warm: f64) -> Vec<String> {
+        let ids: Vec<String> = (0..detached).map(|i| format!("d{i:06}")).collect();
+        let t = Instant::now();
+        // The heads that `time_grants` follows are queued first, in order; the rest on
+        // several connections at once (their order among themselves is whatever it is).
+        self.rt.block_on(async {
+            let (heads, rest) = ids.split_at(GRANTS_TIMED);
+            let body = |id: &str| acquire_body(id, true);
+            for_each(&self.url, "POST", 1, heads.to_vec(), body, 202).await;
+            for_each(&self.url, "POST", SUBMITTERS, rest.to_vec(), body, 202).await;
+        });
+        let submit_s = t.elapsed().as_secs_f64();
+        wait_queued(&self.url, detached as u64);
+        std::thread::sleep(Duration::from_secs(2));
+        let rss_detached = self.p.rss_bytes();
+        let per_detached = (rss_detached - rss_warm) / detached as f64;
+        let idle_detached = self.p.idle_cpu_pct(IDLE_WINDOW);
+        let mut grant_ms = self
+            .rt
+            .block_on(time_grants(&self.url, holder, &ids[..GRANTS_TIMED]));
+        let (p50, p99) = (pct(&mut grant_ms, 0.5), pct(&mut grant_ms, 0.99));
+        println!(
+            "{{\"bench\":\"waiters\",\"kind\":\"detached\",\"waiters\":{detached},\"submit_per_s\":{:.0},\"rss_before_mib\":{:.1},\"rss_mib\":{:.1},\"bytes_per_waiter\":{per_detached:.0},\"idle_cpu_pct\":{idle_detached:.2},\"release_to_grant_p50_ms\":{p50:.2},\"release_to_grant_p99_ms\":{p99:.2},\"met\":{}}}",
+            detached as f64 / submit_s,
+            rss_warm / 1048576.0,
+            rss_detached / 1048576.0,
+            per_detached <= DETACHED_BYTES_TARGET
+                && idle_detached < IDLE_CPU_PCT_TARGET
+                && p99 <= GRANT_P99_MS_TARGET
+        );
+        ids
+    }
+
+    /// 2. Attached waiters, behind the `left` detached ones: what each costs, the idle
+    /// CPU and the descriptors. Their connections (dropping them is leaving).
+    fn attached(&self, attached: usize, left: u64, fds_before: usize) -> Vec<std::net::TcpStream> {
+        let rss_base = self.p.rss_bytes();
+        let conns = attach(&self.url, attached);
+        wait_queued(&self.url, left + attached as u64);
+        std::thread::sleep(Duration::from_secs(2));
+        let rss_attached = self.p.rss_bytes();
+        let per_attached = (rss_attached - rss_base) / attached.max(1) as f64;
+        let idle_all = self.p.idle_cpu_pct(IDLE_WINDOW);
+        let fds = self.p.fds();
+        println!(
+            "{{\"bench\":\"waiters\",\"kind\":\"attached\",\"waiters\":{attached},\"queued_in_all\":{},\"rss_mib\":{:.1},\"bytes_per_waiter\":{per_attached:.0},\"idle_cpu_pct\":{idle_all:.2},\"descriptors_before\":{fds_before},\"descriptors\":{fds},\"met\":{}}}",
+            left + attached as u64,
+            rss_attached / 1048576.0,
+            per_attached <= ATTACHED_BYTES_TARGET && idle_all < IDLE_CPU_PCT_TARGET
+        );
+        conns
+    }
 }

@@ -292,49 +292,8 @@ impl Sim {
                 fence,
                 keys,
                 ..
-            } => {
-                self.report.grants += 1;
-                let hold = self.rng.range(500, self.p.hold_ms_max);
-                let ttl = self.ttl_of(run_id);
-                let memory = self
-                    .engine
-                    .view_of(run_id)
-                    .map_or(0, |v| v.resources.memory);
-                let runtime_mode = keys
-                    .iter()
-                    .find(|(k, _)| k.ends_with(":runtime"))
-                    .map(|(_, m)| *m);
-                let dies = self.rng.chance(0.1);
-                let client = Client::Holding {
-                    fence: *fence,
-                    hold_until: self.now + hold,
-                    renew_at: self.now + ttl / 3,
-                    dies,
-                    uses_memory_from: self.now + self.rng.range(0, 3000),
-                    memory,
-                    runtime_mode,
-                };
-                self.clients.insert(run_id.clone(), client);
-            }
-            Event::StopRequested { run_id, cause } => {
-                if *cause == EndCause::Expired {
-                    self.report.lease_expiries += 1;
-                }
-                let fail_more = if self.rng.chance(0.1) {
-                    self.rng.range(1, self.p.cleanup_failures_max)
-                } else {
-                    0
-                };
-                let done_at = self.now + self.rng.range(0, self.p.stop_ms_max);
-                self.clients.insert(
-                    run_id.clone(),
-                    Client::Stopping {
-                        done_at,
-                        failures: 0,
-                        fail_more,
-                    },
-                );
-            }
+            } => self.on_granted(run_id, *fence, keys),
+            Event::StopRequested { run_id, cause } => self.on_stop_requested(run_id, *cause),
             Event::Degraded { .. } => self.report.degraded += 1,
             Event::Ended { run_id, state } => {
                 let was_waiting = matches!(self.clients.remove(run_id), Some(Client::Waiting));
@@ -363,6 +322,51 @@ impl Sim {
             }
             _ => {}
         }
+    }
+
+    /// A granted run's client holds it for a while (and may die holding it).
+    fn on_granted(&mut self, run_id: &str, fence: u64, keys: &[(String, KeyMode)]) {
+        self.report.grants += 1;
+        let hold = self.rng.range(500, self.p.hold_ms_max);
+        let ttl = self.ttl_of(run_id);
+        let memory = self
+            .engine
+            .view_of(run_id)
+            .map_or(0, |v| v.resources.memory);
+        let runtime_mode = keys
+            .iter()
+            .find(|(k, _)| k.ends_with(":runtime"))
+            .map(|(_, m)| *m);
+        let dies = self.rng.chance(0.1);
+        let client = Client::Holding {
+            fence,
+            hold_until: self.now + hold,
+            renew_at: self.now + ttl / 3,
+            dies,
+            uses_memory_from: self.now + self.rng.range(0, 3000),
+            memory,
+            runtime_mode,
+        };
+        self.clients.insert(run_id.to_string(), client);
+    }
+
+    /// A stop takes its time, and its clean-up may fail a few times first.
+    fn on_stop_requested(&mut self, run_id: &str, cause: EndCause) {
+        if cause == EndCause::Expired {
+            self.report.lease_expiries += 1;
+        }
+        let fail_more = if self.rng.chance(0.1) {
+            self.rng.range(1, self.p.cleanup_failures_max)
+        } else {
+            0
+        };
+        let done_at = self.now + self.rng.range(0, self.p.stop_ms_max);
+        let stopping = Client::Stopping {
+            done_at,
+            failures: 0,
+            fail_more,
+        };
+        self.clients.insert(run_id.to_string(), stopping);
     }
 
     fn ttl_of(&self, run_id: &str) -> u64 {
@@ -639,27 +643,7 @@ impl Sim {
                 ));
             }
         }
-        let stale = if current > 1 && self.rng.chance(0.8) {
-            if self.rng.chance(0.5) {
-                current - 1
-            } else {
-                self.rng.range(1, current - 1)
-            }
-        } else {
-            current + self.rng.range(1, 8)
-        };
-        let cmd = if self.rng.chance(0.5) {
-            Command::Renew {
-                run_id: id.clone(),
-                fence: Some(stale),
-                ttl_ms: self.rng.chance(0.5).then_some(60_000),
-            }
-        } else {
-            Command::Release {
-                run_id: id.clone(),
-                fence: stale,
-            }
-        };
+        let (stale, cmd) = self.stale_call(&id, current);
         let what = format!("{cmd:?}");
         let before = (
             self.engine.snapshot(),
@@ -692,6 +676,35 @@ impl Sim {
         self.report.stale_fences_refused += 1;
         self.hash = fnv(self.hash, b"|stale fence refused");
         Ok(())
+    }
+
+    /// A renew or a release of `id` with a fence that is not `current`: the one before,
+    /// an earlier one, or one never issued.
+    fn stale_call(&mut self, id: &str, current: u64) -> (u64, Command) {
+        let stale = if current > 1 && self.rng.chance(0.8) {
+            if self.rng.chance(0.5) {
+                current - 1
+            } else {
+                self.rng.range(1, current - 1)
+            }
+        } else {
+            current + self.rng.range(1, 8)
+        };
+        let run_id = id.to_string();
+        let cmd = if self.rng.chance(0.5) {
+            let ttl_ms = self.rng.chance(0.5).then_some(60_000);
+            Command::Renew {
+                run_id,
+                fence: Some(stale),
+                ttl_ms,
+            }
+        } else {
+            Command::Release {
+                run_id,
+                fence: stale,
+            }
+        };
+        (stale, cmd)
     }
 
     fn promote(&mut self) -> Result<(), String> {

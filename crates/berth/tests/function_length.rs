@@ -46,12 +46,6 @@ const OVER: &[(&str, &str, usize)] = &[
         "malformed_thread_and_drain_requests_change_nothing",
         277,
     ),
-    ("crates/berth-bench/src/http.rs", "drive", 74),
-    ("crates/berth-bench/src/recovery.rs", "main", 122),
-    ("crates/berth-bench/src/waiters.rs", "main", 118),
-    ("crates/berth-server/src/daemon/handlers.rs", "handle", 72),
-    ("crates/berth-sim/src/lib.rs", "on_event", 79),
-    ("crates/berth-sim/src/lib.rs", "stale_fence_call", 74),
 ];
 
 /// The name of the function a line declares, if it declares one.

@@ -72,6 +72,25 @@ impl<H: Host> Daemon<H> {
             Msg::Stopped { run_id, report } => self.on_stopped(run_id, report),
             Msg::CreateToken { grant, reply } => self.on_create_token(grant, reply),
             Msg::RevokeToken { id, reply } => self.on_revoke_token(&id, reply),
+            msg @ (Msg::RuntimePlan { .. }
+            | Msg::RuntimeReady { .. }
+            | Msg::RuntimeFailed { .. }
+            | Msg::ListenerViolation { .. }
+            | Msg::ContractChanged { .. }) => self.on_runtime_msg(msg),
+            Msg::Thread { op, by, reply } => self.on_thread(op, by, reply),
+            Msg::ThreadList { reply } => self.on_thread_list(reply),
+            Msg::Drain { start, reply } => self.on_drain(start, reply),
+            Msg::DrainGet { reply } => self.on_drain_get(reply),
+            Msg::Idle { reply } => self.on_idle(reply),
+            Msg::Scope { op, reply } => self.on_scope(op, reply),
+            Msg::ScopeList { reply } => self.on_scope_list(reply),
+        }
+    }
+
+    /// C7 and W3: the runtime's messages (its plan, ready, failed, a listener outside
+    /// the run's ports, a changed contract), one method each. `handle` sends only those.
+    fn on_runtime_msg(&mut self, msg: Msg) {
+        match msg {
             Msg::RuntimePlan {
                 run_id,
                 fence,
@@ -94,13 +113,7 @@ impl<H: Host> Daemon<H> {
                 contract,
                 reply,
             } => self.on_contract_changed(run_id, fence, contract, reply),
-            Msg::Thread { op, by, reply } => self.on_thread(op, by, reply),
-            Msg::ThreadList { reply } => self.on_thread_list(reply),
-            Msg::Drain { start, reply } => self.on_drain(start, reply),
-            Msg::DrainGet { reply } => self.on_drain_get(reply),
-            Msg::Idle { reply } => self.on_idle(reply),
-            Msg::Scope { op, reply } => self.on_scope(op, reply),
-            Msg::ScopeList { reply } => self.on_scope_list(reply),
+            _ => debug_assert!(false, "on_runtime_msg: not a runtime message"),
         }
     }
 
