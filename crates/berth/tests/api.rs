@@ -199,16 +199,10 @@ fn raw(d: &Daemon, method: &str, path: &str, headers: &str, body: &[u8]) -> (u16
     )
 }
 
-#[test]
-fn malformed_requests_get_4xx_with_a_code_and_change_nothing() {
-    let d = Daemon::start(&["--slots-max", "2"]);
-    let held = acquire(
-        &d,
-        json!({"run_id": "held", "project": "p", "resources": {"cpu_millis": 100}}),
-    );
-    let fence = held.body["fence"].as_u64().unwrap();
-    let before_status = d.get("/v1/status").body;
-    let before_runs = d.get("/v1/runs").body;
+/// Requests the API must refuse with a 4xx naming the rule, changing nothing: bodies
+/// that are not JSON or not the request, every field broken, stale or foreign fences,
+/// bad query strings (`fence` is the live run `held`'s).
+fn malformed_cases(fence: u64) -> Vec<(&'static str, String, String)> {
     let big = format!(
         r#"{{"project":"p","labels":{{"x":"{}"}}}}"#,
         "y".repeat(70 * 1024)
@@ -216,7 +210,7 @@ fn malformed_requests_get_4xx_with_a_code_and_change_nothing() {
     let long_id = "r".repeat(129);
     let many_labels: serde_json::Map<String, Value> =
         (0..33).map(|i| (format!("k{i}"), json!("v"))).collect();
-    let cases: Vec<(&str, String, String)> = vec![
+    vec![
         ("POST", "/v1/runs".into(), "".into()),
         ("POST", "/v1/runs".into(), "{".into()),
         ("POST", "/v1/runs".into(), "[]".into()),
@@ -410,7 +404,20 @@ fn malformed_requests_get_4xx_with_a_code_and_change_nothing() {
         ("GET", "/v1/nope".into(), "".into()),
         ("PUT", "/v1/runs".into(), "{}".into()),
         ("POST", "/v1/tokens".into(), r#"{"scope":"god"}"#.into()),
-    ];
+    ]
+}
+
+#[test]
+fn malformed_requests_get_4xx_with_a_code_and_change_nothing() {
+    let d = Daemon::start(&["--slots-max", "2"]);
+    let held = acquire(
+        &d,
+        json!({"run_id": "held", "project": "p", "resources": {"cpu_millis": 100}}),
+    );
+    let fence = held.body["fence"].as_u64().unwrap();
+    let before_status = d.get("/v1/status").body;
+    let before_runs = d.get("/v1/runs").body;
+    let cases = malformed_cases(fence);
     assert!(cases.len() >= 40);
     for (method, path, body) in &cases {
         let r = d.call(method, path, Some(body));

@@ -62,15 +62,10 @@ fn not_owner_refusals(d: &Daemon) -> usize {
         .count()
 }
 
-/// Finding 1: a token made with `uid` renewed, released (SIGTERMing the process), and
-/// cancelled the runs of other users, and deleted their threads' workspaces. Now every
-/// such call is `403 not_owner`, changes nothing and is journaled, across a restart;
-/// listings show other users' runs without fences; the token keeps full reach over
-/// its own runs, and the admin token over everyone's.
-#[test]
-fn finding_1_a_uid_bound_token_acts_only_on_its_own_users_runs() {
-    let mut d = Daemon::start(&[]);
-    let other = token_for(&d, "operator", NOBODY);
+/// The admin's run `root-run` (singleton `one`) with a registered process, a detached
+/// waiter of the admin's behind it, and the admin's thread `root-thread` registered to
+/// the run and detached: the run's fence and its process.
+fn admins_run_waiter_and_thread(d: &Daemon) -> (u64, std::process::Child) {
     // The admin's run, with a registered process; a waiter of the admin's behind it.
     let r = d.post(
         "/v1/runs",
@@ -81,7 +76,7 @@ fn finding_1_a_uid_bound_token_acts_only_on_its_own_users_runs() {
     );
     assert_eq!(r.status, 201, "{:?}", r.body);
     let fence = r.body["fence"].as_u64().unwrap();
-    let mut proc_ = sleeper();
+    let proc_ = sleeper();
     let pid = proc_.id() as i32;
     let reg = d.post(
         "/v1/runs/root-run/processes",
@@ -108,118 +103,142 @@ fn finding_1_a_uid_bound_token_acts_only_on_its_own_users_runs() {
         &json!({"run_id": "root-run", "owner_gen": "g1", "owner_fence": fence}).to_string(),
     );
     assert_eq!(det.status, 200, "{:?}", det.body);
+    (fence, proc_)
+}
+
+/// A call with `token`.
+fn as_token(d: &Daemon, token: &str, method: &str, path: &str, body: Option<Value>) -> Resp {
+    d.call_as(
+        Some(token),
+        method,
+        path,
+        body.map(|b| b.to_string()).as_deref(),
+    )
+}
+
+/// Another user's token sees the admin's run without its fence or environment, and
+/// every call on the admin's run, waiter or thread is `403 not_owner` and changes
+/// nothing (`before`: the run as it was).
+fn stranger_is_refused(d: &Daemon, other: &str, (fence, pid): (u64, i32), before: &Value) {
+    // A listing and a read show the run without its fence and environment.
+    let list = as_token(d, other, "GET", "/v1/runs", None);
+    let seen = list.body["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["run_id"] == "root-run")
+        .cloned()
+        .expect("another user's run is listed");
+    assert!(seen.get("fence").is_none_or(Value::is_null), "{seen}");
+    assert!(
+        seen["env"].as_object().is_none_or(|e| e.is_empty()),
+        "{seen}"
+    );
+    let one = as_token(d, other, "GET", "/v1/runs/root-run", None);
+    assert!(
+        one.body.get("fence").is_none_or(Value::is_null),
+        "{:?}",
+        one.body
+    );
+    let f = json!({"fence": fence});
+    for (what, method, path, body) in [
+        (
+            "renew",
+            "POST",
+            "/v1/runs/root-run/renew",
+            Some(json!({"fence": fence, "ttl_s": 86_400})),
+        ),
+        (
+            "release",
+            "POST",
+            "/v1/runs/root-run/release",
+            Some(f.clone()),
+        ),
+        (
+            "release by DELETE",
+            "DELETE",
+            &*format!("/v1/runs/root-run?fence={fence}"),
+            None,
+        ),
+        (
+            "register",
+            "POST",
+            "/v1/runs/root-run/processes",
+            Some(json!({"fence": fence, "pid": pid})),
+        ),
+        ("cancel a waiter", "DELETE", "/v1/runs/root-waiter", None),
+        (
+            "renew a waiter",
+            "POST",
+            "/v1/runs/root-waiter/renew",
+            Some(json!({})),
+        ),
+        ("evict a thread", "DELETE", "/v1/threads/root-thread", None),
+        (
+            "attach to a thread",
+            "POST",
+            "/v1/threads/root-thread/attach",
+            Some(
+                json!({"run_id": "root-run", "owner_gen": "g2", "owner_fence": fence, "run_budget_ms": 1000}),
+            ),
+        ),
+    ] {
+        refused_not_owner(&as_token(d, other, method, path, body), what);
+    }
+    // Re-attaching to its lease by its run id (L7) is acting on it too.
+    let again = d.call_as(
+        Some(&other),
+        "POST",
+        "/v1/runs",
+        Some(
+            &json!({"run_id": "root-run", "project": "shop", "ttl_s": 600, "wait_s": 0,
+            "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}})
+            .to_string(),
+        ),
+    );
+    refused_not_owner(&again, "re-acquire");
+    // A run of its own may not work in another user's thread.
+    let body = json!({"run_id": "mine-in-theirs", "project": "p", "wait_s": 0,
+        "thread": "root-thread", "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
+    let r = as_token(d, other, "POST", "/v1/runs", Some(body));
+    refused_not_owner(&r, "a run in another user's thread");
+    // Nothing changed.
+    let now = d.get("/v1/runs/root-run").body;
+    assert_eq!(now["state"], "granted");
+    let moved = ms_of(&now["expires_at"]) - ms_of(&before["expires_at"]);
+    assert!(
+        moved.abs() < 5_000,
+        "renewed by a stranger: {now} against {before}"
+    );
+    assert_eq!(d.get("/v1/runs/root-waiter").body["state"], "queued");
+    let th = d.get("/v1/threads/root-thread").body;
+    assert!(
+        th["evictions"].as_array().is_none_or(|e| e.is_empty()),
+        "{th}"
+    );
+    assert!(
+        alive(pid),
+        "another user's token got the run's process signalled"
+    );
+}
+
+/// Finding 1: a token made with `uid` renewed, released (SIGTERMing the process), and
+/// cancelled the runs of other users, and deleted their threads' workspaces. Now every
+/// such call is `403 not_owner`, changes nothing and is journaled, across a restart;
+/// listings show other users' runs without fences; the token keeps full reach over
+/// its own runs, and the admin token over everyone's.
+#[test]
+fn finding_1_a_uid_bound_token_acts_only_on_its_own_users_runs() {
+    let mut d = Daemon::start(&[]);
+    let other = token_for(&d, "operator", NOBODY);
+    let (fence, mut proc_) = admins_run_waiter_and_thread(&d);
+    let pid = proc_.id() as i32;
     let before = d.get("/v1/runs/root-run").body;
 
     let as_other = |d: &Daemon, method: &str, path: &str, body: Option<Value>| {
-        d.call_as(
-            Some(&other),
-            method,
-            path,
-            body.map(|b| b.to_string()).as_deref(),
-        )
+        as_token(d, &other, method, path, body)
     };
-    let check_refused = |d: &Daemon| {
-        // A listing and a read show the run without its fence and environment.
-        let list = as_other(d, "GET", "/v1/runs", None);
-        let seen = list.body["runs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["run_id"] == "root-run")
-            .cloned()
-            .expect("another user's run is listed");
-        assert!(seen.get("fence").is_none_or(Value::is_null), "{seen}");
-        assert!(
-            seen["env"].as_object().is_none_or(|e| e.is_empty()),
-            "{seen}"
-        );
-        let one = as_other(d, "GET", "/v1/runs/root-run", None);
-        assert!(
-            one.body.get("fence").is_none_or(Value::is_null),
-            "{:?}",
-            one.body
-        );
-        let f = json!({"fence": fence});
-        for (what, method, path, body) in [
-            (
-                "renew",
-                "POST",
-                "/v1/runs/root-run/renew",
-                Some(json!({"fence": fence, "ttl_s": 86_400})),
-            ),
-            (
-                "release",
-                "POST",
-                "/v1/runs/root-run/release",
-                Some(f.clone()),
-            ),
-            (
-                "release by DELETE",
-                "DELETE",
-                &*format!("/v1/runs/root-run?fence={fence}"),
-                None,
-            ),
-            (
-                "register",
-                "POST",
-                "/v1/runs/root-run/processes",
-                Some(json!({"fence": fence, "pid": pid})),
-            ),
-            ("cancel a waiter", "DELETE", "/v1/runs/root-waiter", None),
-            (
-                "renew a waiter",
-                "POST",
-                "/v1/runs/root-waiter/renew",
-                Some(json!({})),
-            ),
-            ("evict a thread", "DELETE", "/v1/threads/root-thread", None),
-            (
-                "attach to a thread",
-                "POST",
-                "/v1/threads/root-thread/attach",
-                Some(
-                    json!({"run_id": "root-run", "owner_gen": "g2", "owner_fence": fence, "run_budget_ms": 1000}),
-                ),
-            ),
-        ] {
-            refused_not_owner(&as_other(d, method, path, body), what);
-        }
-        // Re-attaching to its lease by its run id (L7) is acting on it too.
-        let again = d.call_as(
-            Some(&other),
-            "POST",
-            "/v1/runs",
-            Some(
-                &json!({"run_id": "root-run", "project": "shop", "ttl_s": 600, "wait_s": 0,
-                "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}})
-                .to_string(),
-            ),
-        );
-        refused_not_owner(&again, "re-acquire");
-        // A run of its own may not work in another user's thread.
-        let body = json!({"run_id": "mine-in-theirs", "project": "p", "wait_s": 0,
-            "thread": "root-thread", "resources": {"memory": 1u64 << 20, "cpu_millis": 10, "disk": 0}});
-        let r = as_other(d, "POST", "/v1/runs", Some(body));
-        refused_not_owner(&r, "a run in another user's thread");
-        // Nothing changed.
-        let now = d.get("/v1/runs/root-run").body;
-        assert_eq!(now["state"], "granted");
-        let moved = ms_of(&now["expires_at"]) - ms_of(&before["expires_at"]);
-        assert!(
-            moved.abs() < 5_000,
-            "renewed by a stranger: {now} against {before}"
-        );
-        assert_eq!(d.get("/v1/runs/root-waiter").body["state"], "queued");
-        let th = d.get("/v1/threads/root-thread").body;
-        assert!(
-            th["evictions"].as_array().is_none_or(|e| e.is_empty()),
-            "{th}"
-        );
-        assert!(
-            alive(pid),
-            "another user's token got the run's process signalled"
-        );
-    };
+    let check_refused = |d: &Daemon| stranger_is_refused(d, &other, (fence, pid), &before);
     let journaled = not_owner_refusals(&d);
     check_refused(&d);
     assert_eq!(

@@ -196,13 +196,13 @@ fn idle_flips_when_the_last_run_and_registration_end() {
 
 /// G5: malformed requests across the new endpoints are refused with the field and
 /// the rule, and none of them changes anything (threads, drain, journal).
-#[test]
-fn malformed_thread_and_drain_requests_change_nothing() {
-    let d = Daemon::start(&[]);
-    assert_eq!(attach(&d, "t", "run-1", "g", 5).status, 200);
+/// Thread and drain requests the API must refuse, each with its status and code:
+/// bodies and fields broken, ids over the rule, fences past a safe integer, owners
+/// that are not the thread's (thread `t` has owner `g` at fence 5, run `run-1`).
+fn malformed_thread_cases() -> Vec<(&'static str, String, String, u16, &'static str)> {
     let long = "x".repeat(129);
     let big = (1u64 << 53).to_string();
-    let cases: Vec<(&str, String, String, u16, &str)> = vec![
+    vec![
         (
             "POST",
             "/v1/threads/t/attach".into(),
@@ -442,7 +442,14 @@ fn malformed_thread_and_drain_requests_change_nothing() {
             400,
             "invalid",
         ),
-    ];
+    ]
+}
+
+#[test]
+fn malformed_thread_and_drain_requests_change_nothing() {
+    let d = Daemon::start(&[]);
+    assert_eq!(attach(&d, "t", "run-1", "g", 5).status, 200);
+    let cases = malformed_thread_cases();
     assert!(cases.len() >= 25);
     let state = |d: &Daemon| {
         let t = d.get("/v1/threads").body;
