@@ -199,10 +199,9 @@ fn raw(d: &Daemon, method: &str, path: &str, headers: &str, body: &[u8]) -> (u16
     )
 }
 
-/// Requests the API must refuse with a 4xx naming the rule, changing nothing: bodies
-/// that are not JSON or not the request, every field broken, stale or foreign fences,
-/// bad query strings (`fence` is the live run `held`'s).
-fn malformed_cases(fence: u64) -> Vec<(&'static str, String, String)> {
+/// Acquire bodies the API must refuse: not JSON, not an object, every field broken,
+/// ids and labels over their rules, a body over its size.
+fn bad_acquire_bodies() -> Vec<String> {
     let big = format!(
         r#"{{"project":"p","labels":{{"x":"{}"}}}}"#,
         "y".repeat(70 * 1024)
@@ -210,143 +209,56 @@ fn malformed_cases(fence: u64) -> Vec<(&'static str, String, String)> {
     let long_id = "r".repeat(129);
     let many_labels: serde_json::Map<String, Value> =
         (0..33).map(|i| (format!("k{i}"), json!("v"))).collect();
-    vec![
-        ("POST", "/v1/runs".into(), "".into()),
-        ("POST", "/v1/runs".into(), "{".into()),
-        ("POST", "/v1/runs".into(), "[]".into()),
-        ("POST", "/v1/runs".into(), "null".into()),
-        ("POST", "/v1/runs".into(), "42".into()),
-        ("POST", "/v1/runs".into(), r#"{}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":""}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"-x"}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":"a b"}"#.into()),
-        ("POST", "/v1/runs".into(), r#"{"project":7}"#.into()),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","unknown":1}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","class":"wizard"}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","priority":"urgent"}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","ttl_s":0}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","ttl_s":86401}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","ttl_s":-5}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","ttl_s":1.5}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","ttl_s":"10"}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","wait_s":86401}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","wait_s":99999999999999999999999}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","resources":{"memory":-1}}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","resources":{"memory":"2GiB"}}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","resources":{"slots":0}}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","resources":{"fpga":1}}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","resources":[]}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","singletons":["a/b"]}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","singletons":"db"}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","worktree":"relative/path"}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","worktree":"/definitely/not/here"}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            format!(r#"{{"project":"p","run_id":"{long_id}"}}"#),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","run_id":"bad/id"}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","labels":{"k":5}}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            json!({"project": "p", "labels": many_labels}).to_string(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","budget":{"scope":"s","harness":"h"}}"#.into(),
-        ),
-        (
-            "POST",
-            "/v1/runs".into(),
-            r#"{"project":"p","project":"q"}"#.into(),
-        ),
-        ("POST", "/v1/runs".into(), big),
+    let bodies: Vec<String> = vec![
+        "".into(),
+        "{".into(),
+        "[]".into(),
+        "null".into(),
+        "42".into(),
+        r#"{}"#.into(),
+        r#"{"project":""}"#.into(),
+        r#"{"project":"-x"}"#.into(),
+        r#"{"project":"a b"}"#.into(),
+        r#"{"project":7}"#.into(),
+        r#"{"project":"p","unknown":1}"#.into(),
+        r#"{"project":"p","class":"wizard"}"#.into(),
+        r#"{"project":"p","priority":"urgent"}"#.into(),
+        r#"{"project":"p","ttl_s":0}"#.into(),
+        r#"{"project":"p","ttl_s":86401}"#.into(),
+        r#"{"project":"p","ttl_s":-5}"#.into(),
+        r#"{"project":"p","ttl_s":1.5}"#.into(),
+        r#"{"project":"p","ttl_s":"10"}"#.into(),
+        r#"{"project":"p","wait_s":86401}"#.into(),
+        r#"{"project":"p","wait_s":99999999999999999999999}"#.into(),
+        r#"{"project":"p","resources":{"memory":-1}}"#.into(),
+        r#"{"project":"p","resources":{"memory":"2GiB"}}"#.into(),
+        r#"{"project":"p","resources":{"slots":0}}"#.into(),
+        r#"{"project":"p","resources":{"fpga":1}}"#.into(),
+        r#"{"project":"p","resources":[]}"#.into(),
+        r#"{"project":"p","singletons":["a/b"]}"#.into(),
+        r#"{"project":"p","singletons":"db"}"#.into(),
+        r#"{"project":"p","worktree":"relative/path"}"#.into(),
+        r#"{"project":"p","worktree":"/definitely/not/here"}"#.into(),
+        format!(r#"{{"project":"p","run_id":"{long_id}"}}"#),
+        r#"{"project":"p","run_id":"bad/id"}"#.into(),
+        r#"{"project":"p","labels":{"k":5}}"#.into(),
+        json!({"project": "p", "labels": many_labels}).to_string(),
+        r#"{"project":"p","budget":{"scope":"s","harness":"h"}}"#.into(),
+        r#"{"project":"p","project":"q"}"#.into(),
+        big,
+    ];
+    bodies
+}
+
+/// Requests the API must refuse with a 4xx naming the rule, changing nothing: bodies
+/// that are not JSON or not the request, every field broken, stale or foreign fences,
+/// bad query strings (`fence` is the live run `held`'s).
+fn malformed_cases(fence: u64) -> Vec<(&'static str, String, String)> {
+    let acquires = bad_acquire_bodies().into_iter();
+    let mut cases: Vec<_> = acquires
+        .map(|b| ("POST", "/v1/runs".to_string(), b))
+        .collect();
+    cases.extend(vec![
         (
             "POST",
             "/v1/runs/held/renew".into(),
@@ -404,7 +316,8 @@ fn malformed_cases(fence: u64) -> Vec<(&'static str, String, String)> {
         ("GET", "/v1/nope".into(), "".into()),
         ("PUT", "/v1/runs".into(), "{}".into()),
         ("POST", "/v1/tokens".into(), r#"{"scope":"god"}"#.into()),
-    ]
+    ]);
+    cases
 }
 
 #[test]

@@ -187,7 +187,7 @@ fn stranger_is_refused(d: &Daemon, other: &str, (fence, pid): (u64, i32), before
     }
     // Re-attaching to its lease by its run id (L7) is acting on it too.
     let again = d.call_as(
-        Some(&other),
+        Some(other),
         "POST",
         "/v1/runs",
         Some(

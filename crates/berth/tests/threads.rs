@@ -201,134 +201,19 @@ fn idle_flips_when_the_last_run_and_registration_end() {
 /// that are not the thread's (thread `t` has owner `g` at fence 5, run `run-1`).
 fn malformed_thread_cases() -> Vec<(&'static str, String, String, u16, &'static str)> {
     let long = "x".repeat(129);
-    let big = (1u64 << 53).to_string();
-    vec![
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            "{}".into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            "not json".into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_gen":"g","owner_fence":1}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"owner_gen":"g","owner_fence":9,"run_budget_ms":10}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_fence":9,"run_budget_ms":10}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_gen":"g","run_budget_ms":10}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_gen":"g","owner_fence":0,"run_budget_ms":10}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            format!(r#"{{"run_id":"r","owner_gen":"g","owner_fence":{big},"run_budget_ms":10}}"#),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_gen":"g","owner_fence":-1,"run_budget_ms":10}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_gen":"g","owner_fence":1.5,"run_budget_ms":10}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_gen":"g","owner_fence":"9","run_budget_ms":10}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":0}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":86400001}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"","owner_gen":"g","owner_fence":9,"run_budget_ms":10}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            format!(r#"{{"run_id":"{long}","owner_gen":"g","owner_fence":9,"run_budget_ms":10}}"#),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            format!(r#"{{"run_id":"r","owner_gen":"{long}","owner_fence":9,"run_budget_ms":10}}"#),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r r","owner_gen":"g","owner_fence":9,"run_budget_ms":10}"#.into(),
-            400,
-            "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":10,"extra":1}"#.into(),
-            400,
-            "invalid",
-        ),
+    let attach = bad_attach_bodies().into_iter();
+    let mut cases: Vec<_> = attach
+        .map(|(body, status, code)| {
+            (
+                "POST",
+                "/v1/threads/t/attach".to_string(),
+                body,
+                status,
+                code,
+            )
+        })
+        .collect();
+    cases.extend(vec![
         (
             "POST",
             "/v1/threads/t/attach".into(),
@@ -350,20 +235,6 @@ fn malformed_thread_cases() -> Vec<(&'static str, String, String, u16, &'static 
             claim("r", "g", 9, Some(10)),
             400,
             "invalid",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            claim("run-1", "g", 4, Some(10)),
-            409,
-            "registration_mismatch",
-        ),
-        (
-            "POST",
-            "/v1/threads/t/attach".into(),
-            claim("run-2", "g", 5, Some(10)),
-            409,
-            "registration_mismatch",
         ),
         (
             "POST",
@@ -441,6 +312,107 @@ fn malformed_thread_cases() -> Vec<(&'static str, String, String, u16, &'static 
             format!(r#"{{"reason":"{}"}}"#, "y".repeat(1025)),
             400,
             "invalid",
+        ),
+    ]);
+    cases
+}
+
+/// Attach bodies the API must refuse, with the status and code of each.
+fn bad_attach_bodies() -> Vec<(String, u16, &'static str)> {
+    let big = (1u64 << 53).to_string();
+    let long = "x".repeat(129);
+    vec![
+        ("{}".into(), 400, "invalid"),
+        ("not json".into(), 400, "invalid"),
+        (
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":1}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"owner_gen":"g","owner_fence":9,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r","owner_fence":9,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r","owner_gen":"g","run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":0,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            format!(r#"{{"run_id":"r","owner_gen":"g","owner_fence":{big},"run_budget_ms":10}}"#),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":-1,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":1.5,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":"9","run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":0}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":86400001}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"","owner_gen":"g","owner_fence":9,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            format!(r#"{{"run_id":"{long}","owner_gen":"g","owner_fence":9,"run_budget_ms":10}}"#),
+            400,
+            "invalid",
+        ),
+        (
+            format!(r#"{{"run_id":"r","owner_gen":"{long}","owner_fence":9,"run_budget_ms":10}}"#),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r r","owner_gen":"g","owner_fence":9,"run_budget_ms":10}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            r#"{"run_id":"r","owner_gen":"g","owner_fence":9,"run_budget_ms":10,"extra":1}"#.into(),
+            400,
+            "invalid",
+        ),
+        (
+            claim("run-1", "g", 4, Some(10)),
+            409,
+            "registration_mismatch",
+        ),
+        (
+            claim("run-2", "g", 5, Some(10)),
+            409,
+            "registration_mismatch",
         ),
     ]
 }
