@@ -321,7 +321,7 @@ impl Stage {
         self.p.rss_bytes()
     }
 
-    /// 1. Detached waiters: what each costs, the idle CPU, and release-to-grant times
+    /// Stage 1, detached waiters: what each costs, the idle CPU, and release-to-grant times
     /// for the first `GRANTS_TIMED`. Their ids.
     fn detached(&self, detached: usize, holder: (String, u64), rss_warm: f64) -> Vec<String> {
         let ids: Vec<String> = (0..detached).map(|i| format!("d{i:06}")).collect();
@@ -356,7 +356,7 @@ impl Stage {
         ids
     }
 
-    /// 2. Attached waiters, behind the `left` detached ones: what each costs, the idle
+    /// Stage 2, attached waiters behind the `left` detached ones: what each costs, the idle
     /// CPU and the descriptors. Their connections (dropping them is leaving).
     fn attached(&self, attached: usize, left: u64, fds_before: usize) -> Vec<std::net::TcpStream> {
         let rss_base = self.p.rss_bytes();
