@@ -61,90 +61,9 @@ fn names_in(p: &std::path::Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Runs one crash at `failpoint` and checks everything that must hold after a restart.
-fn crash_at(failpoint: &str, variant: u64) {
-    let dir = tempfile::tempdir().unwrap();
-    let mut d = Daemon::start_in(
-        dir.path(),
-        common::free_port(),
-        &[
-            "--slots-max",
-            "4",
-            "--stop-grace",
-            "2s",
-            "--memory-total",
-            "64GiB",
-        ],
-    );
-    let arm = dir.path().join("armed");
-    d.env = vec![
-        ("BERTH_FAILPOINT".into(), failpoint.into()),
-        ("BERTH_FAILPOINT_ARM".into(), arm.display().to_string()),
-    ];
-    d.kill9_and_restart();
-    let mut keep = hold(&d, "keep", false);
-    let mut stop = hold(&d, "stop", failpoint == "mid-stop");
-    // A run with diagnostics and a dirty workspace, released without processes.
-    let dirty = d.post(
-        "/v1/runs",
-        &json!({"run_id": "dirty", "project": "dirty", "resources": {"cpu_millis": 100}})
-            .to_string(),
-    );
-    let dirty_fence = dirty.body["fence"].as_u64().unwrap();
-    let ws = std::path::PathBuf::from(dirty.body["workspace"].as_str().unwrap());
-    // Two logs: `mid-archive` fires after the first is copied, halfway.
-    let logs = [
-        ("a.log", vec![b'a'; 4096 + variant as usize]),
-        ("b.log", vec![b'b'; 3000]),
-    ];
-    for (name, bytes) in &logs {
-        std::fs::write(ws.join("logs").join(name), bytes).unwrap();
-    }
-    std::fs::write(ws.join("out/result"), b"r").unwrap();
-    // A run whose lease runs out around the crash: it must be reaped afterwards.
-    let exp = d.post(
-        "/v1/runs",
-        &json!({"run_id": "exp", "project": "exp", "resources": {"cpu_millis": 100}, "ttl_s": 2})
-            .to_string(),
-    );
-    let exp_fence = exp.body["fence"].as_u64().unwrap();
-    let mut exp_child = Command::new("sleep")
-        .arg("3600")
-        .process_group(0)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let reg = d.post(
-        "/v1/runs/exp/processes",
-        &json!({"fence": exp_fence, "pid": exp_child.id()}).to_string(),
-    );
-    assert_eq!(reg.status, 201);
-    let _waiter = long_poll(
-        &d,
-        &json!({"run_id": "waiter", "project": "waiter", "resources": {"cpu_millis": 100}}),
-    );
-    d.wait_until("the waiter queues", |d| {
-        d.get("/v1/runs/waiter").body["state"] == "queued"
-    });
-    let fences_before: Vec<u64> = d.get("/v1/runs").body["runs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|r| r["fence"].as_u64())
-        .collect();
-    let max_before = *fences_before.iter().max().unwrap();
-
-    // Arm the crash, then trigger it.
-    std::fs::write(&arm, b"").unwrap();
-    // (Raw: the daemon may die before it answers this very call.)
-    let (path, fence) = match failpoint {
-        "mid-stop" => ("/v1/runs/stop/release", stop.fence),
-        // Releasing `dirty` grants the waiter (grant-committed), archives its logs
-        // (mid-archive, archive-marked) and deletes its dirty workspace
-        // (mid-workspace-removal).
-        _ => ("/v1/runs/dirty/release", dirty_fence),
-    };
+/// The raw release that sets off the armed crash (the daemon may die before it
+/// answers), and the proof that it crashed rather than answered or exited cleanly.
+fn crash_by(d: &mut Daemon, path: &str, fence: u64, failpoint: &str) {
     let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
     let body = json!({ "fence": fence }).to_string();
     write!(
@@ -171,155 +90,101 @@ fn crash_at(failpoint: &str, variant: u64) {
         !st.success(),
         "{failpoint}: the daemon exited cleanly instead of crashing"
     );
+}
 
-    d.env.clear();
-    d.spawn();
-    // No acknowledged lease is lost: `keep` renews with its fence, its child runs on.
-    let r = d.post(
-        "/v1/runs/keep/renew",
-        &json!({"fence": keep.fence}).to_string(),
-    );
-    assert_eq!(r.status, 200, "{failpoint}: keep: {:?}", r.body);
+/// Releasing `dirty` granted the waiter. Its grant was committed (at `grant-committed`,
+/// never answered) or is made after the restart: either way it holds one fence, above
+/// all issued before, that neither an idempotent retry (L7) nor another restart
+/// changes.
+fn waiter_keeps_one_fence(d: &mut Daemon, max_before: u64, failpoint: &str) {
+    d.wait_until("the waiter is granted", |d| {
+        d.get("/v1/runs/waiter").body["state"] == "granted"
+    });
+    let fence = d.get("/v1/runs/waiter").body["fence"].as_u64().unwrap();
     assert!(
-        alive(keep.child.id() as i32),
-        "{failpoint}: a live child was killed"
+        fence > max_before,
+        "{failpoint}: waiter fence {fence} repeats one issued before ({max_before})"
     );
-    // The run that was being stopped is stopped after the restart.
-    if failpoint == "mid-stop" {
-        d.wait_until("stop is released", |d| {
-            d.get("/v1/runs/stop").body["state"] == "released"
-        });
-        assert!(
-            killed_within(&mut stop.child, Duration::from_secs(10)),
-            "{failpoint}: the run stopped mid-stop was released but its tree lives on"
-        );
-    } else {
-        let r = d.post(
-            "/v1/runs/stop/renew",
-            &json!({"fence": stop.fence}).to_string(),
-        );
-        assert_eq!(r.status, 200, "{failpoint}: stop: {:?}", r.body);
-        // The release of `dirty` was never answered: the crash may have come before it
-        // was durable (then `dirty` is still granted) or after. A client retries; the
-        // retry is idempotent either way (L5).
-        let r = d.post(
-            "/v1/runs/dirty/release",
-            &json!({ "fence": dirty_fence }).to_string(),
-        );
-        assert_eq!(r.status, 200, "{failpoint}: dirty: {:?}", r.body);
-        d.wait_until("dirty is released", |d| {
-            d.get("/v1/runs/dirty").body["state"] == "released"
-        });
-        // Releasing `dirty` granted the waiter. Its grant was committed (at
-        // `grant-committed`, never answered) or is made after the restart: either way
-        // it holds one fence, above all issued before, that neither an idempotent
-        // retry (L7) nor another restart changes.
-        d.wait_until("the waiter is granted", |d| {
-            d.get("/v1/runs/waiter").body["state"] == "granted"
-        });
-        let fence = d.get("/v1/runs/waiter").body["fence"].as_u64().unwrap();
-        assert!(
-            fence > max_before,
-            "{failpoint}: waiter fence {fence} repeats one issued before ({max_before})"
-        );
-        let again = d.post(
-            "/v1/runs",
-            &json!({"run_id": "waiter", "project": "waiter", "resources": {"cpu_millis": 100}})
-                .to_string(),
-        );
+    let again = d.post(
+        "/v1/runs",
+        &json!({"run_id": "waiter", "project": "waiter", "resources": {"cpu_millis": 100}})
+            .to_string(),
+    );
+    assert_eq!(
+        again.status, 201,
+        "{failpoint}: waiter retry: {:?}",
+        again.body
+    );
+    assert_eq!(
+        again.body["fence"].as_u64(),
+        Some(fence),
+        "{failpoint}: the retry moved the fence"
+    );
+    d.kill9_and_restart();
+    let r = d.get("/v1/runs/waiter").body;
+    assert_eq!(
+        (r["state"].as_str(), r["fence"].as_u64()),
+        (Some("granted"), Some(fence)),
+        "{failpoint}: after a second restart: {r}"
+    );
+}
+
+/// The dirty workspace is gone, and its logs are in exactly one archive, complete,
+/// within the run's budget: a crash halfway through archiving leaves no partial
+/// archive, and one halfway through the removal no second archive of what was left.
+fn logs_archived_once(d: &Daemon, ws: &std::path::Path, logs: &[(&str, Vec<u8>)], failpoint: &str) {
+    let diag = d.state.join("diagnostics");
+    // Archives are named `<time>-<run id>`.
+    let named = |n: &str| {
+        n.strip_suffix("-dirty")
+            .is_some_and(|t| t.len() == 15 && t.bytes().all(|b| b.is_ascii_digit()))
+    };
+    d.wait_until("the dirty workspace is removed and archived", |_| {
+        !ws.exists()
+            && names_in(&d.state.join("runs/.trash")).is_empty()
+            && names_in(&diag).iter().any(|n| named(n))
+    });
+    // (The pool thread may still be renaming; give it a moment to settle.)
+    std::thread::sleep(Duration::from_millis(300));
+    let archives = names_in(&diag);
+    assert_eq!(
+        archives.len(),
+        1,
+        "{failpoint}: diagnostics holds {archives:?}"
+    );
+    assert!(named(&archives[0]), "{failpoint}: {archives:?}");
+    let a = diag.join(&archives[0]);
+    let mut names = names_in(&a);
+    names.sort();
+    assert_eq!(
+        names,
+        ["a.log", "b.log"],
+        "{failpoint}: archive {a:?} holds {names:?}"
+    );
+    for (name, bytes) in logs {
         assert_eq!(
-            again.status, 201,
-            "{failpoint}: waiter retry: {:?}",
-            again.body
-        );
-        assert_eq!(
-            again.body["fence"].as_u64(),
-            Some(fence),
-            "{failpoint}: the retry moved the fence"
-        );
-        d.kill9_and_restart();
-        let r = d.get("/v1/runs/waiter").body;
-        assert_eq!(
-            (r["state"].as_str(), r["fence"].as_u64()),
-            (Some("granted"), Some(fence)),
-            "{failpoint}: after a second restart: {r}"
-        );
-        // The dirty workspace is gone, and its logs are in exactly one archive,
-        // complete, within the run's budget: a crash halfway through archiving leaves
-        // no partial archive, and one halfway through the removal no second archive of
-        // what was left.
-        let diag = d.state.join("diagnostics");
-        // Archives are named `<time>-<run id>`.
-        let named = |n: &str| {
-            n.strip_suffix("-dirty")
-                .is_some_and(|t| t.len() == 15 && t.bytes().all(|b| b.is_ascii_digit()))
-        };
-        d.wait_until("the dirty workspace is removed and archived", |_| {
-            !ws.exists()
-                && names_in(&d.state.join("runs/.trash")).is_empty()
-                && names_in(&diag).iter().any(|n| named(n))
-        });
-        // (The pool thread may still be renaming; give it a moment to settle.)
-        std::thread::sleep(Duration::from_millis(300));
-        let archives = names_in(&diag);
-        assert_eq!(
-            archives.len(),
-            1,
-            "{failpoint}: diagnostics holds {archives:?}"
-        );
-        assert!(named(&archives[0]), "{failpoint}: {archives:?}");
-        let a = diag.join(&archives[0]);
-        let mut names = names_in(&a);
-        names.sort();
-        assert_eq!(
-            names,
-            ["a.log", "b.log"],
-            "{failpoint}: archive {a:?} holds {names:?}"
-        );
-        for (name, bytes) in &logs {
-            assert_eq!(
-                &std::fs::read(a.join(name)).unwrap(),
-                bytes,
-                "{failpoint}: {name}"
-            );
-        }
-        let allocated: u64 = names
-            .iter()
-            .map(|n| {
-                std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(a.join(n)).unwrap()) * 512
-            })
-            .sum();
-        assert!(
-            allocated <= 1 << 20,
-            "{failpoint}: archive of {allocated} bytes over the 1 MiB run budget"
+            &std::fs::read(a.join(name)).unwrap(),
+            bytes,
+            "{failpoint}: {name}"
         );
     }
-    // The expired run is reaped: its process stopped, its claim freed.
-    d.wait_until("exp is expired", |d| {
-        d.get("/v1/runs/exp").body["state"] == "expired"
-    });
-    assert!(
-        killed_within(&mut exp_child, Duration::from_secs(10)),
-        "{failpoint}: the expired run's process lives on"
-    );
-    // No fence repeats: everything issued from here on is above every fence seen.
-    let runs = d.get("/v1/runs").body["runs"].as_array().unwrap().clone();
-    let max_seen = runs
+    let allocated: u64 = names
         .iter()
-        .filter_map(|r| r["fence"].as_u64())
-        .chain(fences_before)
-        .max()
-        .unwrap();
-    let n = d.post("/v1/runs", &json!({"run_id": "after", "project": "after", "resources": {"cpu_millis": 100}, "wait_s": 0}).to_string());
-    assert_eq!(n.status, 201, "{failpoint}: after: {:?}", n.body);
+        .map(|n| {
+            std::os::unix::fs::MetadataExt::blocks(&std::fs::metadata(a.join(n)).unwrap()) * 512
+        })
+        .sum();
     assert!(
-        n.body["fence"].as_u64().unwrap() > max_seen,
-        "{failpoint}: a fence repeated"
+        allocated <= 1 << 20,
+        "{failpoint}: archive of {allocated} bytes over the 1 MiB run budget"
     );
-    // No capacity leaks, and no run lost: what holds a claim is exactly what this test
-    // knows it holds, and the engine's totals are those runs' claims (100 cpu millis
-    // and one slot each). `stop` was released (mid-stop) or renewed; `dirty` released
-    // (or not, mid-stop); the waiter was granted the room `exp` or `dirty` left.
+}
+
+/// No capacity leaks, and no run lost: what holds a claim is exactly what this test
+/// knows it holds, and the engine's totals are those runs' claims (100 cpu millis and
+/// one slot each). `stop` was released (mid-stop) or renewed; `dirty` released (or
+/// not, mid-stop); the waiter was granted the room `exp` or `dirty` left.
+fn claims_are_exactly_the_live_runs(d: &Daemon, failpoint: &str) {
     let mut expected = vec!["after", "keep", "waiter"];
     expected.push(if failpoint == "mid-stop" {
         "dirty"
@@ -365,6 +230,164 @@ fn crash_at(failpoint: &str, variant: u64) {
         Some(100 * expected.len() as u64),
         "{failpoint}: capacity leak: {s}"
     );
+}
+
+/// A run with diagnostics and a dirty workspace, to be released without processes:
+/// its fence, its workspace, and the two logs in it (`mid-archive` fires after the
+/// first is copied, halfway; `variant` sizes the first).
+fn dirty_run(d: &Daemon, variant: u64) -> (u64, std::path::PathBuf, [(&'static str, Vec<u8>); 2]) {
+    let dirty = d.post(
+        "/v1/runs",
+        &json!({"run_id": "dirty", "project": "dirty", "resources": {"cpu_millis": 100}})
+            .to_string(),
+    );
+    let dirty_fence = dirty.body["fence"].as_u64().unwrap();
+    let ws = std::path::PathBuf::from(dirty.body["workspace"].as_str().unwrap());
+    let logs = [
+        ("a.log", vec![b'a'; 4096 + variant as usize]),
+        ("b.log", vec![b'b'; 3000]),
+    ];
+    for (name, bytes) in &logs {
+        std::fs::write(ws.join("logs").join(name), bytes).unwrap();
+    }
+    std::fs::write(ws.join("out/result"), b"r").unwrap();
+    (dirty_fence, ws, logs)
+}
+
+/// Runs one crash at `failpoint` and checks everything that must hold after a restart.
+fn crash_at(failpoint: &str, variant: u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start_in(
+        dir.path(),
+        common::free_port(),
+        &[
+            "--slots-max",
+            "4",
+            "--stop-grace",
+            "2s",
+            "--memory-total",
+            "64GiB",
+        ],
+    );
+    let arm = dir.path().join("armed");
+    d.env = vec![
+        ("BERTH_FAILPOINT".into(), failpoint.into()),
+        ("BERTH_FAILPOINT_ARM".into(), arm.display().to_string()),
+    ];
+    d.kill9_and_restart();
+    let mut keep = hold(&d, "keep", false);
+    let mut stop = hold(&d, "stop", failpoint == "mid-stop");
+    let (dirty_fence, ws, logs) = dirty_run(&d, variant);
+    // A run whose lease runs out around the crash: it must be reaped afterwards.
+    let exp = d.post(
+        "/v1/runs",
+        &json!({"run_id": "exp", "project": "exp", "resources": {"cpu_millis": 100}, "ttl_s": 2})
+            .to_string(),
+    );
+    let exp_fence = exp.body["fence"].as_u64().unwrap();
+    let mut exp_child = Command::new("sleep")
+        .arg("3600")
+        .process_group(0)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let reg = d.post(
+        "/v1/runs/exp/processes",
+        &json!({"fence": exp_fence, "pid": exp_child.id()}).to_string(),
+    );
+    assert_eq!(reg.status, 201);
+    let _waiter = long_poll(
+        &d,
+        &json!({"run_id": "waiter", "project": "waiter", "resources": {"cpu_millis": 100}}),
+    );
+    d.wait_until("the waiter queues", |d| {
+        d.get("/v1/runs/waiter").body["state"] == "queued"
+    });
+    let fences_before: Vec<u64> = d.get("/v1/runs").body["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["fence"].as_u64())
+        .collect();
+    let max_before = *fences_before.iter().max().unwrap();
+
+    // Arm the crash, then trigger it.
+    std::fs::write(&arm, b"").unwrap();
+    // (Raw: the daemon may die before it answers this very call.)
+    let (path, fence) = match failpoint {
+        "mid-stop" => ("/v1/runs/stop/release", stop.fence),
+        // Releasing `dirty` grants the waiter (grant-committed), archives its logs
+        // (mid-archive, archive-marked) and deletes its dirty workspace
+        // (mid-workspace-removal).
+        _ => ("/v1/runs/dirty/release", dirty_fence),
+    };
+    crash_by(&mut d, path, fence, failpoint);
+
+    d.env.clear();
+    d.spawn();
+    // No acknowledged lease is lost: `keep` renews with its fence, its child runs on.
+    let r = d.post(
+        "/v1/runs/keep/renew",
+        &json!({"fence": keep.fence}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{failpoint}: keep: {:?}", r.body);
+    assert!(
+        alive(keep.child.id() as i32),
+        "{failpoint}: a live child was killed"
+    );
+    // The run that was being stopped is stopped after the restart.
+    if failpoint == "mid-stop" {
+        d.wait_until("stop is released", |d| {
+            d.get("/v1/runs/stop").body["state"] == "released"
+        });
+        assert!(
+            killed_within(&mut stop.child, Duration::from_secs(10)),
+            "{failpoint}: the run stopped mid-stop was released but its tree lives on"
+        );
+    } else {
+        let r = d.post(
+            "/v1/runs/stop/renew",
+            &json!({"fence": stop.fence}).to_string(),
+        );
+        assert_eq!(r.status, 200, "{failpoint}: stop: {:?}", r.body);
+        // The release of `dirty` was never answered: the crash may have come before it
+        // was durable (then `dirty` is still granted) or after. A client retries; the
+        // retry is idempotent either way (L5).
+        let r = d.post(
+            "/v1/runs/dirty/release",
+            &json!({ "fence": dirty_fence }).to_string(),
+        );
+        assert_eq!(r.status, 200, "{failpoint}: dirty: {:?}", r.body);
+        d.wait_until("dirty is released", |d| {
+            d.get("/v1/runs/dirty").body["state"] == "released"
+        });
+        waiter_keeps_one_fence(&mut d, max_before, failpoint);
+        logs_archived_once(&d, &ws, &logs, failpoint);
+    }
+    // The expired run is reaped: its process stopped, its claim freed.
+    d.wait_until("exp is expired", |d| {
+        d.get("/v1/runs/exp").body["state"] == "expired"
+    });
+    assert!(
+        killed_within(&mut exp_child, Duration::from_secs(10)),
+        "{failpoint}: the expired run's process lives on"
+    );
+    // No fence repeats: everything issued from here on is above every fence seen.
+    let runs = d.get("/v1/runs").body["runs"].as_array().unwrap().clone();
+    let max_seen = runs
+        .iter()
+        .filter_map(|r| r["fence"].as_u64())
+        .chain(fences_before)
+        .max()
+        .unwrap();
+    let n = d.post("/v1/runs", &json!({"run_id": "after", "project": "after", "resources": {"cpu_millis": 100}, "wait_s": 0}).to_string());
+    assert_eq!(n.status, 201, "{failpoint}: after: {:?}", n.body);
+    assert!(
+        n.body["fence"].as_u64().unwrap() > max_seen,
+        "{failpoint}: a fence repeated"
+    );
+    claims_are_exactly_the_live_runs(&d, failpoint);
     journal_agrees_with_the_runs(&d, failpoint);
     // Whole groups: `sh -c` keeps its `sleep` as a child, which would outlive it.
     for c in [&mut keep.child, &mut stop.child] {

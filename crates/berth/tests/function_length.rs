@@ -10,10 +10,6 @@
 //! Test code is held to the test limit: a file under a `tests/` directory, a file a
 //! `#[cfg(test)] mod name;` declares, a `#[cfg(test)] mod name { … }` block wherever it
 //! is in its file, and a function marked `#[test]` or `#[tokio::test]`.
-//!
-//! `OVER` lists the functions still over the limit, with their length today: one may
-//! shrink but not grow, a function not listed may not pass the limit, and an entry whose
-//! function is back within it must go. The list only gets shorter.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -27,9 +23,6 @@ const TEST_SUITES: &[&str] = &[
     "crates/berth-store/src/conformance.rs",
     "crates/berth-store/src/fleet/conformance.rs",
 ];
-
-/// (file, function, lines today): issue 35's remaining work.
-const OVER: &[(&str, &str, usize)] = &[("crates/berth/tests/failpoints.rs", "crash_at", 312)];
 
 /// The name of the function a line declares, if it declares one.
 fn declared_fn(line: &str) -> Option<&str> {
@@ -178,9 +171,6 @@ fn no_function_in_any_crate_is_over_70_lines_and_no_test_over_150() {
         test_files.extend(test_module_files(f, &lines));
     }
     let mut wrong = Vec::new();
-    // A listed (file, name) is held by its longest function of that name (a file has
-    // several `fmt`s).
-    let mut listed_longest = std::collections::BTreeMap::new();
     let mut measured = 0;
     for (f, text) in &texts {
         let rel = f.strip_prefix(root).unwrap().to_string_lossy().into_owned();
@@ -194,33 +184,9 @@ fn no_function_in_any_crate_is_over_70_lines_and_no_test_over_150() {
             } else {
                 FN_LINES_MAX
             };
-            if OVER
-                .iter()
-                .any(|(file, func, _)| *file == rel && *func == name)
-            {
-                let longest = listed_longest
-                    .entry((rel.clone(), name))
-                    .or_insert((0, at, max));
-                if n > longest.0 {
-                    *longest = (n, at, max);
-                }
-            } else if n > max {
+            if n > max {
                 wrong.push(format!("{rel}:{at} {name} is {n} lines (max {max})"));
             }
-        }
-    }
-    for (file, func, was) in OVER {
-        match listed_longest.get(&(file.to_string(), func.to_string())) {
-            None => wrong.push(format!(
-                "OVER lists {file} {func}, which is gone: take it off"
-            )),
-            Some(&(n, at, _)) if n > *was => wrong.push(format!(
-                "{file}:{at} {func} grew to {n} lines (listed at {was})"
-            )),
-            Some(&(n, at, max)) if n <= max => wrong.push(format!(
-                "{file}:{at} {func} is {n} lines now: take it off OVER"
-            )),
-            Some(_) => {}
         }
     }
     assert!(
