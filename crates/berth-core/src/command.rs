@@ -246,6 +246,11 @@ pub enum Event {
         run_id: String,
         cause: EndCause,
     },
+    /// G4: admission's drain turned on or off (asking for the state it is in already
+    /// changes nothing and makes no event).
+    DrainChanged {
+        on: bool,
+    },
     Degraded {
         run_id: String,
     },
@@ -344,6 +349,7 @@ impl fmt::Display for Event {
             } => write!(f, "deadline {run_id} at={deadline_ms}"),
             Event::StopRequested { run_id, cause } => write!(f, "stop {run_id} cause={cause:?}"),
             Event::Degraded { run_id } => write!(f, "degraded {run_id}"),
+            Event::DrainChanged { on } => write!(f, "drain {}", if *on { "on" } else { "off" }),
             Event::Ended { run_id, state } => write!(f, "ended {run_id} {}", state.as_str()),
             Event::Promoted { project, evidence } => write!(
                 f,

@@ -305,17 +305,20 @@ impl Engine {
         now: TimeMs,
         runs: Vec<RestoredRun>,
     ) -> Result<Engine, String> {
-        Engine::restore_with_scopes(cfg, last_fence, now, runs, Vec::new())
+        Engine::restore_with_scopes(cfg, last_fence, now, runs, Vec::new(), Vec::new())
     }
 
     /// [`Engine::restore`] with the experiment scopes the ledger kept (B1–B5): a live
-    /// run's budget token must be among them, and a waiter's scope too.
+    /// run's budget token must be among them, and a waiter's scope too; and with each
+    /// project's promotion evidence (C3). Restoring is building an engine: after it,
+    /// `apply` is the only way its state changes.
     pub fn restore_with_scopes(
         cfg: Config,
         last_fence: Fence,
         now: TimeMs,
         runs: Vec<RestoredRun>,
         scopes: Vec<Scope>,
+        evidence: Vec<(String, Evidence)>,
     ) -> Result<Engine, String> {
         let mut e = Engine::new(cfg, last_fence)?;
         e.now = now;
@@ -326,6 +329,10 @@ impl Engine {
         }
         for r in runs {
             e.restore_one(r)?;
+        }
+        for (project, ev) in evidence {
+            let p = e.intern_project(&project);
+            e.project_mut(p).evidence = Some(ev);
         }
         e.check_invariants()
             .map_err(|m| format!("restored ledger is inconsistent: {m}"))?;
@@ -567,7 +574,10 @@ impl Engine {
             Command::StopDone { run_id, ok } => self.stop_done(&run_id, ok, ev),
             Command::Tick => Ok(None),
             Command::Drain { on } => {
-                self.draining = on;
+                if self.draining != on {
+                    self.draining = on;
+                    ev.push(Event::DrainChanged { on });
+                }
                 Ok(None)
             }
             Command::Sample { mem_available } => {
@@ -1471,16 +1481,6 @@ impl Engine {
             self.invalidate_evidence(p, run_id, ev);
         }
         Ok(Some(self.view(s)))
-    }
-
-    /// P5: the promotion evidence the ledger kept, per project, after `restore`.
-    pub fn restore_evidence(&mut self, evidence: Vec<(String, Evidence)>) -> Result<(), String> {
-        for (project, e) in evidence {
-            let p = self.intern_project(&project);
-            self.project_mut(p).evidence = Some(e);
-        }
-        self.check_invariants()
-            .map_err(|m| format!("restored evidence is inconsistent: {m}"))
     }
 
     fn invalidate_evidence(&mut self, p: ProjectId, by_run: &str, ev: &mut Vec<Event>) {

@@ -279,6 +279,9 @@ pub fn run_script(script: &str) -> String {
                 ok: !pos.iter().any(|p| p == "fail"),
             },
             "tick" => Command::Tick,
+            "drain" => Command::Drain {
+                on: pos.first().is_some_and(|p| p == "on"),
+            },
             "sample" => Command::Sample {
                 mem_available: size(&pos[0]),
             },

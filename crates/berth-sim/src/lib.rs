@@ -215,12 +215,17 @@ impl Sim {
             .filter_map(|v| self.engine.record(&v.run_id))
             .collect();
         let scopes = self.engine.scopes().iter().cloned().collect();
+        // Promotion evidence, as the ledger keeps it per project.
+        let evidence = (self.engine.snapshot().projects.into_iter())
+            .filter_map(|p| Some((p.name, p.evidence?)))
+            .collect();
         let back = Engine::restore_with_scopes(
             self.engine.config().clone(),
             self.engine.last_fence(),
             self.now,
             records,
             scopes,
+            evidence,
         )
         .map_err(|e| {
             format!(

@@ -1194,6 +1194,7 @@ fn event_run(ev: &Event) -> Option<&str> {
         | Event::TokenTaken { .. }
         | Event::TokenFreed { .. }
         | Event::TokenLapsed { .. }
-        | Event::ScopeControlled { .. } => None,
+        | Event::ScopeControlled { .. }
+        | Event::DrainChanged { .. } => None,
     }
 }

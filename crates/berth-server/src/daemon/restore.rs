@@ -151,9 +151,7 @@ fn restored_engine(
             s.receipts.iter_mut().for_each(|r| r.at_ms = now);
         }
     }
-    let mut engine = Engine::restore_with_scopes(cfg, last_fence, now, runs, scopes)?;
-    engine.restore_evidence(evidence)?;
-    Ok(engine)
+    Engine::restore_with_scopes(cfg, last_fence, now, runs, scopes, evidence)
 }
 
 /// The ledger's runs, sorted into what the daemon keeps of them: the engine's view,
