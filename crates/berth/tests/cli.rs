@@ -3,7 +3,6 @@
 
 mod common;
 
-use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -973,31 +972,10 @@ fn the_readme_tour_blocks_run_as_written() {
     script.push("wait %2 %3 2>/dev/null || true".into());
     script.push("echo tour-complete".into());
     let dir = tempfile::tempdir().unwrap();
-    let port = common::free_port();
-    let bin_dir = Path::new(common::BERTH).parent().unwrap();
-    let mut child = Command::new("bash")
-        .arg("-c")
-        .arg(script.join("\n"))
-        .current_dir(dir.path())
-        .env("PATH", format!("{}:/usr/bin:/bin", bin_dir.display()))
-        .env("HOME", dir.path())
-        .env("BERTH_STATE_DIR", dir.path().join("state"))
-        .env("BERTH_LISTEN", format!("127.0.0.1:{port}"))
-        .env("BERTH_URL", format!("http://127.0.0.1:{port}"))
-        .env_remove("BERTH_TOKEN")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let pgid = child.id() as i32;
-    let ended = common::killed_within(&mut child, Duration::from_secs(60));
-    // The daemon the tour started goes with its shell's group.
-    let _ = rustix::process::kill_process_group(
-        rustix::process::Pid::from_raw(pgid).unwrap(),
-        rustix::process::Signal::TERM,
-    );
-    let out = child.wait_with_output().unwrap();
+    let (port, state) = (common::free_port(), dir.path().join("state"));
+    let within = Duration::from_secs(60);
+    let (ended, out) =
+        common::run_as_reader(&script.join("\n"), dir.path(), port, Some(&state), within);
     let said = String::from_utf8_lossy(&out.stdout);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(ended, "the tour did not finish: {said}{err}");

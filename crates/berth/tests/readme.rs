@@ -5,9 +5,7 @@
 
 mod common;
 
-use std::os::unix::process::CommandExt;
 use std::path::Path;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// Where each README block is run, by the start of its first line.
@@ -166,30 +164,8 @@ fn the_readme_api_journal_thread_and_budget_blocks_run_as_written() {
     assert_eq!(ran, 6, "the README blocks run here");
     script.push("echo readme-complete".into());
     let dir = tempfile::tempdir().unwrap();
-    let bin_dir = Path::new(common::BERTH).parent().unwrap();
-    let mut child = Command::new("bash")
-        .arg("-c")
-        .arg(script.join("\n"))
-        .current_dir(dir.path())
-        .env("PATH", format!("{}:/usr/bin:/bin", bin_dir.display()))
-        .env("HOME", dir.path())
-        .env_remove("XDG_STATE_HOME")
-        .env_remove("BERTH_STATE_DIR")
-        .env_remove("BERTH_TOKEN")
-        .env("BERTH_LISTEN", format!("127.0.0.1:{port}"))
-        .env("BERTH_URL", &url)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .unwrap();
-    let pgid = child.id() as i32;
-    let ended = common::killed_within(&mut child, Duration::from_secs(90));
-    let _ = rustix::process::kill_process_group(
-        rustix::process::Pid::from_raw(pgid).unwrap(),
-        rustix::process::Signal::TERM,
-    );
-    let out = child.wait_with_output().unwrap();
+    let within = Duration::from_secs(90);
+    let (ended, out) = common::run_as_reader(&script.join("\n"), dir.path(), port, None, within);
     let said = String::from_utf8_lossy(&out.stdout);
     let err = String::from_utf8_lossy(&out.stderr);
     let all = format!("{}\n---\n{said}\n---\n{err}", script.join("\n"));

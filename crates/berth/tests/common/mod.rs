@@ -546,6 +546,47 @@ pub fn alive(pid: i32) -> bool {
         .unwrap_or(false)
 }
 
+/// Runs `script` in bash as a reader of the README would: in `dir` (also HOME), with
+/// this build's berth first on PATH, a daemon of the test's own at `port`
+/// (BERTH_LISTEN, BERTH_URL) and its state in `state_dir` (else HOME's default). The
+/// script's process group (the daemon it starts included) is ended afterwards.
+/// Whether it finished within `within`, and what it printed.
+pub fn run_as_reader(
+    script: &str,
+    dir: &Path,
+    port: u16,
+    state_dir: Option<&Path>,
+    within: Duration,
+) -> (bool, std::process::Output) {
+    use std::os::unix::process::CommandExt;
+    let bin_dir = Path::new(BERTH).parent().unwrap();
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c")
+        .arg(script)
+        .current_dir(dir)
+        .env("PATH", format!("{}:/usr/bin:/bin", bin_dir.display()))
+        .env("HOME", dir)
+        .env_remove("XDG_STATE_HOME")
+        .env_remove("BERTH_STATE_DIR")
+        .env_remove("BERTH_TOKEN")
+        .env("BERTH_LISTEN", format!("127.0.0.1:{port}"))
+        .env("BERTH_URL", format!("http://127.0.0.1:{port}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    if let Some(state) = state_dir {
+        cmd.env("BERTH_STATE_DIR", state);
+    }
+    let mut child = cmd.spawn().unwrap();
+    let pgid = child.id() as i32;
+    let ended = killed_within(&mut child, within);
+    let _ = rustix::process::kill_process_group(
+        rustix::process::Pid::from_raw(pgid).unwrap(),
+        rustix::process::Signal::TERM,
+    );
+    (ended, child.wait_with_output().unwrap())
+}
+
 /// Did berth end `child` within `within`? Polled, never `wait()`ed: a tree that
 /// outlives the test by far (`sleep 3600`) must be proven killed, not waited out.
 /// The child is reaped either way (killed first if it still runs).
