@@ -9,11 +9,8 @@
 mod command;
 mod config;
 mod engine;
-mod invariants;
 mod queue;
-mod reasons;
 pub mod scopes;
-mod snapshot;
 pub mod threads;
 mod types;
 pub mod validate;
@@ -21,8 +18,7 @@ pub mod validate;
 pub use command::{Command, Error, Event, Output};
 pub use config::{Config, GIB, MIB, SLOTS_MAX_LIMIT, STABILIZE_SAMPLES_MAX, WINDOW_MAX};
 pub use engine::{
-    Engine, FleetNeeds, RestoredRun, FLEET_KEYS_MAX, FLEET_SINGLETON_PREFIX, PORTS_MAX,
-    SINGLETONS_MAX,
+    Engine, FleetNeeds, ProjectFigures, ResourceFigures, RestoredRun, Snapshot, FLEET_KEYS_MAX,
+    FLEET_SINGLETON_PREFIX, PORTS_MAX, SINGLETONS_MAX,
 };
-pub use snapshot::{ProjectFigures, ResourceFigures, Snapshot};
 pub use types::*;
