@@ -21,6 +21,7 @@
 mod ops;
 pub mod schema;
 mod stream;
+pub mod time;
 pub mod wire;
 
 pub use stream::{AcquireStream, EventStream, EventsQuery};

@@ -32,65 +32,6 @@ pub fn mono_to_rfc3339(mono: u64) -> String {
     rfc3339((mono as i128 + offset).max(0) as u64)
 }
 
-/// Formats Unix milliseconds as RFC 3339 in UTC, e.g. `2026-11-29T19:31:07.123Z`.
-pub fn rfc3339(unix_ms: u64) -> String {
-    let secs = unix_ms / 1000;
-    let ms = unix_ms % 1000;
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = if m <= 2 { y + 1 } else { y };
-    // Digits by hand: this runs for every journal entry and every run shown, and the
-    // formatting machinery cost more than the calendar arithmetic above.
-    let mut out = String::with_capacity(24);
-    let mut digits = |v: u64, n: u32, after: char| {
-        let mut p = 10u64.pow(n - 1);
-        for _ in 0..n {
-            out.push(char::from(b'0' + ((v / p) % 10) as u8));
-            p /= 10;
-        }
-        out.push(after);
-    };
-    digits(y.clamp(0, 9999) as u64, 4, '-');
-    digits(m as u64, 2, '-');
-    digits(d as u64, 2, 'T');
-    digits(rem / 3600, 2, ':');
-    digits((rem / 60) % 60, 2, ':');
-    digits(rem % 60, 2, '.');
-    digits(ms, 3, 'Z');
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn rfc3339_formats_known_instants() {
-        assert_eq!(super::rfc3339(0), "1970-01-01T00:00:00.000Z");
-        assert_eq!(
-            super::rfc3339(1_796_000_000_123),
-            "2026-11-30T00:53:20.123Z"
-        );
-        assert_eq!(super::rfc3339(951_782_400_000), "2000-02-29T00:00:00.000Z");
-        assert_eq!(
-            super::rfc3339(253_402_300_799_999),
-            "9999-12-31T23:59:59.999Z"
-        );
-        assert_eq!(
-            super::rfc3339(1_709_251_199_999),
-            "2024-02-29T23:59:59.999Z"
-        );
-        assert_eq!(
-            super::rfc3339(1_709_251_200_000),
-            "2024-03-01T00:00:00.000Z"
-        );
-    }
-}
+/// Formats Unix milliseconds as RFC 3339 in UTC, e.g. `2026-11-29T19:31:07.123Z` (the
+/// one calendar, shared with the CLI that reads these back).
+pub use berth_client::time::rfc3339;

@@ -24,31 +24,9 @@ pub fn parse_utc(s: &str) -> Option<i64> {
     parse_utc_ms(s).map(|ms| ms.div_euclid(1000))
 }
 
-/// [`parse_utc`] in milliseconds (a fraction of 1 to 3 digits, or none).
-pub fn parse_utc_ms(s: &str) -> Option<i64> {
-    let (date, time) = s.strip_suffix('Z')?.split_once('T')?;
-    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
-    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
-    let (time, frac) = time.split_once('.').unwrap_or((time, "0"));
-    if frac.is_empty() || frac.len() > 3 || !frac.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let ms: i64 = format!("{frac:0<3}").parse().ok()?;
-    let mut t = time.splitn(3, ':').map(|p| p.parse::<i64>().ok());
-    let (hh, mm, ss) = (t.next()??, t.next()??, t.next()??);
-    if !(1..=12).contains(&m) || !(1..=31).contains(&day) || hh > 23 || mm > 59 || ss > 60 {
-        return None;
-    }
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    Some((days * 86_400 + hh * 3_600 + mm * 60 + ss) * 1000 + ms)
-}
+/// [`parse_utc`] in milliseconds (a fraction of 1 to 3 digits, or none): the one
+/// calendar, the daemon's own.
+pub use berth_client::time::parse_ms as parse_utc_ms;
 
 pub fn now_ms() -> i64 {
     SystemTime::now()
