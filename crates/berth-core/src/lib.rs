@@ -13,6 +13,7 @@ mod queue;
 pub mod scopes;
 pub mod threads;
 mod types;
+mod units;
 pub mod validate;
 
 pub use command::{Command, Error, Event, Output};

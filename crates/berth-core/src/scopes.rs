@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::types::TimeMs;
+use crate::units::TimeMs;
 
 /// A harness limit's range (B1).
 pub const HARNESS_LIMIT_MAX: u32 = 1_024;

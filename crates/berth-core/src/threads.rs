@@ -12,7 +12,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::types::TimeMs;
+use crate::units::TimeMs;
 
 /// The longest run budget a registration may have (G1, G5): a day.
 pub const RUN_BUDGET_MS_MAX: u64 = 24 * 3_600_000;

@@ -70,10 +70,7 @@ words!(RunState {
     Degraded => "degraded",
 });
 
-/// Monotonic milliseconds. The caller owns the clock; the engine only compares.
-pub type TimeMs = u64;
-/// A fencing token (L1). Strictly increasing per host, never reused.
-pub type Fence = u64;
+pub use crate::units::{Fence, TimeMs};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Priority {

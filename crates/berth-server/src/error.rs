@@ -1,4 +1,6 @@
-//! The API's error model: `{"error":{"code","message","details"}}` with stable codes.
+//! The errors: the daemon's own ([`Error`], in its terms, no HTTP), and the API's
+//! model (`{"error":{"code","message","details"}}` with stable codes) that this
+//! module alone maps them to.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -166,10 +168,60 @@ fn rule_of<'a>(message: &'a str, field: &str) -> &'a str {
         .unwrap_or(message)
 }
 
+/// Why the daemon refused or could not do what a message asked, in the daemon's own
+/// terms. **Architecture invariant:** the daemon names no HTTP status; `ApiError`
+/// alone maps these to status codes and wire codes.
+#[derive(Debug, PartialEq)]
+pub enum Error {
+    /// The engine's rules said no (the rule and its fields are in the core error).
+    Core(CoreError),
+    /// S3: the process may not be registered to this run.
+    Registration {
+        pid: i32,
+        refusal: crate::register::Refusal,
+    },
+    /// D4: the ledger refused the write; nothing was acknowledged.
+    Store(String),
+    /// berth itself could not do it: the host refused, or a bug.
+    Internal(String),
+    /// G0–G3: a thread's rules said no.
+    Thread(berth_core::threads::ThreadError),
+    /// G4: the host drains; nothing new is admitted. Carries the drain's record.
+    Draining(berth_store::DrainRecord),
+    /// F1: fleet mode, and the fleet store cannot be reached: no new fleet-wide claim.
+    FleetUnavailable,
+    /// The daemon's task has stopped: berth is shutting down.
+    ShuttingDown,
+    /// S9: a uid-bound token asked to act on a run, thread or scope another uid made.
+    NotOwner {
+        /// `run`, `thread` or `scope`.
+        what: &'static str,
+        id: String,
+        /// The uid the caller's token acts for.
+        uid: u32,
+    },
+}
+
+impl From<CoreError> for Error {
+    fn from(e: CoreError) -> Error {
+        Error::Core(e)
+    }
+}
+
+impl Error {
+    pub(crate) fn store(e: &berth_store::StoreError) -> Error {
+        Error::Store(e.to_string())
+    }
+
+    /// A run the daemon had just touched was gone when it answered (a bug).
+    pub(crate) fn run_vanished() -> Error {
+        Error::Internal("run vanished".into())
+    }
+}
+
 /// The one place the daemon's domain errors become HTTP statuses and wire codes.
-impl From<crate::daemon::Error> for ApiError {
-    fn from(e: crate::daemon::Error) -> ApiError {
-        use crate::daemon::Error;
+impl From<Error> for ApiError {
+    fn from(e: Error) -> ApiError {
         match e {
             Error::Core(e) => e.into(),
             Error::Registration { pid, refusal } => registration_refused(pid, refusal),
@@ -193,6 +245,7 @@ impl From<crate::daemon::Error> for ApiError {
             .with(json!({"drain": {"by": d.by, "at": d.at, "reason": d.reason}})),
             Error::FleetUnavailable => fleet_unavailable("the fleet store cannot be reached"),
             Error::NotOwner { what, id, uid } => not_owner(what, &id, uid),
+            Error::ShuttingDown => ApiError::new(503, "shutting_down", "berth is shutting down"),
         }
     }
 }

@@ -5,7 +5,7 @@
 //! the daemon: results come back as messages to its inbox.
 //!
 //! **Architecture invariant:** the fleet thread never changes the daemon's state; it
-//! reports (`Msg::Fleet*`) and the daemon decides.
+//! reports ([`Report`], through a [`Tell`]) and the daemon decides.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,9 +13,9 @@ use std::time::Duration;
 
 pub use berth_store::fleet::HostInfo;
 use berth_store::fleet::{Claim, ClaimOutcome, Ending, FleetError, FleetStore};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
-use crate::daemon::Msg;
+use crate::tell::Tell;
 
 /// Endings not yet recorded (the store was away) kept for a retry at most; past it the
 /// oldest are dropped with a warning and the next registration's reconciliation (the
@@ -140,14 +140,6 @@ fn mono_ms() -> u64 {
     crate::clock::mono_ms()
 }
 
-/// Sends `msg` to the daemon; false once the daemon is gone.
-fn tell(inbox: &mpsc::WeakSender<Msg>, msg: Msg) -> bool {
-    match inbox.upgrade() {
-        Some(tx) => tx.blocking_send(msg).is_ok(),
-        None => false,
-    }
-}
-
 /// Threads (each with its connection) that carry out claims and endings: a host's
 /// claims are one round trip each, so several in flight let the database's group
 /// commit serve them together instead of one fsync after another.
@@ -155,7 +147,7 @@ pub const CLAIM_WORKERS: usize = 4;
 
 /// Starts the fleet threads: the heartbeat, the claim workers, the questions' and, on
 /// PostgreSQL, the listener.
-pub fn spawn(cfg: FleetConfig, inbox: mpsc::WeakSender<Msg>) -> Result<Handle, FleetError> {
+pub fn spawn(cfg: FleetConfig, inbox: Tell<Report>) -> Result<Handle, FleetError> {
     let status = Arc::new(Status::default());
     status.enabled.store(true, Ordering::Relaxed);
     *status.host_id.lock().unwrap_or_else(|e| e.into_inner()) = cfg.host.host_id.clone();
@@ -221,16 +213,16 @@ fn thread(name: &str, f: impl FnOnce() + Send + 'static) -> Result<(), FleetErro
 /// How long a starting host waits for its first registration before it serves anyway.
 const FIRST_REGISTRATION_WAIT_MS: u64 = 5_000;
 
-fn spawn_listener(mut l: berth_store::fleet::PgListener, inbox: mpsc::WeakSender<Msg>) {
+fn spawn_listener(mut l: berth_store::fleet::PgListener, inbox: Tell<Report>) {
     let _ = thread("berth-fleet-listen", move || loop {
         match l.wait(Duration::from_millis(LISTEN_WAIT_MS)) {
             Ok(payloads) if !payloads.is_empty() => {
-                if !tell(&inbox, Msg::Fleet(Report::Wake { payloads })) {
+                if !inbox.send(Report::Wake { payloads }) {
                     return;
                 }
             }
             Ok(_) => {
-                if inbox.upgrade().is_none() {
+                if !inbox.alive() {
                     return;
                 }
             }
@@ -246,7 +238,7 @@ fn spawn_listener(mut l: berth_store::fleet::PgListener, inbox: mpsc::WeakSender
 struct Common {
     cfg: FleetConfig,
     status: Arc<Status>,
-    inbox: mpsc::WeakSender<Msg>,
+    inbox: Tell<Report>,
     /// Endings the store missed (it was away), retried at each heartbeat.
     ends: Mutex<std::collections::VecDeque<(String, i64, Ending)>>,
     /// Whether the outage was logged (one line per outage, not per call).
@@ -316,14 +308,11 @@ impl Worker {
             }
         };
         c.seen(&result);
-        tell(
-            &c.inbox,
-            Msg::Fleet(Report::Claimed {
-                run_id,
-                gen,
-                result,
-            }),
-        );
+        c.inbox.send(Report::Claimed {
+            run_id,
+            gen,
+            result,
+        });
     }
 
     /// One heartbeat: register if needed, beat, retry endings, declare lapsed hosts
@@ -338,9 +327,9 @@ impl Worker {
                 c.status.gen.store(gen, Ordering::Relaxed);
                 c.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed);
                 tracing::info!(host, gen, resumed, "fleet: registered");
-                return tell(&c.inbox, Msg::Fleet(Report::Generation { gen, resumed }));
+                return c.inbox.send(Report::Generation { gen, resumed });
             }
-            return c.inbox.upgrade().is_some();
+            return c.inbox.alive();
         }
         let load = c
             .status
@@ -361,9 +350,9 @@ impl Worker {
                     "fleet: this host was declared dead; re-registering under a new generation"
                 );
                 c.status.gen.store(0, Ordering::Relaxed);
-                return c.inbox.upgrade().is_some();
+                return c.inbox.alive();
             }
-            Err(_) => return c.inbox.upgrade().is_some(),
+            Err(_) => return c.inbox.alive(),
         }
         self.retry_ends(host);
         let lapse = i64::try_from(c.cfg.lapse_ms).unwrap_or(i64::MAX);
@@ -371,10 +360,7 @@ impl Worker {
         c.seen(&r);
         for (h, g) in r.unwrap_or_default() {
             tracing::warn!(host = h, gen = g, by = host, "fleet: declared a host dead (no heartbeat within the lapse): its keys are freed and its budget tokens marked lapsed");
-            if !tell(
-                &c.inbox,
-                Msg::Fleet(Report::Declared { host_id: h, gen: g }),
-            ) {
+            if !c.inbox.send(Report::Declared { host_id: h, gen: g }) {
                 return false;
             }
         }

@@ -17,11 +17,11 @@ pub mod limits;
 pub mod listen;
 pub mod memory;
 pub mod metrics;
-pub mod park;
 pub mod private;
 pub mod register;
 pub mod request;
 pub mod runtime;
+pub mod tell;
 pub mod walk;
 pub mod workspace;
 
@@ -312,8 +312,11 @@ fn spawn_state(
     st.host_mut().set_inbox(&tx);
     let fleet = match &cfg.fleet {
         Some(f) => {
-            let link = fleet::spawn(f.clone(), tx.downgrade())
-                .map_err(|e| anyhow::anyhow!("fleet store: {e}"))?;
+            let link = fleet::spawn(
+                f.clone(),
+                tell::Tell::to(tx.downgrade(), daemon::Msg::Fleet),
+            )
+            .map_err(|e| anyhow::anyhow!("fleet store: {e}"))?;
             // F2: stop runs holding fleet-wide claims before the lapse at which another
             // host may take them: a quarter of the lapse (at least two heartbeats) early.
             let early = (f.lapse_ms / 4).max(2 * f.beat_ms);

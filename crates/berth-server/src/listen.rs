@@ -11,9 +11,17 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use berth_proc::ProcId;
-use tokio::sync::mpsc;
 
-use crate::daemon::{ListenWatch, Msg};
+use crate::tell::Tell;
+
+/// C6: an analysis run under watch for listeners: its registered roots, and the
+/// listening sockets its processes already held when they were registered.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ListenWatch {
+    pub run_id: String,
+    pub roots: Vec<ProcId>,
+    pub baseline: std::collections::BTreeSet<u64>,
+}
 
 /// Between rounds: a listener is seen, and its run stopped, within about this long.
 pub const LISTEN_POLL_MS: u64 = 200;
@@ -111,7 +119,7 @@ pub fn violation(baseline: &BTreeSet<u64>, held: &BTreeMap<u64, (i32, u16)>) -> 
 /// and reports violations on `inbox`.
 pub fn spawn_watcher(
     cgroup_base: Option<PathBuf>,
-    inbox: Option<mpsc::WeakSender<Msg>>,
+    inbox: Option<Tell<(String, Violation)>>,
 ) -> std::sync::mpsc::Sender<Vec<ListenWatch>> {
     let (tx, rx) = std::sync::mpsc::channel::<Vec<ListenWatch>>();
     std::thread::Builder::new()
@@ -139,11 +147,8 @@ pub fn spawn_watcher(
                 }
                 for (run_id, v) in round(&watched, cgroup_base.as_ref()) {
                     watched.retain(|w| w.run_id != run_id);
-                    if let Some(tx) = inbox.as_ref().and_then(|w| w.upgrade()) {
-                        let _ = tx.blocking_send(Msg::ListenerViolation {
-                            run_id,
-                            violation: v,
-                        });
+                    if let Some(inbox) = &inbox {
+                        inbox.send((run_id, v));
                     }
                 }
             }

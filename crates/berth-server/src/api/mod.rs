@@ -70,23 +70,7 @@ async fn ask<T>(
     api: &Api,
     make: impl FnOnce(crate::daemon::Reply<T>) -> Msg,
 ) -> Result<T, ApiError> {
-    ask_via(&api.tx, make).await
-}
-
-/// [`ask`] on the daemon's inbox itself (for callers outside a request: a runtime's
-/// start).
-async fn ask_via<T>(
-    inbox: &tokio::sync::mpsc::Sender<Msg>,
-    make: impl FnOnce(crate::daemon::Reply<T>) -> Msg,
-) -> Result<T, ApiError> {
-    let (tx, rx) = oneshot::channel();
-    inbox
-        .send(make(tx))
-        .await
-        .map_err(|_| ApiError::new(503, "shutting_down", "berth is shutting down"))?;
-    rx.await
-        .map_err(|_| ApiError::new(503, "shutting_down", "berth is shutting down"))?
-        .map_err(ApiError::from)
+    Ok(crate::daemon::ask(&api.tx, make).await?)
 }
 
 /// The `{id}` of a route, refused with a JSON `400` (not axum's plain text) when the
@@ -414,7 +398,7 @@ async fn acquire_inner(
                 .http("/v1/runs", &method, res.status().as_u16());
             res
         }));
-        return Ok(crate::park::placeholder());
+        return Ok(crate::http::park::placeholder());
     }
     if !stream {
         return Ok(long_poll_answer(&api, first, guard).await);
@@ -794,61 +778,10 @@ async fn register_process(
     }
     let me = api.shared.me.clone();
     let (pid, uid) = (b.pid, caller.uid);
-    let info = register_off_task(&api.tx, me, id, (fence, pid), (uid, caller.tenant)).await?;
-    Ok((StatusCode::CREATED, Json(run_out(&info))).into_response())
-}
-
-/// P1/S3 with the rule checked off the state task (issue 32 finding 7: it reads
-/// `/proc`, and a registration once stalled every request for 0.4 s): the daemon
-/// gives the plan (other runs' roots), a blocking thread applies the rule, and the
-/// daemon records the answer if no registration came between (else checks again).
-pub(crate) async fn register_off_task(
-    inbox: &tokio::sync::mpsc::Sender<Msg>,
-    me: Option<crate::register::Me>,
-    run_id: String,
-    (fence, pid): (u64, i32),
-    (uid, by): (u32, crate::daemon::Tenant),
-) -> Result<crate::daemon::RunInfo, ApiError> {
-    let checked = match me {
-        Some(me) => {
-            let plan = ask_via(inbox, |reply| Msg::RegistrationPlan {
-                run_id: run_id.clone(),
-                fence,
-                by,
-                reply,
-            })
+    let info =
+        crate::daemon::register_off_task(&api.tx, me, id, (fence, pid), (uid, caller.tenant))
             .await?;
-            let generation = plan.generation;
-            let id = tokio::task::spawn_blocking(move || {
-                let others: Vec<crate::register::OtherRun<'_>> = plan
-                    .others
-                    .iter()
-                    .map(|(id, roots)| crate::register::OtherRun {
-                        run_id: id,
-                        roots: roots.clone(),
-                    })
-                    .collect();
-                crate::register::check(&me, uid, pid, &others)
-            })
-            .await
-            .map_err(|_| crate::error::internal("the registration check panicked"))?
-            .map_err(|refusal| {
-                ApiError::from(crate::daemon::Error::Registration { pid, refusal })
-            })?;
-            Some((id, generation))
-        }
-        None => None,
-    };
-    ask_via(inbox, |reply| Msg::RegisterProcess {
-        run_id,
-        fence,
-        pid,
-        uid,
-        by,
-        checked,
-        reply,
-    })
-    .await
+    Ok((StatusCode::CREATED, Json(run_out(&info))).into_response())
 }
 
 /// `POST /v1/reap`: one reaper pass now (P4). Waits for the stops it starts (at most
@@ -1070,7 +1003,11 @@ async fn require(need: Option<Scope>, shared: Arc<Shared>, req: Request, next: N
         _ => next.run(req).await,
     };
     // A parked long poll is counted when its answer is sent.
-    if res.extensions().get::<crate::park::Placeholder>().is_none() {
+    if res
+        .extensions()
+        .get::<crate::http::park::Placeholder>()
+        .is_none()
+    {
         shared.metrics.http(route, &method, res.status().as_u16());
     }
     res

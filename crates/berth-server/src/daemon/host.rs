@@ -30,14 +30,7 @@ pub struct StopOrder {
 /// Where stop orders go once their commit is durable: called on the writer's thread.
 pub type StopSink = Arc<dyn Fn(StopOrder) + Send + Sync>;
 
-/// C6: an analysis run under watch for listeners: its registered roots, and the
-/// listening sockets its processes already held when they were registered.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ListenWatch {
-    pub run_id: String,
-    pub roots: Vec<ProcId>,
-    pub baseline: std::collections::BTreeSet<u64>,
-}
+pub use crate::listen::ListenWatch;
 
 /// Everything [`Daemon`](super::Daemon) needs from the machine it runs on.
 ///
@@ -245,7 +238,15 @@ impl Host for RealHost {
     fn watch_listeners(&mut self, watched: Vec<ListenWatch>) {
         if self.listen_watch.is_none() {
             let base = self.supervision.cgroup_base.clone();
-            self.listen_watch = Some(crate::listen::spawn_watcher(base, self.inbox.clone()));
+            self.listen_watch = Some(crate::listen::spawn_watcher(
+                base,
+                self.inbox.clone().map(|w| {
+                    crate::tell::Tell::to(w, |(run_id, violation)| Msg::ListenerViolation {
+                        run_id,
+                        violation,
+                    })
+                }),
+            ));
         }
         if let Some(tx) = &self.listen_watch {
             let _ = tx.send(watched);

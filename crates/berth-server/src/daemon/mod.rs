@@ -12,6 +12,7 @@
 //! feeds it messages and time, and `sim.rs` drives it deterministically with a fake
 //! host, failed cleanups, stops and restarts.
 
+mod ask;
 mod extra;
 mod fleet;
 mod handlers;
@@ -45,11 +46,11 @@ use berth_store::{Batch, RunRecord, StoreError, Writer};
 use tokio::sync::{oneshot, watch};
 
 use crate::auth::Grant;
-use crate::register::Refusal;
 use crate::workspace;
 use extra::{proc_id, Extra};
 use ports::PortBroker;
 
+pub use ask::{ask, register_off_task};
 pub use host::{Host, ListenWatch, RealHost, StopOrder, StopSink, Supervision};
 pub use restore::Restore;
 pub use runtime::run;
@@ -93,51 +94,7 @@ pub fn may_act(by: Tenant, owner: Option<u32>) -> bool {
     by.is_none() || by == owner
 }
 
-/// Why the daemon refused or could not do what a message asked, in the daemon's own
-/// terms. **Architecture invariant:** the daemon names no HTTP status; `crate::error`
-/// alone maps these to status codes and wire codes.
-#[derive(Debug, PartialEq)]
-pub enum Error {
-    /// The engine's rules said no (the rule and its fields are in the core error).
-    Core(CoreError),
-    /// S3: the process may not be registered to this run.
-    Registration { pid: i32, refusal: Refusal },
-    /// D4: the ledger refused the write; nothing was acknowledged.
-    Store(String),
-    /// berth itself could not do it: the host refused, or a bug.
-    Internal(String),
-    /// G0–G3: a thread's rules said no.
-    Thread(berth_core::threads::ThreadError),
-    /// G4: the host drains; nothing new is admitted. Carries the drain's record.
-    Draining(berth_store::DrainRecord),
-    /// F1: fleet mode, and the fleet store cannot be reached: no new fleet-wide claim.
-    FleetUnavailable,
-    /// S9: a uid-bound token asked to act on a run, thread or scope another uid made.
-    NotOwner {
-        /// `run`, `thread` or `scope`.
-        what: &'static str,
-        id: String,
-        /// The uid the caller's token acts for.
-        uid: u32,
-    },
-}
-
-impl From<CoreError> for Error {
-    fn from(e: CoreError) -> Error {
-        Error::Core(e)
-    }
-}
-
-impl Error {
-    fn store(e: &StoreError) -> Error {
-        Error::Store(e.to_string())
-    }
-
-    /// A run the daemon had just touched was gone when it answered (a bug).
-    fn run_vanished() -> Error {
-        Error::Internal("run vanished".into())
-    }
-}
+pub use crate::error::Error;
 
 pub type Reply<T> = oneshot::Sender<Result<T, Error>>;
 

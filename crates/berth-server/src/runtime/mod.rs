@@ -229,10 +229,10 @@ async fn register(s: &Start<'_>, pid: i32) -> Result<(), String> {
     let run_id = s.plan.info.view.run_id.clone();
     // berth's own launch: the caller's ownership was checked by `RuntimePlan`.
     let by = None;
-    crate::api::register_off_task(s.daemon, s.me.clone(), run_id, (s.fence, pid), (s.uid, by))
+    crate::daemon::register_off_task(s.daemon, s.me.clone(), run_id, (s.fence, pid), (s.uid, by))
         .await
         .map(|_| ())
-        .map_err(|e| e.message)
+        .map_err(|e| crate::error::ApiError::from(e).message)
 }
 
 /// The port's working directory: the worktree, or a directory inside it that no link

@@ -18,6 +18,8 @@
 //! that request must renew, release or register into a run (`is_upkeep`); anything
 //! else there is `503 busy`. A lease holder can always renew.
 
+pub mod park;
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -65,7 +67,7 @@ pub struct ConnMark {
     /// Set once its handler parked the request in flight (`park`): from then on hyper
     /// sees the socket as closed.
     pub(crate) is_parked: AtomicBool,
-    parked: Mutex<Option<crate::park::Answer>>,
+    parked: Mutex<Option<crate::http::park::Answer>>,
 }
 
 impl ConnMark {
@@ -83,12 +85,12 @@ impl ConnMark {
     /// `answer` is written to the socket once it resolves, or dropped if the client
     /// leaves or the daemon stops first. The handler then returns
     /// `park::placeholder()`.
-    pub fn park(&self, answer: crate::park::Answer) {
+    pub fn park(&self, answer: crate::http::park::Answer) {
         *self.parked.lock().unwrap_or_else(|e| e.into_inner()) = Some(answer);
         self.is_parked.store(true, Ordering::Release);
     }
 
-    fn take_parked(&self) -> Option<crate::park::Answer> {
+    fn take_parked(&self) -> Option<crate::http::park::Answer> {
         self.parked.lock().unwrap_or_else(|e| e.into_inner()).take()
     }
 }
@@ -317,7 +319,7 @@ async fn serve_connection(
         .max_buf_size(HEAD_BUF_BYTES_MAX)
         // A reserved place serves one request, then is free for the next lease holder.
         .keep_alive(!mark.reserved);
-    let io = crate::park::ParkIo {
+    let io = crate::http::park::ParkIo {
         sock,
         mark: mark.clone(),
         rewritten: None,
@@ -336,7 +338,7 @@ async fn serve_connection(
     // this task now waits on the socket alone (`park.rs`).
     if let Some(answer) = mark.take_parked() {
         let io = conn.into_parts().io.into_inner();
-        crate::park::serve_parked(io.sock, answer, stop).await;
+        crate::http::park::serve_parked(io.sock, answer, stop).await;
     }
 }
 

@@ -1,5 +1,9 @@
-//! Issue 35 (after issue 10): no function in any crate is longer than `FN_LINES_MAX`
-//! lines (TigerBeetle's 70), and no test function longer than `TEST_FN_LINES_MAX`.
+//! Issue 35: the shape of the code, read from the source of every crate.
+//!
+//! 1. No function in any crate is longer than `FN_LINES_MAX` lines (TigerBeetle's
+//!    70), and no test function longer than `TEST_FN_LINES_MAX`.
+//! 2. No crate's top-level modules depend on each other in a cycle (see
+//!    `no_crate_has_a_module_cycle`).
 //!
 //! How it is checked: every `.rs` file under `crates/` is read whole. A function is
 //! measured from the line that declares it (`fn`, after any of `pub`, `pub(..)`,
@@ -11,7 +15,7 @@
 //! `#[cfg(test)] mod name;` declares, a `#[cfg(test)] mod name { … }` block wherever it
 //! is in its file, and a function marked `#[test]` or `#[tokio::test]`.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 const FN_LINES_MAX: usize = 70;
@@ -244,4 +248,193 @@ fn marked() {
         .map(|(n, s, at, t)| (*n, s.to_string(), *at, *t))
         .collect();
     assert_eq!(got, want);
+}
+
+/// The top-level modules of the crate that `crate::…` paths in `text` name, outside
+/// comments: `crate::daemon::Msg`, `crate::{auth, error::ApiError}`.
+fn crate_refs(text: &str) -> BTreeSet<String> {
+    let code: String = text
+        .lines()
+        .map(strip_comment)
+        .collect::<Vec<_>>()
+        .join("\n");
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_alphanumeric() || *c == '_')
+            .collect()
+    };
+    let mut out = BTreeSet::new();
+    for (at, _) in code.match_indices("crate::") {
+        let before = code[..at].chars().next_back();
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$') {
+            continue; // `my_crate::`, `$crate::`
+        }
+        let rest = &code[at + "crate::".len()..];
+        if let Some(group) = rest.strip_prefix('{') {
+            // The first segment of each path at the group's own depth.
+            let (mut depth, mut start) = (1, true);
+            for (i, c) in group.char_indices() {
+                match c {
+                    '{' => depth += 1,
+                    '}' => depth -= 1,
+                    ',' if depth == 1 => start = true,
+                    c if depth == 1 && start && (c.is_alphanumeric() || c == '_') => {
+                        out.insert(ident(&group[i..]));
+                        start = false;
+                    }
+                    _ => {}
+                }
+                if depth == 0 {
+                    break;
+                }
+            }
+        } else {
+            out.insert(ident(rest));
+        }
+    }
+    out.remove("");
+    out
+}
+
+/// A line without its `//` comment (a `//` inside a string literal is kept).
+fn strip_comment(line: &str) -> &str {
+    let mut in_str = false;
+    let mut prev = ' ';
+    for (i, c) in line.char_indices() {
+        match c {
+            '"' if prev != '\\' => in_str = !in_str,
+            '/' if !in_str && prev == '/' => return &line[..i - 1],
+            _ => {}
+        }
+        prev = if prev == '\\' && c == '\\' { ' ' } else { c };
+    }
+    line
+}
+
+/// A cycle in `graph`, as the modules along it, if there is one.
+fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        g: &BTreeMap<String, BTreeSet<String>>,
+        m: &str,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(at) = path.iter().position(|p| p == m) {
+            let mut cycle = path[at..].to_vec();
+            cycle.push(m.to_string());
+            return Some(cycle);
+        }
+        if done.contains(m) {
+            return None;
+        }
+        path.push(m.to_string());
+        for next in g.get(m).into_iter().flatten() {
+            if let Some(c) = visit(g, next, path, done) {
+                return Some(c);
+            }
+        }
+        path.pop();
+        done.insert(m.to_string());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|m| visit(graph, m, &mut Vec::new(), &mut done))
+}
+
+/// Issue 35: the modules of a crate form layers. A module that names another through
+/// `crate::` depends on it; the graph of a crate's top-level modules (`src/x.rs` or
+/// `src/x/`, the crate root aside: it wires everything) has no cycle, so each module
+/// can be read, tested and changed knowing only the ones below it. Test code
+/// (`#[cfg(test)]` files and blocks) and comments do not count. Inside a directory
+/// module, files that are one type's `impl` split by concern (the daemon, the
+/// engine) use each other through `super` freely: they are one module.
+#[test]
+fn no_crate_has_a_module_cycle() {
+    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+    let mut checked = 0;
+    let mut wrong = Vec::new();
+    for krate in std::fs::read_dir(root.join("crates")).unwrap() {
+        let src = krate.unwrap().path().join("src");
+        if !src.is_dir() {
+            continue;
+        }
+        let mut files = Vec::new();
+        rust_files(&src, &mut files);
+        let texts: Vec<(PathBuf, String)> = files
+            .into_iter()
+            .map(|f| {
+                let t = std::fs::read_to_string(&f).unwrap();
+                (f, t)
+            })
+            .collect();
+        let mut test_files = BTreeSet::new();
+        for (f, t) in &texts {
+            let lines: Vec<&str> = t.lines().collect();
+            test_files.extend(test_module_files(f, &lines));
+        }
+        let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (f, text) in &texts {
+            let rel = f.strip_prefix(&src).unwrap();
+            let top = rel.iter().next().unwrap().to_string_lossy();
+            let top = top.trim_end_matches(".rs").to_string();
+            if top == "lib" || top == "main" || test_files.contains(f) {
+                continue;
+            }
+            let lines: Vec<&str> = text.lines().collect();
+            let in_test = test_blocks(&lines);
+            let code: Vec<&str> = lines
+                .iter()
+                .zip(&in_test)
+                .filter(|(_, t)| !**t)
+                .map(|(l, _)| *l)
+                .collect();
+            let refs = crate_refs(&code.join("\n"));
+            let deps = graph.entry(top.clone()).or_default();
+            deps.extend(refs.into_iter().filter(|r| *r != top));
+        }
+        let modules: BTreeSet<String> = graph.keys().cloned().collect();
+        for deps in graph.values_mut() {
+            deps.retain(|d| modules.contains(d));
+        }
+        checked += graph.len();
+        if let Some(cycle) = find_cycle(&graph) {
+            wrong.push(format!("{}: {}", src.display(), cycle.join(" -> ")));
+        }
+    }
+    assert!(
+        checked > 50,
+        "only {checked} modules read: the reader is broken"
+    );
+    assert!(wrong.is_empty(), "module cycles:\n{}", wrong.join("\n"));
+}
+
+/// The reader of `crate::` paths and the cycle finder themselves.
+#[test]
+fn the_module_reader_sees_paths_groups_and_not_comments() {
+    let text = "use crate::daemon::{Msg, Reply};\n\
+                use crate::{auth, error::ApiError, fleet::{self, Job}};\n\
+                // crate::runtime is only mentioned\n\
+                let x = \"http://crate::not_a_path\"; // crate::nor_this\n\
+                impl From<crate::listen::Violation> for X {}\n\
+                $crate::macro_path; my_crate::other;\n";
+    let want: BTreeSet<String> = ["auth", "daemon", "error", "fleet", "listen", "not_a_path"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    assert_eq!(crate_refs(text), want);
+    let g = |edges: &[(&str, &str)]| {
+        let mut g: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (a, b) in edges {
+            g.entry(a.to_string()).or_default().insert(b.to_string());
+            g.entry(b.to_string()).or_default();
+        }
+        g
+    };
+    assert_eq!(find_cycle(&g(&[("a", "b"), ("b", "c"), ("a", "c")])), None);
+    assert_eq!(
+        find_cycle(&g(&[("a", "b"), ("b", "c"), ("c", "b")])),
+        Some(vec!["b".to_string(), "c".to_string(), "b".to_string()])
+    );
 }
