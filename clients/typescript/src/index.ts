@@ -49,6 +49,7 @@ import type {
 } from "./wire.js";
 
 export type * from "./wire.js";
+export { JOURNAL_KINDS } from "./wire.js";
 
 /**
  * A run that holds its lease: what `acquire` answers and `withBerth` hands to `fn`.

@@ -759,6 +759,19 @@ export interface components {
             declared_by?: string | null;
         };
         /**
+         * @description What a host's heartbeat writes of its load (F4), and `GET /v1/fleet` reads back
+         *     for each host. A field a peer left out (an older or hostile one) reads as zero.
+         */
+        FleetLoad: {
+            /** Format: int64 */
+            granted?: number;
+            /** Format: int64 */
+            queue_depth?: number;
+            resources?: {
+                [key: string]: components["schemas"]["FleetResource"];
+            };
+        };
+        /**
          * @description One resource summed over a host (or the fleet): what it has, what is granted and
          *     what is free now (F4).
          */
@@ -788,6 +801,34 @@ export interface components {
             busy: components["schemas"]["Busy"][];
         };
         /**
+         * @description `budget_token_taken`, `budget_token_freed` (with `by`: `owner` or `operator`) and
+         *     `budget_token_lapsed` (without a harness): one budget token (B3).
+         */
+        JournalBudgetToken: {
+            by?: string | null;
+            harness?: string | null;
+            operation_id: string;
+            owner: string;
+            scope: string;
+        };
+        /** @description `degraded`: the processes that survived its stop, if it had any. */
+        JournalDegraded: {
+            survivors?: number[] | null;
+        };
+        /** @description `drain_started` (G4): who started the drain, when and why. */
+        JournalDrain: {
+            at: string;
+            by: string;
+            reason: string;
+        };
+        /** @description A kind with no fields of its own: `evidence_invalidated`, `drain_ended`. */
+        JournalEmpty: Record<string, never>;
+        /** @description `ended`: the final state, and the failure if there was one. */
+        JournalEnded: {
+            failure?: string | null;
+            state: string;
+        };
+        /**
          * @description One journal entry (D5): a line of `GET /v1/journal` and of its export, and the data
          *     of each event of `GET /v1/events`. Every state change berth makes is one entry,
          *     written in the same transaction as the change; `seq` has no gaps.
@@ -800,7 +841,8 @@ export interface components {
             /**
              * @description What happened: `queued`, `granted`, `renewed`, `released`, `expired`,
              *     `stop_started`, `survivors`, `degraded`, `reaped`, `ended`, `refused`,
-             *     `token_created`, `process_registered`, `promoted`, ...
+             *     `token_created`, `process_registered`, `promoted`, ... (every kind, with the
+             *     schema of its `data`, is in `x-berth-journal-kinds`).
              */
             kind: string;
             run_id?: string | null;
@@ -809,6 +851,155 @@ export interface components {
             data: {
                 [key: string]: unknown;
             };
+        };
+        /** @description `released` and `expired`: the fence the run held. */
+        JournalFence: {
+            /** Format: int64 */
+            fence?: number | null;
+        };
+        /** @description `granted`: the fence, when the lease expires, the keys it holds. */
+        JournalGranted: {
+            expires_at: string;
+            /** Format: int64 */
+            fence: number;
+            keys: components["schemas"]["JournalKey"][];
+        };
+        /**
+         * @description A key and its mode (`exclusive` or `shared`): a granted run's, or
+         *     `key_mode_changed`'s.
+         */
+        JournalKey: {
+            key: string;
+            mode: string;
+        };
+        /** @description `upgrade_queued` and `upgrade_granted` (C4): the key. */
+        JournalKeyName: {
+            key: string;
+        };
+        /** @description A frozen manifest (B1), its fields in alphabetical order as every journal object's. */
+        JournalManifest: {
+            execution_ids: string[];
+            path: string;
+            sha256: string;
+        };
+        /** @description `process_registered` (P1): the process's pid. */
+        JournalPid: {
+            /** Format: int32 */
+            pid: number;
+        };
+        /** @description `stop_started` (the processes being stopped) and `survivors` (those a stop left). */
+        JournalPids: {
+            pids: number[];
+        };
+        /** @description `promoted`: the evidence that made the project's runs parallel (C3). */
+        JournalPromoted: {
+            commit?: string | null;
+            fingerprint: string;
+            ports: string[];
+        };
+        /** @description `queued`: the waiter's position and why it waits. */
+        JournalQueued: {
+            /** Format: int64 */
+            position: number;
+            reason?: null | components["schemas"]["JournalReason"];
+        };
+        /** @description `reaped` (P4): the run's state when the reaper took it. */
+        JournalReaped: {
+            state?: string | null;
+        };
+        /** @description Why a waiter waits: a reason's stable code and its message. */
+        JournalReason: {
+            code: string;
+            message: string;
+        };
+        /** @description `refused`: the refusal's code and message, as the caller was told. */
+        JournalRefused: {
+            code: string;
+            message: string;
+        };
+        /** @description `renewed`: the lease's new expiry. */
+        JournalRenewed: {
+            expires_at: string;
+        };
+        /** @description `scope_control` (B4): an accepted pause, stop or resume. */
+        JournalScopeControl: {
+            control: string;
+            /** Format: int64 */
+            generation: number;
+            mode: string;
+            request_id: string;
+            scope: string;
+        };
+        /** @description `scope_forgotten` (S10): by `operator` or for being `idle`. */
+        JournalScopeForgotten: {
+            by: string;
+            scope: string;
+        };
+        /** @description `scope_frozen` (B1): the scope's policy and manifest, frozen at its first use. */
+        JournalScopeFrozen: {
+            manifest?: null | components["schemas"]["JournalManifest"];
+            policy: {
+                [key: string]: number;
+            };
+            scope: string;
+        };
+        /** @description `scope_reconciled` (B3): an operator freed `owner`'s tokens. */
+        JournalScopeReconciled: {
+            by: string;
+            /** Format: int64 */
+            freed: number;
+            owner: string;
+            reason: string;
+            scope: string;
+        };
+        /** @description `thread_attached` (G1): the thread's new owner and its registration's budget. */
+        JournalThreadAttached: {
+            key: string;
+            /** Format: int64 */
+            owner_fence: number;
+            owner_gen: string;
+            /** Format: int64 */
+            run_budget_ms: number;
+            run_id: string;
+        };
+        /** @description `thread_deadline` (G2): the registration's new deadline. */
+        JournalThreadDeadline: {
+            deadline: string;
+            key: string;
+            run_id: string;
+        };
+        /** @description `thread_detached` (G3): whether the workspace was let go at once. */
+        JournalThreadDetached: {
+            evict: boolean;
+            key: string;
+            run_id: string;
+        };
+        /**
+         * @description `thread_evicted` and `thread_evict_refused`: the thread, and why (`operator`,
+         *     `detach`, `idle`, `disk_pressure`, …).
+         */
+        JournalThreadEviction: {
+            key: string;
+            reason: string;
+        };
+        /** @description `thread_workspace_created`: the thread's workspace. */
+        JournalThreadWorkspace: {
+            key: string;
+            workspace: string;
+        };
+        /**
+         * @description `token_created` and `token_revoked` (S9): the token's id, scope and user, never
+         *     its secret or its hash.
+         */
+        JournalToken: {
+            id: string;
+            scope: string;
+            /** Format: int32 */
+            uid?: number | null;
+        };
+        /** @description `wait_extended`: the waiter's new deadline. */
+        JournalWaitExtended: {
+            deadline: string;
         };
         /** @description A key the run holds and how. */
         Key: {

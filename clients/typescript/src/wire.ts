@@ -82,6 +82,8 @@ export type FenceCheck = Schemas["FenceCheck"];
 export type Fleet = Schemas["Fleet"];
 export type FleetHost = Schemas["FleetHost"];
 export type FleetResource = Schemas["FleetResource"];
+/** What a host's heartbeat writes of its load. */
+export type FleetLoad = Schemas["FleetLoad"];
 export type TokenCreated = Schemas["TokenCreated"];
 export type TokenInfo = Schemas["TokenInfo"];
 export type TokenList = Schemas["TokenList"];
@@ -96,6 +98,114 @@ export type RuntimeStarted = Schemas["RuntimeStarted"];
 
 /** One journal entry: a line of `GET /v1/journal`, the data of each `GET /v1/events` event. */
 export type JournalEntry = Schemas["JournalEntry"];
+/**
+ * The type of each journal kind's `data` (the document's `x-berth-journal-kinds`):
+ * `entry.data as JournalData["granted"]` once `entry.kind === "granted"`.
+ */
+export type JournalBudgetToken = Schemas["JournalBudgetToken"];
+export type JournalDegraded = Schemas["JournalDegraded"];
+export type JournalDrain = Schemas["JournalDrain"];
+export type JournalEmpty = Schemas["JournalEmpty"];
+export type JournalEnded = Schemas["JournalEnded"];
+export type JournalFence = Schemas["JournalFence"];
+export type JournalGranted = Schemas["JournalGranted"];
+export type JournalKey = Schemas["JournalKey"];
+export type JournalKeyName = Schemas["JournalKeyName"];
+export type JournalManifest = Schemas["JournalManifest"];
+export type JournalPid = Schemas["JournalPid"];
+export type JournalPids = Schemas["JournalPids"];
+export type JournalPromoted = Schemas["JournalPromoted"];
+export type JournalQueued = Schemas["JournalQueued"];
+export type JournalReaped = Schemas["JournalReaped"];
+export type JournalReason = Schemas["JournalReason"];
+export type JournalRefused = Schemas["JournalRefused"];
+export type JournalRenewed = Schemas["JournalRenewed"];
+export type JournalScopeControl = Schemas["JournalScopeControl"];
+export type JournalScopeForgotten = Schemas["JournalScopeForgotten"];
+export type JournalScopeFrozen = Schemas["JournalScopeFrozen"];
+export type JournalScopeReconciled = Schemas["JournalScopeReconciled"];
+export type JournalThreadAttached = Schemas["JournalThreadAttached"];
+export type JournalThreadDeadline = Schemas["JournalThreadDeadline"];
+export type JournalThreadDetached = Schemas["JournalThreadDetached"];
+export type JournalThreadEviction = Schemas["JournalThreadEviction"];
+export type JournalThreadWorkspace = Schemas["JournalThreadWorkspace"];
+export type JournalToken = Schemas["JournalToken"];
+export type JournalWaitExtended = Schemas["JournalWaitExtended"];
+export interface JournalData {
+  budget_token_freed: JournalBudgetToken;
+  budget_token_lapsed: JournalBudgetToken;
+  budget_token_taken: JournalBudgetToken;
+  degraded: JournalDegraded;
+  drain_ended: JournalEmpty;
+  drain_started: JournalDrain;
+  ended: JournalEnded;
+  evidence_invalidated: JournalEmpty;
+  expired: JournalFence;
+  granted: JournalGranted;
+  key_mode_changed: JournalKey;
+  process_registered: JournalPid;
+  promoted: JournalPromoted;
+  queued: JournalQueued;
+  reaped: JournalReaped;
+  refused: JournalRefused;
+  released: JournalFence;
+  renewed: JournalRenewed;
+  scope_control: JournalScopeControl;
+  scope_forgotten: JournalScopeForgotten;
+  scope_frozen: JournalScopeFrozen;
+  scope_reconciled: JournalScopeReconciled;
+  stop_started: JournalPids;
+  survivors: JournalPids;
+  thread_attached: JournalThreadAttached;
+  thread_deadline: JournalThreadDeadline;
+  thread_detached: JournalThreadDetached;
+  thread_evict_refused: JournalThreadEviction;
+  thread_evicted: JournalThreadEviction;
+  thread_workspace_created: JournalThreadWorkspace;
+  token_created: JournalToken;
+  token_revoked: JournalToken;
+  upgrade_granted: JournalKeyName;
+  upgrade_queued: JournalKeyName;
+  wait_extended: JournalWaitExtended;
+}
+/** Every kind of journal entry, as `x-berth-journal-kinds` lists them. */
+export const JOURNAL_KINDS: readonly (keyof JournalData)[] = [
+  "budget_token_freed",
+  "budget_token_lapsed",
+  "budget_token_taken",
+  "degraded",
+  "drain_ended",
+  "drain_started",
+  "ended",
+  "evidence_invalidated",
+  "expired",
+  "granted",
+  "key_mode_changed",
+  "process_registered",
+  "promoted",
+  "queued",
+  "reaped",
+  "refused",
+  "released",
+  "renewed",
+  "scope_control",
+  "scope_forgotten",
+  "scope_frozen",
+  "scope_reconciled",
+  "stop_started",
+  "survivors",
+  "thread_attached",
+  "thread_deadline",
+  "thread_detached",
+  "thread_evict_refused",
+  "thread_evicted",
+  "thread_workspace_created",
+  "token_created",
+  "token_revoked",
+  "upgrade_granted",
+  "upgrade_queued",
+  "wait_extended",
+];
 /** The last event of a stream berth cut off (`event: cutoff`): resume after `last_seq`. */
 export type StreamCutoff = Schemas["StreamCutoff"];
 

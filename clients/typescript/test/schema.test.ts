@@ -43,3 +43,14 @@ test("every schema of the document is a named wire type", async () => {
   );
   assert.deepEqual(missing, [], "schemas of docs/openapi.json not named in src/wire.ts");
 });
+
+test("every journal kind the document lists has its data type", async () => {
+  // Issue 35: the daemon's journal kinds and their payload schemas come from one Rust
+  // list; JOURNAL_KINDS (and the JournalData map) must name exactly those kinds.
+  const doc = JSON.parse(await readFile(DOCUMENT, "utf8")) as {
+    components: { schemas: Record<string, Record<string, unknown>> };
+  };
+  const kinds = doc.components.schemas.JournalEntry["x-berth-journal-kinds"] as Record<string, unknown>;
+  const { JOURNAL_KINDS } = await import("../src/wire.js");
+  assert.deepEqual([...JOURNAL_KINDS].sort(), Object.keys(kinds).sort());
+});

@@ -110,6 +110,7 @@ fn every_operation_of_the_openapi_document_is_reached_by_the_rust_client() {
     let metrics = rt.block_on(async {
         let berth = Client::new(&d.url, Some(d.token.clone())).unwrap();
         call_every_operation(&berth).await;
+        every_entry_reads_back_as_its_kind(&berth).await;
         berth.metrics().await.unwrap()
     });
     let doc: serde_json::Value =
@@ -135,6 +136,37 @@ fn every_operation_of_the_openapi_document_is_reached_by_the_rust_client() {
         missed.is_empty(),
         "operations no client method reached: {missed:?}"
     );
+}
+
+/// Issue 35: every journal entry the calls made reads back as the documented type of
+/// its kind (`JournalEntry::typed`), and the kinds are many (the check is not vacuous).
+async fn every_entry_reads_back_as_its_kind(berth: &Client) {
+    let journal = berth.journal(0, None).await.unwrap();
+    let mut kinds = std::collections::BTreeSet::new();
+    for e in &journal {
+        match e.typed() {
+            Some(Ok(j)) => assert_eq!(j.kind(), e.kind),
+            Some(Err(why)) => panic!("{} does not read as its kind: {why}: {e:?}", e.kind),
+            None => panic!("{} is not a kind the journal documents: {e:?}", e.kind),
+        }
+        kinds.insert(e.kind.clone());
+    }
+    for kind in [
+        "granted",
+        "renewed",
+        "process_registered",
+        "token_created",
+        "token_revoked",
+        "thread_attached",
+        "thread_deadline",
+        "thread_detached",
+        "thread_evicted",
+        "drain_started",
+        "drain_ended",
+        "released",
+    ] {
+        assert!(kinds.contains(kind), "no {kind} entry in {kinds:?}");
+    }
 }
 
 /// Each operation once: an answer, or a refusal of this request by its route.

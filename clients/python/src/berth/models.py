@@ -34,10 +34,40 @@ __all__ = [
     "FenceCheck",
     "Fleet",
     "FleetHost",
+    "FleetLoad",
     "FleetResource",
     "HarnessFigures",
     "Idle",
+    "JournalBudgetToken",
+    "JournalDegraded",
+    "JournalDrain",
+    "JournalEmpty",
+    "JournalEnded",
     "JournalEntry",
+    "JournalFence",
+    "JournalGranted",
+    "JournalKey",
+    "JournalKeyName",
+    "JournalManifest",
+    "JournalPid",
+    "JournalPids",
+    "JournalPromoted",
+    "JournalQueued",
+    "JournalReaped",
+    "JournalReason",
+    "JournalRefused",
+    "JournalRenewed",
+    "JournalScopeControl",
+    "JournalScopeForgotten",
+    "JournalScopeFrozen",
+    "JournalScopeReconciled",
+    "JournalThreadAttached",
+    "JournalThreadDeadline",
+    "JournalThreadDetached",
+    "JournalThreadEviction",
+    "JournalThreadWorkspace",
+    "JournalToken",
+    "JournalWaitExtended",
     "Key",
     "LedgerStatus",
     "ProcessRequest",
@@ -327,6 +357,17 @@ class FleetHost(Model):
 
 
 @dataclass
+class FleetLoad(Model):
+    """What a host's heartbeat writes of its load (F4), and `GET /v1/fleet` reads back
+    for each host. A field a peer left out (an older or hostile one) reads as zero.
+    """
+
+    granted: Optional[int] = None
+    queue_depth: Optional[int] = None
+    resources: Optional[Dict[str, FleetResource]] = None
+
+
+@dataclass
 class FleetResource(Model):
     """One resource summed over a host (or the fleet): what it has, what is granted and
     what is free now (F4).
@@ -357,6 +398,49 @@ class Idle(Model):
 
 
 @dataclass
+class JournalBudgetToken(Model):
+    """`budget_token_taken`, `budget_token_freed` (with `by`: `owner` or `operator`) and
+    `budget_token_lapsed` (without a harness): one budget token (B3).
+    """
+
+    operation_id: str
+    owner: str
+    scope: str
+    by: Optional[str] = None
+    harness: Optional[str] = None
+
+
+@dataclass
+class JournalDegraded(Model):
+    """`degraded`: the processes that survived its stop, if it had any."""
+
+    survivors: Optional[List[int]] = None
+
+
+@dataclass
+class JournalDrain(Model):
+    """`drain_started` (G4): who started the drain, when and why."""
+
+    at: str
+    by: str
+    reason: str
+
+
+@dataclass
+class JournalEmpty(Model):
+    """A kind with no fields of its own: `evidence_invalidated`, `drain_ended`."""
+
+
+
+@dataclass
+class JournalEnded(Model):
+    """`ended`: the final state, and the failure if there was one."""
+
+    state: str
+    failure: Optional[str] = None
+
+
+@dataclass
 class JournalEntry(Model):
     """One journal entry (D5): a line of `GET /v1/journal` and of its export, and the data
     of each event of `GET /v1/events`. Every state change berth makes is one entry,
@@ -368,12 +452,220 @@ class JournalEntry(Model):
     at: str
     #: What happened: `queued`, `granted`, `renewed`, `released`, `expired`,
     #: `stop_started`, `survivors`, `degraded`, `reaped`, `ended`, `refused`,
-    #: `token_created`, `process_registered`, `promoted`, ...
+    #: `token_created`, `process_registered`, `promoted`, ... (every kind, with the
+    #: schema of its `data`, is in `x-berth-journal-kinds`).
     kind: str
     #: The change's own fields (they depend on `kind`): always an object.
     data: Dict[str, Any]
     run_id: Optional[str] = None
     project: Optional[str] = None
+
+
+@dataclass
+class JournalFence(Model):
+    """`released` and `expired`: the fence the run held."""
+
+    fence: Optional[int] = None
+
+
+@dataclass
+class JournalGranted(Model):
+    """`granted`: the fence, when the lease expires, the keys it holds."""
+
+    expires_at: str
+    fence: int
+    keys: List[JournalKey]
+
+
+@dataclass
+class JournalKey(Model):
+    """A key and its mode (`exclusive` or `shared`): a granted run's, or
+    `key_mode_changed`'s.
+    """
+
+    key: str
+    mode: str
+
+
+@dataclass
+class JournalKeyName(Model):
+    """`upgrade_queued` and `upgrade_granted` (C4): the key."""
+
+    key: str
+
+
+@dataclass
+class JournalManifest(Model):
+    """A frozen manifest (B1), its fields in alphabetical order as every journal object's."""
+
+    execution_ids: List[str]
+    path: str
+    sha256: str
+
+
+@dataclass
+class JournalPid(Model):
+    """`process_registered` (P1): the process's pid."""
+
+    pid: int
+
+
+@dataclass
+class JournalPids(Model):
+    """`stop_started` (the processes being stopped) and `survivors` (those a stop left)."""
+
+    pids: List[int]
+
+
+@dataclass
+class JournalPromoted(Model):
+    """`promoted`: the evidence that made the project's runs parallel (C3)."""
+
+    fingerprint: str
+    ports: List[str]
+    commit: Optional[str] = None
+
+
+@dataclass
+class JournalQueued(Model):
+    """`queued`: the waiter's position and why it waits."""
+
+    position: int
+    reason: Optional[JournalReason] = None
+
+
+@dataclass
+class JournalReaped(Model):
+    """`reaped` (P4): the run's state when the reaper took it."""
+
+    state: Optional[str] = None
+
+
+@dataclass
+class JournalReason(Model):
+    """Why a waiter waits: a reason's stable code and its message."""
+
+    code: str
+    message: str
+
+
+@dataclass
+class JournalRefused(Model):
+    """`refused`: the refusal's code and message, as the caller was told."""
+
+    code: str
+    message: str
+
+
+@dataclass
+class JournalRenewed(Model):
+    """`renewed`: the lease's new expiry."""
+
+    expires_at: str
+
+
+@dataclass
+class JournalScopeControl(Model):
+    """`scope_control` (B4): an accepted pause, stop or resume."""
+
+    control: str
+    generation: int
+    mode: str
+    request_id: str
+    scope: str
+
+
+@dataclass
+class JournalScopeForgotten(Model):
+    """`scope_forgotten` (S10): by `operator` or for being `idle`."""
+
+    by: str
+    scope: str
+
+
+@dataclass
+class JournalScopeFrozen(Model):
+    """`scope_frozen` (B1): the scope's policy and manifest, frozen at its first use."""
+
+    policy: Dict[str, int]
+    scope: str
+    manifest: Optional[JournalManifest] = None
+
+
+@dataclass
+class JournalScopeReconciled(Model):
+    """`scope_reconciled` (B3): an operator freed `owner`'s tokens."""
+
+    by: str
+    freed: int
+    owner: str
+    reason: str
+    scope: str
+
+
+@dataclass
+class JournalThreadAttached(Model):
+    """`thread_attached` (G1): the thread's new owner and its registration's budget."""
+
+    key: str
+    owner_fence: int
+    owner_gen: str
+    run_budget_ms: int
+    run_id: str
+
+
+@dataclass
+class JournalThreadDeadline(Model):
+    """`thread_deadline` (G2): the registration's new deadline."""
+
+    deadline: str
+    key: str
+    run_id: str
+
+
+@dataclass
+class JournalThreadDetached(Model):
+    """`thread_detached` (G3): whether the workspace was let go at once."""
+
+    evict: bool
+    key: str
+    run_id: str
+
+
+@dataclass
+class JournalThreadEviction(Model):
+    """`thread_evicted` and `thread_evict_refused`: the thread, and why (`operator`,
+    `detach`, `idle`, `disk_pressure`, …).
+    """
+
+    key: str
+    reason: str
+
+
+@dataclass
+class JournalThreadWorkspace(Model):
+    """`thread_workspace_created`: the thread's workspace."""
+
+    key: str
+    workspace: str
+
+
+@dataclass
+class JournalToken(Model):
+    """`token_created` and `token_revoked` (S9): the token's id, scope and user, never
+    its secret or its hash.
+    """
+
+    id: str
+    scope: str
+    uid: Optional[int] = None
+
+
+@dataclass
+class JournalWaitExtended(Model):
+    """`wait_extended`: the waiter's new deadline."""
+
+    deadline: str
 
 
 @dataclass

@@ -719,6 +719,7 @@ fn run_and_host_schemas(c: ComponentsBuilder) -> ComponentsBuilder {
         .schema_from::<wire::Run>()
         .schema_from::<wire::Fleet>()
         .schema_from::<wire::FleetHost>()
+        .schema_from::<wire::FleetLoad>()
         .schema_from::<wire::FleetResource>()
         .schema_from::<wire::RunList>()
         .schema_from::<wire::AcquireEvent>()
@@ -771,6 +772,24 @@ fn budget_schemas(c: ComponentsBuilder) -> ComponentsBuilder {
         .schema_from::<wire::ScopeList>()
 }
 
+/// D5: `JournalEntry` says, for every kind, which schema its `data` has
+/// (`x-berth-journal-kinds`: kind → `$ref`), from the one list of kinds there is.
+fn with_journal_kinds(mut c: utoipa::openapi::Components) -> utoipa::openapi::Components {
+    use utoipa::openapi::{schema::Schema, RefOr};
+    if let Some(RefOr::T(Schema::Object(o))) = c.schemas.get_mut("JournalEntry") {
+        let kinds: serde_json::Map<String, serde_json::Value> = wire::Journal::KINDS
+            .iter()
+            .map(|(kind, schema)| {
+                let to = format!("#/components/schemas/{schema}");
+                (kind.to_string(), serde_json::json!({ "$ref": to }))
+            })
+            .collect();
+        let ext = o.extensions.get_or_insert_with(Default::default);
+        ext.insert("x-berth-journal-kinds".into(), kinds.into());
+    }
+    c
+}
+
 fn build() -> OpenApi {
     let mut paths = PathsBuilder::new();
     for (r, _) in routes() {
@@ -781,12 +800,13 @@ fn build() -> OpenApi {
         paths = paths.path(r.path, item);
     }
     let components = run_and_host_schemas(ComponentsBuilder::new());
-    let components = budget_schemas(components)
+    let components = wire::journal_schemas(budget_schemas(components))
         .security_scheme(
             "bearer",
             SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
         )
         .build();
+    let components = with_journal_kinds(components);
     OpenApiBuilder::new()
         .info(
             InfoBuilder::new()
@@ -873,6 +893,17 @@ mod tests {
             "ErrorBody",
         ] {
             assert!(v["components"]["schemas"][schema].is_object(), "{schema}");
+        }
+        // D5: every journal kind names a schema the document has.
+        let kinds = &v["components"]["schemas"]["JournalEntry"]["x-berth-journal-kinds"];
+        let kinds = kinds.as_object().expect("x-berth-journal-kinds");
+        assert_eq!(kinds.len(), wire::Journal::KINDS.len());
+        for (kind, to) in kinds {
+            let name = to["$ref"].as_str().unwrap().rsplit('/').next().unwrap();
+            assert!(
+                v["components"]["schemas"][name].is_object(),
+                "{kind}: {name}"
+            );
         }
         let states = &v["components"]["schemas"]["Run"]["properties"]["state"]["enum"];
         assert_eq!(

@@ -22,16 +22,7 @@ fn refused(e: FleetError) -> ApiError {
 /// A host's load as its heartbeat wrote it (what this berth writes; anything else,
 /// from a hostile or newer peer, reads as empty rather than failing the whole view).
 fn host_view(h: HostRow) -> wire::FleetHost {
-    #[derive(serde::Deserialize, Default)]
-    struct Load {
-        #[serde(default)]
-        resources: BTreeMap<String, wire::FleetResource>,
-        #[serde(default)]
-        queue_depth: u64,
-        #[serde(default)]
-        granted: u64,
-    }
-    let load: Load = serde_json::from_str(&h.load).unwrap_or_default();
+    let load: wire::FleetLoad = serde_json::from_str(&h.load).unwrap_or_default();
     wire::FleetHost {
         host_id: h.host_id,
         generation: h.gen,

@@ -523,24 +523,20 @@ impl<H: Host> Daemon<H> {
     /// F4: what `GET /v1/fleet` shows of this host (written with each heartbeat).
     fn load_json(&self) -> String {
         let s = self.engine.snapshot();
-        let resources: serde_json::Map<String, serde_json::Value> = s
-            .resources
-            .iter()
-            .map(|r| {
-                let v = serde_json::json!({
-                    "total": r.allocatable,
-                    "committed": r.committed,
-                    "available": r.available,
-                });
-                (r.name.clone(), v)
-            })
-            .collect();
-        serde_json::json!({
-            "resources": resources,
-            "queue_depth": s.queued_foreground + s.queued_background,
-            "granted": s.granted,
-        })
-        .to_string()
+        let resources = s.resources.iter().map(|r| {
+            let v = berth_client::wire::FleetResource {
+                total: r.allocatable,
+                committed: r.committed,
+                available: r.available,
+            };
+            (r.name.clone(), v)
+        });
+        let load = berth_client::wire::FleetLoad {
+            granted: s.granted as u64,
+            queue_depth: (s.queued_foreground + s.queued_background) as u64,
+            resources: resources.collect(),
+        };
+        serde_json::to_string(&load).unwrap_or_default()
     }
 }
 

@@ -3,6 +3,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
+use berth_client::wire;
 use berth_core::{Command, Error as CoreError, RunState, RunView, Snapshot};
 use berth_store::Mutation;
 use tokio::sync::{oneshot, watch};
@@ -134,9 +135,9 @@ impl<H: Host> Daemon<H> {
     pub(super) fn not_owner(&mut self, what: &'static str, id: String, uid: u32) -> Error {
         let api = crate::error::not_owner(what, &id, uid);
         self.shared.metrics.refused(&api.code);
-        let data = serde_json::json!({"code": api.code, "message": api.message});
+        let data = refused(&api);
         let run_id = (what == "run").then(|| id.clone());
-        self.journal_entry("refused", run_id, None, data);
+        self.journal_entry(run_id, None, data);
         Error::NotOwner { what, id, uid }
     }
 
@@ -301,8 +302,7 @@ impl<H: Host> Daemon<H> {
     fn journal_refusal(&mut self, run_id: &str, e: &CoreError) {
         let api = crate::error::ApiError::from(e.clone());
         self.shared.metrics.refused(&api.code);
-        let data = serde_json::json!({"code": api.code, "message": api.message});
-        self.journal_entry("refused", Some(run_id.to_string()), None, data);
+        self.journal_entry(Some(run_id.to_string()), None, refused(&api));
     }
 
     fn on_command(&mut self, cmd: Command, by: super::Tenant, reply: Reply<RunInfo>) {
@@ -422,11 +422,8 @@ impl<H: Host> Daemon<H> {
         let value = self.register(&run_id, fence, (pid, uid), checked);
         let mut touched = BTreeSet::new();
         if value.is_ok() {
-            self.journal(
-                "process_registered",
-                &run_id,
-                serde_json::json!({"pid": pid}),
-            );
+            let data = wire::Journal::ProcessRegistered(wire::JournalPid { pid });
+            self.journal(&run_id, data);
             touched.insert(run_id);
         }
         self.commit_and_answer(touched, reply, value);
@@ -457,7 +454,10 @@ impl<H: Host> Daemon<H> {
         let mut touched = BTreeSet::new();
         for id in &runs {
             let state = self.engine.view_of(id).map(|v| v.state.as_str());
-            self.journal("reaped", id, serde_json::json!({"state": state}));
+            let data = wire::JournalReaped {
+                state: state.map(Into::into),
+            };
+            self.journal(id, wire::Journal::Reaped(data));
             let events = self.stop_or_clean(id);
             self.carry_out(events, &mut touched);
         }
@@ -488,8 +488,11 @@ impl<H: Host> Daemon<H> {
             e.survivors = report.survivors.clone();
         }
         if !report.survivors.is_empty() {
-            let data = serde_json::json!({"pids": report.survivors});
-            self.journal("survivors", &run_id, data);
+            let pids = report.survivors.clone();
+            self.journal(
+                &run_id,
+                wire::Journal::Survivors(wire::JournalPids { pids }),
+            );
         }
         let mut touched = BTreeSet::new();
         let state = self.engine.view_of(&run_id).map(|v| v.state);
@@ -514,9 +517,8 @@ impl<H: Host> Daemon<H> {
                     .unwrap()
                     .push((hash.clone(), grant));
                 // The token's scope and user, never its secret or its hash.
-                let data = serde_json::json!({"id": crate::auth::token_id(&hash),
-                    "scope": grant.scope.as_str(), "uid": grant.uid});
-                self.journal_entry("token_created", None, None, data);
+                let data = journal_token(crate::auth::token_id(&hash), &grant);
+                self.journal_entry(None, None, wire::Journal::TokenCreated(data));
                 let scope = grant.stored();
                 self.pending_mutations.push(Mutation::Token { hash, scope });
                 self.commit(BTreeSet::new(), move |r| {
@@ -543,8 +545,8 @@ impl<H: Host> Daemon<H> {
             let _ = reply.send(Ok(None));
             return;
         };
-        let data = serde_json::json!({"id": id, "scope": grant.scope.as_str(), "uid": grant.uid});
-        self.journal_entry("token_revoked", None, None, data);
+        let data = journal_token(id, &grant);
+        self.journal_entry(None, None, wire::Journal::TokenRevoked(data));
         self.pending_mutations
             .push(Mutation::TokenRevoked { hash: hash.clone() });
         self.commit(BTreeSet::new(), move |r| {
@@ -659,5 +661,22 @@ fn log_stopped(run_id: &str, report: &berth_proc::StopReport) {
             reused_pids_protected = protected,
             "stop finished: every process of the run is gone"
         );
+    }
+}
+
+/// A refusal as the journal says it: what the caller was told.
+fn refused(api: &crate::error::ApiError) -> wire::Journal<'static> {
+    wire::Journal::Refused(wire::JournalRefused {
+        code: api.code.clone().into(),
+        message: api.message.clone().into(),
+    })
+}
+
+/// A token as the journal says it: its id, scope and user, never its secret or hash.
+fn journal_token<'a>(id: &'a str, grant: &Grant) -> wire::JournalToken<'a> {
+    wire::JournalToken {
+        id: id.into(),
+        scope: grant.scope.as_str().into(),
+        uid: grant.uid,
     }
 }

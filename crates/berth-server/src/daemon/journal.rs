@@ -7,28 +7,27 @@
 use berth_client::wire;
 use berth_core::Event;
 use berth_store::Mutation;
-use serde::Serialize;
-use serde_json::json;
+use std::borrow::Cow::Borrowed;
 use std::sync::Arc;
-use wire::JournalData;
+use wire::Journal;
 
 use super::{Daemon, Host};
 
 impl<H: Host> Daemon<H> {
     /// One entry about a run (its project looked up), written with this step's commit.
-    pub(super) fn journal(&mut self, kind: &'static str, run_id: &str, data: impl Serialize) {
+    pub(super) fn journal(&mut self, run_id: &str, data: Journal<'_>) {
         let project = self.engine.project_of(run_id).map(str::to_string);
-        self.journal_entry(kind, Some(run_id.to_string()), project, data);
+        self.journal_entry(Some(run_id.to_string()), project, data);
     }
 
     /// One entry, written with this step's commit.
     pub(super) fn journal_entry(
         &mut self,
-        kind: &'static str,
         run_id: Option<String>,
         project: Option<String>,
-        data: impl Serialize,
+        data: Journal<'_>,
     ) {
+        let kind = data.kind();
         let seq = self.journal_next;
         self.journal_next += 1;
         self.shared.metrics.journaled(kind);
@@ -50,7 +49,7 @@ impl<H: Host> Daemon<H> {
             kind,
             run_id: run_id.as_deref(),
             project: project.as_deref(),
-            data,
+            data: &data,
         })
         .unwrap_or_else(|e| format!("{{\"seq\":{seq},\"kind\":\"{kind}\",\"error\":\"{e}\"}}"));
         // Shared, not copied, with the readers it is published to after the commit.
@@ -72,14 +71,14 @@ impl<H: Host> Daemon<H> {
             Event::Queued { run_id, position } => {
                 let reason = self.engine.reason_of(run_id);
                 let reason = reason.as_ref().map(|r| wire::JournalReason {
-                    code: &r.code,
-                    message: &r.message,
+                    code: Borrowed(&r.code),
+                    message: Borrowed(&r.message),
                 });
-                let data = JournalData::Queued {
-                    position: *position,
-                    reason,
-                };
-                self.journal("queued", run_id, data);
+                let position = *position;
+                self.journal(
+                    run_id,
+                    Journal::Queued(wire::JournalQueued { position, reason }),
+                );
             }
             Event::Granted {
                 run_id,
@@ -90,48 +89,65 @@ impl<H: Host> Daemon<H> {
                 let keys = keys
                     .iter()
                     .map(|(k, m)| wire::JournalKey {
-                        key: k,
-                        mode: m.as_str(),
+                        key: Borrowed(k),
+                        mode: Borrowed(m.as_str()),
                     })
                     .collect();
-                let expires_at = self.host.show_time(*expires_at_ms);
-                let data = JournalData::Granted {
-                    expires_at: &expires_at,
+                let expires_at = self.host.show_time(*expires_at_ms).into();
+                let data = wire::JournalGranted {
+                    expires_at,
                     fence: *fence,
                     keys,
                 };
-                self.journal("granted", run_id, data);
+                self.journal(run_id, Journal::Granted(data));
             }
             Event::Renewed {
                 run_id,
                 expires_at_ms,
             } => {
-                let expires_at = self.host.show_time(*expires_at_ms);
-                self.journal("renewed", run_id, json!({"expires_at": expires_at}));
+                let expires_at = self.host.show_time(*expires_at_ms).into();
+                self.journal(
+                    run_id,
+                    Journal::Renewed(wire::JournalRenewed { expires_at }),
+                );
             }
             Event::QueueDeadlineExtended {
                 run_id,
                 deadline_ms,
             } => {
-                let deadline = self.host.show_time(*deadline_ms);
-                self.journal("wait_extended", run_id, json!({"deadline": deadline}));
+                let deadline = self.host.show_time(*deadline_ms).into();
+                let data = wire::JournalWaitExtended { deadline };
+                self.journal(run_id, Journal::WaitExtended(data));
             }
+            _ => self.journal_ending(ev),
+        }
+    }
+
+    /// A stop asked for, a degraded run, an ended one.
+    fn journal_ending(&mut self, ev: &Event) {
+        match ev {
             Event::StopRequested { run_id, cause } => {
-                let kind = cause.as_str();
-                let fence = self.engine.fence_of(run_id);
-                self.journal(kind, run_id, JournalData::Fence { fence });
+                let fence = wire::JournalFence {
+                    fence: self.engine.fence_of(run_id),
+                };
+                let data = match cause {
+                    berth_core::EndCause::Released => Journal::Released(fence),
+                    berth_core::EndCause::Expired => Journal::Expired(fence),
+                };
+                self.journal(run_id, data);
             }
             Event::Degraded { run_id } => {
                 let survivors = self.extras.get(run_id).map(|e| e.survivors.clone());
-                self.journal("degraded", run_id, json!({"survivors": survivors}));
+                let data = wire::JournalDegraded { survivors };
+                self.journal(run_id, Journal::Degraded(data));
             }
             Event::Ended { run_id, state } => {
                 let failure = self.extras.get(run_id).and_then(|e| e.failure.clone());
-                let data = JournalData::Ended {
-                    failure: failure.as_deref(),
-                    state: state.as_str(),
+                let data = wire::JournalEnded {
+                    failure: failure.map(Into::into),
+                    state: Borrowed(state.as_str()),
                 };
-                self.journal("ended", run_id, data);
+                self.journal(run_id, Journal::Ended(data));
             }
             _ => self.journal_other(ev),
         }
@@ -141,32 +157,32 @@ impl<H: Host> Daemon<H> {
     fn journal_other(&mut self, ev: &Event) {
         match ev {
             Event::Promoted { project, evidence } => {
-                let data = json!({
-                    "fingerprint": evidence.fingerprint,
-                    "commit": evidence.commit,
-                    "ports": evidence.ports,
-                });
+                let data = wire::JournalPromoted {
+                    commit: evidence.commit.as_deref().map(Borrowed),
+                    fingerprint: Borrowed(&evidence.fingerprint),
+                    ports: evidence.ports.clone(),
+                };
                 let run = Some(evidence.run_id.clone());
-                self.journal_entry("promoted", run, Some(project.clone()), data);
+                self.journal_entry(run, Some(project.clone()), Journal::Promoted(data));
             }
             Event::EvidenceInvalidated { project, by_run } => {
-                let run = Some(by_run.clone());
-                self.journal_entry(
-                    "evidence_invalidated",
-                    run,
-                    Some(project.clone()),
-                    json!({}),
-                );
+                let data = Journal::EvidenceInvalidated(wire::JournalEmpty {});
+                self.journal_entry(Some(by_run.clone()), Some(project.clone()), data);
             }
             Event::KeyModeChanged { run_id, key, mode } => {
-                let data = json!({"key": key, "mode": mode.as_str()});
-                self.journal("key_mode_changed", run_id, data);
+                let data = wire::JournalKey {
+                    key: Borrowed(key),
+                    mode: Borrowed(mode.as_str()),
+                };
+                self.journal(run_id, Journal::KeyModeChanged(data));
             }
             Event::UpgradeQueued { run_id, key } => {
-                self.journal("upgrade_queued", run_id, json!({"key": key}));
+                let data = wire::JournalKeyName { key: Borrowed(key) };
+                self.journal(run_id, Journal::UpgradeQueued(data));
             }
             Event::UpgradeGranted { run_id, key } => {
-                self.journal("upgrade_granted", run_id, json!({"key": key}));
+                let data = wire::JournalKeyName { key: Borrowed(key) };
+                self.journal(run_id, Journal::UpgradeGranted(data));
             }
             _ => {}
         }

@@ -432,8 +432,8 @@ impl<H: Host> Daemon<H> {
         let extra = self.extras.get(run_id);
         let pids: Vec<i32> =
             extra.map_or_else(Vec::new, |e| e.processes.iter().map(|p| p.pid).collect());
-        let data = berth_client::wire::JournalData::Stopping { pids: &pids };
-        self.journal("stop_started", run_id, data);
+        let data = berth_client::wire::JournalPids { pids };
+        self.journal(run_id, berth_client::wire::Journal::StopStarted(data));
         let extra = self.extras.get(run_id);
         // Sent by the next commit, once the decision to stop is durable: a crash in
         // between must not leave a run that the ledger says is granted with its

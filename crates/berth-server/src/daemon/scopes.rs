@@ -10,7 +10,6 @@ use berth_client::wire;
 use berth_core::scopes::{Scope, ScopeError, Token};
 use berth_core::{Command, Error as CoreError, Event};
 use berth_store::{Mutation, ScopeRecord};
-use serde_json::json;
 
 use super::{Daemon, Error, Host, Reply, Tenant};
 
@@ -210,9 +209,14 @@ impl<H: Host> Daemon<H> {
         };
         let (touched, done) = self.scope_step(cmd);
         let v = done.map(|()| {
-            let data = json!({"scope": scope, "owner": owner, "reason": reason, "by": by,
-                              "freed": freed.len()});
-            self.journal_entry("scope_reconciled", None, None, data);
+            let data = wire::JournalScopeReconciled {
+                by: by.into(),
+                freed: freed.len() as u64,
+                owner: owner.as_str().into(),
+                reason: reason.as_str().into(),
+                scope: scope.as_str().into(),
+            };
+            self.journal_entry(None, None, wire::Journal::ScopeReconciled(data));
             let r = wire::Reconciled {
                 scope,
                 owner,
@@ -259,8 +263,11 @@ impl<H: Host> Daemon<H> {
                 self.pending_mutations
                     .push(Mutation::ScopeDeleted(scope.clone()));
                 let by = if *by_operator { "operator" } else { "idle" };
-                let data = json!({"scope": scope, "by": by});
-                self.journal_entry("scope_forgotten", None, None, data);
+                let data = wire::JournalScopeForgotten {
+                    by: by.into(),
+                    scope: scope.into(),
+                };
+                self.journal_entry(None, None, wire::Journal::ScopeForgotten(data));
             }
             Event::TokenTaken {
                 scope,
@@ -270,11 +277,11 @@ impl<H: Host> Daemon<H> {
                 run_id,
             } => {
                 self.push_token(scope, owner, operation);
-                let data = json!({"scope": scope, "owner": owner, "operation_id": operation,
-                                  "harness": harness});
+                let data = budget_token(scope, owner, operation, Some(harness), None);
+                let data = wire::Journal::BudgetTokenTaken(data);
                 match run_id {
-                    Some(r) => self.journal("budget_token_taken", r, data),
-                    None => self.journal_entry("budget_token_taken", None, None, data),
+                    Some(r) => self.journal(r, data),
+                    None => self.journal_entry(None, None, data),
                 }
             }
             Event::TokenFreed {
@@ -286,9 +293,8 @@ impl<H: Host> Daemon<H> {
             } => {
                 self.push_token(scope, owner, operation);
                 let by = if *reconciled { "operator" } else { "owner" };
-                let data = json!({"scope": scope, "owner": owner, "operation_id": operation,
-                                  "harness": harness, "by": by});
-                self.journal_entry("budget_token_freed", None, None, data);
+                let data = budget_token(scope, owner, operation, Some(harness), Some(by));
+                self.journal_entry(None, None, wire::Journal::BudgetTokenFreed(data));
             }
             Event::TokenLapsed {
                 scope,
@@ -296,8 +302,8 @@ impl<H: Host> Daemon<H> {
                 operation,
             } => {
                 self.push_token(scope, owner, operation);
-                let data = json!({"scope": scope, "owner": owner, "operation_id": operation});
-                self.journal_entry("budget_token_lapsed", None, None, data);
+                let data = budget_token(scope, owner, operation, None, None);
+                self.journal_entry(None, None, wire::Journal::BudgetTokenLapsed(data));
             }
             Event::ScopeControlled { scope, receipt } => self.on_scope_controlled(scope, receipt),
             _ => {}
@@ -310,10 +316,18 @@ impl<H: Host> Daemon<H> {
         let Some(s) = self.engine.scopes().get(scope) else {
             return;
         };
-        let data = json!({"scope": scope, "policy": s.policy, "manifest": s.manifest});
+        let data = wire::JournalScopeFrozen {
+            manifest: s.manifest.as_ref().map(|m| wire::JournalManifest {
+                execution_ids: m.execution_ids.clone(),
+                path: m.path.clone(),
+                sha256: m.sha256.clone(),
+            }),
+            policy: s.policy.clone(),
+            scope: scope.to_string().into(),
+        };
         let first = self.journal_next;
         self.push_scope(scope, first);
-        self.journal_entry("scope_frozen", None, None, data);
+        self.journal_entry(None, None, wire::Journal::ScopeFrozen(data));
     }
 
     /// B4: an accepted control request: the scope's row, its receipt, the entry.
@@ -323,11 +337,14 @@ impl<H: Host> Daemon<H> {
             scope: scope.to_string(),
             receipt: receipt.clone(),
         });
-        let data = json!({"scope": scope, "request_id": receipt.request_id,
-                          "mode": receipt.mode.as_str(),
-                          "generation": receipt.generation,
-                          "control": receipt.control.as_str()});
-        self.journal_entry("scope_control", None, None, data);
+        let data = wire::JournalScopeControl {
+            control: receipt.control.as_str().into(),
+            generation: receipt.generation,
+            mode: receipt.mode.as_str().into(),
+            request_id: receipt.request_id.as_str().into(),
+            scope: scope.into(),
+        };
+        self.journal_entry(None, None, wire::Journal::ScopeControl(data));
     }
 
     /// The scope's row; `journal_first` is its first journal entry when known (0: the
@@ -446,5 +463,22 @@ impl<H: Host> Daemon<H> {
             waiters,
             waiting: waiting as u64,
         })
+    }
+}
+
+/// One budget token as the journal says it.
+fn budget_token<'a>(
+    scope: &'a str,
+    owner: &'a str,
+    operation: &'a str,
+    harness: Option<&'a str>,
+    by: Option<&'a str>,
+) -> wire::JournalBudgetToken<'a> {
+    wire::JournalBudgetToken {
+        by: by.map(Into::into),
+        harness: harness.map(Into::into),
+        operation_id: operation.into(),
+        owner: owner.into(),
+        scope: scope.into(),
     }
 }

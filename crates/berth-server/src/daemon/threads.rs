@@ -8,7 +8,6 @@ use std::collections::BTreeSet;
 use berth_client::wire;
 use berth_core::threads::{Attached, EvictReason, Owner, Thread, ThreadError};
 use berth_store::{DrainRecord, Mutation, ThreadRecord};
-use serde_json::json;
 
 use super::{Daemon, Error, Host, Reply};
 
@@ -63,7 +62,7 @@ enum Changed {
     Not(String),
     /// Changed and journaled already: commit, then answer.
     Done(String),
-    Yes(String, &'static str, serde_json::Value),
+    Yes(String, wire::Journal<'static>),
 }
 
 /// The name a thread's workspace is made under: `/` is outside the run id alphabet, so
@@ -155,8 +154,8 @@ impl<H: Host> Daemon<H> {
                     .ok_or(Error::Internal("thread vanished".into()));
                 self.commit_and_answer(BTreeSet::new(), reply, v);
             }
-            Ok(Changed::Yes(key, kind, data)) => {
-                self.journal_entry(kind, None, None, with_key(data, &key));
+            Ok(Changed::Yes(key, data)) => {
+                self.journal_entry(None, None, data);
                 self.thread_changed(&key);
                 let v = self
                     .thread_out(&key)
@@ -185,9 +184,14 @@ impl<H: Host> Daemon<H> {
             Ok(Attached::Unchanged) => Ok(Changed::Not(key)),
             Ok(Attached::Registered) => {
                 self.make_thread_workspace(&key);
-                let data = json!({"owner_gen": owner.gen, "owner_fence": owner.fence,
-                                  "run_id": owner.run_id, "run_budget_ms": budget_ms});
-                Ok(Changed::Yes(key, "thread_attached", data))
+                let data = wire::JournalThreadAttached {
+                    key: key.clone().into(),
+                    owner_fence: owner.fence,
+                    owner_gen: owner.gen.into(),
+                    run_budget_ms: budget_ms,
+                    run_id: owner.run_id.into(),
+                };
+                Ok(Changed::Yes(key, wire::Journal::ThreadAttached(data)))
             }
         }
     }
@@ -203,8 +207,12 @@ impl<H: Host> Daemon<H> {
             .threads
             .set_deadline(self.now, &key, &owner, budget_ms)
             .map_err(Error::Thread)?;
-        let data = json!({"run_id": owner.run_id, "deadline": self.host.show_time(d)});
-        Ok(Changed::Yes(key, "thread_deadline", data))
+        let data = wire::JournalThreadDeadline {
+            deadline: self.host.show_time(d).into(),
+            key: key.clone().into(),
+            run_id: owner.run_id.into(),
+        };
+        Ok(Changed::Yes(key, wire::Journal::ThreadDeadline(data)))
     }
 
     fn thread_detach(&mut self, key: String, owner: Owner, evict: bool) -> Result<Changed, Error> {
@@ -217,8 +225,12 @@ impl<H: Host> Daemon<H> {
         if must_evict && !self.thread_in_use(&key) {
             self.evict_thread(&key, EvictReason::Detach);
         }
-        let data = json!({"run_id": owner.run_id, "evict": evict});
-        Ok(Changed::Yes(key, "thread_detached", data))
+        let data = wire::JournalThreadDetached {
+            evict,
+            key: key.clone().into(),
+            run_id: owner.run_id.into(),
+        };
+        Ok(Changed::Yes(key, wire::Journal::ThreadDetached(data)))
     }
 
     fn thread_evict(&mut self, key: String) -> Result<Changed, Error> {
@@ -233,8 +245,8 @@ impl<H: Host> Daemon<H> {
             Err(e) => {
                 // A destroy a live registration refuses is journaled (the audit trail).
                 if let ThreadError::Protected { .. } = &e {
-                    let data = json!({"key": key, "reason": "operator"});
-                    self.journal_entry("thread_evict_refused", None, None, data);
+                    let data = eviction(&key, "operator");
+                    self.journal_entry(None, None, wire::Journal::ThreadEvictRefused(data));
                 }
                 Err(Error::Thread(e))
             }
@@ -264,9 +276,12 @@ impl<H: Host> Daemon<H> {
         match self.host.create_workspace(&seed(key), owner) {
             Ok(ws) => {
                 self.th.threads.made_workspace(self.now, key);
-                let data = json!({"key": key, "workspace": ws.path});
+                let data = wire::JournalThreadWorkspace {
+                    key: key.to_string().into(),
+                    workspace: ws.path.clone().into(),
+                };
                 self.th.ws.insert(key.to_string(), ws);
-                self.journal_entry("thread_workspace_created", None, None, data);
+                self.journal_entry(None, None, wire::Journal::ThreadWorkspaceCreated(data));
             }
             Err(e) => tracing::warn!("thread {key}: workspace not made: {e}"),
         }
@@ -281,8 +296,8 @@ impl<H: Host> Daemon<H> {
             }
         }
         self.th.threads.evicted(self.now, key, reason);
-        let data = json!({"key": key, "reason": reason.as_str()});
-        self.journal_entry("thread_evicted", None, None, data);
+        let data = eviction(key, reason.as_str());
+        self.journal_entry(None, None, wire::Journal::ThreadEvicted(data));
         self.thread_changed(key);
     }
 
@@ -355,8 +370,8 @@ impl<H: Host> Daemon<H> {
         }
         for key in protected {
             if self.th.pressure_refused.insert(key.clone()) {
-                let data = json!({"key": key, "reason": "disk_pressure"});
-                self.journal_entry("thread_evict_refused", None, None, data);
+                let data = eviction(&key, "disk_pressure");
+                self.journal_entry(None, None, wire::Journal::ThreadEvictRefused(data));
             }
         }
     }
@@ -408,14 +423,20 @@ impl<H: Host> Daemon<H> {
             (Some((by, reason)), false) => {
                 let at = self.host.show_time(self.now);
                 let d = DrainRecord { by, at, reason };
-                self.journal_entry("drain_started", None, None, drain_json(&d));
+                let data = wire::JournalDrain {
+                    at: d.at.clone(),
+                    by: d.by.clone(),
+                    reason: d.reason.clone(),
+                };
+                self.journal_entry(None, None, wire::Journal::DrainStarted(data));
                 self.pending_mutations
                     .push(Mutation::Drain(Some(d.clone())));
                 self.th.drain = Some(d);
                 let _ = self.apply(berth_core::Command::Drain { on: true }, &mut touched);
             }
             (None, true) => {
-                self.journal_entry("drain_ended", None, None, json!({}));
+                let data = wire::Journal::DrainEnded(wire::JournalEmpty {});
+                self.journal_entry(None, None, data);
                 self.pending_mutations.push(Mutation::Drain(None));
                 self.th.drain = None;
                 let _ = self.apply(berth_core::Command::Drain { on: false }, &mut touched);
@@ -480,15 +501,12 @@ impl<H: Host> Daemon<H> {
     }
 }
 
-fn with_key(mut data: serde_json::Value, key: &str) -> serde_json::Value {
-    if let Some(m) = data.as_object_mut() {
-        m.insert("key".into(), key.into());
+/// A thread's eviction (or refused eviction) as the journal says it.
+fn eviction(key: &str, reason: &str) -> wire::JournalThreadEviction<'static> {
+    wire::JournalThreadEviction {
+        key: key.to_string().into(),
+        reason: reason.to_string().into(),
     }
-    data
-}
-
-fn drain_json(d: &DrainRecord) -> serde_json::Value {
-    json!({"by": d.by, "at": d.at, "reason": d.reason})
 }
 
 pub(super) fn drain_wire(d: &DrainRecord) -> wire::DrainRecord {

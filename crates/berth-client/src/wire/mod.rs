@@ -15,6 +15,9 @@ use utoipa::ToSchema;
 use crate::schema::words;
 use serde_json::Value;
 
+mod journal;
+pub use journal::*;
+
 /// A JSON object whose keys must each appear once: a request that names a resource or
 /// label twice is refused, not silently read as its last value.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -392,6 +395,18 @@ pub struct FleetResource {
     pub available: u64,
 }
 
+/// What a host's heartbeat writes of its load (F4), and `GET /v1/fleet` reads back
+/// for each host. A field a peer left out (an older or hostile one) reads as zero.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct FleetLoad {
+    #[serde(default)]
+    pub granted: u64,
+    #[serde(default)]
+    pub queue_depth: u64,
+    #[serde(default)]
+    pub resources: BTreeMap<String, FleetResource>,
+}
+
 /// A host of the fleet as its last heartbeat described it (F4).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct FleetHost {
@@ -537,73 +552,6 @@ mod tests {
         assert_eq!(sent, r#"{"project":"p","ttl_s":5}"#);
     }
 
-    /// The daemon's typed lines read back as entries, with the bytes a map gave.
-    #[test]
-    fn journal_lines_read_back_as_entries_with_the_bytes_a_map_gave() {
-        let keys = vec![JournalKey {
-            key: "db",
-            mode: "exclusive",
-        }];
-        let cases = [
-            (
-                JournalData::Queued {
-                    position: 3,
-                    reason: Some(JournalReason {
-                        code: "slots",
-                        message: "8 of 8",
-                    }),
-                },
-                serde_json::json!({"position": 3, "reason": {"code": "slots", "message": "8 of 8"}}),
-            ),
-            (
-                JournalData::Granted {
-                    expires_at: "2026-12-01T00:00:00.000Z",
-                    fence: 7,
-                    keys,
-                },
-                serde_json::json!({"expires_at": "2026-12-01T00:00:00.000Z", "fence": 7,
-                    "keys": [{"key": "db", "mode": "exclusive"}]}),
-            ),
-            (
-                JournalData::Fence { fence: None },
-                serde_json::json!({ "fence": null }),
-            ),
-            (
-                JournalData::Stopping { pids: &[4, 5] },
-                serde_json::json!({"pids": [4, 5]}),
-            ),
-            (
-                JournalData::Ended {
-                    failure: Some("x"),
-                    state: "released",
-                },
-                serde_json::json!({"failure": "x", "state": "released"}),
-            ),
-        ];
-        for (data, want) in cases {
-            let line = serde_json::to_string(&JournalLine {
-                seq: 9,
-                at: "now",
-                kind: "k",
-                run_id: Some("r"),
-                project: None,
-                data,
-            })
-            .unwrap();
-            let back: JournalEntry = serde_json::from_str(&line).unwrap();
-            let map = JournalEntry {
-                seq: 9,
-                at: "now".into(),
-                kind: "k".into(),
-                run_id: Some("r".into()),
-                project: None,
-                data: want,
-            };
-            assert_eq!(back, map);
-            assert_eq!(line, serde_json::to_string(&map).unwrap());
-        }
-    }
-
     #[test]
     fn stream_events_are_tagged_by_event() {
         let q = AcquireEvent::Queued {
@@ -623,85 +571,6 @@ mod tests {
         .unwrap();
         assert!(matches!(e, AcquireEvent::Expired { error } if error.details.is_null()));
     }
-}
-
-/// One journal entry (D5): a line of `GET /v1/journal` and of its export, and the data
-/// of each event of `GET /v1/events`. Every state change berth makes is one entry,
-/// written in the same transaction as the change; `seq` has no gaps.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
-pub struct JournalEntry {
-    pub seq: u64,
-    /// RFC 3339: when berth made the change.
-    pub at: String,
-    /// What happened: `queued`, `granted`, `renewed`, `released`, `expired`,
-    /// `stop_started`, `survivors`, `degraded`, `reaped`, `ended`, `refused`,
-    /// `token_created`, `process_registered`, `promoted`, ...
-    pub kind: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub run_id: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub project: Option<String>,
-    /// The change's own fields (they depend on `kind`): always an object.
-    #[serde(default)]
-    #[schema(value_type = BTreeMap<String, Value>, required = true)]
-    pub data: Value,
-}
-
-/// A journal entry as the daemon writes it: [`JournalEntry`]'s fields, borrowed, with
-/// `data` typed by kind ([`JournalData`], or any value for the rarer kinds), so
-/// writing one builds no `serde_json::Value` (four entries a lifecycle, each a
-/// map of keys and strings, cost the daemon thread a tenth of its time). It reads
-/// back as a `JournalEntry`.
-#[derive(Serialize)]
-pub struct JournalLine<'a, D: Serialize> {
-    pub seq: u64,
-    pub at: &'a str,
-    pub kind: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub run_id: Option<&'a str>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub project: Option<&'a str>,
-    pub data: D,
-}
-
-/// The data of the journal's frequent kinds (a lifecycle's), each an object of the
-/// fields named. Fields are in alphabetical order: an entry's bytes stay what they
-/// were when `data` was a map.
-#[derive(Serialize)]
-#[serde(untagged)]
-pub enum JournalData<'a> {
-    /// `queued`: the waiter's position and why it waits.
-    Queued {
-        position: u64,
-        reason: Option<JournalReason<'a>>,
-    },
-    /// `granted`: the fence, when the lease expires, the keys it holds.
-    Granted {
-        expires_at: &'a str,
-        fence: u64,
-        keys: Vec<JournalKey<'a>>,
-    },
-    /// `released` and `expired`: the fence the run held.
-    Fence { fence: Option<u64> },
-    /// `stop_started`: the processes being stopped.
-    Stopping { pids: &'a [i32] },
-    /// `ended`: the final state, and the failure if there was one.
-    Ended {
-        failure: Option<&'a str>,
-        state: &'a str,
-    },
-}
-
-#[derive(Serialize)]
-pub struct JournalReason<'a> {
-    pub code: &'a str,
-    pub message: &'a str,
-}
-
-#[derive(Serialize)]
-pub struct JournalKey<'a> {
-    pub key: &'a str,
-    pub mode: &'a str,
 }
 
 /// The last event of a stream berth cut off (a consumer too far behind): resume with
