@@ -19,6 +19,7 @@
 //! daemon answers each call once its effect is durable (D1).
 
 mod ops;
+pub mod retry;
 pub mod schema;
 mod stream;
 pub mod time;

@@ -17,8 +17,7 @@ use crate::{refusal, seg, Client, Error, CALL_TIMEOUT_MS};
 /// one is an answer that is not API v1, not a reason to buffer without end.
 pub const LINE_BYTES_MAX: usize = 1 << 20;
 /// The event stream's reconnection backoff: doubled from the first to the last.
-const BACKOFF_FIRST_MS: u64 = 100;
-const BACKOFF_MAX_MS: u64 = 1_000;
+const RECONNECT: crate::retry::Backoff = crate::retry::Backoff::new(100, 1_000);
 const NDJSON: &str = "application/x-ndjson";
 
 /// A body read line by line (`\n`-terminated; a final unterminated line counts).
@@ -160,7 +159,7 @@ pub struct EventStream {
     /// The last entry yielded (or the cutoff's), what a reconnection resumes after.
     last: Option<u64>,
     lines: Option<Lines>,
-    backoff_ms: u64,
+    retry: crate::retry::Retry,
 }
 
 impl EventStream {
@@ -191,7 +190,7 @@ impl EventStream {
                         continue;
                     }
                     self.last = Some(entry.seq);
-                    self.backoff_ms = BACKOFF_FIRST_MS;
+                    self.retry.succeeded();
                     return Ok(entry);
                 }
                 // The connection ended or broke: reconnect after the backoff.
@@ -245,8 +244,7 @@ impl EventStream {
             // Unreachable, timed out or a 5xx: berth may be restarting.
             _ => {}
         }
-        tokio::time::sleep(Duration::from_millis(self.backoff_ms)).await;
-        self.backoff_ms = (self.backoff_ms * 2).min(BACKOFF_MAX_MS);
+        tokio::time::sleep(self.retry.failed()).await;
         Ok(())
     }
 }
@@ -327,7 +325,7 @@ impl Client {
             last: query.after,
             query,
             lines: None,
-            backoff_ms: BACKOFF_FIRST_MS,
+            retry: crate::retry::Retry::new(RECONNECT),
         }
     }
 }

@@ -1,7 +1,7 @@
 //! `berth events`: the journal in the terminal, and with `--follow` the live stream.
 
+use berth_client::retry::{Backoff, Retry};
 use std::io::{BufRead, Write};
-use std::time::Duration;
 
 use berth_client::wire::{JournalEntry, StreamCutoff};
 use clap::Args;
@@ -10,7 +10,8 @@ use serde_json::Value;
 use crate::client::{error_text, Client, ConnArgs};
 
 /// Pause before reconnecting a stream that dropped.
-const RECONNECT: Duration = Duration::from_secs(1);
+/// Reconnects after 250 ms, then up to every second while berth is away.
+const RECONNECT: Backoff = Backoff::new(250, 1_000);
 
 #[derive(Args)]
 pub struct EventsArgs {
@@ -183,10 +184,12 @@ fn refused(r: crate::client::Streamed) -> u8 {
 /// cut this reader off for falling behind).
 fn follow(c: &Client, a: &EventsArgs, mut after: u64) -> anyhow::Result<u8> {
     let path = format!("/v1/events?{}", a.query());
+    let mut retry = Retry::new(RECONNECT);
     loop {
         let headers = [("Last-Event-ID", after.to_string())];
         match c.get_stream(&path, &headers) {
             Ok(r) if r.status < 300 => {
+                retry.succeeded();
                 if !read_stream(r.body, &mut after, a.conn.json) {
                     return Ok(0);
                 }
@@ -194,7 +197,7 @@ fn follow(c: &Client, a: &EventsArgs, mut after: u64) -> anyhow::Result<u8> {
             Ok(r) if r.status < 500 => return Ok(refused(r)),
             Ok(_) | Err(_) => {}
         }
-        std::thread::sleep(RECONNECT);
+        std::thread::sleep(retry.failed());
     }
 }
 

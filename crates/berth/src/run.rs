@@ -5,6 +5,7 @@
 //! group with the lease's environment, renews at a third of the ttl, forwards SIGINT and
 //! SIGTERM to CMD's group, releases when CMD exits and exits with CMD's code.
 
+use berth_client::retry::{Backoff, Retry};
 use std::collections::BTreeMap;
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::PathBuf;
@@ -399,7 +400,7 @@ fn wait_for_lease_with(
     // Fail fast: a daemon never reached is not running (or not there); retrying is only
     // for one that was reached and went away (a restart, P5).
     let mut ever_reached = false;
-    let mut pause = Duration::from_millis(250);
+    let mut retry = Retry::new(UNREACHABLE);
     loop {
         // The whole stream has a deadline: a daemon that froze says nothing for good.
         let within = give_up.saturating_duration_since(Instant::now());
@@ -439,8 +440,7 @@ fn wait_for_lease_with(
                 "admission timed out while berth was unreachable".into(),
             );
         }
-        std::thread::sleep(pause);
-        pause = (pause * 2).min(Duration::from_secs(2));
+        std::thread::sleep(retry.failed());
     }
 }
 
@@ -1067,7 +1067,7 @@ fn suspend_with(tty: &Option<Tty>, pgid: i32, sig: i32) -> bool {
 /// lease is renewed meanwhile, so a daemon that is down between the grant and the
 /// registration costs nothing but the wait.
 async fn register(held: &Held, pid: i32) -> Result<(), (u8, String)> {
-    let mut pause = Duration::from_millis(100);
+    let mut retry = Retry::new(REGISTER);
     let mut last = String::from("no answer yet");
     loop {
         let lease = held.lease();
@@ -1104,8 +1104,7 @@ async fn register(held: &Held, pid: i32) -> Result<(), (u8, String)> {
             Err(e) => e.to_string(),
         };
         let left = lease.stop_at().saturating_duration_since(Instant::now());
-        tokio::time::sleep(pause.min(left)).await;
-        pause = (pause * 2).min(Duration::from_secs(2));
+        tokio::time::sleep(retry.failed().min(left)).await;
     }
 }
 
@@ -1113,10 +1112,8 @@ async fn register(held: &Held, pid: i32) -> Result<(), (u8, String)> {
 /// fence holds it): the caller reports a lost lease.
 async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), String> {
     let give_up = Instant::now() + RELEASE_FOR;
-    for attempt in 0.. {
-        let Some(left) = give_up.checked_duration_since(Instant::now()) else {
-            break;
-        };
+    let mut retry = Retry::new(RELEASE);
+    while let Some(left) = give_up.checked_duration_since(Instant::now()) {
         let budget = left.min(crate::lease::REQUEST_TIMEOUT_MAX);
         let c = client.clone();
         let id = run_id.to_string();
@@ -1153,12 +1150,18 @@ async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), S
                 return Err(error_text(&reply.body));
             }
             Ok(Ok(reply)) if reply.status < 500 => return Ok(()),
-            _ => tokio::time::sleep(Duration::from_millis(250 * (attempt + 1).min(4))).await,
+            _ => tokio::time::sleep(retry.failed().min(left)).await,
         }
     }
     eprintln!("berth: could not release run {run_id}; it will expire");
     Ok(())
 }
+
+/// The pauses of `berth run`'s retries: an acquire while berth is unreachable, a
+/// registration, a release.
+const UNREACHABLE: Backoff = Backoff::new(250, 2_000);
+const REGISTER: Backoff = Backoff::new(100, 2_000);
+const RELEASE: Backoff = Backoff::new(250, 1_000);
 
 /// How long `berth run` tries to release after CMD ended (the lease expires anyway).
 const RELEASE_FOR: Duration = Duration::from_secs(30);

@@ -413,10 +413,10 @@ fn shrink_sparse<K: Eq + std::hash::Hash, V>(m: &mut HashMap<K, V>) {
     }
 }
 
-/// The first retry of a failed stop or cleanup; each next one waits twice as long.
-const CLEANUP_RETRY_MS: u64 = 5_000;
-/// The longest wait between retries.
-const CLEANUP_RETRY_MAX_MS: u64 = 300_000;
+/// A failed stop or cleanup is tried again after 5 s, each next time twice as late,
+/// at most every 5 minutes.
+const CLEANUP_RETRY: berth_client::retry::Backoff =
+    berth_client::retry::Backoff::new(5_000, 300_000);
 
 impl<H: Host> Daemon<H> {
     pub fn host_mut(&mut self) -> &mut H {
@@ -447,17 +447,15 @@ impl<H: Host> Daemon<H> {
     }
 
     /// L3/P4: a failed stop or cleanup is retried with exponential backoff, from
-    /// `CLEANUP_RETRY_MS` up to `CLEANUP_RETRY_MAX_MS`.
+    /// `CLEANUP_RETRY`.
     fn schedule_retry(&mut self, run_id: &str) {
         let now = self.now;
         let e = self
             .cleanup_retry
             .entry(run_id.to_string())
             .or_insert((0, 0));
-        let delay = CLEANUP_RETRY_MS
-            .saturating_mul(1u64 << e.0.min(16))
-            .min(CLEANUP_RETRY_MAX_MS);
         e.0 += 1;
+        let delay = CLEANUP_RETRY.delay_ms(e.0);
         e.1 = now + delay;
     }
 
