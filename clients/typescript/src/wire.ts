@@ -1,8 +1,8 @@
 // berth API v1: every request and response body, by the names of
-// crates/berth-client/src/wire.rs.
+// crates/berth-client/src/wire/.
 //
 // Nothing here is written by hand: each name is a schema of the daemon's OpenAPI document
-// (docs/openapi.json, generated from wire.rs by utoipa), turned into `src/schema.ts` by
+// (docs/openapi.json, generated from wire/ by utoipa), turned into `src/schema.ts` by
 // openapi-typescript (`npm run generate`, checked in so that no generator runs at install
 // time). `test/schema.test.ts` fails when `src/schema.ts` is not what the generator makes
 // of the document, and the daemon's own snapshot test fails when the document is not what

@@ -18,6 +18,7 @@
 //! One connection per call (HTTP/1.1 on loopback costs a few tens of microseconds); the
 //! daemon answers each call once its effect is durable (D1).
 
+mod exchange;
 mod ops;
 pub mod retry;
 pub mod schema;
@@ -25,6 +26,7 @@ mod stream;
 pub mod time;
 pub mod wire;
 
+pub use exchange::Answer;
 pub use stream::{AcquireStream, EventStream, EventsQuery};
 
 use std::time::Duration;
@@ -167,6 +169,18 @@ impl Client {
         body: Option<&B>,
         accept: &str,
     ) -> Result<hyper::Response<hyper::body::Incoming>, Error> {
+        self.send_with(method, path, body, accept, &[]).await
+    }
+
+    /// [`Client::send`] with extra request headers.
+    async fn send_with<B: Serialize>(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&B>,
+        accept: &str,
+        headers: &[(&str, String)],
+    ) -> Result<hyper::Response<hyper::body::Incoming>, Error> {
         let stream = tokio::net::TcpStream::connect(&self.addr)
             .await
             .map_err(|e| self.unreachable(e))?;
@@ -190,6 +204,9 @@ impl Client {
             .header("content-type", JSON);
         if let Some(t) = &self.token {
             req = req.header("authorization", format!("Bearer {t}"));
+        }
+        for (k, v) in headers {
+            req = req.header(*k, v);
         }
         let req = req
             .body(Full::new(Bytes::from(payload)))

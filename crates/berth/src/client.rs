@@ -9,6 +9,7 @@ use crate::EXIT_REFUSED;
 use berth_client::wire::{
     ErrorBody, ErrorDetail, ReapReport, ReleaseRequest, RenewRequest, Run, RunList, Status,
 };
+use berth_client::Error;
 use berth_core::RunState;
 use clap::Args;
 use serde::de::DeserializeOwned;
@@ -160,10 +161,13 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 /// The longest a streamed answer (a runtime's start: builds, ready probes) may take.
 pub const STREAM_TIMEOUT: Duration = Duration::from_secs(3_600);
 
+/// The CLI's handle on the daemon: berth-client's async client (the one HTTP client
+/// berth has), driven on [`runtime`] by the blocking subcommands and awaited directly
+/// by `berth run`'s async parts. Any status is an answer ([`Reply`]); only a daemon
+/// that cannot be reached, or does not answer in time, is an error.
 pub struct Client {
-    agent: ureq::Agent,
+    inner: berth_client::Client,
     pub url: String,
-    token: Option<String>,
     /// Without a token: which file was tried and why it gave none (said with a 401).
     no_token: Option<String>,
 }
@@ -233,20 +237,13 @@ impl Client {
                 }
             }
         };
-        let config = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_connect(Some(Duration::from_secs(5)))
-            .build();
+        let url = a.url.trim_end_matches('/').to_string();
+        let inner = berth_client::Client::new(&url, token)?;
         Ok(Client {
-            agent: config.into(),
-            url: a.url.trim_end_matches('/').to_string(),
-            token,
+            inner,
+            url,
             no_token,
         })
-    }
-
-    fn auth(&self) -> Option<String> {
-        self.token.as_ref().map(|t| format!("Bearer {t}"))
     }
 
     /// One request with a JSON reply. Connection failures are `Err`.
@@ -255,7 +252,7 @@ impl Client {
         method: &str,
         path: &str,
         body: Option<&B>,
-    ) -> Result<Reply, ureq::Error> {
+    ) -> Result<Reply, Error> {
         self.call_within(method, path, body, CALL_TIMEOUT)
     }
 
@@ -268,42 +265,48 @@ impl Client {
         path: &str,
         body: Option<&B>,
         within: Duration,
-    ) -> Result<Reply, ureq::Error> {
-        let url = format!("{}{}", self.url, path);
-        let deadline = Some(within.max(Duration::from_millis(1)));
-        let resp = match method {
-            "GET" | "DELETE" => {
-                let r = if method == "GET" {
-                    self.agent.get(&url)
-                } else {
-                    self.agent.delete(&url)
-                };
-                let mut r = r.config().timeout_global(deadline).build();
-                if let Some(a) = self.auth() {
-                    r = r.header("Authorization", &a);
-                }
-                r.call()?
-            }
-            _ => {
-                let mut r = self
-                    .agent
-                    .post(&url)
-                    .config()
-                    .timeout_global(deadline)
-                    .build()
-                    .header("Content-Type", "application/json");
-                if let Some(a) = self.auth() {
-                    r = r.header("Authorization", &a);
-                }
-                let text = body.and_then(|b| serde_json::to_string(b).ok());
-                r.send(text.unwrap_or_else(|| "{}".into()))?
-            }
+    ) -> Result<Reply, Error> {
+        runtime().block_on(self.call_async(method, path, body, within))
+    }
+
+    /// [`Client::call_within`] for async callers (`berth run`'s renewals, registration
+    /// and release).
+    pub async fn call_async<B: Serialize>(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&B>,
+        within: Duration,
+    ) -> Result<Reply, Error> {
+        let body = request_body(method, body);
+        let exchange = async {
+            let answer = self
+                .inner
+                .exchange(method, path, body.as_ref(), "application/json", &[])
+                .await?;
+            let status = answer.status;
+            Ok::<_, Error>((status, answer.bytes().await?))
         };
-        let status = resp.status().as_u16();
-        let text = resp.into_body().read_to_string().unwrap_or_default();
+        let (status, bytes) = self.within(within, exchange).await?;
+        let text = String::from_utf8_lossy(&bytes).into_owned();
         let mut body = serde_json::from_str(&text).unwrap_or(Value::String(text));
         self.explain_401(status, &mut body);
         Ok(Reply { status, body })
+    }
+
+    /// `f`, or an error once `within` has passed.
+    async fn within<T>(
+        &self,
+        within: Duration,
+        f: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        let within = within.max(Duration::from_millis(1));
+        tokio::time::timeout(within, f).await.unwrap_or_else(|_| {
+            Err(Error::Unreachable {
+                addr: self.url.clone(),
+                what: format!("no answer within {within:?}"),
+            })
+        })
     }
 
     /// A 401 without a token says which file was tried.
@@ -317,7 +320,7 @@ impl Client {
     }
 
     /// The daemon could not be reached: said once, with what to do; exit 69.
-    pub fn unreachable(&self, e: &ureq::Error) -> u8 {
+    pub fn unreachable(&self, e: &Error) -> u8 {
         eprintln!(
             "berth: cannot reach berth at {}: {e}; is `berth serve` running? (set --url or BERTH_URL)",
             self.url
@@ -331,7 +334,7 @@ impl Client {
         &self,
         path: &str,
         body: &impl Serialize,
-    ) -> Result<(u16, Box<dyn std::io::BufRead + Send>), ureq::Error> {
+    ) -> Result<(u16, Box<dyn std::io::BufRead + Send>), Error> {
         self.post_stream_within(path, body, STREAM_TIMEOUT)
     }
 
@@ -341,56 +344,112 @@ impl Client {
         path: &str,
         body: &impl Serialize,
         within: Duration,
-    ) -> Result<(u16, Box<dyn std::io::BufRead + Send>), ureq::Error> {
-        let mut r = self
-            .agent
-            .post(format!("{}{path}", self.url))
-            .config()
-            .timeout_global(Some(within.max(Duration::from_millis(1))))
-            .build()
-            .header("Content-Type", "application/json")
-            .header("Accept", "application/x-ndjson");
-        if let Some(a) = self.auth() {
-            r = r.header("Authorization", &a);
-        }
-        let resp = r.send(serde_json::to_string(body).unwrap_or_default())?;
-        let status = resp.status().as_u16();
-        let reader = resp.into_body().into_reader();
+    ) -> Result<(u16, Box<dyn std::io::BufRead + Send>), Error> {
+        let deadline = std::time::Instant::now() + within.max(Duration::from_millis(1));
+        let body = request_body("POST", Some(body));
+        let answer = runtime().block_on(
+            self.within(
+                within,
+                self.inner
+                    .exchange("POST", path, body.as_ref(), "application/x-ndjson", &[]),
+            ),
+        )?;
+        let status = answer.status;
+        let reader = BlockingBody::new(answer, Some(deadline));
         Ok((status, Box::new(std::io::BufReader::new(reader))))
     }
-}
 
-impl Client {
     /// A GET answered with lines (the journal, an event stream), read as it comes.
     /// `headers` are sent besides the token; the answer's headers come back by name.
-    pub fn get_stream(
-        &self,
-        path: &str,
-        headers: &[(&str, String)],
-    ) -> Result<Streamed, ureq::Error> {
-        let mut r = self.agent.get(format!("{}{path}", self.url));
-        if let Some(a) = self.auth() {
-            r = r.header("Authorization", &a);
-        }
-        for (k, v) in headers {
-            r = r.header(*k, v);
-        }
-        let resp = r.call()?;
-        let status = resp.status().as_u16();
-        let head = resp.headers().clone();
-        let reader = resp.into_body().into_reader();
+    pub fn get_stream(&self, path: &str, headers: &[(&str, String)]) -> Result<Streamed, Error> {
+        let answer = runtime().block_on(self.within(
+            CALL_TIMEOUT,
+            self.inner.exchange("GET", path, None, "*/*", headers),
+        ))?;
+        let status = answer.status;
+        let head = answer
+            .headers
+            .iter()
+            .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
+            .collect();
         Ok(Streamed {
             status,
             headers: head,
-            body: Box::new(std::io::BufReader::new(reader)),
+            body: Box::new(std::io::BufReader::new(BlockingBody::new(answer, None))),
         })
+    }
+}
+
+/// The one runtime the blocking subcommands drive berth-client on. Process-wide and
+/// never dropped: a runtime dropped where blocking is not allowed panics.
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RT.get_or_init(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a tokio runtime for the CLI")
+    })
+}
+
+/// The JSON a request sends: `body`, or `{}` for a POST without one.
+fn request_body<B: Serialize>(method: &str, body: Option<&B>) -> Option<Value> {
+    match body.and_then(|b| serde_json::to_value(b).ok()) {
+        Some(v) => Some(v),
+        None if method == "POST" => Some(Value::Object(Default::default())),
+        None => None,
+    }
+}
+
+/// An answer's body as a blocking reader, pulled piece by piece on [`runtime`]; with
+/// a deadline, reading past it is an error (a frozen daemon sends nothing for good).
+struct BlockingBody {
+    answer: berth_client::Answer,
+    piece: bytes::Bytes,
+    deadline: Option<std::time::Instant>,
+}
+
+impl BlockingBody {
+    fn new(answer: berth_client::Answer, deadline: Option<std::time::Instant>) -> BlockingBody {
+        BlockingBody {
+            answer,
+            piece: bytes::Bytes::new(),
+            deadline,
+        }
+    }
+}
+
+impl std::io::Read for BlockingBody {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        use std::io::{Error as IoError, ErrorKind};
+        while self.piece.is_empty() {
+            let next = self.answer.chunk();
+            let got = match self.deadline {
+                None => runtime().block_on(next),
+                Some(d) => {
+                    let left = d.saturating_duration_since(std::time::Instant::now());
+                    // The timer is made inside the runtime, which it needs.
+                    runtime()
+                        .block_on(async { tokio::time::timeout(left, next).await })
+                        .map_err(|_| IoError::new(ErrorKind::TimedOut, "no answer in time"))?
+                }
+            };
+            match got.map_err(IoError::other)? {
+                Some(p) => self.piece = p,
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.piece.len());
+        buf[..n].copy_from_slice(&self.piece.split_to(n));
+        Ok(n)
     }
 }
 
 /// An answer read as a stream.
 pub struct Streamed {
     pub status: u16,
-    pub headers: ureq::http::HeaderMap,
+    /// The answer's headers, by lower-case name.
+    pub headers: std::collections::BTreeMap<String, String>,
     pub body: Box<dyn std::io::BufRead + Send>,
 }
 

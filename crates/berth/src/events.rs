@@ -122,7 +122,6 @@ pub fn events_main(a: EventsArgs) -> anyhow::Result<u8> {
     let last: u64 = head
         .headers
         .get("x-berth-journal-last")
-        .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     // The whole journal so far (issue 34: the last 20 were shown, and --kind filtered

@@ -177,33 +177,29 @@ pub async fn keep(
             Step::Renew(budget) => budget,
         };
         nudged = false;
-        let (c, id) = (client.clone(), run_id.clone());
-        let r = tokio::task::spawn_blocking(move || {
-            let body = RenewRequest {
-                fence: Some(fence),
-                ttl_s: None,
-            };
-            c.call_within("POST", &format!("/v1/runs/{id}/renew"), Some(&body), budget)
-        })
-        .await;
+        let body = RenewRequest {
+            fence: Some(fence),
+            ttl_s: None,
+        };
+        let path = format!("/v1/runs/{run_id}/renew");
+        let r = client.call_async("POST", &path, Some(&body), budget).await;
         match r {
-            Ok(Ok(reply)) if reply.status == 200 => {
+            Ok(reply) if reply.status == 200 => {
                 retry_at = None;
                 lease.lock().expect("lease").confirmed(now);
                 if let Ok(run) = reply.parse::<Run>() {
                     on_renew(&run);
                 }
             }
-            Ok(Ok(reply)) if reply.status == 410 || reply.status == 409 => {
+            Ok(reply) if reply.status == 410 || reply.status == 409 => {
                 let _ = lost.send(error_text(&reply.body)).await;
                 return;
             }
             // Unreachable, frozen or busy (a restart): keep trying until `stop_at`.
             other => {
                 last_error = Some(match other {
-                    Ok(Ok(reply)) => format!("{} ({})", error_text(&reply.body), reply.status),
-                    Ok(Err(e)) => format!("cannot reach berth at {}: {e}", client.url),
-                    Err(e) => e.to_string(),
+                    Ok(reply) => format!("{} ({})", error_text(&reply.body), reply.status),
+                    Err(e) => format!("cannot reach berth at {}: {e}", client.url),
                 });
                 retry_at = Some(Instant::now() + RENEW_RETRY);
             }

@@ -271,7 +271,7 @@ fn start_runtime_with(
 ) -> Result<(), (u8, String)> {
     let path = format!("/v1/runs/{run_id}/runtime");
     let body = RuntimeRequest { fence };
-    let unreachable = |e: ureq::Error| {
+    let unreachable = |e: berth_client::Error| {
         (
             EXIT_REFUSED,
             format!("cannot reach berth at {}: {e}", client.url),
@@ -1077,31 +1077,28 @@ async fn register(held: &Held, pid: i32) -> Result<(), (u8, String)> {
                 format!("the lease ran out before CMD could be registered: {last}"),
             ));
         };
-        let (c, id, fence) = (held.client.clone(), held.run_id.clone(), held.fence);
-        let r = tokio::task::spawn_blocking(move || {
-            let body = ProcessRequest { fence, pid };
-            c.call_within(
-                "POST",
-                &format!("/v1/runs/{id}/processes"),
-                Some(&body),
-                budget,
-            )
-        })
-        .await;
+        let body = ProcessRequest {
+            fence: held.fence,
+            pid,
+        };
+        let path = format!("/v1/runs/{}/processes", held.run_id);
+        let r = held
+            .client
+            .call_async("POST", &path, Some(&body), budget)
+            .await;
         last = match r {
-            Ok(Ok(reply)) if reply.status < 300 => return Ok(()),
-            Ok(Ok(reply)) if reply.status == 409 || reply.status == 410 => {
+            Ok(reply) if reply.status < 300 => return Ok(()),
+            Ok(reply) if reply.status == 409 || reply.status == 410 => {
                 return Err((
                     EXIT_TIMEOUT,
                     format!("the lease was lost ({})", error_text(&reply.body)),
                 ))
             }
-            Ok(Ok(reply)) if reply.status < 500 => {
+            Ok(reply) if reply.status < 500 => {
                 return Err((EXIT_REFUSED, error_text(&reply.body)));
             }
-            Ok(Ok(reply)) => error_text(&reply.body),
-            Ok(Err(e)) => format!("cannot reach berth at {}: {e}", held.client.url),
-            Err(e) => e.to_string(),
+            Ok(reply) => error_text(&reply.body),
+            Err(e) => format!("cannot reach berth at {}: {e}", held.client.url),
         };
         let left = lease.stop_at().saturating_duration_since(Instant::now());
         tokio::time::sleep(retry.failed().min(left)).await;
@@ -1115,20 +1112,10 @@ async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), S
     let mut retry = Retry::new(RELEASE);
     while let Some(left) = give_up.checked_duration_since(Instant::now()) {
         let budget = left.min(crate::lease::REQUEST_TIMEOUT_MAX);
-        let c = client.clone();
-        let id = run_id.to_string();
-        let r = tokio::task::spawn_blocking(move || {
-            let body = ReleaseRequest { fence };
-            c.call_within(
-                "POST",
-                &format!("/v1/runs/{id}/release"),
-                Some(&body),
-                budget,
-            )
-        })
-        .await;
-        match r {
-            Ok(Ok(reply)) if reply.status < 300 => {
+        let body = ReleaseRequest { fence };
+        let path = format!("/v1/runs/{run_id}/release");
+        match client.call_async("POST", &path, Some(&body), budget).await {
+            Ok(reply) if reply.status < 300 => {
                 return match reply.parse::<Run>() {
                     // Expired, or being stopped because it expired (the broker's stop
                     // grace): not a clean end, whatever CMD's status (item 3).
@@ -1146,10 +1133,10 @@ async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), S
                     _ => Ok(()),
                 };
             }
-            Ok(Ok(reply)) if reply.status == 409 || reply.status == 410 => {
+            Ok(reply) if reply.status == 409 || reply.status == 410 => {
                 return Err(error_text(&reply.body));
             }
-            Ok(Ok(reply)) if reply.status < 500 => return Ok(()),
+            Ok(reply) if reply.status < 500 => return Ok(()),
             _ => tokio::time::sleep(retry.failed().min(left)).await,
         }
     }
