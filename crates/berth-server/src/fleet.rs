@@ -246,10 +246,22 @@ struct Common {
 }
 
 impl Common {
-    /// Notes how the store answered: available or not (logged once per change).
+    /// Tells the daemon how this host stands with the store (`Report::Status`).
+    fn tell_status(&self) -> bool {
+        self.inbox.send(Report::Status {
+            available: self.status.available(),
+            gen: self.status.gen(),
+            beat_ok_ms: self.status.beat_ok_ms.load(Ordering::Relaxed),
+        })
+    }
+
+    /// Notes how the store answered: available or not (logged once per change, and
+    /// told to the daemon once per change).
     fn seen<T>(&self, r: &Result<T, FleetError>) {
         let ok = !matches!(r, Err(FleetError::Unavailable(_)));
-        self.status.available.store(ok, Ordering::Relaxed);
+        if self.status.available.swap(ok, Ordering::Relaxed) != ok {
+            self.tell_status();
+        }
         let logged = self.down_logged.swap(!ok, Ordering::Relaxed);
         match r {
             Err(e) if !ok && !logged => {
@@ -327,7 +339,7 @@ impl Worker {
                 c.status.gen.store(gen, Ordering::Relaxed);
                 c.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed);
                 tracing::info!(host, gen, resumed, "fleet: registered");
-                return c.inbox.send(Report::Generation { gen, resumed });
+                return c.tell_status() && c.inbox.send(Report::Generation { gen, resumed });
             }
             return c.inbox.alive();
         }
@@ -340,7 +352,10 @@ impl Worker {
         let r = self.store.heartbeat(host, gen, &load);
         c.seen(&r);
         match r {
-            Ok(true) => c.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed),
+            Ok(true) => {
+                c.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed);
+                c.tell_status();
+            }
             Ok(false) => {
                 // F2: declared dead while away. Nothing it held comes back; it
                 // re-registers under a new generation at the next beat.
@@ -350,7 +365,7 @@ impl Worker {
                     "fleet: this host was declared dead; re-registering under a new generation"
                 );
                 c.status.gen.store(0, Ordering::Relaxed);
-                return c.inbox.alive();
+                return c.tell_status();
             }
             Err(_) => return c.inbox.alive(),
         }
@@ -407,4 +422,13 @@ pub enum Report {
     Generation { gen: i64, resumed: bool },
     /// F2: this host declared another host dead.
     Declared { host_id: String, gen: i64 },
+    /// F1/F2: how this host stands with the store, told whenever it changes: whether
+    /// the store answers, its generation (0: not registered), and when (monotonic ms)
+    /// a heartbeat was last accepted. The daemon decides from these, never from the
+    /// shared [`Status`] (which the API reads).
+    Status {
+        available: bool,
+        gen: i64,
+        beat_ok_ms: u64,
+    },
 }

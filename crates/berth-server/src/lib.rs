@@ -248,14 +248,15 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
         clock::mono_ms(),
         how,
         opened.ledger,
-        writer,
+        &writer,
         shared.clone(),
         fatal.clone(),
         host,
     )
     .map_err(|e| anyhow::anyhow!("ledger {}: {e}", cfg.state_dir.join("ledger.db").display()))?;
     let commits_cell = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let (api, state_done) = spawn_state(&cfg, st, shared, commits_cell.clone())?;
+    let shell = daemon::Shell::new(writer, shared.clone(), fatal.clone());
+    let (api, state_done) = spawn_state(&cfg, (st, shell), shared, commits_cell.clone())?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(serve_until_stopped(
         listener,
@@ -304,7 +305,7 @@ fn spawn_writer(cfg: &ServeConfig, store: SqliteStore, shared: &Arc<daemon::Shar
 /// would stall every connection that worker serves.
 fn spawn_state(
     cfg: &ServeConfig,
-    mut st: daemon::Daemon<daemon::RealHost>,
+    (mut st, shell): (daemon::Daemon<daemon::RealHost>, daemon::Shell),
     shared: Arc<daemon::Shared>,
     commits: Arc<std::sync::atomic::AtomicU64>,
 ) -> anyhow::Result<(api::Api, tokio::sync::oneshot::Receiver<()>)> {
@@ -344,7 +345,7 @@ fn spawn_state(
                 .build()
                 .expect("the daemon's runtime");
             let probe = CommitProbe(commits);
-            rt.block_on(daemon::run(st, rx, tick_ms, sample, Some(probe)));
+            rt.block_on(daemon::run(st, shell, rx, tick_ms, sample, Some(probe)));
             let _ = done_tx.send(());
         })?;
     Ok((api, done_rx))

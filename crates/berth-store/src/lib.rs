@@ -585,6 +585,11 @@ impl Writer {
         self.pruned.load(Ordering::Relaxed)
     }
 
+    /// The count behind [`Writer::pruned`], for whoever reports it without the writer.
+    pub fn pruned_counter(&self) -> Arc<AtomicU64> {
+        self.pruned.clone()
+    }
+
     /// Waits until everything submitted so far is durable, then stops the thread.
     pub fn close(mut self) {
         // Said outright: a `LedgerReader` may still hold a sender, so the channel

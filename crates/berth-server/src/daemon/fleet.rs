@@ -7,7 +7,6 @@
 //! fleet-wide tokens or keys before the lapse at which another host may take them.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::atomic::Ordering;
 
 use berth_core::{Command, RunState};
 use berth_store::fleet::{Claim, ClaimOutcome, Ending, FleetError, TokenClaim};
@@ -79,14 +78,19 @@ pub(super) struct FleetState {
     /// this long (below the lapse at which other hosts may declare this one dead).
     pub(super) self_fence_ms: u64,
     pub(super) recheck_ms: u64,
+    /// How this host stands with the store, as the fleet threads last told it
+    /// (`Report::Status`): inputs like any message, never read from shared state.
+    available: bool,
+    gen: i64,
+    beat_ok_ms: u64,
+    /// This host's id in the fleet (fixed at start).
+    host_id: String,
 }
 
 impl FleetState {
     /// New fleet-wide claims are refused while the store is away (`503`).
     pub(super) fn unavailable(&self) -> bool {
-        self.link
-            .as_ref()
-            .is_some_and(|l| !l.status.available() || l.status.gen() == 0)
+        self.link.is_some() && (!self.available || self.gen == 0)
     }
 
     /// A `wait_s = 0` acquire of this run is waiting for its claim.
@@ -118,6 +122,15 @@ impl<H: Host> Daemon<H> {
             Report::Declared { host_id, gen } => {
                 tracing::debug!(host_id, gen, "fleet: declared dead by this host");
             }
+            Report::Status {
+                available,
+                gen,
+                beat_ok_ms,
+            } => {
+                self.fleet.available = available;
+                self.fleet.gen = gen;
+                self.fleet.beat_ok_ms = beat_ok_ms;
+            }
         }
     }
 
@@ -136,7 +149,7 @@ impl<H: Host> Daemon<H> {
         if needs.state != RunState::Queued || self.fleet.asking.contains_key(run_id) {
             return;
         }
-        let gen = link.status.gen();
+        let gen = self.fleet.gen;
         if gen == 0 {
             self.fleet.park(RETRY.into(), run_id.into());
             return;
@@ -163,7 +176,7 @@ impl<H: Host> Daemon<H> {
         self.fleet.asking.insert(run_id.into(), channels);
         link.send(Job::Claim(Claim {
             run_id: run_id.into(),
-            host_id: link.status.host_id(),
+            host_id: self.fleet.host_id.clone(),
             gen,
             token: needs.token.map(|(scope, harness, limit)| TokenClaim {
                 scope,
@@ -185,7 +198,7 @@ impl<H: Host> Daemon<H> {
         let Some(link) = self.fleet.link.clone() else {
             return self.answer(reply, Err(Error::FleetUnavailable));
         };
-        let gen = link.status.gen();
+        let gen = self.fleet.gen;
         let run_id = req.run_id.clone();
         if self.fleet.preclaims.contains_key(&run_id) {
             let e = berth_core::Error::Conflict { run_id };
@@ -222,7 +235,7 @@ impl<H: Host> Daemon<H> {
             .collect();
         link.send(Job::Claim(Claim {
             run_id: run_id.clone(),
-            host_id: link.status.host_id(),
+            host_id: self.fleet.host_id.clone(),
             gen,
             token,
             keys,
@@ -492,8 +505,8 @@ impl<H: Host> Daemon<H> {
         let Some(link) = self.fleet.link.clone() else {
             return;
         };
-        let beat_ok = link.status.beat_ok_ms.load(Ordering::Relaxed);
-        if link.status.gen() > 0 && self.now.saturating_sub(beat_ok) > self.fleet.self_fence_ms {
+        let beat_ok = self.fleet.beat_ok_ms;
+        if self.fleet.gen > 0 && self.now.saturating_sub(beat_ok) > self.fleet.self_fence_ms {
             let fence: Vec<String> = self
                 .fleet
                 .held
@@ -546,6 +559,7 @@ impl<H: Host> Daemon<H> {
     pub fn set_fleet(&mut self, link: Handle, self_fence_ms: u64, recheck_ms: u64) {
         // Its capacity is known before its first heartbeat.
         *link.status.load.lock().unwrap_or_else(|e| e.into_inner()) = self.load_json();
+        self.fleet.host_id = link.status.host_id();
         self.fleet.link = Some(link);
         self.fleet.self_fence_ms = self_fence_ms;
         self.fleet.recheck_ms = recheck_ms;

@@ -31,9 +31,16 @@ fn log_impossible(id: &str, res: &Result<Option<RunView>, CoreError>) {
 }
 
 impl<H: Host> Daemon<H> {
-    /// One message from the API or a thread the daemon started: one method each.
-    pub fn handle(&mut self, now: u64, msg: Msg) {
+    /// One message from the API or a thread the daemon started, at `now`: what it
+    /// leaves to be done.
+    pub fn handle(&mut self, now: u64, msg: Msg) -> super::Effects {
         self.now = now;
+        self.on_msg(msg);
+        self.take_effects()
+    }
+
+    /// One method per message.
+    fn on_msg(&mut self, msg: Msg) {
         self.shared.metrics.state_message();
         match msg {
             msg @ Msg::Acquire { .. } => self.on_acquire_msg(msg),
@@ -405,7 +412,10 @@ impl<H: Host> Daemon<H> {
                 .or_insert_with(|| Arc::new(watch::channel(info).0))
                 .subscribe()
         });
-        let _ = reply.send(rx);
+        // After every write queued before, as any read.
+        self.effects.push(super::Effect::Answer(Box::new(move |_| {
+            let _ = reply.send(rx);
+        })));
     }
 
     fn on_register_process(
@@ -525,9 +535,7 @@ impl<H: Host> Daemon<H> {
                     let _ = reply.send(r.map_err(Error::store).map(|()| token));
                 });
             }
-            Err(e) => {
-                let _ = reply.send(Err(Error::Internal(e)));
-            }
+            Err(e) => self.answer(reply, Err(Error::Internal(e))),
         }
     }
 
@@ -542,8 +550,7 @@ impl<H: Host> Daemon<H> {
             at.map(|i| tokens.remove(i))
         };
         let Some((hash, grant)) = revoked else {
-            let _ = reply.send(Ok(None));
-            return;
+            return self.answer(reply, Ok(None));
         };
         let data = journal_token(id, &grant);
         self.journal_entry(None, None, wire::Journal::TokenRevoked(data));
@@ -556,8 +563,14 @@ impl<H: Host> Daemon<H> {
 
     /// Time passes: expiries and deadlines (L6, A8), reclaim windows (P5), cleanup
     /// retries (L3), and optionally a MemAvailable sample (A10).
-    pub fn tick(&mut self, now: u64, sample: Option<u64>) {
+    pub fn tick(&mut self, now: u64, sample: Option<u64>) -> super::Effects {
         self.now = now;
+        self.on_tick(sample);
+        self.take_effects()
+    }
+
+    fn on_tick(&mut self, sample: Option<u64>) {
+        let now = self.now;
         // C6: analysis runs that lived through a restart are watched again; what
         // their processes hold now is their baseline.
         for id in std::mem::take(&mut self.rewatch) {

@@ -23,6 +23,7 @@ mod restore;
 mod runtime;
 mod runtimes;
 mod scopes;
+mod shell;
 #[cfg(test)]
 mod sim;
 #[cfg(test)]
@@ -42,7 +43,7 @@ use std::sync::{Arc, RwLock};
 use berth_core::{
     Command, EndCause, Engine, Error as CoreError, Event, RunState, RunView, Snapshot,
 };
-use berth_store::{Batch, RunRecord, StoreError, Writer};
+use berth_store::{Batch, RunRecord, StoreError};
 use tokio::sync::{oneshot, watch};
 
 use crate::auth::Grant;
@@ -56,6 +57,7 @@ pub use restore::Restore;
 pub use runtime::run;
 pub use runtimes::RuntimePlan;
 pub use scopes::{ScopeAnswer, ScopeOp};
+pub use shell::{Commit, Done, Effect, Effects, Shell};
 pub use threads::ThreadOp;
 
 /// A run as the API shows it: the engine's view plus what the server adds.
@@ -310,7 +312,11 @@ pub struct Daemon<H: Host> {
     /// `tick`, `restore`): the state machine never reads the clock itself.
     now: u64,
     engine: Engine,
-    writer: Writer,
+    /// What the current step leaves to be done (commits, answers), handed to the shell
+    /// by `handle` and `tick`: the daemon never writes to the ledger itself.
+    effects: Vec<Effect>,
+    /// Ended runs retention has deleted (the writer's count).
+    pruned: Arc<std::sync::atomic::AtomicU64>,
     shared: Arc<Shared>,
     host: H,
     /// Boxed: an `Extra` is ~250 bytes, and a table sized for a deep queue's peak holds
@@ -464,7 +470,7 @@ impl<H: Host> Daemon<H> {
         ReapCounters {
             diagnostics_bytes,
             diagnostics_dropped,
-            ledger_pruned: self.writer.pruned(),
+            ledger_pruned: self.pruned.load(std::sync::atomic::Ordering::Relaxed),
             ..self.counters
         }
     }
@@ -476,10 +482,6 @@ impl<H: Host> Daemon<H> {
             Some(e) => !e.processes.is_empty(),
             None => self.host.has_group(run_id),
         }
-    }
-
-    pub fn writer_commits(&self) -> u64 {
-        self.writer.commits()
     }
 
     fn info(&self, run_id: &str) -> Option<RunInfo> {
@@ -833,7 +835,8 @@ impl<H: Host> Daemon<H> {
         }
     }
 
-    /// Hands the touched runs to the writer; `then` runs once they are durable.
+    /// The touched runs as a commit for the shell to make durable; `then` runs once
+    /// they are (or the ledger refused them).
     fn commit(
         &mut self,
         touched: BTreeSet<String>,
@@ -867,37 +870,20 @@ impl<H: Host> Daemon<H> {
             }
             batch.push(m);
         }
-        let shared = self.shared.clone();
-        let fatal = self.fatal.clone();
         let stops = std::mem::take(&mut self.pending_stops);
         let sink = (!stops.is_empty()).then(|| self.host.stop_sink());
         // F1: a run's fleet-wide claim ends only once its ending is durable here.
         let fleet_jobs = self.fleet.take_pending();
         let fleet = self.fleet.link.clone().filter(|_| !fleet_jobs.is_empty());
-        self.writer.submit(Some(batch), move |res| {
-            if let (Ok(()), Some(sink)) = (&res, sink) {
-                stops.into_iter().for_each(|o| sink(o));
-            }
-            if let (Ok(()), Some(fleet)) = (&res, fleet) {
-                fleet_jobs.into_iter().for_each(|j| fleet.send(j));
-            }
-            if granted {
-                crate::failpoint::hit("grant-committed");
-            }
-            if let Err(e) = &res {
-                // D4: never go on after the ledger refused a write.
-                fatal.raise(format!("the ledger refused a write: {e}"));
-            } else {
-                // D5: readers see an entry only once its change is durable.
-                if !journal.is_empty() {
-                    shared.journal.publish(journal);
-                }
-                for (tx, info) in notes {
-                    let _ = tx.send(info);
-                }
-            }
-            then(res);
-        });
+        self.effects.push(Effect::Commit(Box::new(Commit {
+            batch,
+            stops: sink.map(|s| (s, stops)),
+            fleet: fleet.map(|f| (f, fleet_jobs)),
+            journal,
+            notes,
+            granted,
+            then: Box::new(then),
+        })));
     }
 
     /// What the watchers of the touched runs are told once the commit is durable; a
@@ -934,13 +920,18 @@ impl<H: Host> Daemon<H> {
     }
 
     /// Answers after everything queued before is durable.
-    fn answer<T: Send + 'static>(&self, reply: Reply<T>, value: Result<T, Error>) {
-        self.writer.submit(None, move |res| {
+    fn answer<T: Send + 'static>(&mut self, reply: Reply<T>, value: Result<T, Error>) {
+        self.effects.push(Effect::Answer(Box::new(move |res| {
             let _ = reply.send(match res {
                 Ok(()) => value,
                 Err(e) => Err(Error::store(e)),
             });
-        });
+        })));
+    }
+
+    /// What this step left to be done, in order.
+    fn take_effects(&mut self) -> Effects {
+        Effects(std::mem::take(&mut self.effects))
     }
 
     /// The run, granted under exactly this fence (L2), or the refusal that says why not.
@@ -1105,8 +1096,9 @@ impl<H: Host> Daemon<H> {
         self.host.watch_listeners(watched);
     }
 
+    /// The daemon's end, after its shell has closed the writer: a clean end leaves
+    /// the last fence for the next start.
     pub fn close(mut self) {
-        self.writer.close();
         let clean = self.fatal.reason().is_none();
         self.host.close(clean.then(|| self.engine.last_fence()));
     }

@@ -216,7 +216,7 @@ impl<H: Host> Daemon<H> {
         now: u64,
         how: Restore,
         ledger: Ledger,
-        writer: Writer,
+        writer: &Writer,
         shared: Arc<Shared>,
         fatal: Arc<crate::Fatal>,
         host: H,
@@ -239,7 +239,8 @@ impl<H: Host> Daemon<H> {
         Ok(Daemon {
             now,
             engine,
-            writer,
+            effects: Vec::new(),
+            pruned: writer.pruned_counter(),
             shared,
             host,
             extras,

@@ -3,12 +3,13 @@
 
 use tokio::sync::mpsc;
 
-use super::{Daemon, Host, Msg};
+use super::{Daemon, Host, Msg, Shell};
 use crate::clock;
 
 /// Runs the daemon until every sender is gone.
 pub async fn run<H: Host>(
     mut st: Daemon<H>,
+    shell: Shell,
     mut rx: mpsc::Receiver<Msg>,
     tick_ms: u64,
     sample_memory: bool,
@@ -21,9 +22,9 @@ pub async fn run<H: Host>(
         tokio::select! {
             msg = rx.recv() => match msg {
                 Some(m) => {
-                    st.handle(clock::mono_ms(), m);
+                    shell.carry_out(st.handle(clock::mono_ms(), m));
                     if let Some(p) = &probe {
-                        p.0.store(st.writer_commits(), std::sync::atomic::Ordering::Relaxed);
+                        p.0.store(shell.commits(), std::sync::atomic::Ordering::Relaxed);
                     }
                 }
                 None => break,
@@ -36,9 +37,9 @@ pub async fn run<H: Host>(
                 } else {
                     None
                 };
-                st.tick(now, sample);
+                shell.carry_out(st.tick(now, sample));
             }
         }
     }
-    st.close();
+    shell.close(st);
 }

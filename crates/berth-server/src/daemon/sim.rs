@@ -170,21 +170,12 @@ impl Host for SimHost {
     fn close(&mut self, _clean_last_fence: Option<u64>) {}
 }
 
-impl<H: Host> Daemon<H> {
-    /// Waits until everything handed to the writer so far is durable and answered.
-    fn flush(&self) {
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.writer.submit(None, move |_| {
-            let _ = tx.send(());
-        });
-        let _ = rx.recv();
-    }
-}
-
 struct Sim {
     dir: tempfile::TempDir,
     machine: Arc<Mutex<Machine>>,
     daemon: Option<Daemon<SimHost>>,
+    /// The daemon's shell: carries out each step's effects against the real ledger.
+    shell: Option<super::Shell>,
     now: u64,
     rng: Rng,
     trace: Vec<String>,
@@ -329,6 +320,7 @@ impl Sim {
             dir: tempfile::tempdir().unwrap(),
             machine: Arc::default(),
             daemon: None,
+            shell: None,
             // Not zero: times in the ledger are monotonic milliseconds of a real boot.
             now: 1_000_000,
             rng: Rng::new(seed),
@@ -367,16 +359,49 @@ impl Sim {
         let writer = Writer::spawn(Box::new(store), true);
         let fatal = Arc::new(crate::Fatal::default());
         let host = SimHost(self.machine.clone());
-        let d = Daemon::restore(self.now, how, ledger, writer, shared, fatal, host);
+        let d = Daemon::restore(
+            self.now,
+            how,
+            ledger,
+            &writer,
+            shared.clone(),
+            fatal.clone(),
+            host,
+        );
         self.daemon = Some(d.expect("restore"));
+        self.shell = Some(super::Shell::new(writer, shared, fatal));
+    }
+
+    /// One message, its effects carried out and durable.
+    fn send(&mut self, msg: Msg) {
+        let now = self.now;
+        let fx = self.d().handle(now, msg);
+        self.carry_out(fx);
+    }
+
+    /// A tick at the simulator's time, its effects carried out and durable.
+    fn tick(&mut self) {
+        let now = self.now;
+        let fx = self.d().tick(now, None);
+        self.carry_out(fx);
+    }
+
+    fn carry_out(&mut self, fx: super::Effects) {
+        let shell = self.shell.as_ref().expect("started");
+        shell.carry_out(fx);
+        shell.flush();
+    }
+
+    /// The daemon stops: its shell closes the ledger, then the daemon ends.
+    fn stop(&mut self) {
+        let shell = self.shell.take().expect("started");
+        shell.close(self.daemon.take().expect("started"));
     }
 
     /// Sends one message and returns its answer, once durable.
     fn ask<T>(&mut self, make: impl FnOnce(super::Reply<T>) -> Msg) -> Result<T, Error> {
         let (tx, mut rx) = tokio::sync::oneshot::channel();
-        let now = self.now;
-        self.d().handle(now, make(tx));
-        self.d().flush();
+        self.send(make(tx));
         rx.try_recv().expect("answered once durable")
     }
 
@@ -526,14 +551,9 @@ impl Sim {
         }
         let i = self.rng.range(0, self.attachments.len() as u64 - 1) as usize;
         let run_id = self.attachments.swap_remove(i);
-        let now = self.now;
-        self.d().handle(
-            now,
-            Msg::Detach {
-                run_id: run_id.clone(),
-            },
-        );
-        self.d().flush();
+        self.send(Msg::Detach {
+            run_id: run_id.clone(),
+        });
         format!("leave {run_id}")
     }
 
@@ -653,15 +673,10 @@ impl Sim {
         report.unverified = roll == 9;
         drop(m);
         let line = format!("stopped {} {report:?}", order.run_id);
-        let now = self.now;
-        self.d().handle(
-            now,
-            Msg::Stopped {
-                run_id: order.run_id,
-                report,
-            },
-        );
-        self.d().flush();
+        self.send(Msg::Stopped {
+            run_id: order.run_id,
+            report,
+        });
         line
     }
 
@@ -672,9 +687,7 @@ impl Sim {
             self.rng.range(1, 100) * 100
         };
         self.now += ms;
-        let now = self.now;
-        self.d().tick(now, None);
-        self.d().flush();
+        self.tick();
         format!("tick +{ms}ms")
     }
 
@@ -722,7 +735,7 @@ impl Sim {
     fn restart(&mut self) -> String {
         let before = runs(self.d());
         let tokens_before = tokens(self.d());
-        self.daemon.take().unwrap().close();
+        self.stop();
         self.machine.lock().unwrap().orders.clear();
         // Clients' connections die with the daemon.
         self.attachments.clear();
@@ -883,16 +896,12 @@ impl Sim {
                     m.alive.remove(&r.pid);
                 }
                 drop(m);
-                let now = self.now;
                 let report = StopReport::default();
                 let run_id = order.run_id;
-                self.d().handle(now, Msg::Stopped { run_id, report });
-                self.d().flush();
+                self.send(Msg::Stopped { run_id, report });
             }
             self.now += 301_000;
-            let now = self.now;
-            self.d().tick(now, None);
-            self.d().flush();
+            self.tick();
             self.trace.push(format!("drain {round}"));
             self.check()
                 .unwrap_or_else(|e| panic!("drain {round}: {e}"));
@@ -953,7 +962,7 @@ fn one_seed(seed: u64) -> Vec<String> {
     // The outcome of each step with the state it left, so a divergence shows where.
     let end = runs(sim.d());
     trace.push(format!("end {end:?}"));
-    sim.daemon.take().unwrap().close();
+    sim.stop();
     trace
 }
 

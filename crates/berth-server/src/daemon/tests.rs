@@ -58,11 +58,11 @@ impl tracing::Subscriber for Capture {
 }
 
 /// The daemon over the state directory `dir`, as a start restores it.
-fn restore(dir: &std::path::Path) -> Daemon<RealHost> {
+fn restore(dir: &std::path::Path) -> Live {
     restore_with(dir, berth_core::Config::for_host(4, 8 << 30, 100 << 30))
 }
 
-fn restore_with(dir: &std::path::Path, cfg: berth_core::Config) -> Daemon<RealHost> {
+fn restore_with(dir: &std::path::Path, cfg: berth_core::Config) -> Live {
     let mut store = berth_store::SqliteStore::open_exclusive(&dir.join("ledger.db")).unwrap();
     use berth_store::Store;
     let ledger = store.load(1_000).unwrap();
@@ -98,15 +98,57 @@ fn restore_with(dir: &std::path::Path, cfg: berth_core::Config) -> Daemon<RealHo
     });
     let writer = Writer::spawn(Box::new(store), true);
     let fatal = Arc::new(crate::Fatal::default());
-    Daemon::restore(clock::mono_ms(), how, ledger, writer, shared, fatal, host).unwrap()
+    let d = Daemon::restore(
+        clock::mono_ms(),
+        how,
+        ledger,
+        &writer,
+        shared.clone(),
+        fatal.clone(),
+        host,
+    );
+    Live {
+        d: d.unwrap(),
+        shell: super::Shell::new(writer, shared, fatal),
+    }
 }
 
-fn acquire(
-    st: &mut Daemon<RealHost>,
-    run_id: &str,
-    ttl_ms: u64,
-    cpu_millis: u64,
-) -> Result<RunInfo, Error> {
+/// A daemon with its shell, as the runtime drives it: each step's effects carried out.
+struct Live {
+    d: Daemon<RealHost>,
+    shell: super::Shell,
+}
+
+impl std::ops::Deref for Live {
+    type Target = Daemon<RealHost>;
+    fn deref(&self) -> &Daemon<RealHost> {
+        &self.d
+    }
+}
+
+impl std::ops::DerefMut for Live {
+    fn deref_mut(&mut self) -> &mut Daemon<RealHost> {
+        &mut self.d
+    }
+}
+
+impl Live {
+    fn handle(&mut self, now: u64, msg: Msg) {
+        let fx = self.d.handle(now, msg);
+        self.shell.carry_out(fx);
+    }
+
+    fn tick(&mut self, now: u64, sample: Option<u64>) {
+        let fx = self.d.tick(now, sample);
+        self.shell.carry_out(fx);
+    }
+
+    fn close(self) {
+        self.shell.close(self.d);
+    }
+}
+
+fn acquire(st: &mut Live, run_id: &str, ttl_ms: u64, cpu_millis: u64) -> Result<RunInfo, Error> {
     send_acquire(st, request(run_id, ttl_ms, cpu_millis), false)
 }
 
@@ -130,11 +172,7 @@ fn request(run_id: &str, ttl_ms: u64, cpu_millis: u64) -> berth_core::Request {
     }
 }
 
-fn send_acquire(
-    st: &mut Daemon<RealHost>,
-    req: berth_core::Request,
-    detach: bool,
-) -> Result<RunInfo, Error> {
+fn send_acquire(st: &mut Live, req: berth_core::Request, detach: bool) -> Result<RunInfo, Error> {
     let (reply, rx) = oneshot::channel();
     st.handle(
         clock::mono_ms(),
@@ -328,4 +366,50 @@ fn release_due_weighs_the_drop_and_the_quiet() {
     let (h, _) = release_due(h, RELEASE_DROP_MIN + 99, 20_000);
     let (_, due) = release_due(h, 100, 20_001 + 10 * RELEASE_QUIET_MS);
     assert!(!due);
+}
+
+/// Issue 35: the daemon decides and the shell acts. A step's answers and its commit
+/// leave `handle` as effects: nothing is answered, and nothing is in the ledger, until
+/// the shell has carried them out (and then the answer follows the commit, D1).
+#[test]
+fn a_step_answers_nobody_and_writes_nothing_until_its_effects_are_carried_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut st = restore(dir.path());
+    let (reply, mut rx) = oneshot::channel();
+    let fx = st.d.handle(
+        clock::mono_ms(),
+        Msg::Acquire {
+            req: request("fx-1", 600_000, 100),
+            worktree: None,
+            labels: BTreeMap::new(),
+            stop_grace_ms: None,
+            ports: Vec::new(),
+            attach: false,
+            detach: false,
+            thread: None,
+            lease_only: false,
+            by: None,
+            reply,
+        },
+    );
+    assert!(rx.try_recv().is_err(), "answered by the daemon itself");
+    assert_eq!(st.shell.commits(), 0, "written by the daemon itself");
+    let commits =
+        fx.0.iter()
+            .filter(|e| matches!(e, super::Effect::Commit(_)))
+            .count();
+    assert_eq!(commits, 1, "one commit for the grant");
+    st.shell.carry_out(fx);
+    st.shell.flush();
+    assert_eq!(st.shell.commits(), 1);
+    let info = rx.try_recv().expect("answered once durable").unwrap();
+    assert_eq!(info.view.state, RunState::Granted);
+    // A read waits behind the writes before it, and is an effect too.
+    let (reply, mut rx) = oneshot::channel();
+    let fx = st.d.handle(clock::mono_ms(), Msg::Status { reply });
+    assert!(rx.try_recv().is_err());
+    st.shell.carry_out(fx);
+    st.shell.flush();
+    assert!(rx.try_recv().unwrap().is_ok());
+    st.close();
 }
