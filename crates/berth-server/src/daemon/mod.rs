@@ -264,6 +264,32 @@ pub enum Msg {
     },
 }
 
+/// Every `Msg` variant by name: `name()` is an exhaustive match (a new variant that
+/// is not listed here does not compile), and `NAMES` comes from the same list, so the
+/// daemon simulator can say which variants it never sent.
+macro_rules! msg_names {
+    ($($v:ident $pat:tt),* $(,)?) => {
+        impl Msg {
+            pub const NAMES: &'static [&'static str] = &[$(stringify!($v)),*];
+
+            pub fn name(&self) -> &'static str {
+                match self {
+                    $(Msg::$v $pat => stringify!($v),)*
+                }
+            }
+        }
+    };
+}
+
+msg_names! {
+    Acquire {..}, Command {..}, Get {..}, List {..}, Status {..}, FenceCheck {..},
+    Detach {..}, Subscribe {..}, CreateToken {..}, RevokeToken {..},
+    RegisterProcess {..}, RegistrationPlan {..}, Stopped {..}, Reap {..},
+    ReapStatus {..}, RuntimePlan {..}, RuntimeReady {..}, RuntimeFailed {..},
+    ListenerViolation {..}, Thread {..}, ThreadList {..}, Drain {..}, DrainGet {..},
+    Idle {..}, Fleet(_), Scope {..}, ScopeList {..}, ContractChanged {..},
+}
+
 /// Running totals for the reaper's report.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ReapCounters {

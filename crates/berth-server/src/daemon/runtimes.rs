@@ -22,8 +22,8 @@ pub struct RuntimePlan {
 }
 
 impl<H: Host> Daemon<H> {
-    /// The run must be granted with this fence, managed (C6: analysis runs may not
-    /// listen) and have a worktree contract.
+    /// The run must be granted with this fence and managed (C6: analysis runs may not
+    /// listen); its worktree's contract is read by the API, not here.
     fn runtime_run(&self, run_id: &str, fence: u64) -> Result<RunInfo, Error> {
         let view = self.granted_view(run_id, fence)?;
         if view.class != Class::Managed {
@@ -85,8 +85,17 @@ impl<H: Host> Daemon<H> {
         self.commit(touched, |_| {});
     }
 
-    /// C6: an analysis run opened a listener: it is stopped, and says why.
+    /// C6: an analysis run opened a listener: it is stopped, and says why. Only a run
+    /// under watch now is: a report that arrives late (the run ended, and its id is a
+    /// new run's, perhaps a managed one that may listen) stops nothing. (The daemon
+    /// simulator found a managed run released by such a report.)
     pub(super) fn on_listener_violation(&mut self, run_id: String, v: crate::listen::Violation) {
+        if !self.listen_watched.contains_key(&run_id)
+            || self.engine.class_of(&run_id) != Some(berth_core::Class::Analysis)
+        {
+            tracing::debug!(run_id, "listener report for a run not under watch: ignored");
+            return;
+        }
         let Some(fence) = self
             .engine
             .view_of(&run_id)

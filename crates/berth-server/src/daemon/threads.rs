@@ -32,6 +32,7 @@ pub(super) struct ThreadState {
 }
 
 /// What a thread message asks.
+#[derive(Debug)]
 pub enum ThreadOp {
     Attach {
         key: String,
@@ -223,7 +224,8 @@ impl<H: Host> Daemon<H> {
             .map_err(Error::Thread)?;
         // Not under a live run working in it: the sweep evicts it once the run is done.
         if must_evict && !self.thread_in_use(&key) {
-            self.evict_thread(&key, EvictReason::Detach);
+            // One that cannot go now goes at a later sweep.
+            let _ = self.evict_thread(&key, EvictReason::Detach);
         }
         let data = wire::JournalThreadDetached {
             evict,
@@ -250,10 +252,12 @@ impl<H: Host> Daemon<H> {
                 }
                 Err(Error::Thread(e))
             }
-            Ok(()) => {
-                self.evict_thread(&key, EvictReason::Operator);
-                Ok(Changed::Done(key))
-            }
+            Ok(()) => match self.evict_thread(&key, EvictReason::Operator) {
+                Ok(()) => Ok(Changed::Done(key)),
+                Err(e) => Err(Error::Internal(format!(
+                    "thread {key}'s workspace could not be removed ({e}); it is kept and tried again later"
+                ))),
+            },
         }
     }
 
@@ -289,16 +293,25 @@ impl<H: Host> Daemon<H> {
 
     /// The thread's workspace goes (its logs archived within the diagnostics budgets by
     /// the workspace pool), and its audit trail says why.
-    fn evict_thread(&mut self, key: &str, reason: EvictReason) {
-        if let Some(ws) = self.th.ws.remove(key) {
+    ///
+    /// A workspace that cannot be removed now is kept, with the thread's record as it
+    /// was, and tried again when the thread is next due (the sweep). (Before, it was
+    /// forgotten and never removed: the daemon simulator found it left at the end.)
+    fn evict_thread(&mut self, key: &str, reason: EvictReason) -> Result<(), String> {
+        if let Some(ws) = self.th.ws.get(key).cloned() {
             if let Err(e) = self.host.remove_workspace(&ws, key) {
-                tracing::warn!("thread {key}: workspace not removed: {e}");
+                tracing::warn!(
+                    "thread {key}: workspace not removed: {e}; kept, and tried again at a later sweep"
+                );
+                return Err(e);
             }
+            self.th.ws.remove(key);
         }
         self.th.threads.evicted(self.now, key, reason);
         let data = eviction(key, reason.as_str());
         self.journal_entry(None, None, wire::Journal::ThreadEvicted(data));
         self.thread_changed(key);
+        Ok(())
     }
 
     /// The thread's record goes into the next commit.
@@ -346,7 +359,8 @@ impl<H: Host> Daemon<H> {
         }
         let due = self.th.threads.due(self.now, |k| in_use.contains(k));
         for (key, why) in &due {
-            self.evict_thread(key, *why);
+            // One that cannot go now is due again at the next sweep.
+            let _ = self.evict_thread(key, *why);
         }
         self.relieve_disk_pressure(&in_use);
         !due.is_empty()
@@ -366,7 +380,7 @@ impl<H: Host> Daemon<H> {
         }
         let (victim, protected) = self.th.threads.pressure(self.now, |k| in_use.contains(k));
         if let Some(key) = victim {
-            self.evict_thread(&key, EvictReason::DiskPressure);
+            let _ = self.evict_thread(&key, EvictReason::DiskPressure);
         }
         for key in protected {
             if self.th.pressure_refused.insert(key.clone()) {

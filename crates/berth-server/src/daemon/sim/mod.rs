@@ -26,6 +26,8 @@ use berth_store::{SqliteStore, Store, WorkspaceIdentity, Writer};
 use super::{Daemon, Error, Host, Msg, Restore, RunInfo, Shared, StopOrder, StopSink};
 use crate::register::{OtherRun, Refusal};
 
+mod msgs;
+
 /// Run ids the workload picks from: few, so runs collide, re-acquire and queue.
 const RUN_IDS_MAX: u64 = 16;
 /// Steps per seed in the default test run.
@@ -80,11 +82,13 @@ impl Host for SimHost {
         if m.fail_remove {
             return Err("sim: device busy".into());
         }
-        match m.workspaces.get(run_id) {
+        // By where it is, as the real host finds it (`run_id` only names its logs).
+        let at = m.workspaces.iter().find(|(_, w)| w.path == ws.path);
+        match at.map(|(k, w)| (k.clone(), w.clone())) {
             None => Ok(()),
-            Some(have) if have != ws => Err(format!("sim: {run_id} swapped")),
-            Some(_) => {
-                m.workspaces.remove(run_id);
+            Some((_, have)) if have != *ws => Err(format!("sim: {run_id} swapped")),
+            Some((k, _)) => {
+                m.workspaces.remove(&k);
                 Ok(())
             }
         }
@@ -193,6 +197,8 @@ struct Sim {
     /// happened (A9 refined, P5).
     detached_queued: BTreeSet<String>,
     cancelled: Option<String>,
+    /// The `Msg` variants sent so far (`Msg::NAMES` says which there are).
+    sent: BTreeSet<&'static str>,
 }
 
 /// What the journal says, read entry by entry as a client would.
@@ -331,6 +337,7 @@ impl Sim {
             attachments: Vec::new(),
             detached_queued: BTreeSet::new(),
             cancelled: None,
+            sent: BTreeSet::new(),
         };
         sim.start();
         sim
@@ -374,6 +381,7 @@ impl Sim {
 
     /// One message, its effects carried out and durable.
     fn send(&mut self, msg: Msg) {
+        self.sent.insert(msg.name());
         let now = self.now;
         let fx = self.d().handle(now, msg);
         self.carry_out(fx);
@@ -447,7 +455,7 @@ impl Sim {
             m.fail_remove = i < self.fail_until.1;
         }
         self.cancelled = None;
-        let line = match self.rng.range(0, 99) {
+        let line = match self.rng.range(0, 114) {
             0..=18 => self.acquire(),
             19..=23 => self.leave(),
             24..=31 => self.renew(),
@@ -459,7 +467,8 @@ impl Sim {
             87..=89 => self.reap(),
             90..=92 => self.restart(),
             93..=94 => self.reconcile(),
-            _ => self.inject_failure(),
+            95..=99 => self.inject_failure(),
+            _ => self.other(),
         };
         self.trace.push(format!("{i} {line}"));
         if let Err(e) = self.check().and_then(|()| self.check_detached()) {
@@ -814,6 +823,13 @@ impl Sim {
             )
         };
         for (id, ws) in &m.workspaces {
+            // G0: a thread's workspace lives as long as the daemon keeps it.
+            if let Some(key) = id.strip_prefix("thread/") {
+                if d.th.ws.get(key) != Some(ws) {
+                    return Err(format!("thread {key}'s workspace {ws:?} is left"));
+                }
+                continue;
+            }
             if !live(id) {
                 return Err(format!(
                     "{id} is {:?} but its workspace {ws:?} is left",
@@ -883,6 +899,9 @@ impl Sim {
     /// Failures off, every stop succeeds, time runs on: nothing may be left.
     fn drain(&mut self) {
         self.fail_until = (0, 0);
+        if self.d().th.drain.is_some() {
+            let _ = self.ask(|reply| Msg::Drain { start: None, reply });
+        }
         {
             let mut m = self.machine.lock().unwrap();
             m.fail_create = false;
@@ -914,11 +933,15 @@ impl Sim {
             .filter(|id| d.engine.view_of(id).is_some_and(|v| !v.state.is_terminal()))
             .collect();
         assert!(left.is_empty(), "runs never ended: {left:?}");
-        assert!(
-            m.workspaces.is_empty(),
-            "workspaces left: {:?}",
-            m.workspaces
-        );
+        let left: Vec<&String> = m
+            .workspaces
+            .keys()
+            .filter(|k| {
+                !k.strip_prefix("thread/")
+                    .is_some_and(|t| d.th.ws.contains_key(t))
+            })
+            .collect();
+        assert!(left.is_empty(), "workspaces left: {left:?}");
         assert!(
             m.alive.is_empty(),
             "registered processes left: {:?}",
@@ -953,6 +976,11 @@ fn outcome(res: &Result<RunInfo, Error>) -> String {
 }
 
 fn one_seed(seed: u64) -> Vec<String> {
+    one_seed_sent(seed).0
+}
+
+/// A seed's trace, and the `Msg` variants it sent.
+fn one_seed_sent(seed: u64) -> (Vec<String>, BTreeSet<&'static str>) {
     let mut sim = Sim::new(seed);
     for i in 0..STEPS {
         sim.step(i);
@@ -963,7 +991,7 @@ fn one_seed(seed: u64) -> Vec<String> {
     let end = runs(sim.d());
     trace.push(format!("end {end:?}"));
     sim.stop();
-    trace
+    (trace, std::mem::take(&mut sim.sent))
 }
 
 #[test]
@@ -976,8 +1004,10 @@ fn the_daemon_simulation_holds_its_invariants_and_repeats_exactly() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(SEEDS);
     let mut granted = 0;
+    let mut sent = BTreeSet::new();
     for seed in 0..seeds {
-        let a = one_seed(seed);
+        let (a, sent_a) = one_seed_sent(seed);
+        sent.extend(sent_a);
         let b = one_seed(seed);
         if let Some(i) = (0..a.len().min(b.len())).find(|&i| a[i] != b[i]) {
             panic!("seed {seed} diverged at line {i}:\n{}\n{}", a[i], b[i]);
@@ -996,6 +1026,17 @@ fn the_daemon_simulation_holds_its_invariants_and_repeats_exactly() {
     if std::env::var("BERTH_DAEMON_SIM_TRACE").is_ok() {
         eprintln!("{}", one_seed(0).join("\n"));
     }
+    // Issue 35: every message the daemon takes is sent (a new `Msg` variant fails
+    // here until the simulator sends it).
+    let never: Vec<&str> = Msg::NAMES
+        .iter()
+        .copied()
+        .filter(|n| !sent.contains(n))
+        .collect();
+    assert!(
+        never.is_empty(),
+        "Msg variants the simulator never sent: {never:?}"
+    );
     // The workload must reach the paths it is for, not only refusals.
     assert!(
         granted > seeds as usize * 10,
