@@ -1,6 +1,7 @@
 //! The daemon with its real host: what an operator reads in the log.
 
 use super::*;
+use tokio::sync::oneshot;
 use crate::clock;
 use berth_store::Writer;
 use std::sync::Mutex;
