@@ -1,10 +1,10 @@
 //! The daemon with its real host: what an operator reads in the log.
 
 use super::*;
-use tokio::sync::oneshot;
 use crate::clock;
 use berth_store::Writer;
 use std::sync::Mutex;
+use tokio::sync::oneshot;
 
 /// One event as `Capture` saw it: its level, message and other fields (`Debug`
 /// form, strings as they are).
