@@ -7,7 +7,7 @@
 //! that is not the run's (they must be refused and change nothing, L2). Every step is
 //! checked with `check_invariants`, every decision is folded into a trace hash, and the
 //! longest time any foreground head waited beyond the starvation guard is compared with
-//! the bound from ARCHITECTURE.md.
+//! the bound from docs/design.md.
 //! There is no clock and no randomness but the seeded generator: the same seed gives the
 //! same trace, which the binary checks by running each seed twice.
 
@@ -86,7 +86,7 @@ impl Default for Params {
 }
 
 impl Params {
-    /// The A7 bound, as ARCHITECTURE.md states it: once a foreground head has waited past
+    /// The A7 bound, as docs/design.md states it: once a foreground head has waited past
     /// the guard, it is admitted within the time every conflicting lease needs to end
     /// (hold + ttl for a client that dies at the end of its hold), that lease's cleanup
     /// (all failed attempts and retries), one ambient dip and its stabilisation, and one
@@ -784,7 +784,7 @@ pub fn run(seed: u64, p: &Params) -> Result<Report, String> {
     run_with_bound(seed, p, p.head_wait_beyond_guard_bound_ms(&sim_config()))
 }
 
-/// [`run`] against a given starvation bound instead of the one ARCHITECTURE.md states
+/// [`run`] against a given starvation bound instead of the one docs/design.md states
 /// (tests use a tighter one to see the check fire).
 pub fn run_with_bound(seed: u64, p: &Params, bound: u64) -> Result<Report, String> {
     let cfg = sim_config();

@@ -1,6 +1,6 @@
 //! `berth-sim --seeds N`: runs N seeds of the deterministic simulator, each twice, and
 //! fails if any trace differs, any invariant breaks, or any foreground head waits longer
-//! beyond the starvation guard than the bound in ARCHITECTURE.md.
+//! beyond the starvation guard than the bound in docs/design.md.
 
 use std::process::ExitCode;
 use std::time::Instant;

@@ -438,3 +438,193 @@ fn the_module_reader_sees_paths_groups_and_not_comments() {
         Some(vec!["b".to_string(), "c".to_string(), "b".to_string()])
     );
 }
+
+/// Issue 35: every limit ARCHITECTURE.md and docs/design.md quote as `` `NAME` (value) ``
+/// is a constant of the code with that value (units converted: `(1 s)` for a
+/// `…_MS` of 1,000, `(64 KiB)` for 65,536). A renamed constant, or a value changed in
+/// the code and not in the docs, fails here. A name defined differently in two crates
+/// is quoted with its crate (`berth_client::ANSWER_BYTES_MAX`).
+#[test]
+fn every_constant_the_docs_quote_has_the_value_the_code_has() {
+    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+    let defs = constant_definitions(root);
+    assert!(defs.len() > 100, "only {} constants found", defs.len());
+    let mut checked = 0;
+    let mut wrong = Vec::new();
+    for doc in ["ARCHITECTURE.md", "docs/design.md"] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        for (name, quoted) in quoted_constants(&text) {
+            checked += 1;
+            match (doc_value(&quoted), constant_value(&defs, &name, 0)) {
+                (Some(want), Ok(have)) if want == have => {}
+                (want, have) => wrong.push(format!(
+                    "{doc}: `{name}` ({quoted}): the docs say {want:?}, the code has {have:?}"
+                )),
+            }
+        }
+    }
+    assert!(checked >= 15, "only {checked} quoted constants found");
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+/// A constant's value in a base unit: microseconds for times, bytes or a plain count.
+#[derive(Debug, PartialEq)]
+enum Value {
+    Micros(u128),
+    Plain(u128),
+}
+
+/// Every `const NAME: T = EXPR;` of the crates' non-test sources: (crate dir, expr).
+fn constant_definitions(root: &Path) -> BTreeMap<String, Vec<(String, String)>> {
+    let mut files = Vec::new();
+    rust_files(&root.join("crates"), &mut files);
+    let mut defs: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+    for f in files {
+        let rel = f.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+        if rel.split('/').any(|c| c == "tests") {
+            continue;
+        }
+        let krate = rel.split('/').nth(1).unwrap().to_string();
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (at, _) in text.match_indices("const ") {
+            let rest = &text[at + "const ".len()..];
+            let Some((name, rest)) = rest.split_once(':') else {
+                continue;
+            };
+            let plain = name.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+            let Some((_, expr)) = rest.split_once('=') else { continue };
+            let Some((expr, _)) = expr.split_once(';') else { continue };
+            if plain && !name.is_empty() && !rest.starts_with(':') {
+                defs.entry(name.to_string())
+                    .or_default()
+                    .push((krate.clone(), expr.trim().to_string()));
+            }
+        }
+    }
+    defs
+}
+
+/// The `` `NAME` (value) `` quotes of a document: (name as written, value text).
+fn quoted_constants(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for part in text.split('`').collect::<Vec<_>>().windows(2) {
+        let [name, after] = part else { continue };
+        let last = name.rsplit("::").next().unwrap_or("");
+        let is_const = last.len() > 2
+            && last.contains('_')
+            && last.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+        let Some(value) = after.strip_prefix(" (") else { continue };
+        if let (true, Some((value, _))) = (is_const, value.split_once(')')) {
+            if value.starts_with(|c: char| c.is_ascii_digit()) {
+                out.push((name.to_string(), value.replace('\n', " ")));
+            }
+        }
+    }
+    out
+}
+
+/// `16,384`, `300 µs`, `1 s`, `64 KiB` in base units.
+fn doc_value(text: &str) -> Option<Value> {
+    let digits: String = text.chars().take_while(|c| c.is_ascii_digit() || *c == ',').collect();
+    let n: u128 = digits.replace(',', "").parse().ok()?;
+    Some(match text[digits.len()..].trim() {
+        "" => Value::Plain(n),
+        "µs" | "us" => Value::Micros(n),
+        "ms" => Value::Micros(n * 1_000),
+        "s" => Value::Micros(n * 1_000_000),
+        "min" => Value::Micros(n * 60_000_000),
+        "KiB" => Value::Plain(n << 10),
+        "MiB" => Value::Plain(n << 20),
+        "GiB" => Value::Plain(n << 30),
+        _ => return None,
+    })
+}
+
+/// The value of constant `name` (`crate_name::NAME` picks the crate's definition);
+/// every definition of an unqualified name must agree.
+fn constant_value(
+    defs: &BTreeMap<String, Vec<(String, String)>>,
+    name: &str,
+    depth: usize,
+) -> Result<Value, String> {
+    if depth > 8 {
+        return Err(format!("{name}: defined in a loop"));
+    }
+    // A qualifier that names a crate picks its definition; a module path does not.
+    let (krate, last) = match name.rsplit_once("::") {
+        Some((k, l)) => (Some(k.rsplit("::").next().unwrap().replace('_', "-")), l),
+        None => (None, name),
+    };
+    let all = defs.get(last).map(Vec::as_slice).unwrap_or_default();
+    let krate = krate.filter(|k| all.iter().any(|(c, _)| c == k));
+    let found: Vec<&(String, String)> = defs
+        .get(last)
+        .map(|d| d.iter().filter(|(c, _)| krate.as_ref().is_none_or(|k| k == c)).collect())
+        .unwrap_or_default();
+    let mut values = Vec::new();
+    for (_, expr) in &found {
+        let unit = |n: u128| match last {
+            l if l.ends_with("_MS") => Value::Micros(n * 1_000),
+            l if l.ends_with("_US") => Value::Micros(n),
+            l if l.ends_with("_S") => Value::Micros(n * 1_000_000),
+            _ => Value::Plain(n),
+        };
+        let v = match duration(expr) {
+            Some((inner, scale)) => Value::Micros(eval(defs, inner, depth)? * scale),
+            None => unit(eval(defs, expr, depth)?),
+        };
+        if !values.contains(&v) {
+            values.push(v);
+        }
+    }
+    match values.len() {
+        0 => Err(format!("{name}: no such constant")),
+        1 => Ok(values.remove(0)),
+        _ => Err(format!("{name}: defined differently in several crates; quote it with its crate")),
+    }
+}
+
+/// `Duration::from_secs(E)` and the like: (E, microseconds per unit).
+fn duration(expr: &str) -> Option<(&str, u128)> {
+    for (f, scale) in [("from_secs(", 1_000_000), ("from_millis(", 1_000), ("from_micros(", 1)] {
+        if let Some(rest) = expr.strip_prefix("Duration::").and_then(|e| e.strip_prefix(f)) {
+            return Some((rest.strip_suffix(')')?, scale));
+        }
+    }
+    None
+}
+
+/// An integer expression of literals, other constants, `+ - * / <<` and parentheses.
+fn eval(
+    defs: &BTreeMap<String, Vec<(String, String)>>,
+    expr: &str,
+    depth: usize,
+) -> Result<u128, String> {
+    let e = expr.replace([' ', '\n'], "");
+    let e = e.trim_start_matches('(').trim_end_matches(')');
+    for op in ["+", "-", "<<", "*", "/"] {
+        if let Some((a, b)) = e.rsplit_once(op) {
+            let (a, b) = (eval(defs, a, depth)?, eval(defs, b, depth)?);
+            return Ok(match op {
+                "+" => a + b,
+                "-" => a - b,
+                "<<" => a << b,
+                "*" => a * b,
+                _ => a / b,
+            });
+        }
+    }
+    let e = e.split("as").next().unwrap_or(e);
+    let digits: String = e
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '_')
+        .filter(|c| *c != '_')
+        .collect();
+    if e.starts_with(|c: char| c.is_ascii_digit()) {
+        return digits.parse().map_err(|_| format!("{expr}: not a number"));
+    }
+    match constant_value(defs, e, depth + 1)? {
+        Value::Plain(n) => Ok(n),
+        Value::Micros(_) => Err(format!("{expr}: a time inside arithmetic")),
+    }
+}

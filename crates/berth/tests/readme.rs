@@ -235,7 +235,7 @@ fn instance_of(concrete: &str, pattern: &str) -> bool {
 }
 
 /// Issue 34, docs current: every route the docs name (`GET /v1/…` in README.md,
-/// docs/contract.md, ARCHITECTURE.md and the clients' READMEs) is a route of the API,
+/// docs/contract.md, ARCHITECTURE.md, docs/design.md and the clients' READMEs) is a route of the API,
 /// with only query parameters it takes; every file they name exists; and
 /// docs/contract.md's interface section names every operation of the API.
 #[test]
@@ -246,6 +246,7 @@ fn the_docs_name_only_routes_and_files_that_exist_and_the_contract_names_every_r
         "README.md",
         "docs/contract.md",
         "ARCHITECTURE.md",
+        "docs/design.md",
         "clients/typescript/README.md",
         "clients/python/README.md",
     ];

@@ -408,7 +408,7 @@ fn a_double_forked_daemon_is_stopped_by_the_cgroup_and_missed_by_the_fallback() 
                 "the cgroup should have caught the double-forked daemon"
             );
         } else if !use_cgroups {
-            // The documented limit of the process-group fallback (ARCHITECTURE.md).
+            // The documented limit of the process-group fallback (docs/design.md).
             assert!(
                 alive(pid),
                 "the fallback is documented not to see a double-forked daemon"

@@ -1,7 +1,7 @@
 //! The admission engine: a deterministic state machine over runs, capacity, keys and the
 //! queue. This file holds its state, `apply` (the one mutator after construction) and
 //! the bookkeeping every concern shares; each concern is a module of its own below.
-//! See ARCHITECTURE.md for the rules it keeps and why it is shaped this way.
+//! See docs/design.md for the rules it keeps and why it is shaped this way.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
