@@ -41,6 +41,27 @@ pub fn ephemeral_ports() -> Option<(u16, u16)> {
     Some((it.next()??, it.next()??))
 }
 
+/// The primary group of `uid` in the password database (through NSS); `None` when
+/// there is no such user. The one lookup of a user berth makes: whether a token may
+/// be made for a uid, and the group a user's workspace is given.
+pub fn passwd_gid(uid: u32) -> Option<u32> {
+    let mut buf = vec![0u8; 16 * 1024];
+    // SAFETY: a zeroed passwd is a valid out-parameter; `buf` outlives the call and its
+    // length is passed; `found` is only compared with null, never dereferenced.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    let rc = unsafe {
+        libc::getpwuid_r(
+            uid,
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    (rc == 0 && !found.is_null()).then_some(pwd.pw_gid)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -219,25 +219,12 @@ impl Journal {
     }
 }
 
-/// What a reader wants: entries of one run, one project, some kinds (all if empty).
-#[derive(Clone, Debug, Default)]
-pub struct Filter {
-    pub run: Option<String>,
-    pub project: Option<String>,
-    pub kinds: Vec<String>,
-}
+/// What a reader wants (the wire's one filter, for the ledger's entries).
+pub use berth_client::wire::JournalFilter as Filter;
 
-impl Filter {
-    pub fn admits(&self, e: &JournalEntry) -> bool {
-        self.run
-            .as_ref()
-            .is_none_or(|r| e.run_id.as_ref() == Some(r))
-            && self
-                .project
-                .as_ref()
-                .is_none_or(|p| e.project.as_ref() == Some(p))
-            && (self.kinds.is_empty() || self.kinds.contains(&e.kind))
-    }
+/// Whether `f` wants the ledger entry `e`.
+pub fn admits(f: &Filter, e: &JournalEntry) -> bool {
+    f.admits(e.run_id.as_deref(), e.project.as_deref(), &e.kind)
 }
 
 #[cfg(test)]
@@ -299,9 +286,9 @@ mod tests {
             project: None,
             kinds: vec!["queued".into()],
         };
-        assert!(f.admits(&entry(1)));
-        assert!(!f.admits(&entry(4)), "r1 but granted");
-        assert!(!f.admits(&entry(3)), "queued but r0");
-        assert!(Filter::default().admits(&entry(2)));
+        assert!(admits(&f, &entry(1)));
+        assert!(!admits(&f, &entry(4)), "r1 but granted");
+        assert!(!admits(&f, &entry(3)), "queued but r0");
+        assert!(admits(&Filter::default(), &entry(2)));
     }
 }

@@ -40,17 +40,17 @@ pub struct EventsArgs {
 
 impl EventsArgs {
     fn admits(&self, e: &JournalEntry) -> bool {
-        self.run
-            .as_ref()
-            .is_none_or(|r| e.run_id.as_ref() == Some(r))
-            && self
-                .project
-                .as_ref()
-                .is_none_or(|p| e.project.as_ref() == Some(p))
-            && self
+        let filter = berth_client::wire::JournalFilter {
+            run: self.run.clone(),
+            project: self.project.clone(),
+            kinds: self
                 .kind
-                .as_ref()
-                .is_none_or(|k| k.split(',').any(|k| k.trim() == e.kind))
+                .iter()
+                .flat_map(|k| k.split(','))
+                .map(|k| k.trim().to_string())
+                .collect(),
+        };
+        filter.admits(e.run_id.as_deref(), e.project.as_deref(), &e.kind)
     }
 
     fn query(&self) -> String {

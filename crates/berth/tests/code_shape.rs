@@ -491,9 +491,15 @@ fn constant_definitions(root: &Path) -> BTreeMap<String, Vec<(String, String)>> 
             let Some((name, rest)) = rest.split_once(':') else {
                 continue;
             };
-            let plain = name.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
-            let Some((_, expr)) = rest.split_once('=') else { continue };
-            let Some((expr, _)) = expr.split_once(';') else { continue };
+            let plain = name
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+            let Some((_, expr)) = rest.split_once('=') else {
+                continue;
+            };
+            let Some((expr, _)) = expr.split_once(';') else {
+                continue;
+            };
             if plain && !name.is_empty() && !rest.starts_with(':') {
                 defs.entry(name.to_string())
                     .or_default()
@@ -512,8 +518,12 @@ fn quoted_constants(text: &str) -> Vec<(String, String)> {
         let last = name.rsplit("::").next().unwrap_or("");
         let is_const = last.len() > 2
             && last.contains('_')
-            && last.chars().all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
-        let Some(value) = after.strip_prefix(" (") else { continue };
+            && last
+                .chars()
+                .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+        let Some(value) = after.strip_prefix(" (") else {
+            continue;
+        };
         if let (true, Some((value, _))) = (is_const, value.split_once(')')) {
             if value.starts_with(|c: char| c.is_ascii_digit()) {
                 out.push((name.to_string(), value.replace('\n', " ")));
@@ -525,7 +535,10 @@ fn quoted_constants(text: &str) -> Vec<(String, String)> {
 
 /// `16,384`, `300 µs`, `1 s`, `64 KiB` in base units.
 fn doc_value(text: &str) -> Option<Value> {
-    let digits: String = text.chars().take_while(|c| c.is_ascii_digit() || *c == ',').collect();
+    let digits: String = text
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == ',')
+        .collect();
     let n: u128 = digits.replace(',', "").parse().ok()?;
     Some(match text[digits.len()..].trim() {
         "" => Value::Plain(n),
@@ -559,7 +572,11 @@ fn constant_value(
     let krate = krate.filter(|k| all.iter().any(|(c, _)| c == k));
     let found: Vec<&(String, String)> = defs
         .get(last)
-        .map(|d| d.iter().filter(|(c, _)| krate.as_ref().is_none_or(|k| k == c)).collect())
+        .map(|d| {
+            d.iter()
+                .filter(|(c, _)| krate.as_ref().is_none_or(|k| k == c))
+                .collect()
+        })
         .unwrap_or_default();
     let mut values = Vec::new();
     for (_, expr) in &found {
@@ -580,14 +597,23 @@ fn constant_value(
     match values.len() {
         0 => Err(format!("{name}: no such constant")),
         1 => Ok(values.remove(0)),
-        _ => Err(format!("{name}: defined differently in several crates; quote it with its crate")),
+        _ => Err(format!(
+            "{name}: defined differently in several crates; quote it with its crate"
+        )),
     }
 }
 
 /// `Duration::from_secs(E)` and the like: (E, microseconds per unit).
 fn duration(expr: &str) -> Option<(&str, u128)> {
-    for (f, scale) in [("from_secs(", 1_000_000), ("from_millis(", 1_000), ("from_micros(", 1)] {
-        if let Some(rest) = expr.strip_prefix("Duration::").and_then(|e| e.strip_prefix(f)) {
+    for (f, scale) in [
+        ("from_secs(", 1_000_000),
+        ("from_millis(", 1_000),
+        ("from_micros(", 1),
+    ] {
+        if let Some(rest) = expr
+            .strip_prefix("Duration::")
+            .and_then(|e| e.strip_prefix(f))
+        {
             return Some((rest.strip_suffix(')')?, scale));
         }
     }

@@ -39,6 +39,25 @@ pub struct JournalEntry {
     pub data: Value,
 }
 
+/// What a reader of the journal wants: entries of one run, one project, some kinds
+/// (each left out: all). The daemon filters its streams with it, the CLI the pages it
+/// reads.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct JournalFilter {
+    pub run: Option<String>,
+    pub project: Option<String>,
+    pub kinds: Vec<String>,
+}
+
+impl JournalFilter {
+    /// Whether an entry of this run, project and kind is wanted.
+    pub fn admits(&self, run_id: Option<&str>, project: Option<&str>, kind: &str) -> bool {
+        self.run.as_deref().is_none_or(|r| run_id == Some(r))
+            && self.project.as_deref().is_none_or(|p| project == Some(p))
+            && (self.kinds.is_empty() || self.kinds.iter().any(|k| k == kind))
+    }
+}
+
 impl JournalEntry {
     /// `data` as the type of this entry's `kind`: `None` for a kind this client does
     /// not know (a newer daemon's), an error for data that does not fit its kind.

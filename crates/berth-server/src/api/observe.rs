@@ -598,7 +598,7 @@ async fn catch_up(
             return Ok(());
         }
         for e in got.iter().take_while(|e| e.seq <= through) {
-            if filter.admits(e) {
+            if crate::journal::admits(filter, e) {
                 sse(e, &mut out.batch);
             }
             *after = e.seq;

@@ -215,8 +215,13 @@ pub(super) async fn renew(
         fence,
         ttl_ms: b.ttl_s.map(|t| t * 1000),
     };
+    run_command(&api, &caller, cmd).await
+}
+
+/// A lease command on the caller's behalf (S9), answered with the run.
+async fn run_command(api: &Api, caller: &Caller, cmd: Command) -> Result<Response, ApiError> {
     let by = caller.tenant;
-    let info = ask(&api, |reply| Msg::Command { cmd, by, reply }).await?;
+    let info = ask(api, |reply| Msg::Command { cmd, by, reply }).await?;
     Ok(Json(run_out(&info)).into_response())
 }
 
@@ -230,9 +235,7 @@ pub(super) async fn release(
     let b: ReleaseBody = json_body(body, false).await?;
     let fence = check_fence(b.fence)?;
     let cmd = Command::Release { run_id: id, fence };
-    let by = caller.tenant;
-    let info = ask(&api, |reply| Msg::Command { cmd, by, reply }).await?;
-    Ok(Json(run_out(&info)).into_response())
+    run_command(&api, &caller, cmd).await
 }
 
 pub(super) async fn register_process(
@@ -420,23 +423,4 @@ pub(super) async fn fence_check(
         state,
         host,
     }))
-}
-
-/// Whether `uid` names a user on this host (the password database, through NSS).
-pub(super) fn user_exists(uid: u32) -> bool {
-    let mut buf = vec![0u8; 16 * 1024];
-    // SAFETY: a zeroed passwd is a valid out-parameter; `buf` outlives the call and its
-    // length is passed; `found` is only read, never dereferenced.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut found: *mut libc::passwd = std::ptr::null_mut();
-    let rc = unsafe {
-        libc::getpwuid_r(
-            uid,
-            &mut pwd,
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            &mut found,
-        )
-    };
-    rc == 0 && !found.is_null()
 }

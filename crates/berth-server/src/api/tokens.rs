@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use berth_client::wire::{TokenCreated, TokenInfo, TokenList, TokenRequest};
 
-use super::{ask, json_body, user_exists, Api, ApiError, Body, Caller};
+use super::{ask, json_body, Api, ApiError, Body, Caller};
 use crate::auth::{self, Grant, Scope};
 use crate::daemon::Msg;
 
@@ -44,7 +44,7 @@ pub(super) async fn create_token(
         None => None,
     };
     if let Some(uid) = b.uid {
-        let known = tokio::task::spawn_blocking(move || user_exists(uid))
+        let known = tokio::task::spawn_blocking(move || crate::host::passwd_gid(uid).is_some())
             .await
             .unwrap_or(false);
         if !known {

@@ -156,7 +156,7 @@ impl Host for RealHost {
         let me = rustix::process::geteuid().as_raw();
         match (&self.users_dir, owner) {
             (Some(dir), Some(uid)) if uid != me && me == 0 => {
-                workspace::create_owned(dir, uid, primary_gid(uid), run_id)
+                workspace::create_owned(dir, uid, crate::host::passwd_gid(uid), run_id)
             }
             _ => self.workspaces.create(run_id),
         }
@@ -352,22 +352,3 @@ pub type Made = Result<WorkspaceIdentity, String>;
 
 /// A process the registration rule allows (its identity), or why not.
 pub type Checked = Result<ProcId, Refusal>;
-
-/// The primary group of `uid` in the password database (through NSS), if it has one.
-pub fn primary_gid(uid: u32) -> Option<u32> {
-    let mut buf = vec![0u8; 16 * 1024];
-    // SAFETY: a zeroed passwd is a valid out-parameter; `buf` outlives the call and its
-    // length is passed; `found` is only compared with null, never dereferenced.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut found: *mut libc::passwd = std::ptr::null_mut();
-    let rc = unsafe {
-        libc::getpwuid_r(
-            uid,
-            &mut pwd,
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-            &mut found,
-        )
-    };
-    (rc == 0 && !found.is_null()).then_some(pwd.pw_gid)
-}

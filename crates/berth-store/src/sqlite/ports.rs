@@ -7,11 +7,7 @@ pub(super) fn load_ports(
     conn: &rusqlite::Connection,
     runs: &mut [RunRecord],
 ) -> Result<(), StoreError> {
-    let index: std::collections::HashMap<String, usize> = runs
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (r.request.run_id.clone(), i))
-        .collect();
+    let index = run_index(runs);
     let mut stmt = conn
         .prepare("SELECT run_id, name, port FROM ports ORDER BY run_id, name")
         .map_err(corrupt)?;

@@ -12,11 +12,7 @@ pub(super) fn load_processes(
     runs: &mut [RunRecord],
     ended_max: usize,
 ) -> Result<(), StoreError> {
-    let index: std::collections::HashMap<String, usize> = runs
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (r.request.run_id.clone(), i))
-        .collect();
+    let index = run_index(runs);
     // Only the loaded runs' (by the primary key's prefix): the processes of runs
     // retention has not yet pruned are not read at all.
     let mut stmt = c

@@ -393,3 +393,11 @@ pub(super) fn prune_in(
             Ok((r.get::<_, i64>(0)? as usize, r.get::<_, i64>(1)? as u64))
         })
 }
+
+/// Each loaded run's place in `runs`, by id: where the per-run tables' rows go.
+pub(super) fn run_index(runs: &[RunRecord]) -> std::collections::HashMap<String, usize> {
+    runs.iter()
+        .enumerate()
+        .map(|(i, r)| (r.request.run_id.clone(), i))
+        .collect()
+}
