@@ -156,11 +156,11 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-#[test]
-fn no_function_in_any_crate_is_over_70_lines_and_no_test_over_150() {
-    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+/// Every `.rs` file under `dir` with its text, in path order, and the files that
+/// `#[cfg(test)] mod name;` lines declare (test code, wherever it is).
+fn sources(dir: &Path) -> (Vec<(PathBuf, String)>, BTreeSet<PathBuf>) {
     let mut files = Vec::new();
-    rust_files(&root.join("crates"), &mut files);
+    rust_files(dir, &mut files);
     files.sort();
     let texts: Vec<(PathBuf, String)> = files
         .into_iter()
@@ -174,6 +174,13 @@ fn no_function_in_any_crate_is_over_70_lines_and_no_test_over_150() {
         let lines: Vec<&str> = t.lines().collect();
         test_files.extend(test_module_files(f, &lines));
     }
+    (texts, test_files)
+}
+
+#[test]
+fn no_function_in_any_crate_is_over_70_lines_and_no_test_over_150() {
+    let root = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."));
+    let (texts, test_files) = sources(&root.join("crates"));
     let mut wrong = Vec::new();
     let mut measured = 0;
     for (f, text) in &texts {
@@ -360,20 +367,7 @@ fn no_crate_has_a_module_cycle() {
         if !src.is_dir() {
             continue;
         }
-        let mut files = Vec::new();
-        rust_files(&src, &mut files);
-        let texts: Vec<(PathBuf, String)> = files
-            .into_iter()
-            .map(|f| {
-                let t = std::fs::read_to_string(&f).unwrap();
-                (f, t)
-            })
-            .collect();
-        let mut test_files = BTreeSet::new();
-        for (f, t) in &texts {
-            let lines: Vec<&str> = t.lines().collect();
-            test_files.extend(test_module_files(f, &lines));
-        }
+        let (texts, test_files) = sources(&src);
         let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
         for (f, text) in &texts {
             let rel = f.strip_prefix(&src).unwrap();

@@ -152,9 +152,7 @@ pub(super) async fn get_run(
     Params(q): Params,
 ) -> Result<Response, ApiError> {
     check_run_id(&id)?;
-    if let Some(k) = q.keys().find(|k| *k != "wait_s") {
-        return Err(ApiError::invalid(k, "is not a known query parameter"));
-    }
+    only_params(&q, &["wait_s"])?;
     let wait_s = match q.get("wait_s") {
         Some(w) => w
             .parse::<u64>()
@@ -298,9 +296,7 @@ pub(super) async fn delete_run(
     Params(q): Params,
 ) -> Result<Response, ApiError> {
     check_run_id(&id)?;
-    if let Some(k) = q.keys().find(|k| *k != "fence") {
-        return Err(ApiError::invalid(k, "is not a known query parameter"));
-    }
+    only_params(&q, &["fence"])?;
     let cmd = match q.get("fence") {
         Some(f) => {
             let f = f
@@ -423,4 +419,12 @@ pub(super) async fn fence_check(
         state,
         host,
     }))
+}
+
+/// A query parameter the route does not take is refused, naming it.
+fn only_params(q: &BTreeMap<String, String>, takes: &[&str]) -> Result<(), ApiError> {
+    match q.keys().find(|k| !takes.contains(&k.as_str())) {
+        Some(k) => Err(ApiError::invalid(k, "is not a known query parameter")),
+        None => Ok(()),
+    }
 }
