@@ -106,7 +106,7 @@ struct Fixture {
     log_checked: Cell<u64>,
 }
 
-/// The operations of the daemon's own OpenAPI document (`api/doc.rs`'s tests pin it to
+/// The operations of the daemon's own OpenAPI document (`api/doc/tests.rs` pins it to
 /// the router both ways, and to docs/openapi.json).
 fn routes(d: &Daemon) -> Vec<Route> {
     let doc = d.get("/v1/openapi.json").body;
