@@ -171,7 +171,7 @@ fn rule_of<'a>(message: &'a str, field: &str) -> &'a str {
 /// Why the daemon refused or could not do what a message asked, in the daemon's own
 /// terms. **Architecture invariant:** the daemon names no HTTP status; `ApiError`
 /// alone maps these to status codes and wire codes.
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub enum Error {
     /// The engine's rules said no (the rule and its fields are in the core error).
     Core(CoreError),

@@ -27,7 +27,7 @@ use berth_proc::ProcId;
 const ANCESTRY_DEPTH_MAX: usize = 4_096;
 
 /// Why a registration was refused.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Refusal {
     Forbidden(String),
     NotOwned(String),

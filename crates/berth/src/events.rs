@@ -39,8 +39,9 @@ pub struct EventsArgs {
 }
 
 impl EventsArgs {
-    fn admits(&self, e: &JournalEntry) -> bool {
-        let filter = berth_client::wire::JournalFilter {
+    /// What `--run`, `--project` and `--kind` ask for, as the journal's one filter.
+    fn filter(&self) -> berth_client::wire::JournalFilter {
+        berth_client::wire::JournalFilter {
             run: self.run.clone(),
             project: self.project.clone(),
             kinds: self
@@ -49,8 +50,7 @@ impl EventsArgs {
                 .flat_map(|k| k.split(','))
                 .map(|k| k.trim().to_string())
                 .collect(),
-        };
-        filter.admits(e.run_id.as_deref(), e.project.as_deref(), &e.kind)
+        }
     }
 
     fn query(&self) -> String {
@@ -128,6 +128,7 @@ pub fn events_main(a: EventsArgs) -> anyhow::Result<u8> {
     // only those), page by page; with --last, only the last N it admits.
     let mut after = a.after.unwrap_or(0);
     let mut kept = std::collections::VecDeque::new();
+    let filter = a.filter();
     while after < last {
         let page = match c.get_stream(&format!("/v1/journal?after={after}"), &[]) {
             Ok(r) if r.status < 300 => r,
@@ -140,7 +141,7 @@ pub fn events_main(a: EventsArgs) -> anyhow::Result<u8> {
                 continue;
             };
             after = e.seq;
-            if !a.admits(&e) {
+            if !filter.admits(e.run_id.as_deref(), e.project.as_deref(), &e.kind) {
                 continue;
             }
             match a.last {

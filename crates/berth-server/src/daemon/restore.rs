@@ -270,3 +270,38 @@ impl<H: Host> Daemon<H> {
         })
     }
 }
+
+impl<H: Host> Daemon<H> {
+    /// A daemon and its shell over `store`, as a start makes them, for the tests and
+    /// the simulator: one same-boot restore, a fresh token table, a group-committing
+    /// writer.
+    #[cfg(test)]
+    pub(super) fn start_for_test(
+        now: u64,
+        how: Restore,
+        mut store: Box<dyn berth_store::Store>,
+        url: &str,
+        host: H,
+    ) -> (Daemon<H>, super::Shell) {
+        let ledger = store.load(how.cfg.ended_retained_max).unwrap();
+        let shared = Arc::new(Shared {
+            url: url.into(),
+            ..Default::default()
+        });
+        let writer = Writer::spawn(store, true);
+        let fatal = Arc::new(crate::Fatal::default());
+        let d = Daemon::restore(
+            now,
+            how,
+            ledger,
+            &writer,
+            shared.clone(),
+            fatal.clone(),
+            host,
+        );
+        (
+            d.expect("restore"),
+            super::Shell::new(writer, shared, fatal),
+        )
+    }
+}

@@ -2,7 +2,6 @@
 
 use super::*;
 use crate::clock;
-use berth_store::Writer;
 use std::sync::Mutex;
 use tokio::sync::oneshot;
 
@@ -64,9 +63,7 @@ fn restore(dir: &std::path::Path) -> Live {
 }
 
 fn restore_with(dir: &std::path::Path, cfg: berth_core::Config) -> Live {
-    let mut store = berth_store::SqliteStore::open_exclusive(&dir.join("ledger.db")).unwrap();
-    use berth_store::Store;
-    let ledger = store.load(1_000).unwrap();
+    let store = berth_store::SqliteStore::open_exclusive(&dir.join("ledger.db")).unwrap();
     let runs_dir = workspace::ensure_runs_dir(dir).unwrap();
     let host = RealHost::new(
         &runs_dir,
@@ -92,26 +89,9 @@ fn restore_with(dir: &std::path::Path, cfg: berth_core::Config) -> Live {
         port_range: (30_000, 30_999),
         threads: Default::default(),
     };
-    let shared = Arc::new(Shared {
-        tokens: RwLock::new(Vec::new()),
-        url: "http://127.0.0.1:1".into(),
-        ..Default::default()
-    });
-    let writer = Writer::spawn(Box::new(store), true);
-    let fatal = Arc::new(crate::Fatal::default());
-    let d = Daemon::restore(
-        clock::mono_ms(),
-        how,
-        ledger,
-        &writer,
-        shared.clone(),
-        fatal.clone(),
-        host,
-    );
-    Live {
-        d: d.unwrap(),
-        shell: super::Shell::new(writer, shared, fatal),
-    }
+    let now = clock::mono_ms();
+    let (d, shell) = Daemon::start_for_test(now, how, Box::new(store), "http://127.0.0.1:1", host);
+    Live { d, shell }
 }
 
 /// A daemon with its shell, as the runtime drives it: each step's effects carried out.

@@ -16,14 +16,14 @@
 //! when it has ended). Each seed runs twice and the two traces must be equal.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 
 use berth_core::{Class, Command, Priority, Request, Resources, RunState};
 use berth_proc::{ProcId, StopReport};
 use berth_sim::Rng;
-use berth_store::{SqliteStore, Store, WorkspaceIdentity, Writer};
+use berth_store::{SqliteStore, WorkspaceIdentity};
 
-use super::{Daemon, Error, Host, Msg, Restore, RunInfo, Shared, StopOrder, StopSink};
+use super::{Daemon, Error, Host, Msg, Restore, RunInfo, StopOrder, StopSink};
 use crate::register::{OtherRun, Refusal};
 
 mod msgs;
@@ -349,8 +349,7 @@ impl Sim {
 
     /// Starts (or restarts) the daemon from the ledger.
     fn start(&mut self) {
-        let mut store = SqliteStore::open_exclusive(&self.dir.path().join("ledger.db")).unwrap();
-        let ledger = store.load(config().ended_retained_max).unwrap();
+        let store = SqliteStore::open_exclusive(&self.dir.path().join("ledger.db")).unwrap();
         let how = Restore {
             cfg: config(),
             same_boot: true,
@@ -358,25 +357,10 @@ impl Sim {
             port_range: PORT_RANGE,
             threads: Default::default(),
         };
-        let shared = Arc::new(Shared {
-            tokens: RwLock::new(Vec::new()),
-            url: "http://sim".into(),
-            ..Default::default()
-        });
-        let writer = Writer::spawn(Box::new(store), true);
-        let fatal = Arc::new(crate::Fatal::default());
         let host = SimHost(self.machine.clone());
-        let d = Daemon::restore(
-            self.now,
-            how,
-            ledger,
-            &writer,
-            shared.clone(),
-            fatal.clone(),
-            host,
-        );
-        self.daemon = Some(d.expect("restore"));
-        self.shell = Some(super::Shell::new(writer, shared, fatal));
+        let (d, shell) = Daemon::start_for_test(self.now, how, Box::new(store), "http://sim", host);
+        self.daemon = Some(d);
+        self.shell = Some(shell);
     }
 
     /// One message, its effects carried out and durable.

@@ -20,25 +20,7 @@ fn code<T>(res: &Result<T, Error>) -> String {
     match res {
         Ok(_) => "ok".into(),
         Err(Error::Core(e)) => e.code().to_string(),
-        Err(e) => crate::error::ApiError::from(e.clone_for_trace()).code,
-    }
-}
-
-impl Error {
-    /// The error again, for the trace's refusal code (the daemon's errors are not Clone).
-    fn clone_for_trace(&self) -> Error {
-        match self {
-            Error::Thread(e) => Error::Thread(e.clone()),
-            Error::NotOwner { what, id, uid } => Error::NotOwner {
-                what,
-                id: id.clone(),
-                uid: *uid,
-            },
-            Error::Draining(d) => Error::Draining(d.clone()),
-            Error::FleetUnavailable => Error::FleetUnavailable,
-            Error::ShuttingDown => Error::ShuttingDown,
-            e => Error::Internal(format!("{e:?}")),
-        }
+        Err(e) => crate::error::ApiError::from(e.clone()).code,
     }
 }
 
