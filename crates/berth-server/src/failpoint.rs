@@ -8,8 +8,9 @@
 //! `BERTH_FAILPOINT_RELEASE` exists, then go on (a step that takes as long as the test
 //! needs).
 //!
-//! Points: `grant-committed` (a grant is durable but not yet answered), `mid-stop`
-//! (between SIGTERM and SIGKILL of a run's tree), `mid-archive` (an archive of
+//! Points: `grant-committed` (a grant is durable but not yet answered),
+//! `workspace-made` (a granted run's workspace exists, its grant is not durable yet),
+//! `mid-stop` (between SIGTERM and SIGKILL of a run's tree), `mid-archive` (an archive of
 //! diagnostics with its first file copied and the rest not), `mid-workspace-removal`
 //! (a workspace's first file deleted, after its logs were archived), `worktree-read`
 //! (a blocking thread reading a worktree: with `pause`, a worktree on a hung file

@@ -61,11 +61,11 @@ fn names_in(p: &std::path::Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// The raw release that sets off the armed crash (the daemon may die before it
+/// The raw request that sets off the armed crash (the daemon may die before it
 /// answers), and the proof that it crashed rather than answered or exited cleanly.
-fn crash_by(d: &mut Daemon, path: &str, fence: u64, failpoint: &str) {
+fn crash_by(d: &mut Daemon, path: &str, body: serde_json::Value, failpoint: &str) {
     let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
-    let body = json!({ "fence": fence }).to_string();
+    let body = body.to_string();
     write!(
         s,
         "POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
@@ -322,7 +322,7 @@ fn crash_at(failpoint: &str, variant: u64) {
         // (mid-workspace-removal).
         _ => ("/v1/runs/dirty/release", dirty_fence),
     };
-    crash_by(&mut d, path, fence, failpoint);
+    crash_by(&mut d, path, json!({ "fence": fence }), failpoint);
 
     d.env.clear();
     d.spawn();
@@ -423,6 +423,49 @@ fn crash_between_marking_a_workspace_archived_and_naming_its_archive() {
 #[test]
 fn crash_in_the_middle_of_removing_a_workspace() {
     crash_at("mid-workspace-removal", 0);
+}
+
+/// Regression (issue 35): a crash after a granted run's workspace was made and before
+/// its grant was committed left the directory in `runs/` for good: no run owned it and
+/// nothing ever looked again. A start now moves every workspace the ledger does not
+/// know to the trash (scrubbed there), and leaves the known ones alone.
+#[test]
+fn a_workspace_made_for_a_grant_a_crash_kept_from_the_ledger_is_removed_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut d = Daemon::start_in(dir.path(), common::free_port(), &["--slots-max", "4"]);
+    let arm = dir.path().join("armed");
+    d.env = vec![
+        ("BERTH_FAILPOINT".into(), "workspace-made".into()),
+        ("BERTH_FAILPOINT_ARM".into(), arm.display().to_string()),
+    ];
+    d.kill9_and_restart();
+    let mut keep = hold(&d, "keep", false);
+    let kept = std::path::PathBuf::from(d.get("/v1/runs/keep").body["workspace"].as_str().unwrap());
+    std::fs::write(arm, "").unwrap();
+    let lost = json!({"run_id": "lost", "project": "lost", "resources": {"cpu_millis": 100}});
+    crash_by(&mut d, "/v1/runs", lost, "workspace-made");
+    let runs = dir.path().join("runs");
+    let orphan = runs.join(berth_server::workspace::dir_name("lost"));
+    assert!(
+        orphan.is_dir(),
+        "the crash left no workspace to find: {:?}",
+        names_in(&runs)
+    );
+    d.env.clear();
+    d.kill9_and_restart();
+    d.wait_until("the orphan workspace is gone", |_| !orphan.exists());
+    assert_eq!(
+        d.get("/v1/runs/lost").status,
+        404,
+        "the lost grant was never recorded"
+    );
+    assert!(kept.is_dir(), "a live run's workspace was swept");
+    assert_eq!(d.get("/v1/runs/keep").body["state"], "granted");
+    d.wait_until("the trash is scrubbed", |_| {
+        names_in(&runs.join(".trash")).is_empty()
+    });
+    keep.child.kill().unwrap();
+    let _ = keep.child.wait();
 }
 
 #[test]

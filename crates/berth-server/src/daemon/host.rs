@@ -43,6 +43,10 @@ pub trait Host {
     fn create_workspace(&mut self, run_id: &str, owner: Option<u32>) -> Made;
     /// W1/L5: removes a stopping run's workspace after its identity check.
     fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String>;
+    /// W1/P5, at start: every workspace berth made that no run or thread of the ledger
+    /// owns (`owned`, by path) is removed; returns their paths. A crash between making
+    /// a workspace and committing the grant that records it leaves such a one.
+    fn sweep_workspaces(&mut self, owned: &std::collections::BTreeSet<String>) -> Vec<String>;
     /// Bytes free (to an unprivileged writer) on the file system of the workspaces, if
     /// it can be told: the threads' disk-pressure sweep reads it once a second.
     fn disk_free(&self) -> Option<u64>;
@@ -160,7 +164,12 @@ impl Host for RealHost {
             }
             _ => self.workspaces.create(run_id),
         }
+        .inspect(|_| crate::failpoint::hit("workspace-made"))
         .map_err(|e| e.to_string())
+    }
+
+    fn sweep_workspaces(&mut self, owned: &std::collections::BTreeSet<String>) -> Vec<String> {
+        self.workspaces.sweep(owned)
     }
 
     fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String> {

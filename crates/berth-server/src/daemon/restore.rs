@@ -55,6 +55,21 @@ fn restore_summary(ledger: &Ledger, same_boot: bool) {
     }
 }
 
+/// W1/P5: the workspaces no run or thread of the ledger owns are removed, each said.
+/// A crash between making a granted run's workspace and committing its grant leaves
+/// one: nothing would ever own, reuse or remove it (issue 35).
+fn sweep_workspaces<H: Host>(host: &mut H, ledger: &Ledger) {
+    let runs = ledger.runs.iter().filter_map(|r| r.workspace.as_ref());
+    let threads = ledger.threads.iter().filter_map(|t| t.workspace.as_ref());
+    let owned: BTreeSet<String> = runs.chain(threads).map(|w| w.path.clone()).collect();
+    for path in host.sweep_workspaces(&owned) {
+        tracing::warn!(
+            path,
+            "a workspace no run owns (a crash before its grant was recorded) was removed"
+        );
+    }
+}
+
 /// A ledger record as the engine and the daemon take it back. Times are this boot's
 /// monotonic milliseconds; after a reboot (`reboot_window` is the reconnect window)
 /// every lease is over and every waiter has one reconnect window.
@@ -222,6 +237,8 @@ impl<H: Host> Daemon<H> {
         host: H,
     ) -> Result<Daemon<H>, String> {
         restore_summary(&ledger, how.same_boot);
+        let mut host = host;
+        sweep_workspaces(&mut host, &ledger);
         shared.journal.start(ledger.journal_last, writer.reader());
         let Sorted {
             restored,

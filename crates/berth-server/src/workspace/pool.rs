@@ -171,6 +171,39 @@ impl Pool {
         create(&self.runs_dir, run_id)
     }
 
+    /// At start: every entry of the runs directory that is not `owned` (by path) and
+    /// not the pool's own (`.pool`, `.trash`) goes to the trash, to be scrubbed (its
+    /// logs archived) like any other; returns their paths. Only berth writes in the
+    /// runs directory (0700), so such an entry is a workspace made for a grant that a
+    /// crash kept from being recorded. Renamed, never followed: a link or a file goes
+    /// to the trash as it is, and the trash unlinks it.
+    pub fn sweep(&self, owned: &std::collections::BTreeSet<String>) -> Vec<String> {
+        let Ok(entries) = std::fs::read_dir(&self.runs_dir) else {
+            return Vec::new();
+        };
+        let mut swept = Vec::new();
+        for name in entries.filter_map(|e| e.ok()?.file_name().into_string().ok()) {
+            let path = self.runs_dir.join(&name).display().to_string();
+            if name.starts_with('.') || owned.contains(&path) {
+                continue;
+            }
+            let n = self.next.fetch_add(1, Ordering::Relaxed);
+            let aside = format!("{OLD_PREFIX}{name}-s{n}");
+            match fs::renameat_with(
+                &self.runs_fd,
+                name.as_str(),
+                &self.trash_fd,
+                aside.as_str(),
+                fs::RenameFlags::NOREPLACE,
+            ) {
+                Ok(()) => swept.push(path),
+                Err(e) => tracing::warn!("workspace sweep: moving {path} to the trash: {e}"),
+            }
+        }
+        let _ = self.wake.send(());
+        swept
+    }
+
     /// Checks the workspace's identity, then moves it into the pool to be judged by the
     /// background thread. Its name there carries `run_id`, so that if its logs are
     /// archived, the archive is named after the run (see `RUN_SEP`), even after a crash.

@@ -94,6 +94,18 @@ impl Host for SimHost {
         }
     }
 
+    fn sweep_workspaces(&mut self, owned: &BTreeSet<String>) -> Vec<String> {
+        let mut m = self.0.lock().unwrap();
+        let swept: Vec<String> = (m.workspaces.iter())
+            .filter(|(_, w)| !owned.contains(&w.path))
+            .map(|(k, _)| k.clone())
+            .collect();
+        swept
+            .into_iter()
+            .filter_map(|k| m.workspaces.remove(&k).map(|w| w.path))
+            .collect()
+    }
+
     fn has_group(&self, _run_id: &str) -> bool {
         false
     }
