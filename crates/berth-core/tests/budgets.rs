@@ -91,8 +91,16 @@ fn restart(e: &Engine, cfg: &Config, now: u64) -> Engine {
     // The ledger gives runs back in arrival order.
     runs.sort_by_key(|r| (r.enqueued_at, r.request.run_id.clone()));
     let scopes: Vec<Scope> = e.scopes().iter().cloned().collect();
-    Engine::restore_with_scopes(cfg.clone(), e.last_fence(), now, runs, scopes, Vec::new())
-        .expect("an engine restores from its own records")
+    Engine::restore_with_scopes(
+        cfg.clone(),
+        e.last_fence(),
+        now,
+        runs,
+        scopes,
+        Vec::new(),
+        false,
+    )
+    .expect("an engine restores from its own records")
 }
 
 proptest! {

@@ -244,7 +244,7 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
         port_range: cfg.port_range,
         threads: cfg.threads,
     };
-    let st = daemon::Daemon::restore(
+    let mut st = daemon::Daemon::restore(
         clock::mono_ms(),
         how,
         opened.ledger,
@@ -256,6 +256,7 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
     .map_err(|e| anyhow::anyhow!("ledger {}: {e}", cfg.state_dir.join("ledger.db").display()))?;
     let commits_cell = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let shell = daemon::Shell::new(writer, shared.clone(), fatal.clone());
+    shell.carry_out(st.restored_effects());
     let (api, state_done) = spawn_state(&cfg, (st, shell), shared, commits_cell.clone())?;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(serve_until_stopped(

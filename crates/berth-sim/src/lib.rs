@@ -226,6 +226,7 @@ impl Sim {
             records,
             scopes,
             evidence,
+            self.engine.is_draining(),
         )
         .map_err(|e| {
             format!(

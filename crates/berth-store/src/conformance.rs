@@ -436,6 +436,28 @@ pub fn ports_live_with_their_run_and_go_when_it_ends(open: Open) {
     let l = open().load(10).unwrap();
     assert_eq!(l.runs.len(), 1);
     assert!(l.runs[0].ports.is_empty(), "{:?}", l.runs[0].ports);
+    // Ended with no ports in its record, or pruned: its ports go all the same, so a new
+    // run under its id never loads them (found by MemStore's side-by-side test).
+    let mut p2 = granted.clone();
+    p2.request.run_id = "p2".into();
+    p2.queue_seq = 2;
+    s.write(&[&batch(200, vec![p2.clone()])]).unwrap();
+    p2.state = RunState::Released;
+    p2.end_cause = Some(EndCause::Released);
+    p2.ports.clear();
+    s.write(&[&batch(200, vec![p2.clone()])]).unwrap();
+    let forget = Retention {
+        ended_max: 0,
+        ended_age_ms: u64::MAX,
+        journal_hold: None,
+    };
+    assert_eq!(s.prune(&forget, u64::MAX / 2, 10).unwrap(), 2);
+    let mut again = sample_run("p2", 3, RunState::Granted);
+    again.ports = vec![("web".into(), 41_002)];
+    s.write(&[&batch(200, vec![again.clone()])]).unwrap();
+    let l = open().load(10).unwrap();
+    let p2 = l.runs.iter().find(|r| r.request.run_id == "p2").unwrap();
+    assert_eq!(p2.ports, again.ports, "the ended run's ports came back");
 }
 
 /// C3/C4: a project's promotion evidence survives a reopen, a newer proof replaces it,

@@ -5,6 +5,7 @@
 //! retention policy. A [`Batch`] is a list of [`Mutation`]s, a closed enum: adding a
 //! durable thing is one arm there, one table in each store and one conformance check. [`SqliteStore`] is the embedded
 //! default (WAL, `synchronous=FULL`, `BEGIN IMMEDIATE`, schema migrations by version).
+//! [`MemStore`] keeps the same ledger in memory, by the same rules, for the daemon simulator.
 //! [`Writer`] owns a store on one thread and commits whatever batches are waiting in a
 //! single transaction, so concurrent requests share one fsync (group commit).
 //! [`conformance`] is the test suite every store implementation must pass.
@@ -21,8 +22,10 @@ use berth_core::{EndCause, KeyMode, Request, RunState};
 
 pub mod conformance;
 pub mod fleet;
+mod mem;
 mod sqlite;
 
+pub use mem::MemStore;
 pub use sqlite::SqliteStore;
 
 /// What went wrong, in two kinds the writer treats differently: [`StoreError::Conflict`]

@@ -263,7 +263,12 @@ impl Engine {
         let p = self.run(s).project;
         self.gc_project(p);
         self.ended.push_back(s);
-        while self.ended.len() > self.cfg.ended_retained_max {
+        // The oldest go, but none that this very `apply` ended (issue 35: the first of
+        // more than `ended_retained_max` runs ended in one step were forgotten before
+        // the step recorded their end, and the ledger kept them live for good).
+        self.ended_in_apply += 1;
+        let keep = self.cfg.ended_retained_max.max(self.ended_in_apply);
+        while self.ended.len() > keep {
             let old = self.ended.pop_front().expect("non-empty");
             let run = self.runs[old as usize].take().expect("ended run");
             self.by_id.remove(&run.req.run_id);

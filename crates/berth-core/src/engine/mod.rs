@@ -188,6 +188,9 @@ pub struct Engine {
     pub(crate) stabilized_available: Option<u64>,
     pub(crate) last_fence: Fence,
     ended: VecDeque<Slot>,
+    /// Runs ended by the `apply` under way: never retired by it, however many, so
+    /// every run its events say ended can still be read (and recorded) after it.
+    ended_in_apply: usize,
     keys_with_upgrades: BTreeSet<KeyId>,
     window_buf: Vec<(u64, Slot)>,
     pub(crate) background_grants_while_foreground_waits: u64,
@@ -259,6 +262,7 @@ impl Engine {
             stabilized_available: None,
             last_fence,
             ended: VecDeque::new(),
+            ended_in_apply: 0,
             keys_with_upgrades: BTreeSet::new(),
             window_buf: Vec::new(),
             background_grants_while_foreground_waits: 0,
@@ -269,6 +273,7 @@ impl Engine {
     /// Applies one command at monotonic time `now_ms` (clamped so time never goes back).
     pub fn apply(&mut self, now_ms: TimeMs, cmd: Command) -> Output {
         let mut ev = Vec::new();
+        self.ended_in_apply = 0;
         self.advance(now_ms, &mut ev);
         let advanced = !ev.is_empty();
         let now = self.now;

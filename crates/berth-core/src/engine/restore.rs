@@ -14,13 +14,16 @@ impl Engine {
         now: TimeMs,
         runs: Vec<RestoredRun>,
     ) -> Result<Engine, String> {
-        Engine::restore_with_scopes(cfg, last_fence, now, runs, Vec::new(), Vec::new())
+        Engine::restore_with_scopes(cfg, last_fence, now, runs, Vec::new(), Vec::new(), false)
     }
 
     /// [`Engine::restore`] with the experiment scopes the ledger kept (B1–B5): a live
-    /// run's budget token must be among them, and a waiter's scope too; and with each
-    /// project's promotion evidence (C3). Restoring is building an engine: after it,
-    /// `apply` is the only way its state changes.
+    /// run's budget token must be among them, and a waiter's scope too; with each
+    /// project's promotion evidence (C3); and with the drain in force or not (G4).
+    /// Restoring is building an engine: after it, `apply` is the only way its state
+    /// changes. (The drain was once restored by applying `Command::Drain` and dropping
+    /// its events: that apply also expired the leases and waiters overdue at the
+    /// restart, unjournaled, unrecorded and unstopped.)
     pub fn restore_with_scopes(
         cfg: Config,
         last_fence: Fence,
@@ -28,9 +31,11 @@ impl Engine {
         runs: Vec<RestoredRun>,
         scopes: Vec<Scope>,
         evidence: Vec<(String, Evidence)>,
+        draining: bool,
     ) -> Result<Engine, String> {
         let mut e = Engine::new(cfg, last_fence)?;
         e.now = now;
+        e.draining = draining;
         for mut s in scopes {
             // The idle window starts again: the ledger does not keep when it began.
             s.touched_ms = now;

@@ -11,7 +11,10 @@ impl<H: Host> Daemon<H> {
         touched: BTreeSet<String>,
         then: impl FnOnce(Result<(), &StoreError>) + Send + 'static,
     ) {
-        let runs: Vec<RunRecord> = touched.iter().filter_map(|id| self.record(id)).collect();
+        let mut ended = std::mem::take(&mut self.ended_records);
+        let runs: Vec<RunRecord> = (touched.iter())
+            .filter_map(|id| ended.remove(id).or_else(|| self.record(id)))
+            .collect();
         // Their records are taken: ended runs shrink to what answering about them needs.
         for r in &runs {
             if r.state.is_terminal() {

@@ -156,6 +156,12 @@ impl<H: Host> Daemon<H> {
         self.attached.remove(run_id);
         self.unclaimed.remove(run_id);
         self.ended.push_back(run_id.to_string());
+        // Its terminal record, taken now: the engine may retire the run before this
+        // step's commit (it keeps `ended_retained_max`), and the commit must still
+        // write its end (issue 35: it did not, and the ledger kept the run live).
+        if let Some(r) = self.record(run_id) {
+            self.ended_records.insert(run_id.to_string(), r);
+        }
     }
 
     /// W1: a granted run gets its workspace, or is released in this same step (before

@@ -43,10 +43,13 @@ pub trait Host {
     fn create_workspace(&mut self, run_id: &str, owner: Option<u32>) -> Made;
     /// W1/L5: removes a stopping run's workspace after its identity check.
     fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String>;
-    /// W1/P5, at start: every workspace berth made that no run or thread of the ledger
-    /// owns (`owned`, by path) is removed; returns their paths. A crash between making
-    /// a workspace and committing the grant that records it leaves such a one.
-    fn sweep_workspaces(&mut self, owned: &std::collections::BTreeSet<String>) -> Vec<String>;
+    /// W1, at start: is the workspace still where the ledger says, the same directory?
+    fn workspace_present(&self, ws: &WorkspaceIdentity) -> bool;
+    /// W1/P5, at start: every workspace berth made that no live run or thread of the
+    /// ledger owns (`owned`, by path and identity) is removed; returns their paths. A
+    /// crash between making a workspace and committing the grant that records it
+    /// leaves such a one.
+    fn sweep_workspaces(&mut self, owned: &Owned) -> Vec<String>;
     /// Bytes free (to an unprivileged writer) on the file system of the workspaces, if
     /// it can be told: the threads' disk-pressure sweep reads it once a second.
     fn disk_free(&self) -> Option<u64>;
@@ -168,8 +171,14 @@ impl Host for RealHost {
         .map_err(|e| e.to_string())
     }
 
-    fn sweep_workspaces(&mut self, owned: &std::collections::BTreeSet<String>) -> Vec<String> {
+    fn sweep_workspaces(&mut self, owned: &Owned) -> Vec<String> {
         self.workspaces.sweep(owned)
+    }
+
+    fn workspace_present(&self, ws: &WorkspaceIdentity) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::symlink_metadata(&ws.path)
+            .is_ok_and(|m| m.is_dir() && (m.dev(), m.ino()) == (ws.dev, ws.ino))
     }
 
     fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String> {
@@ -355,6 +364,9 @@ fn spawn_stopper(
         .expect("spawn stopper thread");
     tx
 }
+
+/// Workspaces the ledger gives an owner, as (path, device, inode).
+pub type Owned = std::collections::BTreeSet<(String, u64, u64)>;
 
 /// A workspace made, or why not.
 pub type Made = Result<WorkspaceIdentity, String>;

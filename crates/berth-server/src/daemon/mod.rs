@@ -177,6 +177,9 @@ pub struct Daemon<H: Host> {
     /// Durable changes besides runs that this step set off (promotion evidence),
     /// written with its commit.
     pending_mutations: Vec<berth_store::Mutation>,
+    /// The records of the runs this step ended, as they ended: written by its commit
+    /// even if the engine has retired them by then.
+    ended_records: HashMap<String, RunRecord>,
     /// C6: analysis runs with processes, and the listeners those held when registered.
     listen_watched: BTreeMap<String, BTreeSet<u64>>,
     /// C6: restored analysis runs with processes, watched again from the first tick

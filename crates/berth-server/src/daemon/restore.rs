@@ -8,6 +8,7 @@ use berth_core::{Engine, RestoredRun, RunState};
 use berth_store::{Ledger, RunRecord, Writer};
 
 use super::extra::Extra;
+use super::host::Owned;
 use super::{Daemon, Held, Host, ReapCounters, Shared};
 
 /// What a start knows besides the ledger.
@@ -59,9 +60,14 @@ fn restore_summary(ledger: &Ledger, same_boot: bool) {
 /// A crash between making a granted run's workspace and committing its grant leaves
 /// one: nothing would ever own, reuse or remove it (issue 35).
 fn sweep_workspaces<H: Host>(host: &mut H, ledger: &Ledger) {
-    let runs = ledger.runs.iter().filter_map(|r| r.workspace.as_ref());
+    // An ended run's record still names the workspace it had: not an owner.
+    let live = ledger.runs.iter().filter(|r| !r.state.is_terminal());
+    let runs = live.filter_map(|r| r.workspace.as_ref());
     let threads = ledger.threads.iter().filter_map(|t| t.workspace.as_ref());
-    let owned: BTreeSet<String> = runs.chain(threads).map(|w| w.path.clone()).collect();
+    let owned: Owned = runs
+        .chain(threads)
+        .map(|w| (w.path.clone(), w.dev, w.ino))
+        .collect();
     for path in host.sweep_workspaces(&owned) {
         tracing::warn!(
             path,
@@ -107,7 +113,6 @@ fn restored_threads(
         Vec<berth_store::ThreadRecord>,
         Option<berth_store::DrainRecord>,
     ),
-    engine: &mut Engine,
     now: u64,
     same_boot: bool,
 ) -> super::threads::ThreadState {
@@ -128,9 +133,6 @@ fn restored_threads(
             ws.insert(r.thread.key.clone(), w);
         }
         threads.restore(r.thread);
-    }
-    if drain.is_some() {
-        let _ = engine.apply(now, berth_core::Command::Drain { on: true });
     }
     super::threads::ThreadState {
         threads,
@@ -158,6 +160,7 @@ fn restored_engine(
     runs: Vec<RestoredRun>,
     kept: Kept,
     same_boot: bool,
+    draining: bool,
 ) -> Result<Engine, String> {
     let (last_fence, mut scopes, evidence) = kept;
     if !same_boot {
@@ -166,7 +169,7 @@ fn restored_engine(
             s.receipts.iter_mut().for_each(|r| r.at_ms = now);
         }
     }
-    Engine::restore_with_scopes(cfg, last_fence, now, runs, scopes, evidence)
+    Engine::restore_with_scopes(cfg, last_fence, now, runs, scopes, evidence, draining)
 }
 
 /// The ledger's runs, sorted into what the daemon keeps of them: the engine's view,
@@ -250,10 +253,11 @@ impl<H: Host> Daemon<H> {
             rewatch,
         } = sort_runs(ledger.runs, now, &how);
         let kept = (ledger.last_fence, ledger.scopes, ledger.evidence);
-        let mut engine = restored_engine(how.cfg, now, restored, kept, how.same_boot)?;
+        let draining = ledger.drain.is_some();
+        let engine = restored_engine(how.cfg, now, restored, kept, how.same_boot, draining)?;
         let g = (ledger.threads, ledger.drain);
-        let th = restored_threads(how.threads, g, &mut engine, now, how.same_boot);
-        Ok(Daemon {
+        let th = restored_threads(how.threads, g, now, how.same_boot);
+        let mut d = Daemon {
             now,
             engine,
             effects: Vec::new(),
@@ -274,6 +278,7 @@ impl<H: Host> Daemon<H> {
             pending_stops: Vec::new(),
             ports,
             pending_mutations: Vec::new(),
+            ended_records: HashMap::new(),
             listen_watched: BTreeMap::new(),
             rewatch,
             journal_next: ledger.journal_last + 1,
@@ -284,7 +289,65 @@ impl<H: Host> Daemon<H> {
             held: Held::default(),
             th,
             fleet: super::fleet::FleetState::default(),
-        })
+        };
+        d.repair_workspaces();
+        Ok(d)
+    }
+
+    /// What the restore itself left to be done (its repairs), for the shell to carry
+    /// out before the first step. Left alone, the first step carries it out first.
+    pub fn restored_effects(&mut self) -> super::Effects {
+        self.take_effects()
+    }
+
+    /// W1 after a crash (issue 35): a workspace is removed before the commit that ends
+    /// its run or evicts its thread (the removal's outcome decides between released and
+    /// degraded), so a crash between the two leaves the ledger naming a workspace that
+    /// is gone. A granted run gets a fresh one or, if none can be made, is released as
+    /// at a grant; a thread gets a fresh one (its eviction is decided again by the
+    /// sweep). Committed by the first step, ahead of its own effects.
+    fn repair_workspaces(&mut self) {
+        let mut touched = BTreeSet::new();
+        let gone = |ws: &Option<berth_store::WorkspaceIdentity>, host: &H| {
+            ws.as_ref().is_some_and(|w| !host.workspace_present(w))
+        };
+        let runs: Vec<(String, u64)> = (self.engine.in_flight().iter())
+            .filter(|v| v.state == RunState::Granted)
+            .filter(|v| {
+                gone(
+                    &self.extras.get(&v.run_id).and_then(|e| e.workspace.clone()),
+                    &self.host,
+                )
+            })
+            .map(|v| (v.run_id.clone(), v.fence.unwrap_or(0)))
+            .collect();
+        for (run_id, fence) in runs {
+            let owner = self.extras.get(&run_id).and_then(|e| e.owner_uid);
+            tracing::warn!(run_id, "a granted run's workspace was gone at start (a crash cut its end short); it gets a new one");
+            touched.insert(run_id.clone());
+            match self.host.create_workspace(&run_id, owner) {
+                Ok(ws) => self
+                    .extras
+                    .get_mut(&run_id)
+                    .into_iter()
+                    .for_each(|e| e.workspace = Some(ws.clone())),
+                Err(e) => {
+                    let why = format!("its workspace was gone after a restart and a new one could not be made: {e}");
+                    let events = self.release_at_grant(&run_id, fence, why);
+                    self.carry_out(events, &mut touched);
+                }
+            }
+        }
+        let threads: Vec<String> = (self.th.ws.iter())
+            .filter(|(_, w)| !self.host.workspace_present(w))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for key in threads {
+            self.remake_thread_workspace(&key);
+        }
+        if !touched.is_empty() || !self.pending_mutations.is_empty() {
+            self.commit(touched, |_| {});
+        }
     }
 }
 
@@ -316,9 +379,10 @@ impl<H: Host> Daemon<H> {
             fatal.clone(),
             host,
         );
-        (
-            d.expect("restore"),
-            super::Shell::new(writer, shared, fatal),
-        )
+        let mut d = d.expect("restore");
+        let shell = super::Shell::new(writer, shared, fatal);
+        shell.carry_out(d.restored_effects());
+        shell.flush();
+        (d, shell)
     }
 }

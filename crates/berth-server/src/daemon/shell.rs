@@ -124,6 +124,15 @@ impl Shell {
         let _ = rx.recv();
     }
 
+    /// The daemon dies (the simulator's crash): what was carried out so far is durable,
+    /// nothing more happens, and the daemon's own end (its clean-stop fence marker)
+    /// never runs.
+    #[cfg(test)]
+    pub fn crash<H: Host>(self, daemon: Daemon<H>) {
+        self.writer.close();
+        drop(daemon);
+    }
+
     /// Everything durable, the writer stopped, then the daemon's own end.
     pub fn close<H: Host>(self, daemon: Daemon<H>) {
         self.writer.close();

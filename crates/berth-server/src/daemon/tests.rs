@@ -394,3 +394,109 @@ fn a_step_answers_nobody_and_writes_nothing_until_its_effects_are_carried_out() 
     assert!(rx.try_recv().unwrap().is_ok());
     st.close();
 }
+
+/// Regression (issue 35, found by the daemon simulator's crashes): a start with a drain
+/// in force restored the drain by applying `Command::Drain` and dropping its events,
+/// and that apply also ended every lease that ran out while the daemon was down:
+/// unjournaled, never recorded in the ledger and never stopped. The drain is now state
+/// the engine is restored with, and the lease ends at the first step, like any other.
+#[test]
+fn a_lease_that_ran_out_while_a_draining_daemon_was_down_ends_on_the_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut st = restore(dir.path());
+    acquire(&mut st, "overdue", 1_000, 100).unwrap();
+    let (reply, rx) = oneshot::channel();
+    let start = Some(("ops".to_string(), "maintenance".to_string()));
+    st.handle(clock::mono_ms(), Msg::Drain { start, reply });
+    rx.blocking_recv().unwrap().unwrap();
+    st.close();
+    std::thread::sleep(std::time::Duration::from_millis(1_200));
+    let mut st = restore(dir.path());
+    assert!(st.engine.is_draining());
+    let state = |st: &Live| st.engine.view_of("overdue").map(|v| v.state);
+    assert_eq!(
+        state(&st),
+        Some(RunState::Granted),
+        "changed by the start itself"
+    );
+    let journaled = st.shared.journal.last();
+    st.tick(clock::mono_ms(), None);
+    st.shell.flush();
+    let ended = state(&st);
+    assert!(
+        matches!(ended, Some(RunState::Releasing | RunState::Expired)),
+        "{ended:?}"
+    );
+    assert!(
+        st.shared.journal.last() > journaled,
+        "its end is not journaled"
+    );
+    st.close();
+    let mut store =
+        berth_store::SqliteStore::open_exclusive(&dir.path().join("ledger.db")).unwrap();
+    let ledger = berth_store::Store::load(&mut store, 10).unwrap();
+    let rec = ledger.runs.iter().find(|r| r.request.run_id == "overdue");
+    assert_eq!(rec.map(|r| r.state), ended, "the ledger disagrees");
+}
+
+/// Regression (issue 35, found by the daemon simulator's crashes): a workspace is
+/// removed before the commit that ends its run, so a crash between the two left a
+/// granted run whose workspace was gone (W1). A start gives it a new one and records
+/// it, and removes what the ledger does not know.
+#[test]
+fn a_granted_run_whose_workspace_is_gone_at_start_gets_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut st = restore(dir.path());
+    acquire(&mut st, "cut", 600_000, 100).unwrap();
+    let old = st.extras["cut"].workspace.clone().unwrap();
+    st.close();
+    std::fs::remove_dir_all(&old.path).unwrap();
+    let stray = dir.path().join("runs").join("stray");
+    std::fs::create_dir(&stray).unwrap();
+    let st = restore(dir.path());
+    let new = st.extras["cut"].workspace.clone().unwrap();
+    assert!(st.host.workspace_present(&new), "{new:?} is not there");
+    assert_ne!((new.dev, new.ino), (old.dev, old.ino));
+    assert!(!stray.exists(), "a directory no run owns was left in runs/");
+    st.close();
+    let mut store =
+        berth_store::SqliteStore::open_exclusive(&dir.path().join("ledger.db")).unwrap();
+    let ledger = berth_store::Store::load(&mut store, 10).unwrap();
+    let rec = ledger.runs.iter().find(|r| r.request.run_id == "cut");
+    assert_eq!(rec.and_then(|r| r.workspace.clone()), Some(new));
+}
+
+/// Regression (issue 35, found by the daemon simulator): when more runs ended in one
+/// step than the engine remembers (`ended_retained_max`), the first of them were
+/// retired before the step's commit, so their end was never written: the ledger kept
+/// them queued (or holding a claim) for good, and a later start refused the ledger
+/// as inconsistent when one held a budget token no longer there.
+#[test]
+fn runs_ended_in_one_step_past_the_ended_limit_are_all_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = berth_core::Config::for_host(4, 8 << 30, 100 << 30);
+    cfg.ended_retained_max = 2;
+    let mut st = restore_with(dir.path(), cfg.clone());
+    acquire(&mut st, "holder", 600_000, 100).unwrap();
+    let waiters = ["w1", "w2", "w3", "w4", "w5"];
+    for id in waiters {
+        let mut req = request(id, 600_000, 100);
+        // Behind the holder: one project's managed runs take turns.
+        req.project = "holder".into();
+        req.wait_ms = 1_000;
+        let info = send_acquire(&mut st, req, true).unwrap();
+        assert_eq!(info.view.state, RunState::Queued);
+    }
+    std::thread::sleep(std::time::Duration::from_millis(1_200));
+    // One step: every waiter's deadline has passed.
+    st.tick(clock::mono_ms(), None);
+    st.shell.flush();
+    st.close();
+    let mut store =
+        berth_store::SqliteStore::open_exclusive(&dir.path().join("ledger.db")).unwrap();
+    let ledger = berth_store::Store::load(&mut store, 100).unwrap();
+    for id in waiters {
+        let rec = ledger.runs.iter().find(|r| r.request.run_id == id);
+        assert_eq!(rec.map(|r| r.state), Some(RunState::Expired), "{id}");
+    }
+}

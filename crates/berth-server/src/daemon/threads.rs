@@ -291,6 +291,21 @@ impl<H: Host> Daemon<H> {
         }
     }
 
+    /// At start: the thread's recorded workspace is gone (a crash cut its eviction
+    /// short), so it gets a new one; if none can be made, it has none (the next attach
+    /// tries again).
+    pub(super) fn remake_thread_workspace(&mut self, key: &str) {
+        tracing::warn!("thread {key}: its workspace was gone at start (a crash cut its eviction short); it gets a new one");
+        self.th.ws.remove(key);
+        if let Some(t) = self.th.threads.get(key).cloned() {
+            let mut t = t;
+            t.has_workspace = false;
+            self.th.threads.restore(t);
+        }
+        self.make_thread_workspace(key);
+        self.thread_changed(key);
+    }
+
     /// The thread's workspace goes (its logs archived within the diagnostics budgets by
     /// the workspace pool), and its audit trail says why.
     ///

@@ -171,20 +171,24 @@ impl Pool {
         create(&self.runs_dir, run_id)
     }
 
-    /// At start: every entry of the runs directory that is not `owned` (by path) and
-    /// not the pool's own (`.pool`, `.trash`) goes to the trash, to be scrubbed (its
-    /// logs archived) like any other; returns their paths. Only berth writes in the
+    /// At start: every entry of the runs directory that is not `owned` (by path, device
+    /// and inode: the directory itself, W1) and not the pool's own (`.pool`, `.trash`)
+    /// goes to the trash, to be scrubbed (its logs archived) like any other; returns
+    /// their paths. Only berth writes in the
     /// runs directory (0700), so such an entry is a workspace made for a grant that a
     /// crash kept from being recorded. Renamed, never followed: a link or a file goes
     /// to the trash as it is, and the trash unlinks it.
-    pub fn sweep(&self, owned: &std::collections::BTreeSet<String>) -> Vec<String> {
+    pub fn sweep(&self, owned: &std::collections::BTreeSet<(String, u64, u64)>) -> Vec<String> {
         let Ok(entries) = std::fs::read_dir(&self.runs_dir) else {
             return Vec::new();
         };
         let mut swept = Vec::new();
         for name in entries.filter_map(|e| e.ok()?.file_name().into_string().ok()) {
             let path = self.runs_dir.join(&name).display().to_string();
-            if name.starts_with('.') || owned.contains(&path) {
+            let ident = fs::statat(&self.runs_fd, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+                .map(|st| (st.st_dev, st.st_ino));
+            let ours = ident.is_ok_and(|(dev, ino)| owned.contains(&(path.clone(), dev, ino)));
+            if name.starts_with('.') || ours {
                 continue;
             }
             let n = self.next.fetch_add(1, Ordering::Relaxed);

@@ -27,16 +27,17 @@ pub(super) fn load_ports(
     Ok(())
 }
 
-/// A live run's ports are written with it; an ended run's are deleted (W3).
+/// A live run's ports are written with it; an ended run's are deleted (W3), whatever
+/// its record lists (one that lists none must not leave earlier rows behind).
 pub(super) fn write_ports(tx: &rusqlite::Transaction, r: &RunRecord) -> Result<(), StoreError> {
-    if r.ports.is_empty() {
-        return Ok(());
-    }
     let id = &r.request.run_id;
     if r.state.is_terminal() {
         tx.prepare_cached("DELETE FROM ports WHERE run_id = ?1")
             .and_then(|mut s| s.execute(params![id]))
             .map_err(write_err)?;
+        return Ok(());
+    }
+    if r.ports.is_empty() {
         return Ok(());
     }
     let mut put = tx

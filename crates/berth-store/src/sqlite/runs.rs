@@ -378,6 +378,8 @@ pub(super) fn prune_in(
     .execute(params![cutoff as i64, rows_max as i64])?;
     tx.prepare_cached("DELETE FROM processes WHERE run_id IN (SELECT run_id FROM temp.doomed)")?
         .execute([])?;
+    tx.prepare_cached("DELETE FROM ports WHERE run_id IN (SELECT run_id FROM temp.doomed)")?
+        .execute([])?;
     tx.prepare_cached(
         // By the primary key. (With `terminal = 1` too, SQLite walked every ended row
         // through the terminal index and tested each: 16 ms a prune at 60,000 rows.)

@@ -1,0 +1,991 @@
+//! The in-memory ledger, for the daemon simulator: [`MemStore`] keeps what SQLite's
+//! tables keep, by the same rules (`sqlite/`), so whatever [`Store`] shows is the same.
+//! Where SQLite's answer comes from how it stores things (the journal's chunks, which
+//! table a delete touches) the same shape is kept here, and said where it is.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use berth_core::scopes::{Receipt, Scope, Scopes, Token, RECEIPTS_MAX};
+
+use crate::{
+    Batch, DrainRecord, JournalEntry, Ledger, Mutation, ProcessRecord, Retention, RunRecord,
+    ScopeRecord, Store, StoreError, ThreadRecord, JOURNAL_ENTRIES_PER_RUN, JOURNAL_HELD_MAX,
+    JOURNAL_READ_MAX,
+};
+
+/// SQLite's cut (bytes of text, `sqlite/journal.rs`): a transaction's entries start a
+/// new chunk once the chunk holds this much. Retention deletes whole chunks, so the
+/// same cut makes the same entries survive a prune.
+const CHUNK_TEXT_CUT: usize = 1 << 20;
+
+/// SQLite's largest journal record (bytes): a larger one is a bug, refused the same way.
+const JOURNAL_RECORD_MAX: usize = 16 << 20;
+
+/// A ledger in memory. A clone is another handle on the same ledger (the same disk, as
+/// a reopened SQLite file is): what one handle writes, every other reads. Cheap to
+/// clone; [`MemStore::fork`] copies the ledger instead.
+#[derive(Clone, Default)]
+pub struct MemStore {
+    ledger: Arc<Mutex<State>>,
+}
+
+impl MemStore {
+    /// A handle on a copy of this ledger as it is now (what a crash would leave on
+    /// disk): later writes to either are not seen by the other.
+    pub fn fork(&self) -> MemStore {
+        MemStore {
+            ledger: Arc::new(Mutex::new(self.state().clone())),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A run's row: its record without processes and ports (tables of their own, as in
+/// SQLite) and when it ended (wall clock, for retention by age).
+#[derive(Clone)]
+struct Row {
+    run: RunRecord,
+    ended_unix_ms: Option<u64>,
+}
+
+/// One transaction's journal entries (or a `CHUNK_TEXT_CUT` share of them): SQLite's
+/// row of `journal_chunks`, the grain retention deletes at. Never empty.
+#[derive(Clone)]
+struct Chunk {
+    entries: Vec<Arc<JournalEntry>>,
+    written_unix_ms: u64,
+}
+
+impl Chunk {
+    fn last(&self) -> u64 {
+        self.entries.last().map_or(0, |e| e.seq)
+    }
+}
+
+/// SQLite's tables, one map each, keyed and so ordered as its loads order them.
+#[derive(Clone, Default)]
+struct State {
+    last_fence: u64,
+    boot_id: Option<String>,
+    /// Arrival numbers never go back, even when the newest runs were pruned.
+    queue_seq_floor: u64,
+    runs: BTreeMap<String, Row>,
+    /// The ended runs by (queue_seq, id): SQLite's `(terminal, queue_seq)` index.
+    ended: BTreeSet<(u64, String)>,
+    processes: BTreeMap<String, BTreeSet<ProcessRecord>>,
+    ports: BTreeMap<String, BTreeMap<String, u16>>,
+    tokens: BTreeMap<String, String>,
+    evidence: BTreeMap<String, berth_core::Evidence>,
+    threads: BTreeMap<String, ThreadRecord>,
+    drain: Option<DrainRecord>,
+    scopes: BTreeMap<String, ScopeRecord>,
+    /// By scope, then request id (the table's primary key).
+    receipts: BTreeMap<String, BTreeMap<String, Receipt>>,
+    /// By scope, then (owner, operation).
+    budget_tokens: BTreeMap<String, BTreeMap<(String, String), Token>>,
+    /// By first sequence number.
+    journal: BTreeMap<u64, Chunk>,
+}
+
+impl Store for MemStore {
+    fn load(&mut self, ended_max: usize) -> Result<Ledger, StoreError> {
+        self.state().load(ended_max)
+    }
+
+    /// All or nothing, as SQLite's transaction: every refusal is made before anything
+    /// changes, and what follows cannot fail.
+    fn write(&mut self, batches: &[&Batch]) -> Result<(), StoreError> {
+        let mut st = self.state();
+        st.check(batches.iter().flat_map(|b| &b.mutations))?;
+        st.apply(batches.iter().flat_map(|b| &b.mutations), unix_ms());
+        Ok(())
+    }
+
+    fn set_boot_id(&mut self, boot_id: &str) -> Result<(), StoreError> {
+        self.state().boot_id = Some(boot_id.to_string());
+        Ok(())
+    }
+
+    fn prune(
+        &mut self,
+        policy: &Retention,
+        now_unix_ms: u64,
+        rows_max: usize,
+    ) -> Result<usize, StoreError> {
+        Ok(self.state().prune(policy, now_unix_ms, rows_max))
+    }
+
+    fn journal(&mut self, after: u64, limit: usize) -> Result<Vec<JournalEntry>, StoreError> {
+        let st = self.state();
+        let start = st
+            .journal
+            .range(..=after.saturating_add(1))
+            .next_back()
+            .map_or(0, |(first, _)| *first);
+        Ok(st
+            .journal
+            .range(start..)
+            .flat_map(|(_, c)| &c.entries)
+            .filter(|e| e.seq > after)
+            .take(limit.min(JOURNAL_READ_MAX))
+            .map(|e| JournalEntry::clone(e))
+            .collect())
+    }
+
+    fn journal_first(&mut self) -> Result<u64, StoreError> {
+        Ok(self.state().journal.keys().next().copied().unwrap_or(0))
+    }
+}
+
+impl State {
+    /// Every refusal SQLite makes of a write, each failing its whole transaction: a
+    /// journal entry not after the one before it (or the last stored) or that breaks
+    /// the chunk's record format, a thread registered by another than its owner, and a
+    /// receipt whose request id its scope holds already (the table's primary key).
+    fn check<'a>(&'a self, ms: impl Iterator<Item = &'a Mutation>) -> Result<(), StoreError> {
+        let mut last = self.journal_last();
+        // The request ids and generations of the receipts each scope would hold.
+        let mut receipts: HashMap<&str, BTreeMap<&str, u64>> = HashMap::new();
+        for m in ms {
+            match m {
+                Mutation::Journal(e) => {
+                    check_entry(e, last)?;
+                    last = e.seq;
+                }
+                Mutation::Thread(r) => check_thread(r)?,
+                Mutation::ScopeDeleted(id) => {
+                    receipts.insert(id, BTreeMap::new());
+                }
+                Mutation::ScopeReceipt { scope, receipt } => {
+                    let held = receipts.entry(scope).or_insert_with(|| {
+                        let held = self.receipts.get(scope).into_iter().flatten();
+                        held.map(|(id, r)| (id.as_str(), r.generation)).collect()
+                    });
+                    if held
+                        .insert(&receipt.request_id, receipt.generation)
+                        .is_some()
+                    {
+                        return Err(StoreError::Write(format!(
+                            "scope {scope}: receipt {} again (UNIQUE constraint failed)",
+                            receipt.request_id
+                        )));
+                    }
+                    let from = receipts_kept_from(receipt.generation);
+                    held.retain(|_, g| *g > from);
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The mutations in order, once `check` has passed them.
+    fn apply<'a>(&mut self, ms: impl Iterator<Item = &'a Mutation>, now_ms: u64) {
+        let mut fence = 0;
+        // This write's entries not yet in a chunk, and the bytes of their text.
+        let (mut chunk, mut text) = (Vec::new(), 0);
+        for m in ms {
+            match m {
+                Mutation::Fence(f) => fence = fence.max(*f),
+                Mutation::Run(r) => self.put_run(r, now_ms),
+                Mutation::Token { hash, scope } => {
+                    self.tokens.insert(hash.clone(), scope.clone());
+                }
+                Mutation::TokenRevoked { hash } => {
+                    self.tokens.remove(hash);
+                }
+                Mutation::Evidence {
+                    project,
+                    evidence: Some(e),
+                } => {
+                    self.evidence.insert(project.clone(), e.clone());
+                }
+                Mutation::Evidence { project, .. } => {
+                    self.evidence.remove(project);
+                }
+                Mutation::Journal(e) => {
+                    if text >= CHUNK_TEXT_CUT {
+                        self.add_chunk(std::mem::take(&mut chunk), now_ms);
+                        text = 0;
+                    }
+                    text += text_len(e);
+                    chunk.push(e.clone());
+                }
+                Mutation::Thread(t) => {
+                    self.threads.insert(t.thread.key.clone(), t.clone());
+                }
+                Mutation::Drain(d) => self.drain = d.clone(),
+                Mutation::Scope(_)
+                | Mutation::ScopeDeleted(_)
+                | Mutation::ScopeReceipt { .. }
+                | Mutation::BudgetToken { .. } => self.apply_scope(m),
+            }
+        }
+        self.add_chunk(chunk, now_ms);
+        // L1: the counter only ever moves up, whatever order batches arrive in.
+        self.last_fence = self.last_fence.max(fence);
+    }
+
+    /// B1-B5: a scope's row replaced (its first journal entry kept once known, as
+    /// SQLite's upsert keeps it) or deleted with its receipts and tokens; a receipt
+    /// added and those past the newest `RECEIPTS_MAX` dropped; a token set or freed.
+    fn apply_scope(&mut self, m: &Mutation) {
+        match m {
+            Mutation::Scope(r) => {
+                let first = self.scopes.get(&r.id).map_or(0, |s| s.journal_first);
+                let mut r = r.clone();
+                if first != 0 {
+                    r.journal_first = first;
+                }
+                self.scopes.insert(r.id.clone(), r);
+            }
+            Mutation::ScopeDeleted(id) => {
+                self.scopes.remove(id);
+                self.receipts.remove(id);
+                self.budget_tokens.remove(id);
+            }
+            Mutation::ScopeReceipt { scope, receipt } => {
+                let held = self.receipts.entry(scope.clone()).or_default();
+                held.insert(receipt.request_id.clone(), receipt.clone());
+                let from = receipts_kept_from(receipt.generation);
+                held.retain(|_, r| r.generation > from);
+            }
+            Mutation::BudgetToken {
+                scope,
+                owner,
+                operation,
+                token,
+            } => {
+                let held = self.budget_tokens.entry(scope.clone()).or_default();
+                let key = (owner.clone(), operation.clone());
+                if let Some(t) = token {
+                    held.insert(key, t.clone());
+                } else {
+                    held.remove(&key);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A chunk of this write's entries, if it has any (its row, written now).
+    fn add_chunk(&mut self, entries: Vec<Arc<JournalEntry>>, written_unix_ms: u64) {
+        if let Some(first) = entries.first().map(|e| e.seq) {
+            let chunk = Chunk {
+                entries,
+                written_unix_ms,
+            };
+            self.journal.insert(first, chunk);
+        }
+    }
+
+    /// SQLite's upsert of a run. The same live run (same id and queue sequence) takes
+    /// the new record's changing fields; an ended one is never overwritten (D3), nor
+    /// is another live run under the id; a new run under an ended run's id replaces
+    /// it, processes and ports too (`replace_ended`). Processes only add up (P1); a
+    /// live run's ports are set by name, an ended run's deleted (W3).
+    fn put_run(&mut self, r: &RunRecord, now_ms: u64) {
+        let id = &r.request.run_id;
+        let row = self.runs.get(id).map(|row| {
+            let same = row.run.queue_seq == r.queue_seq;
+            (row.run.state.is_terminal(), same)
+        });
+        match row {
+            Some((false, true)) => self.update_run(r, now_ms),
+            Some((true, false)) => {
+                self.forget_run(id);
+                self.insert_run(r, now_ms);
+            }
+            Some(_) => return,
+            None => self.insert_run(r, now_ms),
+        }
+        if !r.processes.is_empty() {
+            let held = self.processes.entry(id.clone()).or_default();
+            held.extend(r.processes.iter().cloned());
+        }
+        if r.state.is_terminal() {
+            self.ports.remove(id);
+        } else if !r.ports.is_empty() {
+            let held = self.ports.entry(id.clone()).or_default();
+            held.extend(r.ports.iter().cloned());
+        }
+    }
+
+    fn insert_run(&mut self, r: &RunRecord, now_ms: u64) {
+        let mut run = r.clone();
+        (run.processes, run.ports) = (Vec::new(), Vec::new());
+        let ended_unix_ms = r.state.is_terminal().then_some(now_ms);
+        if ended_unix_ms.is_some() {
+            self.ended.insert((r.queue_seq, r.request.run_id.clone()));
+        }
+        let row = Row { run, ended_unix_ms };
+        self.runs.insert(r.request.run_id.clone(), row);
+    }
+
+    /// The columns SQLite's upsert updates; what was asked (the request, worktree,
+    /// labels, grace, thread, owner...) stays as first written, and so does a first
+    /// journal entry once known.
+    fn update_run(&mut self, r: &RunRecord, now_ms: u64) {
+        let Some(row) = self.runs.get_mut(&r.request.run_id) else {
+            return;
+        };
+        let old = &mut row.run;
+        old.state = r.state;
+        old.fence = r.fence;
+        old.deadline_ms = r.deadline_ms;
+        old.granted_ms = r.granted_ms;
+        old.expires_ms = r.expires_ms;
+        old.end_cause = r.end_cause;
+        old.primary_mode = r.primary_mode;
+        old.workspace = r.workspace.clone();
+        old.detached = r.detached;
+        old.upgrading = r.upgrading;
+        if old.journal_first == 0 {
+            old.journal_first = r.journal_first;
+        }
+        if r.state.is_terminal() {
+            row.ended_unix_ms = Some(now_ms);
+            self.ended.insert((r.queue_seq, r.request.run_id.clone()));
+        }
+    }
+
+    /// A run's row, processes and ports.
+    fn forget_run(&mut self, id: &str) {
+        if let Some(row) = self.runs.remove(id) {
+            self.ended.remove(&(row.run.queue_seq, id.to_string()));
+        }
+        self.processes.remove(id);
+        self.ports.remove(id);
+    }
+}
+
+impl State {
+    /// Every live run and the `ended_max` latest ended ones, in queue order (ties,
+    /// which berth never makes, by id), with what the other tables hold of them.
+    fn load(&self, ended_max: usize) -> Result<Ledger, StoreError> {
+        let live = self.runs.iter().filter(|(_, r)| !r.run.state.is_terminal());
+        let mut keys: Vec<(u64, &str)> =
+            live.map(|(id, r)| (r.run.queue_seq, id.as_str())).collect();
+        let ended = self.ended.iter().rev().take(ended_max);
+        keys.extend(ended.map(|(seq, id)| (*seq, id.as_str())));
+        keys.sort_unstable();
+        let runs: Vec<RunRecord> = keys.into_iter().map(|(_, id)| self.loaded(id)).collect();
+        // L1: no fence issued may exceed the counter; if it does the ledger is damaged.
+        if let Some(max) = runs.iter().filter_map(|r| r.fence).max() {
+            if max > self.last_fence {
+                return Err(StoreError::Corrupt(format!(
+                    "run fence {max} is above the fence counter {}",
+                    self.last_fence
+                )));
+            }
+        }
+        let next = self
+            .runs
+            .values()
+            .map(|r| r.run.queue_seq.saturating_add(1));
+        Ok(Ledger {
+            last_fence: self.last_fence,
+            boot_id: self.boot_id.clone(),
+            runs,
+            next_queue_seq: next.max().unwrap_or(0).max(self.queue_seq_floor),
+            tokens: self.tokens.clone().into_iter().collect(),
+            evidence: self.evidence.clone().into_iter().collect(),
+            journal_last: self.journal_last(),
+            threads: self.threads.values().cloned().collect(),
+            drain: self.drain.clone(),
+            scopes: self.load_scopes()?,
+        })
+    }
+
+    /// A run as loaded: its processes, and its ports while it lives.
+    fn loaded(&self, id: &str) -> RunRecord {
+        let mut r = self.runs[id].run.clone();
+        r.processes = self
+            .processes
+            .get(id)
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
+        if !r.state.is_terminal() {
+            let ports = self.ports.get(id).into_iter().flatten();
+            r.ports = ports.map(|(name, port)| (name.clone(), *port)).collect();
+        }
+        r
+    }
+
+    /// Every scope with its receipts (oldest first) and tokens, checked as SQLite's
+    /// load checks them (D4): a policy that breaks the rules, a receipt or token of a
+    /// scope not kept, or counts and limits that do not hold are a corrupt ledger.
+    fn load_scopes(&self) -> Result<Vec<Scope>, StoreError> {
+        let mut out = BTreeMap::new();
+        for (id, r) in &self.scopes {
+            berth_core::scopes::check_policy(&r.policy)
+                .map_err(|e| StoreError::Corrupt(format!("scope {id}: {e}")))?;
+            let mut s = Scope::new(id, r.policy.clone(), r.manifest.clone());
+            (s.control, s.generation, s.owner_uid) = (r.control, r.generation, r.owner_uid);
+            out.insert(id.as_str(), s);
+        }
+        let unknown = |what: &str, scope: &str| {
+            StoreError::Corrupt(format!("a {what} of unknown scope {scope}"))
+        };
+        for (scope, held) in &self.receipts {
+            let mut held: Vec<&Receipt> = held.values().collect();
+            held.sort_by_key(|r| r.generation);
+            for r in held {
+                let s = out
+                    .get_mut(scope.as_str())
+                    .ok_or_else(|| unknown("receipt", scope))?;
+                s.receipts.push(r.clone());
+            }
+        }
+        for (scope, held) in &self.budget_tokens {
+            for (key, t) in held {
+                let s = out
+                    .get_mut(scope.as_str())
+                    .ok_or_else(|| unknown("token", scope))?;
+                s.tokens.insert(key.clone(), t.clone());
+            }
+        }
+        let mut all = Scopes::default();
+        out.into_values().for_each(|s| all.restore(s));
+        all.check_invariants()
+            .map_err(|e| StoreError::Corrupt(format!("scopes: {e}")))?;
+        Ok(all.iter().cloned().collect())
+    }
+
+    fn journal_last(&self) -> u64 {
+        self.journal.values().next_back().map_or(0, Chunk::last)
+    }
+
+    /// SQLite's `prune_in`: up to `rows_max` ended runs past the `ended_max` latest,
+    /// and among the `rows_max` oldest those ended before the age cutoff, go with
+    /// their processes and ports; then the
+    /// journal; the arrival floor rises past the newest run deleted.
+    fn prune(&mut self, policy: &Retention, now_unix_ms: u64, rows_max: usize) -> usize {
+        let mut doomed: BTreeSet<(u64, String)> = BTreeSet::new();
+        let through = match policy.ended_max {
+            0 => Some(u64::MAX),
+            n => self.ended.iter().rev().nth(n).map(|(seq, _)| *seq),
+        };
+        if let Some(through) = through {
+            let past = self.ended.iter().take_while(|(seq, _)| *seq <= through);
+            doomed.extend(past.take(rows_max).cloned());
+        }
+        let cutoff = now_unix_ms
+            .saturating_sub(policy.ended_age_ms)
+            .min(i64::MAX as u64);
+        let old = |(_, id): &&(u64, String)| {
+            let ended = self.runs.get(id).and_then(|r| r.ended_unix_ms);
+            ended.is_some_and(|at| at < cutoff)
+        };
+        doomed.extend(self.ended.iter().take(rows_max).filter(old).cloned());
+        for (_, id) in &doomed {
+            self.forget_run(id);
+        }
+        self.prune_journal(policy, cutoff, rows_max);
+        let floor = doomed.last().map_or(0, |(seq, _)| seq + 1);
+        self.queue_seq_floor = self.queue_seq_floor.max(floor);
+        doomed.len()
+    }
+
+    /// SQLite's `prune_journal`: among the `rows_max` oldest chunks, a chunk goes whole
+    /// once all of it is past the newest `JOURNAL_ENTRIES_PER_RUN × ended_max` entries
+    /// or older than the cutoff, unless it is the newest chunk (numbering resumes after
+    /// it) or reaches what is held (`journal_held`). Chunks as SQLite cuts them, so the
+    /// same entries survive.
+    fn prune_journal(&mut self, policy: &Retention, cutoff_unix_ms: u64, rows_max: usize) {
+        let Some((&newest, chunk)) = self.journal.last_key_value() else {
+            return;
+        };
+        let keep = policy
+            .ended_max
+            .max(1)
+            .saturating_mul(JOURNAL_ENTRIES_PER_RUN);
+        let by_count = chunk.last().checked_sub(keep.min(i64::MAX as usize) as u64);
+        let held = self.journal_held(policy, chunk.last());
+        let doomed: Vec<u64> = (self.journal.iter().take(rows_max))
+            .filter(|(&first, c)| {
+                let old = by_count.is_some_and(|t| c.last() <= t);
+                first < newest && c.last() < held && (old || c.written_unix_ms < cutoff_unix_ms)
+            })
+            .map(|(&first, _)| first)
+            .collect();
+        for first in doomed {
+            self.journal.remove(&first);
+        }
+    }
+
+    /// The first entry retention keeps (issue 32 finding 8): the first of the oldest
+    /// live run's, of the oldest scope's, and of an export under way, but never more
+    /// than `JOURNAL_HELD_MAX` behind the last.
+    fn journal_held(&self, policy: &Retention, last: u64) -> u64 {
+        let live = self.runs.values().filter(|r| !r.run.state.is_terminal());
+        let run = live.map(|r| r.run.journal_first).filter(|f| *f > 0).min();
+        let scope = self
+            .scopes
+            .values()
+            .map(|s| s.journal_first)
+            .filter(|f| *f > 0)
+            .min();
+        let export = policy
+            .journal_hold
+            .as_ref()
+            .map_or(u64::MAX, |h| h.load(std::sync::atomic::Ordering::Acquire));
+        (run.unwrap_or(u64::MAX)
+            .min(scope.unwrap_or(u64::MAX))
+            .min(export))
+        .max(last.saturating_sub(JOURNAL_HELD_MAX))
+    }
+}
+
+/// SQLite's `Chunk::push` refusals: out of order, or a field that would break the
+/// chunk's record format (a tab or line end, an empty id), or a record over the bound.
+fn check_entry(e: &JournalEntry, last: u64) -> Result<(), StoreError> {
+    let refuse = |why: String| Err(StoreError::Write(format!("journal entry {}: {why}", e.seq)));
+    if e.seq <= last {
+        return refuse(format!("is not after the last before it, {last}"));
+    }
+    let fields = [
+        Some(e.kind.as_str()),
+        e.run_id.as_deref(),
+        e.project.as_deref(),
+    ];
+    if e.kind.is_empty() || fields.iter().flatten().any(|f| f.contains(['\t', '\n'])) {
+        return refuse("kind, run id and project must be tab- and line-free".into());
+    }
+    if e.run_id.as_deref() == Some("") || e.project.as_deref() == Some("") {
+        return refuse("an empty run id or project is ambiguous".into());
+    }
+    if e.line.contains('\n') {
+        return refuse("its line holds a line end".into());
+    }
+    let record = fields.iter().flatten().map(|f| f.len() + 1).sum::<usize>() + e.line.len();
+    if record > JOURNAL_RECORD_MAX {
+        return refuse(format!("{record} bytes, over {JOURNAL_RECORD_MAX}"));
+    }
+    Ok(())
+}
+
+/// SQLite's `write_thread` refusal: a thread is registered by its owner only.
+fn check_thread(r: &ThreadRecord) -> Result<(), StoreError> {
+    let t = &r.thread;
+    match &t.registration {
+        Some(g) if t.owner.as_ref() != Some(&g.owner) => Err(StoreError::Write(format!(
+            "thread {}: a registration not by its owner",
+            t.key
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The bytes an entry adds to its chunk's text in SQLite: `kind TAB run TAB project
+/// TAB line LF`, an absent field empty.
+fn text_len(e: &JournalEntry) -> usize {
+    let field = |f: &Option<String>| f.as_ref().map_or(0, String::len);
+    e.kind.len() + field(&e.run_id) + field(&e.project) + e.line.len() + 4
+}
+
+/// B4: writing a receipt of `generation` drops its scope's receipts at or below the
+/// generation returned, so the newest `RECEIPTS_MAX` stay (SQLite's `write_receipt`;
+/// below `RECEIPTS_MAX` it is 0, and a receipt of generation 0 goes at once there too).
+fn receipts_kept_from(generation: u64) -> u64 {
+    generation.saturating_sub(RECEIPTS_MAX as u64)
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::conformance::{sample_run, CHECKS};
+    use berth_core::scopes::{Control, Mode};
+    use berth_core::RunState;
+    use std::sync::atomic::AtomicU64;
+
+    /// Every conformance check, each on a fresh ledger; `open` hands out handles on it.
+    #[test]
+    fn conformance_suite_on_mem() {
+        for (name, check) in CHECKS {
+            let store = MemStore::default();
+            eprintln!("conformance: {name}");
+            check(&|| Box::new(store.clone()) as Box<dyn Store>);
+        }
+    }
+
+    /// A clone writes the same ledger; a fork is a copy neither side sees change.
+    #[test]
+    fn a_clone_is_the_same_ledger_and_a_fork_is_a_copy() {
+        let mut a = MemStore::default();
+        let run = |id: &str, seq| sample_run(id, seq, RunState::Queued);
+        a.write(&[&Batch::runs(5, vec![run("r1", 1)])]).unwrap();
+        let mut fork = a.fork();
+        a.clone()
+            .write(&[&Batch::runs(9, vec![run("r2", 2)])])
+            .unwrap();
+        fork.write(&[&Batch::runs(7, vec![])]).unwrap();
+        let (l, f) = (a.load(10).unwrap(), fork.load(10).unwrap());
+        assert_eq!((l.runs.len(), l.last_fence), (2, 9));
+        assert_eq!((f.runs.len(), f.last_fence), (1, 7));
+    }
+
+    /// The workload's state: a seeded generator and what it has written.
+    struct Gen {
+        seed: u64,
+        queue: u64,
+        journal: u64,
+        /// Each scope's generation as this write group leaves it.
+        scopes: BTreeMap<String, u64>,
+    }
+
+    /// Steps of the workload: enough for every rule to come up many times.
+    const STEPS: usize = 400;
+    /// Few ids, so runs come again under an ended run's id and updates are common.
+    const IDS: [&str; 5] = ["r0", "r1", "r2", "r3", "r4"];
+    /// Live and ended states alike (`Degraded` is live).
+    const STATES: [RunState; 6] = [
+        RunState::Queued,
+        RunState::Granted,
+        RunState::Degraded,
+        RunState::Released,
+        RunState::Expired,
+        RunState::Cancelled,
+    ];
+
+    impl Gen {
+        fn next(&mut self, n: u64) -> u64 {
+            self.seed = self.seed.wrapping_mul(6364136223846793005);
+            self.seed = self.seed.wrapping_add(1442695040888963407);
+            (self.seed >> 33) % n
+        }
+
+        fn run(&mut self, st: &State) -> RunRecord {
+            let id = IDS[self.next(IDS.len() as u64) as usize];
+            let seq = match st.runs.get(id) {
+                Some(r) if self.next(2) == 0 => r.run.queue_seq,
+                _ => {
+                    self.queue += 1;
+                    self.queue
+                }
+            };
+            let state = STATES[self.next(STATES.len() as u64) as usize];
+            let mut r = sample_run(id, seq, state);
+            match self.next(3) {
+                0 => r.ports = sample_run(id, seq, RunState::Granted).ports,
+                1 => r.ports.clear(),
+                _ => {}
+            }
+            r.journal_first = self.next(4).eq(&0) as u64 * self.journal;
+            // What an update keeps as first written, and what it takes.
+            (r.stop_grace_ms, r.deadline_ms) = (Some(self.next(3)), self.next(3));
+            r.labels.insert("k".into(), self.next(3).to_string());
+            r
+        }
+
+        fn entry(&mut self) -> JournalEntry {
+            self.journal += 1;
+            let seq = match self.next(20) {
+                0 => self.journal.saturating_sub(2),
+                _ => self.journal,
+            };
+            let kind = if self.next(30) == 0 {
+                "bad\tkind"
+            } else {
+                "queued"
+            };
+            JournalEntry {
+                seq,
+                kind: kind.into(),
+                run_id: self.next(2).eq(&0).then(|| "r1".into()),
+                project: None,
+                line: format!("{{\"seq\":{seq}}}"),
+            }
+        }
+
+        /// A scope's next control request: the scope at its next generation and its
+        /// receipt (now and then a request id it holds already: refused).
+        fn scope(&mut self, id: &str) -> Vec<Mutation> {
+            let g = self.scopes.get(id).copied().unwrap_or(0) + 1;
+            self.scopes.insert(id.into(), g);
+            let repeat = g > 1 && self.next(15) == 0;
+            let scope = ScopeRecord {
+                id: id.into(),
+                policy: [("claude".to_string(), 2)].into(),
+                manifest: None,
+                control: Control::Paused,
+                generation: g,
+                owner_uid: None,
+                journal_first: self.next(4).eq(&0) as u64 * self.journal,
+            };
+            let receipt = Receipt {
+                request_id: format!("q{}", if repeat { g - 1 } else { g }),
+                mode: Mode::Pause,
+                generation: g,
+                control: Control::Paused,
+                at_ms: g,
+            };
+            let scope_id = id.to_string();
+            vec![
+                Mutation::Scope(scope),
+                Mutation::ScopeReceipt {
+                    scope: scope_id,
+                    receipt,
+                },
+            ]
+        }
+
+        fn mutations(&mut self, st: &State) -> Vec<Mutation> {
+            let scope = ["s0", "s1"][self.next(2) as usize];
+            let hash = format!("t{}", self.next(3));
+            match self.next(10) {
+                0..=2 => vec![Mutation::Run(self.run(st))],
+                3 => vec![Mutation::Journal(self.entry().into())],
+                4 if self.next(2) == 0 => vec![Mutation::TokenRevoked { hash }],
+                4 => vec![Mutation::Token {
+                    hash,
+                    scope: "read".into(),
+                }],
+                5 => vec![Mutation::Evidence {
+                    project: scope.into(),
+                    evidence: (self.next(2) == 0).then(|| berth_core::Evidence {
+                        fingerprint: hash,
+                        commit: None,
+                        ports: vec!["web".into()],
+                        at_ms: 1,
+                        run_id: "r1".into(),
+                    }),
+                }],
+                6 => self.scope(scope),
+                7 if self.scopes.contains_key(scope) => vec![Mutation::BudgetToken {
+                    scope: scope.into(),
+                    owner: format!("w{}", self.next(2)),
+                    operation: "op".into(),
+                    token: (self.next(2) == 0).then(|| Token {
+                        harness: "claude".into(),
+                        run_id: None,
+                        since_ms: 3,
+                        owner_lapsed: false,
+                    }),
+                }],
+                8 => {
+                    self.scopes.remove(scope);
+                    vec![Mutation::ScopeDeleted(scope.into())]
+                }
+                _ if self.next(2) == 0 => vec![Mutation::Thread(self.thread())],
+                _ => vec![Mutation::Drain((self.next(2) == 0).then(|| DrainRecord {
+                    by: "admin".into(),
+                    at: "now".into(),
+                    reason: hash,
+                }))],
+            }
+        }
+
+        /// A thread record; now and then registered by another than its owner (refused).
+        fn thread(&mut self) -> ThreadRecord {
+            use berth_core::threads::{Owner, Registration, Thread};
+            let owner = |run: &str| Owner {
+                gen: "g".into(),
+                fence: 1,
+                run_id: run.into(),
+            };
+            let registrant = if self.next(8) == 0 { "r2" } else { "r1" };
+            ThreadRecord {
+                thread: Thread {
+                    key: format!("th{}", self.next(2)),
+                    owner: Some(owner("r1")),
+                    registration: (self.next(2) == 0).then(|| Registration {
+                        owner: owner(registrant),
+                        attached_ms: 1,
+                        deadline_ms: 2,
+                    }),
+                    has_workspace: false,
+                    created_ms: 0,
+                    active_ms: self.next(9),
+                    evictions: vec![],
+                },
+                workspace: None,
+                owner_uid: None,
+            }
+        }
+    }
+
+    /// One write's batches: each a fence and a few mutations.
+    fn group(g: &mut Gen, mem: &MemStore) -> Vec<Batch> {
+        let st = mem.state();
+        g.journal = st.journal_last();
+        g.scopes = (st.scopes.iter())
+            .map(|(id, s)| (id.clone(), s.generation))
+            .collect();
+        (0..=g.next(3))
+            .map(|_| {
+                let mut b = Batch::runs(10_000, vec![]);
+                for _ in 0..=g.next(4) {
+                    b.mutations.extend(g.mutations(&st));
+                }
+                b
+            })
+            .collect()
+    }
+
+    /// A retention policy, and the time it prunes as of: an hour before or after now,
+    /// so an age limit of 1 ms keeps everything or nothing on either store.
+    fn policy(g: &mut Gen, journal_last: u64) -> (Retention, u64, usize) {
+        let hold = match g.next(3) {
+            0 => Some(Arc::new(AtomicU64::new(g.next(journal_last + 2)))),
+            _ => None,
+        };
+        let policy = Retention {
+            ended_max: g.next(4) as usize,
+            ended_age_ms: if g.next(2) == 0 { 1 } else { u64::MAX },
+            journal_hold: hold,
+        };
+        let now = match g.next(2) {
+            0 => unix_ms() - 3_600_000,
+            _ => unix_ms() + 3_600_000,
+        };
+        (policy, now, 1 + g.next(6) as usize)
+    }
+
+    /// One answer of both stores: the same value, or the same kind of error.
+    fn same<T: PartialEq + std::fmt::Debug>(
+        at: &str,
+        mem: Result<T, StoreError>,
+        sql: Result<T, StoreError>,
+    ) {
+        match (mem, sql) {
+            (Ok(m), Ok(s)) => assert_eq!(m, s, "{at}"),
+            (Err(m), Err(s)) => assert_eq!(
+                std::mem::discriminant(&m),
+                std::mem::discriminant(&s),
+                "{at}: {m} / {s}"
+            ),
+            (m, s) => panic!("{at}: mem {m:?}, sqlite {s:?}"),
+        }
+    }
+
+    /// A seeded workload of writes (refused ones too) and prunes on both stores, step
+    /// by step: every answer the trait gives must be the same as SQLite's.
+    #[test]
+    fn mem_answers_as_sqlite_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sql = crate::SqliteStore::open(&dir.path().join("l.db")).unwrap();
+        let mut mem = MemStore::default();
+        let mut g = Gen {
+            seed: 7,
+            queue: 0,
+            journal: 0,
+            scopes: BTreeMap::new(),
+        };
+        let (mut writes, mut refused, mut pruned) = (0, 0, 0);
+        for step in 0..STEPS {
+            let at = format!("step {step}");
+            let last = mem.state().journal_last();
+            if g.next(4) == 0 {
+                let (p, now, rows) = policy(&mut g, last);
+                let n = mem.prune(&p, now, rows);
+                pruned += n.as_ref().map_or(0, |n| *n);
+                same(&at, n, sql.prune(&p, now, rows));
+            } else {
+                let batches = group(&mut g, &mem);
+                let refs: Vec<&Batch> = batches.iter().collect();
+                let w = mem.write(&refs);
+                (writes, refused) = (writes + 1, refused + w.is_err() as usize);
+                same(&at, w, sql.write(&refs));
+            }
+            for n in [0, 2, 100] {
+                same(&at, mem.load(n), sql.load(n));
+            }
+            let (after, limit) = (g.next(last + 2), g.next(6) as usize);
+            same(&at, mem.journal(after, limit), sql.journal(after, limit));
+            same(&at, mem.journal(0, usize::MAX), sql.journal(0, usize::MAX));
+            same(&at, mem.journal_first(), sql.journal_first());
+        }
+        eprintln!("{writes} writes ({refused} refused), {pruned} runs pruned");
+        assert!(refused > 0 && refused < writes / 2 && pruned > 0);
+    }
+    /// What only large amounts show: a transaction's entries past `CHUNK_TEXT_CUT` are
+    /// cut into chunks as SQLite cuts them (so a prune keeps the same entries), and a
+    /// receipt's request id may come again once `RECEIPTS_MAX` newer ones evicted it,
+    /// within the same write too.
+    #[test]
+    fn chunks_and_receipt_trails_answer_as_sqlite_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sql = crate::SqliteStore::open(&dir.path().join("l.db")).unwrap();
+        let mut mem = MemStore::default();
+        let line = format!("{{\"pad\":\"{}\"}}", "x".repeat(4_000));
+        let entry = |seq| {
+            Mutation::Journal(Arc::new(JournalEntry {
+                seq,
+                kind: "queued".into(),
+                run_id: None,
+                project: None,
+                line: line.clone(),
+            }))
+        };
+        let big = Batch {
+            mutations: (1..=700).map(entry).collect(),
+        };
+        let receipt = |g: u64, id: u64| Mutation::ScopeReceipt {
+            scope: "s".into(),
+            receipt: Receipt {
+                request_id: format!("q{id}"),
+                mode: Mode::Stop,
+                generation: g,
+                control: Control::Stopped,
+                at_ms: g,
+            },
+        };
+        let scope = |g| {
+            Mutation::Scope(ScopeRecord {
+                id: "s".into(),
+                policy: [("claude".to_string(), 1)].into(),
+                manifest: None,
+                control: Control::Stopped,
+                generation: g,
+                owner_uid: None,
+                journal_first: 0,
+            })
+        };
+        let mut trail = Batch {
+            mutations: (1..=300).map(|g| receipt(g, g)).collect(),
+        };
+        // Within one write: the first receipt, evicted, comes again.
+        trail
+            .mutations
+            .extend([receipt(301, 1), scope(301), entry(701)]);
+        let repeat = Batch {
+            mutations: vec![receipt(302, 1), scope(302)],
+        };
+        let keep_one = Retention {
+            ended_max: 1,
+            ended_age_ms: u64::MAX,
+            journal_hold: None,
+        };
+        for (i, store) in [&mut mem as &mut dyn Store, &mut sql]
+            .into_iter()
+            .enumerate()
+        {
+            store.write(&[&big]).unwrap();
+            store.write(&[&trail]).unwrap();
+            assert!(store.write(&[&repeat]).is_err(), "store {i}");
+            store.prune(&keep_one, unix_ms(), 1_000).unwrap();
+        }
+        // 261 entries of 4,020 bytes fill a chunk: the third begins at 523.
+        assert_eq!(mem.journal_first().unwrap(), 523);
+        same("first", mem.journal_first(), sql.journal_first());
+        same(
+            "journal",
+            mem.journal(0, usize::MAX),
+            sql.journal(522, 1_000),
+        );
+        same("load", mem.load(10), sql.load(10));
+    }
+}
