@@ -136,9 +136,9 @@ pub fn open(url: &str) -> Result<Box<dyn FleetStore>, FleetError> {
     Ok(Box::new(berth_store::fleet::PgFleet::lazy(url)?))
 }
 
-fn mono_ms() -> u64 {
-    crate::clock::mono_ms()
-}
+/// Monotonic milliseconds, as the fleet threads read them (the simulator's own time in
+/// `daemon::sim`).
+type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
 
 /// Threads (each with its connection) that carry out claims and endings: a host's
 /// claims are one round trip each, so several in flight let the database's group
@@ -168,6 +168,7 @@ pub fn spawn(cfg: FleetConfig, inbox: Tell<Report>) -> Result<Handle, FleetError
         inbox,
         ends: Mutex::default(),
         down_logged: AtomicBool::new(false),
+        clock: Arc::new(crate::clock::mono_ms),
     });
     let (tx, rx) = std::sync::mpsc::channel::<Job>();
     let rx = Arc::new(Mutex::new(rx));
@@ -243,6 +244,7 @@ struct Common {
     ends: Mutex<std::collections::VecDeque<(String, i64, Ending)>>,
     /// Whether the outage was logged (one line per outage, not per call).
     down_logged: AtomicBool,
+    clock: Clock,
 }
 
 impl Common {
@@ -337,9 +339,21 @@ impl Worker {
             c.seen(&r);
             if let Ok((gen, resumed)) = r {
                 c.status.gen.store(gen, Ordering::Relaxed);
-                c.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed);
+                c.status.beat_ok_ms.store((c.clock)(), Ordering::Relaxed);
                 tracing::info!(host, gen, resumed, "fleet: registered");
-                return c.tell_status() && c.inbox.send(Report::Generation { gen, resumed });
+                // The store just answered; if it fails now, the claims are looked at
+                // again at the next registration.
+                let claims = match resumed {
+                    true => self.store.claims_of(host).unwrap_or_default(),
+                    false => Vec::new(),
+                };
+                let claims = claims.into_iter().map(|(run_id, _)| run_id).collect();
+                let report = Report::Generation {
+                    gen,
+                    resumed,
+                    claims,
+                };
+                return c.tell_status() && c.inbox.send(report);
             }
             return c.inbox.alive();
         }
@@ -353,7 +367,7 @@ impl Worker {
         c.seen(&r);
         match r {
             Ok(true) => {
-                c.status.beat_ok_ms.store(mono_ms(), Ordering::Relaxed);
+                c.status.beat_ok_ms.store((c.clock)(), Ordering::Relaxed);
                 c.tell_status();
             }
             Ok(false) => {
@@ -403,6 +417,86 @@ impl Worker {
     }
 }
 
+/// Fleet mode without threads, for the daemon simulator: the link the daemon holds, and
+/// the worker that the simulator runs by hand (claims and endings when it chooses,
+/// heartbeats when it chooses), on its store, at its time.
+#[cfg(test)]
+pub struct SimLink {
+    worker: Worker,
+    jobs: std::sync::mpsc::Receiver<Job>,
+    /// Taken from `jobs` to look at, not carried out yet.
+    buffered: std::collections::VecDeque<Job>,
+}
+
+#[cfg(test)]
+impl SimLink {
+    pub fn new(
+        cfg: FleetConfig,
+        store: Box<dyn FleetStore>,
+        inbox: Tell<Report>,
+        clock: Clock,
+    ) -> (Handle, SimLink) {
+        let status = Arc::new(Status::default());
+        status.enabled.store(true, Ordering::Relaxed);
+        *status.host_id.lock().unwrap_or_else(|e| e.into_inner()) = cfg.host.host_id.clone();
+        let common = Arc::new(Common {
+            cfg,
+            status: status.clone(),
+            inbox,
+            ends: Mutex::default(),
+            down_logged: AtomicBool::new(false),
+            clock,
+        });
+        let (tx, jobs) = std::sync::mpsc::channel();
+        // No questions: the simulator asks the store itself.
+        let (questions, _) = std::sync::mpsc::sync_channel(1);
+        let handle = Handle {
+            tx,
+            questions,
+            status,
+        };
+        let worker = Worker { store, common };
+        let buffered = Default::default();
+        (
+            handle,
+            SimLink {
+                worker,
+                jobs,
+                buffered,
+            },
+        )
+    }
+
+    /// One heartbeat (a registration first, if the host has no generation).
+    pub fn beat(&mut self) {
+        self.worker.beat();
+    }
+
+    /// Carries out the oldest job the daemon sent, if any; false if there was none.
+    pub fn one_job(&mut self) -> bool {
+        self.buffered.extend(self.jobs.try_iter());
+        match self.buffered.pop_front() {
+            Some(job) => {
+                self.worker.job(job);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Jobs the daemon sent that the link has not carried out.
+    pub fn has_jobs(&mut self) -> bool {
+        self.buffered.extend(self.jobs.try_iter());
+        !self.buffered.is_empty()
+    }
+
+    /// Endings the store missed (it was away), kept for the next heartbeat's retry.
+    pub fn missed_ends(&self) -> usize {
+        let ends = self.worker.common.ends.lock();
+        ends.unwrap_or_else(|e| e.into_inner()).len()
+    }
+}
+
 /// The outcome of a claim, as the daemon reads it.
 pub type ClaimResult = Result<ClaimOutcome, FleetError>;
 
@@ -418,8 +512,13 @@ pub enum Report {
     /// F3: fleet-wide claims came free (`token SCOPE/HARNESS`, `key NAME`).
     Wake { payloads: Vec<String> },
     /// F2: this host registered under generation `gen`; `resumed` is false if its
-    /// previous generation had been declared dead.
-    Generation { gen: i64, resumed: bool },
+    /// previous generation had been declared dead. `claims`: the runs whose claims it
+    /// holds now (moved to `gen`), for the daemon to end those whose runs ended.
+    Generation {
+        gen: i64,
+        resumed: bool,
+        claims: Vec<String>,
+    },
     /// F2: this host declared another host dead.
     Declared { host_id: String, gen: i64 },
     /// F1/F2: how this host stands with the store, told whenever it changes: whether

@@ -38,6 +38,15 @@ impl<T: 'static> Tell<T> {
         }
     }
 
+    /// Tells `send` each `T` (the simulator collects them to deliver when it chooses).
+    #[cfg(test)]
+    pub fn to_fn(send: impl Fn(T) -> bool + Send + Sync + 'static) -> Tell<T> {
+        Tell {
+            send: Arc::new(send),
+            alive: Arc::new(|| true),
+        }
+    }
+
     /// Tells the daemon; false once it is gone.
     pub fn send(&self, v: T) -> bool {
         (self.send)(v)

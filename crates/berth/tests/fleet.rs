@@ -229,6 +229,23 @@ fn a_killed_host_is_declared_dead_once_and_its_fences_are_refused_everywhere() {
     });
     assert_eq!(fence_check(&b, "rb-token", f_token)["current"], false);
     assert_eq!(pg.declarations("b").unwrap().len(), 1);
+    // B3 fleet-wide (issue 35, found by the daemon simulator): an operator's reconcile
+    // frees the lapsed token in the fleet store, on whichever host it is asked (the
+    // scope is a's too, or none of a's: the answer is the same). Before, it freed only
+    // the asking host's own token, and the owner stayed refused fleet-wide for good.
+    let r = a.post(
+        "/v1/scopes/fleet-exp/reconcile",
+        &json!({"owner": "rb-token", "reason": "b was declared dead"}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(
+        pg.tokens("fleet-exp").unwrap(),
+        [],
+        "the lapsed token stayed"
+    );
+    let r = acquire(&c, "rb-token", budget(2));
+    assert!(r.status < 300, "{:?}", r.body);
+    granted(&c, "rb-token");
 }
 
 /// G2 fleet-wide: a thread registered on host A refuses an older owner on host C.

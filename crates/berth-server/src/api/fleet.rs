@@ -126,3 +126,20 @@ pub async fn check_thread_owner(api: &Api, key: &str, owner: &Owner) -> Result<(
         .into()),
     }
 }
+
+/// B3 fleet-wide: an operator's reconcile frees the owner's lapsed tokens in the fleet
+/// store first (`false`: it held none there), then on this host. Every host's claims
+/// are refused by the store's lapsed token, so freeing only this host's (as berth did
+/// until the daemon simulator found it) left the owner refused fleet-wide for good and
+/// the harness short of a token for ever. A store that cannot be reached answers 503
+/// and nothing is freed.
+/// Returns whether the store freed a token.
+pub async fn reconcile_fleet_wide(api: &Api, scope: &str, owner: &str) -> Result<bool, ApiError> {
+    let Some(link) = &api.fleet else {
+        return Ok(false);
+    };
+    let (s, o) = (scope.to_owned(), owner.to_owned());
+    link.ask(move |st| st.reconcile(&s, &o))
+        .await
+        .map_err(refused)
+}

@@ -89,14 +89,26 @@ pub async fn reconcile(
     request::check_scope(&scope)?;
     let b: wire::ReconcileRequest = json_body(body, false).await?;
     request::reconcile(&b)?;
+    let fleet_freed = super::fleet::reconcile_fleet_wide(&api, &scope, &b.owner).await?;
     let by = format!("uid {} ({} token)", caller.uid, caller.scope.as_str());
     let op = ScopeOp::Reconcile {
-        scope,
-        owner: b.owner,
-        reason: b.reason,
+        scope: scope.clone(),
+        owner: b.owner.clone(),
+        reason: b.reason.clone(),
         by,
     };
-    scope_op(&api, op).await
+    match scope_op(&api, op).await {
+        // The scope lives on another host of the fleet; its token was freed in the
+        // fleet store, and there is nothing of it here.
+        Err(e) if fleet_freed && e.status == 404 => Ok(Json(wire::Reconciled {
+            scope,
+            owner: b.owner,
+            reason: b.reason,
+            freed: Vec::new(),
+        })
+        .into_response()),
+        answer => answer,
+    }
 }
 
 /// B4: pause, stop or resume, idempotent by request id.

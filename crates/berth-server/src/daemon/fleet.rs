@@ -39,6 +39,15 @@ const RETRY: &str = "retry";
 /// count costs a waiter the slow re-check, nothing more).
 const WAKE_CHANNELS_MAX: usize = 4_096;
 
+/// Why a waiter was cancelled when the fleet store refused its claim for good (a
+/// lapsed token of its owner, a budget limit frozen at another value): only an
+/// operator can change that.
+pub(super) const REFUSED_FOR_GOOD: &str =
+    "the fleet store refused its claim for good (an operator must reconcile or change it)";
+
+/// Why berth ended a run whose fleet-wide claim is no longer this host's to use.
+pub(super) const FENCED_ITSELF: &str = "its fleet-wide claim is no longer this host's to use (the host lost the fleet store and fenced itself, F2); berth stopped it";
+
 fn token_channel(scope: &str, harness: &str) -> String {
     format!("token {scope}/{harness}")
 }
@@ -118,7 +127,11 @@ impl<H: Host> Daemon<H> {
                 result,
             } => self.on_fleet_claimed(run_id, gen, result),
             Report::Wake { payloads } => self.on_fleet_wake(payloads),
-            Report::Generation { gen, resumed } => self.on_fleet_generation(gen, resumed),
+            Report::Generation {
+                gen,
+                resumed,
+                claims,
+            } => self.on_fleet_generation(gen, resumed, claims),
             Report::Declared { host_id, gen } => {
                 tracing::debug!(host_id, gen, "fleet: declared dead by this host");
             }
@@ -332,19 +345,31 @@ impl<H: Host> Daemon<H> {
             Ok(ClaimOutcome::HostDead) | Err(FleetError::Unavailable(_)) => {
                 self.fleet.park(RETRY.into(), run_id)
             }
-            refusal => {
-                // Nothing but an operator can change these: the run cannot be admitted.
-                tracing::warn!(
-                    run_id,
-                    ?refusal,
-                    "fleet: claim refused for good; the run is cancelled"
-                );
-                let _ = self.apply(Command::Cancel { run_id }, &mut touched);
-            }
+            refusal => self.refused_for_good(run_id, refusal, &mut touched),
         }
         if !touched.is_empty() || !self.fleet.pending.is_empty() {
             self.commit(touched, |_| {});
         }
+    }
+
+    /// Nothing but an operator can change these (a lapsed token of its owner, a limit
+    /// frozen at another value): the run cannot be admitted, and its holder is told
+    /// why (`berth run`'s last line, the run's status).
+    fn refused_for_good(
+        &mut self,
+        run_id: String,
+        refusal: ClaimResult,
+        touched: &mut BTreeSet<String>,
+    ) {
+        tracing::warn!(
+            run_id,
+            ?refusal,
+            "fleet: claim refused for good; the run is cancelled"
+        );
+        if let Some(e) = self.extras.get_mut(&run_id) {
+            e.failure = Some(format!("{REFUSED_FOR_GOOD}: {refusal:?}"));
+        }
+        let _ = self.apply(Command::Cancel { run_id }, touched);
     }
 
     /// A refused claim waits on `channel`, unless that channel woke since the claim
@@ -410,8 +435,13 @@ impl<H: Host> Daemon<H> {
         if !self.fleet.held.contains_key(run_id) {
             return;
         }
-        let fenced = self.fleet.fenced.remove(run_id);
-        let lapsed = fenced || state == RunState::Expired && self.engine.fence_of(run_id).is_some();
+        // A run the host's own fence stopped ends as it ended here: released (berth
+        // stopped it and its processes are gone before its claim ends). Ending it as
+        // lapsed left its token lapsed in the fleet store while this host had freed
+        // it, so the owner was refused fleet-wide for good and no host showed why
+        // (found by the daemon simulator, issue 35).
+        self.fleet.fenced.remove(run_id);
+        let lapsed = state == RunState::Expired && self.engine.fence_of(run_id).is_some();
         let how = if lapsed {
             Ending::Lapsed
         } else {
@@ -433,8 +463,11 @@ impl<H: Host> Daemon<H> {
     /// F2: registered (again). If the last generation was declared dead, nothing it
     /// held comes back: its runs are ended here (their fences are refused fleet-wide
     /// already), and waiters ask again under the new generation.
-    fn on_fleet_generation(&mut self, gen: i64, resumed: bool) {
+    fn on_fleet_generation(&mut self, gen: i64, resumed: bool, claims: Vec<String>) {
         let mut touched = BTreeSet::new();
+        if resumed {
+            self.reconcile_claims(gen, claims);
+        }
         // Every run that holds (or held, before a restart) a fence, and every waiter
         // holding a permit: all were claimed under an earlier generation of this host.
         let mut claimed: BTreeSet<String> = self.fleet.held.keys().cloned().collect();
@@ -467,8 +500,39 @@ impl<H: Host> Daemon<H> {
         for run_id in retry {
             self.send_claim(&run_id);
         }
-        if !touched.is_empty() {
+        if !touched.is_empty() || !self.fleet.pending.is_empty() {
             self.commit(touched, |_| {});
+        }
+    }
+
+    /// F1 after a registration that kept the host's claims: each claim the store
+    /// holds for it belongs to a run that still lives here (it is held from now on,
+    /// also a waiter's whose permit the ledger does not keep) or to one that ended
+    /// while its ending could not reach the store: a restart or a crash lost it, or
+    /// it ended before the host registered again. Those end now, as they ended here
+    /// (lapsed after an expiry, else released). (Issue 35: the daemon simulator found
+    /// them leaked, the key or token held for good; issue 38 finding 2 is the crash.)
+    fn reconcile_claims(&mut self, gen: i64, claims: Vec<String>) {
+        for run_id in claims {
+            let view = self.engine.view_of(&run_id);
+            if view.as_ref().is_some_and(|v| !v.state.is_terminal()) {
+                let needs = self.engine.fleet_needs(&run_id);
+                let wide = needs.is_some_and(|n| n.token.is_some() || !n.keys.is_empty());
+                self.fleet.held.entry(run_id).or_insert((gen, wide));
+                continue;
+            }
+            let expired = view.is_some_and(|v| v.state == RunState::Expired && v.fence.is_some());
+            let how = if expired {
+                Ending::Lapsed
+            } else {
+                Ending::Released
+            };
+            tracing::info!(
+                run_id,
+                ?how,
+                "fleet: a claim whose run ended here is ended now"
+            );
+            self.fleet.pending.push(Job::End { run_id, gen, how });
         }
     }
 
@@ -477,10 +541,7 @@ impl<H: Host> Daemon<H> {
         // berth itself ends it, and says why: its holder's `berth run` exits 75 with
         // this line, not with CMD's bare 143 (issue 33 item 9).
         if let Some(e) = self.extras.get_mut(run_id) {
-            e.failure = Some(
-                "its fleet-wide claim is no longer this host's to use (the host lost the fleet store and fenced itself, F2); berth stopped it"
-                    .into(),
-            );
+            e.failure = Some(FENCED_ITSELF.into());
         }
         let cmd = match self.engine.fence_of(run_id) {
             Some(fence) => Command::Release {

@@ -33,6 +33,10 @@ pub const CHECKS: &[(&str, Check)] = &[
     ("thread_owners_only_move_up", thread_owners_only_move_up),
     ("a_restart_keeps_its_claims", a_restart_keeps_its_claims),
     (
+        "claims_of_lists_a_hosts_claims",
+        claims_of_lists_a_hosts_claims,
+    ),
+    (
         "a_refence_moves_the_fence_only",
         a_refence_moves_the_fence_only,
     ),
@@ -329,6 +333,30 @@ fn a_restart_keeps_its_claims(open: Open) {
         s.claim(&claim("r2", "a", a2, Some(("h", 1)), &["db"]))
             .unwrap(),
     );
+}
+
+/// A host's claims, whatever their generation, by run id; another host's are not
+/// among them; an ended one is gone; a restart moves them to the new generation; a
+/// host declared dead holds none.
+fn claims_of_lists_a_hosts_claims(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    let b = host(&mut *s, "b");
+    for r in ["r2", "r1", "r3"] {
+        fence(s.claim(&claim(r, "a", a, None, &[])).unwrap());
+    }
+    fence(s.claim(&claim("rb", "b", b, None, &[])).unwrap());
+    assert!(s.end("r3", "a", a, Ending::Released).unwrap());
+    let mine = |s: &mut dyn FleetStore| s.claims_of("a").unwrap();
+    assert_eq!(mine(&mut *s), [("r1".into(), a), ("r2".into(), a)]);
+    let a2 = host(&mut *s, "a");
+    assert_eq!(mine(&mut *open()), [("r1".into(), a2), ("r2".into(), a2)]);
+    assert_eq!(s.claims_of("c").unwrap(), []);
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    s.heartbeat("b", b, "{}").unwrap();
+    assert_eq!(s.declare_dead("b", 200).unwrap(), [("a".to_string(), a2)]);
+    host(&mut *s, "a");
+    assert_eq!(mine(&mut *s), [], "a dead host's claims are gone");
 }
 
 fn a_refence_moves_the_fence_only(open: Open) {

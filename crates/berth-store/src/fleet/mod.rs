@@ -10,14 +10,18 @@
 //! may disagree; one judge of "lapsed" is what makes "declared dead exactly once" mean
 //! something).
 //!
-//! Two stores implement it: [`PgFleet`] (PostgreSQL, many hosts) and [`SqliteFleet`]
+//! Two SQL stores implement it: [`PgFleet`] (PostgreSQL, many hosts) and [`SqliteFleet`]
 //! (a file several daemons of one machine share; also the peer that keeps the
-//! conformance suite honest). [`conformance`] is the suite both pass (F5).
+//! conformance suite honest). [`MemFleet`] keeps the same tables in memory, by the
+//! same rules, on a clock the daemon simulator can drive. [`conformance`] is the suite
+//! they all pass (F5).
 
 pub mod conformance;
+mod mem;
 mod pg;
 mod sqlite;
 
+pub use mem::MemFleet;
 pub use pg::{PgFleet, PgListener};
 pub use sqlite::SqliteFleet;
 
@@ -205,7 +209,15 @@ pub trait FleetStore: Send {
     fn reconcile(&mut self, scope: &str, owner: &str) -> Result<bool, FleetError>;
     /// Times a host generation was declared dead (the "exactly once" record).
     fn declarations(&mut self, host_id: &str) -> Result<Vec<(i64, String)>, FleetError>;
+    /// The runs whose claims a host holds (any generation), by run id, at most
+    /// [`CLAIMS_OF_MAX`]: a host that registers again ends those whose runs ended while
+    /// their endings could not reach the store (a restart, a crash).
+    fn claims_of(&mut self, host_id: &str) -> Result<Vec<(String, i64)>, FleetError>;
 }
+
+/// Claims `claims_of` lists at most: more than any host holds (its runs are bounded
+/// by its queue and its capacity); the rest are found at the next registration.
+pub const CLAIMS_OF_MAX: i64 = 65_536;
 
 /// The input rules every store checks before any SQL runs (the same refusals from
 /// both stores): bounded sizes, a positive limit, at most [`FLEET_KEYS_MAX`] keys.

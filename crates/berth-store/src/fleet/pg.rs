@@ -370,6 +370,17 @@ impl FleetStore for PgFleet {
             Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
         })
     }
+
+    fn claims_of(&mut self, host_id: &str) -> Result<Vec<(String, i64)>, FleetError> {
+        self.with(|c| {
+            let rows = c.query(
+                "SELECT run_id, gen FROM berth_runs WHERE host_id = $1
+                  ORDER BY run_id COLLATE \"C\" LIMIT $2",
+                &[&host_id, &super::CLAIMS_OF_MAX],
+            )?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        })
+    }
 }
 
 /// F3: the wake-ups other hosts send when a fleet-wide claim frees (a token, a key),

@@ -480,4 +480,14 @@ impl FleetStore for SqliteFleet {
                 .collect()
         })
     }
+
+    fn claims_of(&mut self, host_id: &str) -> Result<Vec<(String, i64)>, FleetError> {
+        self.tx(|tx| {
+            tx.prepare("SELECT run_id, gen FROM runs WHERE host_id = ?1 ORDER BY run_id LIMIT ?2")?
+                .query_map(params![host_id, super::CLAIMS_OF_MAX], |r| {
+                    Ok((r.get(0)?, r.get(1)?))
+                })?
+                .collect()
+        })
+    }
 }

@@ -33,12 +33,15 @@ use berth_store::{MemStore, WorkspaceIdentity};
 use super::{Daemon, Error, Host, Msg, Restore, RunInfo, StopOrder, StopSink};
 use crate::register::{OtherRun, Refusal};
 
+mod fleet;
 mod msgs;
 
 /// Run ids the workload picks from: few, so runs collide, re-acquire and queue.
 const RUN_IDS_MAX: u64 = 16;
 /// Steps per seed in the default test run.
 const STEPS: usize = 300;
+/// Every this many seeds one runs in fleet mode (`sim/fleet.rs`).
+const FLEET_SEED_EVERY: u64 = 4;
 /// Seeds in the default test run (`BERTH_DAEMON_SIM_SEEDS` runs more), ~5 s on the
 /// in-memory ledger: enough that a daemon cancelling a detached waiter when a client
 /// that attached to it leaves is caught (first by seed 24..40), and that the crash
@@ -231,6 +234,8 @@ struct Sim {
     /// Where this step's crash cut its effects (`k of n`): answers after the cut are
     /// lost, and so are the connections of attached waiters.
     crashed: Option<String>,
+    /// Fleet mode (every fourth seed): the fleet store, this host's link and the peer.
+    fleet: Option<fleet::FleetSim>,
 }
 
 /// What the journal says, read entry by entry as a client would.
@@ -340,8 +345,10 @@ impl JournalModel {
     }
 }
 
-fn config() -> berth_core::Config {
+fn config(fleet: bool) -> berth_core::Config {
     let mut cfg = berth_core::Config::for_host(4, 8 << 30, 100 << 30);
+    // F1: every grant waits for its fleet-wide claim.
+    cfg.fleet = fleet;
     // W3: a range of six ports, so runs wait for ports too.
     cfg.named = vec![(
         "ports".into(),
@@ -372,6 +379,8 @@ impl Sim {
             sent: BTreeSet::new(),
             crash_due: false,
             crashed: None,
+            fleet: (seed % FLEET_SEED_EVERY == FLEET_SEED_EVERY - 1)
+                .then(|| fleet::FleetSim::new(1_000_000)),
         };
         sim.start();
         sim
@@ -385,7 +394,7 @@ impl Sim {
     fn start(&mut self) {
         let store = self.store.clone();
         let how = Restore {
-            cfg: config(),
+            cfg: config(self.fleet.is_some()),
             same_boot: true,
             reconnect_window_ms: 30_000,
             port_range: PORT_RANGE,
@@ -395,6 +404,7 @@ impl Sim {
         let (d, shell) = Daemon::start_for_test(self.now, how, Box::new(store), "http://sim", host);
         self.daemon = Some(d);
         self.shell = Some(shell);
+        self.join_fleet();
     }
 
     /// One message, its effects carried out and durable.
@@ -421,8 +431,11 @@ impl Sim {
             fx.0.truncate(k as usize);
         }
         let shell = self.shell.as_ref().expect("started");
-        shell.carry_out(fx);
-        shell.flush();
+        // Nothing to carry out, nothing to wait for (most ticks).
+        if !fx.0.is_empty() {
+            shell.carry_out(fx);
+            shell.flush();
+        }
         if let Some(k) = cut {
             self.crashed = Some(format!("{k} of {n}"));
             self.crash();
@@ -443,6 +456,10 @@ impl Sim {
     /// One of the workload's steps with a crash somewhere in its effects (a step that
     /// had none to carry out crashes at its end).
     fn crash_during(&mut self) -> String {
+        // Not in fleet seeds (see `sim/fleet.rs`).
+        if self.fleet.is_some() {
+            return self.pass_time();
+        }
         self.crash_due = true;
         let line = match self.rng.range(0, 5) {
             0 => self.acquire(),
@@ -474,6 +491,9 @@ impl Sim {
             Ok(answer) => answer,
             // Its commit was cut by a crash: the client's connection died unanswered.
             Err(_) if self.crashed.is_some() => Err(Error::ShuttingDown),
+            // F1: a `wait_s = 0` acquire waits for its fleet-wide claim; its answer
+            // comes once the link carries the claim out (the trace says so).
+            Err(_) if self.fleet.is_some() => Err(Error::FleetUnavailable),
             Err(e) => panic!("not answered once durable: {e}"),
         }
     }
@@ -520,7 +540,9 @@ impl Sim {
             m.fail_remove = i < self.fail_until.1;
         }
         self.cancelled = None;
+        let fleet_turn = self.fleet.is_some() && self.rng.chance(0.25);
         let line = match self.rng.range(0, 118) {
+            _ if fleet_turn => self.fleet_step(),
             0..=18 => self.acquire(),
             19..=23 => self.leave(),
             24..=31 => self.renew(),
@@ -538,7 +560,10 @@ impl Sim {
         };
         self.trace.push(format!("{i} {line}"));
 
-        if let Err(e) = self.check().and_then(|()| self.check_detached()) {
+        let checked = (self.check())
+            .and_then(|()| self.check_detached())
+            .and_then(|()| self.check_fleet());
+        if let Err(e) = checked {
             panic!("step {i}: {e}\ntrace:\n{}", self.trace.join("\n"));
         }
     }
@@ -568,7 +593,11 @@ impl Sim {
                 named,
                 ..Default::default()
             },
-            singletons: Vec::new(),
+            // F1: in fleet seeds some runs take the fleet-wide key the peer wants too.
+            singletons: (self.fleet.is_some() && n % 4 == 3)
+                .then(|| format!("{}{}", berth_core::FLEET_SINGLETON_PREFIX, fleet::KEY))
+                .into_iter()
+                .collect(),
             contract: None,
             ttl_ms: (n % 5 + 1) * 10_000,
             wait_ms: (n % 3) * 15_000,
@@ -639,8 +668,17 @@ impl Sim {
     fn check_detached(&mut self) -> Result<(), String> {
         let d = self.daemon.as_ref().expect("started");
         let state = |id: &str| d.engine.view_of(id).map(|v| v.state);
+        // F1/F2: the fleet store's refusal for good (an owner's lapsed token), and a
+        // host declared dead (a waiter must not be granted on a dead permit), cancel
+        // too, and say so.
+        let refused = |id: &str| {
+            let failure = d.extras.get(id).and_then(|e| e.failure.as_deref());
+            let fleet = [super::fleet::REFUSED_FOR_GOOD, super::fleet::FENCED_ITSELF];
+            failure.is_some_and(|f| fleet.iter().any(|why| f.starts_with(why)))
+        };
         for id in &self.detached_queued {
-            if state(id) == Some(RunState::Cancelled) && self.cancelled.as_ref() != Some(id) {
+            let by_nobody = self.cancelled.as_ref() != Some(id) && !refused(id);
+            if state(id) == Some(RunState::Cancelled) && by_nobody {
                 return Err(format!("detached waiter {id} was cancelled by nobody"));
             }
         }
@@ -763,9 +801,24 @@ impl Sim {
         } else {
             self.rng.range(1, 100) * 100
         };
-        self.now += ms;
-        self.tick();
+        self.advance(ms);
         format!("tick +{ms}ms")
+    }
+
+    /// Time passes and the daemon ticks. In fleet mode, in steps no longer than a
+    /// real daemon's ticks and heartbeats leave between them (F2's self-fence comes
+    /// before the lapse only if the daemon looks in time).
+    fn advance(&mut self, ms: u64) {
+        if self.fleet.is_none() {
+            self.now += ms;
+            return self.tick();
+        }
+        let end = self.now + ms;
+        while self.now < end {
+            self.now = end.min(self.now + fleet::FLEET_TICK_MS_MAX);
+            self.fleet_beat();
+            self.tick();
+        }
     }
 
     /// B3: an operator frees a lapsed owner's tokens (the only way besides the owner's
@@ -788,6 +841,11 @@ impl Sim {
             return "reconcile: no lapsed owner".into();
         }
         let owner = lapsed[self.rng.range(0, lapsed.len() as u64 - 1) as usize].clone();
+        // In fleet mode the fleet store's token is freed first, as the API does
+        // (`api::fleet::reconcile_fleet_wide`).
+        if let Err(e) = self.reconcile_fleet(&owner) {
+            return format!("reconcile {owner} -> {e}");
+        }
         let op = super::ScopeOp::Reconcile {
             scope: "sim".into(),
             owner: owner.clone(),
@@ -810,6 +868,12 @@ impl Sim {
     /// crash tests cover it) and starts again from its ledger. Stops in flight die with
     /// it; their processes live on.
     fn restart(&mut self) -> String {
+        self.settle_fleet();
+        // What settling set off is judged by the daemon that did it (a waiter's
+        // reason for being cancelled is not kept across a restart).
+        if let Err(e) = self.check_detached() {
+            self.wrong(format!("before a restart: {e}"));
+        }
         let before = runs(self.d());
         let tokens_before = tokens(self.d());
         self.stop();
@@ -975,6 +1039,9 @@ impl Sim {
             m.fail_create = false;
             m.fail_remove = false;
         }
+        if let Some(f) = self.fleet.as_mut() {
+            f.link_up();
+        }
         for round in 0..40 {
             while !self.machine.lock().unwrap().orders.is_empty() {
                 let order = self.machine.lock().unwrap().orders.remove(0);
@@ -987,12 +1054,13 @@ impl Sim {
                 let run_id = order.run_id;
                 self.send(Msg::Stopped { run_id, report });
             }
-            self.now += 301_000;
-            self.tick();
+            self.settle_fleet();
+            self.advance(301_000);
             self.trace.push(format!("drain {round}"));
             self.check()
                 .unwrap_or_else(|e| panic!("drain {round}: {e}"));
         }
+        self.drain_fleet();
         let m = self.machine.lock().unwrap();
         let d = self.daemon.as_ref().unwrap();
         let left: Vec<_> = d
@@ -1071,7 +1139,9 @@ fn the_daemon_simulation_holds_its_invariants_and_repeats_exactly() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(SEEDS);
-    let mut granted = 0;
+    // Acquires granted at once (single-host seeds); fleet seeds' grants after their
+    // claim came back (any step that answered a granted run holding a fence).
+    let (mut granted, mut fleet_granted) = (0, 0);
     let mut sent = BTreeSet::new();
     for seed in 0..seeds {
         // Which seed failed, whatever the failure (a step's check or a restore).
@@ -1086,16 +1156,18 @@ fn the_daemon_simulation_holds_its_invariants_and_repeats_exactly() {
             panic!("seed {seed} diverged at line {i}:\n{}\n{}", a[i], b[i]);
         }
         assert_eq!(a.len(), b.len(), "seed {seed}");
-        granted += a
-            .iter()
-            .filter(|l| {
-                l.starts_with(|c: char| c.is_ascii_digit())
-                    && l.contains("acquire")
-                    && l.contains("-> ok granted")
-            })
+        let step = |l: &&String| l.starts_with(|c: char| c.is_ascii_digit());
+        if seed % FLEET_SEED_EVERY == FLEET_SEED_EVERY - 1 {
+            let fenced = |l: &&String| l.contains("-> ok granted Some(");
+            fleet_granted += a.iter().filter(step).filter(fenced).count();
+            continue;
+        }
+        granted += (a.iter().filter(step))
+            .filter(|l| l.contains("acquire") && l.contains("-> ok granted"))
             .count();
     }
-    eprintln!("daemon sim: {seeds} seeds, {granted} acquires granted at once");
+    let fleet_seeds = seeds / FLEET_SEED_EVERY;
+    eprintln!("daemon sim: {seeds} seeds ({fleet_seeds} in fleet mode), {granted} acquires granted at once, {fleet_granted} answers of granted fleet runs");
     if std::env::var("BERTH_DAEMON_SIM_TRACE").is_ok() {
         eprintln!("{}", one_seed(0).join("\n"));
     }
@@ -1112,8 +1184,12 @@ fn the_daemon_simulation_holds_its_invariants_and_repeats_exactly() {
     );
     // The workload must reach the paths it is for, not only refusals.
     assert!(
-        granted > seeds as usize * 10,
+        granted > (seeds - fleet_seeds) as usize * 10,
         "only {granted} acquires succeeded"
+    );
+    assert!(
+        fleet_granted > fleet_seeds as usize * 5,
+        "only {fleet_granted} answers of granted fleet runs"
     );
 }
 

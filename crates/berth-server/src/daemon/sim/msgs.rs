@@ -54,7 +54,7 @@ impl Sim {
 
     /// A disagreement between an answer and the daemon's state: the test fails with
     /// the trace so far.
-    fn wrong(&self, what: String) -> ! {
+    pub(super) fn wrong(&self, what: String) -> ! {
         panic!("{what}\ntrace:\n{}", self.trace.join("\n"))
     }
 
@@ -422,6 +422,10 @@ impl Sim {
     /// F1–F3 reports reach a daemon not in fleet mode too (a late report after a
     /// restart): they change nothing it has.
     fn fleet_report(&mut self) -> String {
+        // In a fleet seed the reports are the link's own (`sim/fleet.rs`).
+        if self.fleet.is_some() {
+            return self.fleet_step();
+        }
         let before = super::runs(self.d());
         let report = match self.rng.range(0, 2) {
             0 => Report::Wake {

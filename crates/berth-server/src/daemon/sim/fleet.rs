@@ -1,0 +1,531 @@
+//! Fleet mode in the daemon simulator (issue 35): every fourth seed runs the daemon as
+//! one host of a fleet, on an in-memory fleet store ([`MemFleet`]) that keeps the
+//! simulator's time. The fleet link is the real one without its threads
+//! ([`SimLink`]): the simulator decides when the daemon's claims and endings reach the
+//! store, when heartbeats happen, when the store cannot be reached from this host, and
+//! what a second host (the peer) does with the same fleet-wide key.
+//!
+//! Checked after every step: a granted run's fence is the one the fleet store holds
+//! for it, on this host; a fleet-wide key is never held by a granted run here and by
+//! the peer at once. At the end, with every job carried out, no claim of this host is
+//! left in the store. Crashes are left out of fleet seeds: an ending lost with the
+//! daemon's fleet thread leaks its claim (issue 38, finding 2), so clean restarts
+//! carry out what the link holds first, as a graceful stop does.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use berth_core::RunState;
+use berth_store::fleet::{
+    Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetStore, HostInfo, HostRow, MemFleet,
+    ThreadOwner, TokenRow,
+};
+
+use super::Sim;
+use crate::daemon::Msg;
+use crate::fleet::{FleetConfig, Report, SimLink};
+
+/// A seed the simulator runs in fleet mode.
+const FLEET_SEED: u64 = super::FLEET_SEED_EVERY - 1;
+/// This host's id in the fleet, and the peer's.
+const HOST: &str = "sim";
+const PEER: &str = "peer";
+/// The fleet-wide key some runs and the peer take turns on.
+pub(super) const KEY: &str = "db";
+/// Heartbeat period and lapse (F2); the daemon fences itself a quarter of the lapse
+/// early, as `berth serve` sets it up.
+const BEAT_MS: u64 = 1_000;
+const LAPSE_MS: u64 = 20_000;
+const SELF_FENCE_MS: u64 = LAPSE_MS - LAPSE_MS / 4;
+const RECHECK_MS: u64 = 5_000;
+/// The longest time passes in fleet seeds without a tick and a heartbeat: shorter than
+/// the self-fence margin, as a real daemon ticks every 100 ms.
+pub(super) const FLEET_TICK_MS_MAX: u64 = LAPSE_MS / 8;
+
+/// The store as this host reaches it: unreachable while `down` is set.
+struct Reach {
+    store: MemFleet,
+    down: Arc<AtomicBool>,
+}
+
+impl Reach {
+    fn up(&self) -> Result<(), FleetError> {
+        match self.down.load(Ordering::Relaxed) {
+            true => Err(FleetError::Unavailable("sim: the link is cut".into())),
+            false => Ok(()),
+        }
+    }
+}
+
+impl FleetStore for Reach {
+    fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError> {
+        self.up()?;
+        self.store.register(host)
+    }
+    fn heartbeat(&mut self, host_id: &str, gen: i64, load: &str) -> Result<bool, FleetError> {
+        self.up()?;
+        self.store.heartbeat(host_id, gen, load)
+    }
+    fn declare_dead(&mut self, me: &str, lapse_ms: i64) -> Result<Vec<(String, i64)>, FleetError> {
+        self.up()?;
+        self.store.declare_dead(me, lapse_ms)
+    }
+    fn claim(&mut self, c: &Claim) -> Result<ClaimOutcome, FleetError> {
+        self.up()?;
+        self.store.claim(c)
+    }
+    fn refence(
+        &mut self,
+        run_id: &str,
+        host_id: &str,
+        gen: i64,
+    ) -> Result<ClaimOutcome, FleetError> {
+        self.up()?;
+        self.store.refence(run_id, host_id, gen)
+    }
+    fn end(
+        &mut self,
+        run_id: &str,
+        host_id: &str,
+        gen: i64,
+        how: Ending,
+    ) -> Result<bool, FleetError> {
+        self.up()?;
+        self.store.end(run_id, host_id, gen, how)
+    }
+    fn thread_owner(
+        &mut self,
+        key: &str,
+        owner: &ThreadOwner,
+        host_id: &str,
+    ) -> Result<Option<ThreadOwner>, FleetError> {
+        self.up()?;
+        self.store.thread_owner(key, owner, host_id)
+    }
+    fn fence(&mut self, run_id: &str) -> Result<Option<FleetFence>, FleetError> {
+        self.up()?;
+        self.store.fence(run_id)
+    }
+    fn hosts(&mut self) -> Result<Vec<HostRow>, FleetError> {
+        self.up()?;
+        self.store.hosts()
+    }
+    fn tokens(&mut self, scope: &str) -> Result<Vec<TokenRow>, FleetError> {
+        self.up()?;
+        self.store.tokens(scope)
+    }
+    fn reconcile(&mut self, scope: &str, owner: &str) -> Result<bool, FleetError> {
+        self.up()?;
+        self.store.reconcile(scope, owner)
+    }
+    fn declarations(&mut self, host_id: &str) -> Result<Vec<(i64, String)>, FleetError> {
+        self.up()?;
+        self.store.declarations(host_id)
+    }
+    fn claims_of(&mut self, host_id: &str) -> Result<Vec<(String, i64)>, FleetError> {
+        self.up()?;
+        self.store.claims_of(host_id)
+    }
+}
+
+/// The second host: it takes the fleet-wide key in turns with this host's runs, and
+/// sometimes falls silent (no heartbeats) until this host declares it dead.
+#[derive(Default)]
+struct Peer {
+    gen: i64,
+    silent: bool,
+    /// The run it holds the key for, and its fence.
+    holds: Option<(String, u64)>,
+    /// The run its own fence stopped while it was silent: its claim is ended once the
+    /// peer reaches the store again (as this host's link does).
+    fenced: Option<String>,
+    runs: u64,
+}
+
+pub(super) struct FleetSim {
+    store: MemFleet,
+    clock: Arc<AtomicU64>,
+    down: Arc<AtomicBool>,
+    link: SimLink,
+    reports: Arc<Mutex<VecDeque<Report>>>,
+    peer: Peer,
+}
+
+fn host(id: &str) -> HostInfo {
+    HostInfo {
+        host_id: id.into(),
+        address: format!("http://{id}"),
+        version: "sim".into(),
+    }
+}
+
+impl FleetSim {
+    /// A fleet with this host's link and a registered peer.
+    pub(super) fn new(now: u64) -> FleetSim {
+        let clock = Arc::new(AtomicU64::new(now));
+        let store = MemFleet::with_clock(clock.clone());
+        let peer = Peer {
+            gen: store
+                .clone()
+                .register(&host(PEER))
+                .expect("peer registers")
+                .0,
+            ..Peer::default()
+        };
+        let down = Arc::new(AtomicBool::new(false));
+        let (link, reports) = new_link(&store, &clock, &down).1;
+        FleetSim {
+            store,
+            clock,
+            down,
+            link,
+            reports,
+            peer,
+        }
+    }
+}
+
+impl FleetSim {
+    /// The link is never cut again (the drain at the end).
+    pub(super) fn link_up(&mut self) {
+        self.down.store(false, Ordering::Relaxed);
+    }
+}
+
+/// A link for a daemon that starts: its handle, and the link with its report queue.
+#[allow(clippy::type_complexity)]
+fn new_link(
+    store: &MemFleet,
+    clock: &Arc<AtomicU64>,
+    down: &Arc<AtomicBool>,
+) -> (
+    crate::fleet::Handle,
+    (SimLink, Arc<Mutex<VecDeque<Report>>>),
+) {
+    let reports: Arc<Mutex<VecDeque<Report>>> = Arc::default();
+    let queue = reports.clone();
+    let inbox = crate::tell::Tell::to_fn(move |r| {
+        queue.lock().unwrap().push_back(r);
+        true
+    });
+    let cfg = FleetConfig {
+        url: "sim".into(),
+        host: host(HOST),
+        beat_ms: BEAT_MS,
+        lapse_ms: LAPSE_MS,
+        recheck_ms: RECHECK_MS,
+    };
+    let reach = Reach {
+        store: store.clone(),
+        down: down.clone(),
+    };
+    let time = clock.clone();
+    let now = Arc::new(move || time.load(Ordering::Relaxed));
+    let (handle, link) = SimLink::new(cfg, Box::new(reach), inbox, now);
+    (handle, (link, reports))
+}
+
+impl Sim {
+    /// The daemon (just started) joins the fleet: a new link (the old one died with the
+    /// daemon), registered at once.
+    pub(super) fn join_fleet(&mut self) {
+        let Some(f) = self.fleet.as_mut() else { return };
+        let (handle, (link, reports)) = new_link(&f.store, &f.clock, &f.down);
+        (f.link, f.reports) = (link, reports);
+        self.daemon
+            .as_mut()
+            .expect("started")
+            .set_fleet(handle, SELF_FENCE_MS, RECHECK_MS);
+        self.fleet_beat();
+    }
+
+    /// Before a clean stop: what the link holds reaches the store, and what that sets
+    /// off (an answered claim may end a run, whose ending is a new job) too. Endings
+    /// the store missed while it was away are retried with the store reachable: a
+    /// stop loses them today (issue 38, finding 2), which the simulator does not
+    /// cover up by stopping while they wait.
+    pub(super) fn settle_fleet(&mut self) {
+        while self.fleet.is_some() {
+            while self.fleet.as_mut().is_some_and(|f| f.link.one_job()) {}
+            self.deliver_reports();
+            let f = self.fleet_mut();
+            if f.link.missed_ends() > 0 {
+                f.link_up();
+                self.fleet_beat();
+            } else if !f.link.has_jobs() && f.reports.lock().unwrap().is_empty() {
+                return;
+            }
+        }
+    }
+
+    fn fleet_mut(&mut self) -> &mut FleetSim {
+        self.fleet.as_mut().expect("a fleet seed")
+    }
+
+    /// What the fleet threads told, handed to the daemon in order.
+    fn deliver_reports(&mut self) {
+        loop {
+            let next = self
+                .fleet
+                .as_ref()
+                .and_then(|f| f.reports.lock().unwrap().pop_front());
+            let Some(report) = next else { return };
+            self.send(Msg::Fleet(report));
+        }
+    }
+
+    /// One heartbeat of this host's link (a registration if it has no generation) and
+    /// of the peer unless it is silent, at the simulator's time. The link carries out
+    /// what it was sent first: whole seconds do not go by with claims unanswered.
+    pub(super) fn fleet_beat(&mut self) {
+        let now = self.now;
+        let f = self.fleet_mut();
+        f.clock.store(now, Ordering::Relaxed);
+        while f.link.one_job() {}
+        f.link.beat();
+        if !f.peer.silent {
+            let mut s = f.store.clone();
+            match s.heartbeat(PEER, f.peer.gen, "{}") {
+                Ok(true) => {
+                    let _ = s.declare_dead(PEER, LAPSE_MS as i64);
+                }
+                // Declared dead while silent: it comes back as a new generation, and
+                // what it held is gone.
+                _ => {
+                    f.peer.gen = s.register(&host(PEER)).expect("peer registers").0;
+                    f.peer.holds = None;
+                }
+            }
+        }
+        self.deliver_reports();
+    }
+
+    /// One fleet event, picked at random.
+    pub(super) fn fleet_step(&mut self) -> String {
+        let now = self.now;
+        self.fleet_mut().clock.store(now, Ordering::Relaxed);
+        let cut = self.fleet_mut().down.load(Ordering::Relaxed);
+        let line = match self.rng.range(0, 9) {
+            // A cut link comes back within a few fleet steps.
+            0..=3 if cut => {
+                self.fleet_mut().link_up();
+                "fleet: link back".into()
+            }
+            0..=3 => {
+                let n = self.rng.range(1, 3);
+                let done = (0..n).filter(|_| self.fleet_mut().link.one_job()).count();
+                self.deliver_reports();
+                format!("fleet: {done} jobs carried out")
+            }
+            4 | 5 => {
+                self.fleet_beat();
+                "fleet: heartbeat".into()
+            }
+            6 | 7 => self.peer_turn(),
+            // Cut now and then; back soon (outages are short next to the workload).
+            _ => {
+                let f = self.fleet_mut();
+                let down = !f.down.load(Ordering::Relaxed);
+                f.down.store(down, Ordering::Relaxed);
+                format!("fleet: link {}", if down { "cut" } else { "back" })
+            }
+        };
+        line
+    }
+
+    /// The peer takes the key (if it can), lets it go, or falls silent or speaks again.
+    fn peer_turn(&mut self) -> String {
+        let roll = self.rng.range(0, 3);
+        let f = self.fleet_mut();
+        let mut s = f.store.clone();
+        match (roll, f.peer.holds.take()) {
+            // Cut off: it can only come back.
+            _ if f.peer.silent => {
+                f.peer.silent = false;
+                let fenced = f.peer.fenced.take();
+                let ended = fenced.map(|r| s.end(&r, PEER, f.peer.gen, Ending::Released));
+                format!("peer: beats, its fenced run's claim ended: {ended:?}")
+            }
+            (0 | 1, None) => {
+                f.peer.runs += 1;
+                let run_id = format!("peer-{}", f.peer.runs);
+                let c = Claim {
+                    run_id: run_id.clone(),
+                    host_id: PEER.into(),
+                    gen: f.peer.gen,
+                    token: None,
+                    keys: vec![KEY.into()],
+                };
+                let got = s.claim(&c);
+                let line = format!("peer: claim {KEY} -> {got:?}");
+                if let Ok(ClaimOutcome::Taken { fence }) = got {
+                    f.peer.holds = Some((run_id, fence));
+                }
+                line
+            }
+            (0 | 1, Some((run_id, fence))) => {
+                let ended = s.end(&run_id, PEER, f.peer.gen, Ending::Released);
+                // A release wakes the key's waiters (F3), as the store's NOTIFY does.
+                let wake = Report::Wake {
+                    payloads: vec![format!("key {KEY}")],
+                };
+                f.reports.lock().unwrap().push_back(wake);
+                self.deliver_reports();
+                format!("peer: end {run_id} f{fence} -> {ended:?}")
+            }
+            // It falls silent (cut off from the store). A sound host stops its own run
+            // before the lapse at which it may be declared dead (F2), so from now on it
+            // holds nothing, while the store keeps its claim until someone declares it.
+            (_, held) => {
+                f.peer.silent = true;
+                f.peer.fenced = held.as_ref().map(|(r, _)| r.clone());
+                let line = format!("peer: silent, its run {held:?} stopped by its own fence");
+                line
+            }
+        }
+    }
+
+    /// B3 in fleet mode: the owner's lapsed token freed in the fleet store, through
+    /// this host's link (refused while it is cut). Nothing to do outside fleet seeds.
+    pub(super) fn reconcile_fleet(&mut self, owner: &str) -> Result<(), FleetError> {
+        let Some(f) = self.fleet.as_ref() else {
+            return Ok(());
+        };
+        let mut reach = Reach {
+            store: f.store.clone(),
+            down: f.down.clone(),
+        };
+        reach.reconcile("sim", owner).map(|_| ())
+    }
+
+    /// A granted run here holds the fence the store holds for it, on this host; the key
+    /// is never held by a granted run here and by the peer at once.
+    pub(super) fn check_fleet(&mut self) -> Result<(), String> {
+        let Some(f) = self.fleet.as_ref() else {
+            return Ok(());
+        };
+        let d = self.daemon.as_ref().expect("started");
+        let mut s = f.store.clone();
+        let mut key_holders = Vec::new();
+        for id in d.extras.keys() {
+            let Some(v) = d
+                .engine
+                .view_of(id)
+                .filter(|v| v.state == RunState::Granted)
+            else {
+                continue;
+            };
+            let wide = d.engine.fleet_needs(id).is_some_and(|n| !n.keys.is_empty());
+            let row = s.fence(id).map_err(|e| format!("fleet store: {e}"))?;
+            match row {
+                Some(r) if r.host_id == HOST && Some(r.fence) == v.fence => {}
+                // Declared dead: the run keeps no fleet-wide claim, so it may go on
+                // only if it holds no key (the self-fence stopped those first).
+                None if !wide => {}
+                other => {
+                    return Err(format!(
+                        "granted {id} f{:?}, the fleet store has {other:?}",
+                        v.fence
+                    ))
+                }
+            }
+            if wide {
+                key_holders.push(id.clone());
+            }
+        }
+        if let Some((peer_run, _)) = &f.peer.holds {
+            key_holders.push(peer_run.clone());
+        }
+        if key_holders.len() > 1 {
+            return Err(format!("key {KEY} held at once by {key_holders:?}"));
+        }
+        Ok(())
+    }
+
+    /// At the end: the link carried out everything, the store answers, and no claim
+    /// of this host is left for a run that ended.
+    pub(super) fn drain_fleet(&mut self) {
+        if self.fleet.is_none() {
+            return;
+        }
+        self.fleet_beat();
+        self.settle_fleet();
+        let mut s = self.fleet_mut().store.clone();
+        let d = self.daemon.as_ref().expect("started");
+        for id in (0..super::RUN_IDS_MAX).map(|n| format!("r{n}")) {
+            let row = s.fence(&id).unwrap();
+            let ended = d.engine.view_of(&id).is_none_or(|v| v.state.is_terminal());
+            if ended && row.as_ref().is_some_and(|r| r.host_id == HOST) {
+                let trace = self.trace.join("\n");
+                panic!("{id} ended, its fleet claim is left: {row:?}\ntrace:\n{trace}");
+            }
+        }
+    }
+}
+
+/// Regression (issue 35, found by this simulator): a run that ended after its host
+/// restarted and before the host could register with the fleet store again kept its
+/// fleet-wide claim for good (the daemon had no record that it held one): its key
+/// was never freed. A registration that keeps the host's claims now ends those whose
+/// runs ended here.
+#[test]
+fn a_run_ended_before_its_host_registered_again_ends_its_fleet_claim() {
+    let mut sim = Sim::new(FLEET_SEED);
+    let req = berth_core::Request {
+        run_id: "x".into(),
+        project: "x".into(),
+        class: berth_core::Class::Managed,
+        priority: berth_core::Priority::Foreground,
+        resources: berth_core::Resources {
+            slots: 1,
+            ..Default::default()
+        },
+        singletons: vec![format!("{}{KEY}", berth_core::FLEET_SINGLETON_PREFIX)],
+        contract: None,
+        ttl_ms: 600_000,
+        wait_ms: 60_000,
+        budget: None,
+    };
+    let queued = sim.ask(|reply| Msg::Acquire {
+        req,
+        worktree: None,
+        labels: Default::default(),
+        stop_grace_ms: None,
+        ports: Vec::new(),
+        attach: false,
+        detach: true,
+        thread: None,
+        lease_only: false,
+        by: None,
+        reply,
+    });
+    assert_eq!(queued.map(|i| i.view.state), Ok(RunState::Queued));
+    sim.settle_fleet();
+    let fence = sim.d().engine.fence_of("x").expect("granted on its claim");
+    let mut store = sim.fleet_mut().store.clone();
+    assert_eq!(store.fence("x").unwrap().map(|f| f.fence), Some(fence));
+    // A restart while the store cannot be reached; the run ends before the host is
+    // registered again.
+    sim.fleet_mut().down.store(true, Ordering::Relaxed);
+    sim.stop();
+    sim.start();
+    let release = berth_core::Command::Release {
+        run_id: "x".into(),
+        fence,
+    };
+    let ended = sim.ask(|reply| Msg::Command {
+        cmd: release,
+        by: None,
+        reply,
+    });
+    assert_eq!(ended.map(|i| i.view.state), Ok(RunState::Released));
+    sim.fleet_mut().link_up();
+    sim.fleet_beat();
+    sim.settle_fleet();
+    assert_eq!(
+        store.fence("x").unwrap(),
+        None,
+        "the ended run's claim is left"
+    );
+}
