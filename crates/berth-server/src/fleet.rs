@@ -148,9 +148,6 @@ pub const CLAIM_WORKERS: usize = 4;
 /// Starts the fleet threads: the heartbeat, the claim workers, the questions' and, on
 /// PostgreSQL, the listener.
 pub fn spawn(cfg: FleetConfig, inbox: Tell<Report>) -> Result<Handle, FleetError> {
-    let status = Arc::new(Status::default());
-    status.enabled.store(true, Ordering::Relaxed);
-    *status.host_id.lock().unwrap_or_else(|e| e.into_inner()) = cfg.host.host_id.clone();
     if !cfg.url.starts_with("sqlite:") {
         let listener = berth_store::fleet::PgFleet::lazy(&cfg.url)?.listener();
         spawn_listener(listener, inbox.clone());
@@ -162,14 +159,8 @@ pub fn spawn(cfg: FleetConfig, inbox: Tell<Report>) -> Result<Handle, FleetError
             q(&mut *answering);
         }
     })?;
-    let common = Arc::new(Common {
-        cfg,
-        status: status.clone(),
-        inbox,
-        ends: Mutex::default(),
-        down_logged: AtomicBool::new(false),
-        clock: Arc::new(crate::clock::mono_ms),
-    });
+    let common = Common::new(cfg, inbox, Arc::new(crate::clock::mono_ms));
+    let status = common.status.clone();
     let (tx, rx) = std::sync::mpsc::channel::<Job>();
     let rx = Arc::new(Mutex::new(rx));
     for _ in 0..CLAIM_WORKERS {
@@ -248,6 +239,20 @@ struct Common {
 }
 
 impl Common {
+    fn new(cfg: FleetConfig, inbox: Tell<Report>, clock: Clock) -> Arc<Common> {
+        let status = Arc::new(Status::default());
+        status.enabled.store(true, Ordering::Relaxed);
+        *status.host_id.lock().unwrap_or_else(|e| e.into_inner()) = cfg.host.host_id.clone();
+        Arc::new(Common {
+            cfg,
+            status,
+            inbox,
+            ends: Mutex::default(),
+            down_logged: AtomicBool::new(false),
+            clock,
+        })
+    }
+
     /// Tells the daemon how this host stands with the store (`Report::Status`).
     fn tell_status(&self) -> bool {
         self.inbox.send(Report::Status {
@@ -436,17 +441,8 @@ impl SimLink {
         inbox: Tell<Report>,
         clock: Clock,
     ) -> (Handle, SimLink) {
-        let status = Arc::new(Status::default());
-        status.enabled.store(true, Ordering::Relaxed);
-        *status.host_id.lock().unwrap_or_else(|e| e.into_inner()) = cfg.host.host_id.clone();
-        let common = Arc::new(Common {
-            cfg,
-            status: status.clone(),
-            inbox,
-            ends: Mutex::default(),
-            down_logged: AtomicBool::new(false),
-            clock,
-        });
+        let common = Common::new(cfg, inbox, clock);
+        let status = common.status.clone();
         let (tx, jobs) = std::sync::mpsc::channel();
         // No questions: the simulator asks the store itself.
         let (questions, _) = std::sync::mpsc::sync_channel(1);

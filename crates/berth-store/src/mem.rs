@@ -14,13 +14,9 @@ use crate::{
     JOURNAL_READ_MAX,
 };
 
-/// SQLite's cut (bytes of text, `sqlite/journal.rs`): a transaction's entries start a
-/// new chunk once the chunk holds this much. Retention deletes whole chunks, so the
-/// same cut makes the same entries survive a prune.
-const CHUNK_TEXT_CUT: usize = 1 << 20;
-
-/// SQLite's largest journal record (bytes): a larger one is a bug, refused the same way.
-const JOURNAL_RECORD_MAX: usize = 16 << 20;
+/// SQLite's chunk cut and record rules (`sqlite/journal.rs`): the same entries are
+/// refused, and retention keeps the same ones.
+use crate::sqlite::{record_len, CHUNK_TEXT_CUT};
 
 /// A ledger in memory. A clone is another handle on the same ledger (the same disk, as
 /// a reopened SQLite file is): what one handle writes, every other reads. Cheap to
@@ -543,32 +539,13 @@ impl State {
     }
 }
 
-/// SQLite's `Chunk::push` refusals: out of order, or a field that would break the
-/// chunk's record format (a tab or line end, an empty id), or a record over the bound.
+/// SQLite's `Chunk::push` refusals: out of order, or what `record_len` refuses.
 fn check_entry(e: &JournalEntry, last: u64) -> Result<(), StoreError> {
-    let refuse = |why: String| Err(StoreError::Write(format!("journal entry {}: {why}", e.seq)));
+    let refuse = |why: String| StoreError::Write(format!("journal entry {}: {why}", e.seq));
     if e.seq <= last {
-        return refuse(format!("is not after the last before it, {last}"));
+        return Err(refuse(format!("is not after the last before it, {last}")));
     }
-    let fields = [
-        Some(e.kind.as_str()),
-        e.run_id.as_deref(),
-        e.project.as_deref(),
-    ];
-    if e.kind.is_empty() || fields.iter().flatten().any(|f| f.contains(['\t', '\n'])) {
-        return refuse("kind, run id and project must be tab- and line-free".into());
-    }
-    if e.run_id.as_deref() == Some("") || e.project.as_deref() == Some("") {
-        return refuse("an empty run id or project is ambiguous".into());
-    }
-    if e.line.contains('\n') {
-        return refuse("its line holds a line end".into());
-    }
-    let record = fields.iter().flatten().map(|f| f.len() + 1).sum::<usize>() + e.line.len();
-    if record > JOURNAL_RECORD_MAX {
-        return refuse(format!("{record} bytes, over {JOURNAL_RECORD_MAX}"));
-    }
-    Ok(())
+    record_len(e).map(|_| ()).map_err(refuse)
 }
 
 /// SQLite's `write_thread` refusal: a thread is registered by its owner only.

@@ -329,12 +329,7 @@ impl FleetStore for MemFleet {
     }
 
     fn claim(&mut self, c: &Claim) -> Result<ClaimOutcome, FleetError> {
-        check_claim(c)?;
-        // Sorted and deduplicated as the SQL stores insert them: the same key is named
-        // when several are held.
-        let mut keys = c.keys.clone();
-        keys.sort();
-        keys.dedup();
+        let keys = check_claim(c)?;
         let (mut st, _) = self.open();
         if !st.alive(&c.host_id, c.gen) {
             return Ok(ClaimOutcome::HostDead);

@@ -220,8 +220,10 @@ pub trait FleetStore: Send {
 pub const CLAIMS_OF_MAX: i64 = 65_536;
 
 /// The input rules every store checks before any SQL runs (the same refusals from
-/// both stores): bounded sizes, a positive limit, at most [`FLEET_KEYS_MAX`] keys.
-pub(crate) fn check_claim(c: &Claim) -> Result<(), FleetError> {
+/// every store): bounded sizes, a positive limit, at most [`FLEET_KEYS_MAX`] keys.
+/// Returns the keys as every store takes them: sorted and without repeats, so that
+/// the same key is named when several are held.
+pub(crate) fn check_claim(c: &Claim) -> Result<Vec<String>, FleetError> {
     if c.keys.len() > FLEET_KEYS_MAX {
         return Err(FleetError::Invalid(format!(
             "keys: at most {FLEET_KEYS_MAX} fleet-wide keys per run, got {}",
@@ -236,7 +238,10 @@ pub(crate) fn check_claim(c: &Claim) -> Result<(), FleetError> {
             )));
         }
     }
-    Ok(())
+    let mut keys = c.keys.clone();
+    keys.sort();
+    keys.dedup();
+    Ok(keys)
 }
 
 /// A thread owner's fence as the stores keep it (a signed 64-bit column).

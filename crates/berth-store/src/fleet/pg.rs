@@ -185,10 +185,7 @@ impl FleetStore for PgFleet {
     }
 
     fn claim(&mut self, cl: &Claim) -> Result<ClaimOutcome, FleetError> {
-        check_claim(cl)?;
-        let mut keys = cl.keys.clone();
-        keys.sort();
-        keys.dedup();
+        let keys = check_claim(cl)?;
         let (scope, harness, limit) = match &cl.token {
             Some(t) => (
                 Some(t.scope.as_str()),

@@ -233,10 +233,7 @@ impl FleetStore for SqliteFleet {
     }
 
     fn claim(&mut self, c: &Claim) -> Result<ClaimOutcome, FleetError> {
-        check_claim(c)?;
-        let mut keys = c.keys.clone();
-        keys.sort();
-        keys.dedup();
+        let keys = check_claim(c)?;
         let tx = self
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)

@@ -14,12 +14,38 @@ pub(super) struct Chunk {
 
 /// A chunk's text once it holds this much (bytes) is written, and a new chunk begins:
 /// bounds what one read unpacks (a restart that reaps thousands of runs journals them
-/// all in one transaction).
-pub(super) const CHUNK_TEXT_CUT: usize = 1 << 20;
+/// all in one transaction). `MemStore` cuts where this does, so that retention keeps
+/// the same entries.
+pub(crate) const CHUNK_TEXT_CUT: usize = 1 << 20;
 
 /// The largest record a chunk takes (bytes): no request can make an entry this large,
 /// so a record above it is a bug refused before it is written.
-pub(super) const JOURNAL_RECORD_MAX: usize = 16 << 20;
+pub(crate) const JOURNAL_RECORD_MAX: usize = 16 << 20;
+
+/// An entry's record in a chunk's text (`kind TAB run TAB project TAB line LF`): its
+/// length, or why the entry would break the format (a tab or a line end in a field, an
+/// empty id, a record over `JOURNAL_RECORD_MAX`). Every store refuses the same entries.
+pub(crate) fn record_len(e: &JournalEntry) -> Result<usize, String> {
+    let fields = [
+        Some(e.kind.as_str()),
+        e.run_id.as_deref(),
+        e.project.as_deref(),
+    ];
+    if e.kind.is_empty() || fields.iter().flatten().any(|f| f.contains(['\t', '\n'])) {
+        return Err("kind, run id and project must be tab- and line-free".into());
+    }
+    if e.run_id.as_deref() == Some("") || e.project.as_deref() == Some("") {
+        return Err("an empty run id or project is ambiguous".into());
+    }
+    if e.line.contains('\n') {
+        return Err("its line holds a line end".into());
+    }
+    let record = fields.iter().flatten().map(|f| f.len() + 1).sum::<usize>() + e.line.len();
+    if record > JOURNAL_RECORD_MAX {
+        return Err(format!("{record} bytes, over {JOURNAL_RECORD_MAX}"));
+    }
+    Ok(record)
+}
 
 /// The largest text a packed chunk may claim (bytes): a chunk is cut at
 /// `CHUNK_TEXT_CUT` after one record of at most `JOURNAL_RECORD_MAX`. A size above
@@ -151,32 +177,19 @@ impl Chunk {
     /// Appends an entry. Within a transaction entries come in order; a field that would
     /// break the record format (a tab or a line end, an empty id) is refused.
     pub(super) fn push(&mut self, e: &JournalEntry) -> Result<(), StoreError> {
-        let refuse =
-            |why: String| Err(StoreError::Write(format!("journal entry {}: {why}", e.seq)));
+        let refuse = |why: String| StoreError::Write(format!("journal entry {}: {why}", e.seq));
         if self.first.is_some() && e.seq <= self.last {
-            return refuse(format!("follows {} in the same transaction", self.last));
+            let why = format!("follows {} in the same transaction", self.last);
+            return Err(refuse(why));
         }
-        let fields = [
+        record_len(e).map_err(refuse)?;
+        self.first.get_or_insert(e.seq);
+        self.last = e.seq;
+        for f in [
             Some(e.kind.as_str()),
             e.run_id.as_deref(),
             e.project.as_deref(),
-        ];
-        if e.kind.is_empty() || fields.iter().flatten().any(|f| f.contains(['\t', '\n'])) {
-            return refuse("kind, run id and project must be tab- and line-free".into());
-        }
-        if e.run_id.as_deref() == Some("") || e.project.as_deref() == Some("") {
-            return refuse("an empty run id or project is ambiguous".into());
-        }
-        if e.line.contains('\n') {
-            return refuse("its line holds a line end".into());
-        }
-        let record = fields.iter().flatten().map(|f| f.len() + 1).sum::<usize>() + e.line.len();
-        if record > JOURNAL_RECORD_MAX {
-            return refuse(format!("{record} bytes, over {JOURNAL_RECORD_MAX}"));
-        }
-        self.first.get_or_insert(e.seq);
-        self.last = e.seq;
-        for f in fields {
+        ] {
             self.entries.push_str(f.unwrap_or(""));
             self.entries.push('\t');
         }

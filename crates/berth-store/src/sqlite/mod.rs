@@ -27,6 +27,7 @@ use codec::*;
 use drain::*;
 use evidence::*;
 use journal::*;
+pub(crate) use journal::{record_len, CHUNK_TEXT_CUT};
 use meta::*;
 use ports::*;
 use processes::*;
