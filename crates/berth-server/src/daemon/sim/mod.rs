@@ -26,15 +26,19 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use berth_core::{Class, Command, Priority, Request, Resources, RunState};
-use berth_proc::{ProcId, StopReport};
+use berth_proc::StopReport;
 use berth_sim::Rng;
-use berth_store::{MemStore, WorkspaceIdentity};
+use berth_store::MemStore;
 
-use super::{Daemon, Error, Host, Msg, Restore, RunInfo, StopOrder, StopSink};
-use crate::register::{OtherRun, Refusal};
+use super::{Daemon, Error, Msg, Restore, RunInfo};
 
 mod fleet;
+mod host;
+mod journal;
 mod msgs;
+
+use host::{Machine, SimHost, FAILURE_STEPS_MAX};
+use journal::JournalModel;
 
 /// Run ids the workload picks from: few, so runs collide, re-acquire and queue.
 const RUN_IDS_MAX: u64 = 16;
@@ -50,157 +54,6 @@ const FLEET_SEED_EVERY: u64 = 4;
 const SEEDS: u64 = 128;
 /// The ports runs are given from: small, so that they run out.
 const PORT_RANGE: (u16, u16) = (30_000, 30_005);
-
-/// The machine under the daemon, shared with the simulator so that it outlives a
-/// restart of the daemon and can be looked at.
-#[derive(Default)]
-struct Machine {
-    workspaces: BTreeMap<String, WorkspaceIdentity>,
-    next_ino: u64,
-    /// Living registered processes: pid → the run that started it.
-    alive: BTreeMap<i32, String>,
-    next_pid: i32,
-    /// Stop orders handed over (after their commit), not yet carried out.
-    orders: Vec<StopOrder>,
-    fail_create: bool,
-    fail_remove: bool,
-    tokens: u64,
-}
-
-/// How long an injected failure lasts, in steps: long enough for retries to meet it.
-const FAILURE_STEPS_MAX: u64 = 25;
-
-struct SimHost(Arc<Mutex<Machine>>);
-
-impl Host for SimHost {
-    fn create_workspace(&mut self, run_id: &str, _owner: Option<u32>) -> super::host::Made {
-        let mut m = self.0.lock().unwrap();
-        if m.fail_create {
-            return Err("sim: no space left on device".into());
-        }
-        m.next_ino += 1;
-        let ws = WorkspaceIdentity {
-            path: format!("/sim/runs/{run_id}"),
-            dev: 1,
-            ino: m.next_ino,
-        };
-        let old = m.workspaces.insert(run_id.to_string(), ws.clone());
-        assert!(old.is_none(), "{run_id}: a second workspace over {old:?}");
-        Ok(ws)
-    }
-
-    fn remove_workspace(&mut self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), String> {
-        let mut m = self.0.lock().unwrap();
-        if m.fail_remove {
-            return Err("sim: device busy".into());
-        }
-        // By where it is, as the real host finds it (`run_id` only names its logs).
-        let at = m.workspaces.iter().find(|(_, w)| w.path == ws.path);
-        match at.map(|(k, w)| (k.clone(), w.clone())) {
-            None => Ok(()),
-            Some((_, have)) if have != *ws => Err(format!("sim: {run_id} swapped")),
-            Some((k, _)) => {
-                m.workspaces.remove(&k);
-                Ok(())
-            }
-        }
-    }
-
-    fn sweep_workspaces(&mut self, owned: &super::host::Owned) -> Vec<String> {
-        let mut m = self.0.lock().unwrap();
-        let swept: Vec<String> = (m.workspaces.iter())
-            .filter(|(_, w)| !owned.contains(&(w.path.clone(), w.dev, w.ino)))
-            .map(|(k, _)| k.clone())
-            .collect();
-        swept
-            .into_iter()
-            .filter_map(|k| m.workspaces.remove(&k).map(|w| w.path))
-            .collect()
-    }
-
-    fn workspace_present(&self, ws: &WorkspaceIdentity) -> bool {
-        self.0.lock().unwrap().workspaces.values().any(|w| w == ws)
-    }
-
-    fn has_group(&self, _run_id: &str) -> bool {
-        false
-    }
-
-    fn stop_sink(&mut self) -> StopSink {
-        let m = self.0.clone();
-        Arc::new(move |o| m.lock().unwrap().orders.push(o))
-    }
-
-    fn check_process(
-        &self,
-        _uid: u32,
-        pid: i32,
-        others: &[OtherRun<'_>],
-    ) -> Result<ProcId, Refusal> {
-        if pid <= 1 {
-            return Err(Refusal::Forbidden(format!("pid {pid} is init")));
-        }
-        if !self.0.lock().unwrap().alive.contains_key(&pid) {
-            return Err(Refusal::NoSuchProcess);
-        }
-        if let Some(o) = others.iter().find(|o| o.roots.iter().any(|r| r.pid == pid)) {
-            return Err(Refusal::OwnedByRun {
-                run_id: o.run_id.to_string(),
-            });
-        }
-        Ok(ProcId {
-            pid,
-            start_ticks: 1,
-            boot_id: "sim".into(),
-        })
-    }
-
-    fn port_in_use(&self, _port: u16) -> bool {
-        false
-    }
-
-    fn adopt(&mut self, _run_id: &str, _pid: i32) {}
-
-    fn prepare_group(&mut self, _run_id: &str) -> Option<std::path::PathBuf> {
-        None
-    }
-
-    fn listeners_of(&self, _roots: &[ProcId]) -> std::collections::BTreeSet<u64> {
-        Default::default()
-    }
-
-    fn listening_now(&self) -> std::collections::BTreeSet<u64> {
-        Default::default()
-    }
-
-    fn watch_listeners(&mut self, _watched: Vec<super::ListenWatch>) {}
-
-    fn cover_fence(&mut self, _last_fence: u64) -> Result<(), String> {
-        Ok(())
-    }
-
-    fn new_token(&mut self) -> Result<String, String> {
-        let mut m = self.0.lock().unwrap();
-        m.tokens += 1;
-        Ok(format!("sim-token-{}", m.tokens))
-    }
-
-    fn diagnostics(&self) -> (u64, u64) {
-        (0, 0)
-    }
-
-    fn show_time(&self, mono_ms: u64) -> String {
-        format!("t+{mono_ms}")
-    }
-
-    fn release_memory(&mut self) {}
-
-    fn disk_free(&self) -> Option<u64> {
-        None
-    }
-
-    fn close(&mut self, _clean_last_fence: Option<u64>) {}
-}
 
 struct Sim {
     /// The ledger: in memory, and it outlives the daemon (a clone is the same ledger).
@@ -236,113 +89,6 @@ struct Sim {
     crashed: Option<String>,
     /// Fleet mode (every fourth seed): the fleet store, this host's link and the peer.
     fleet: Option<fleet::FleetSim>,
-}
-
-/// What the journal says, read entry by entry as a client would.
-struct JournalModel {
-    /// Reads go through the daemon's own reader (`Journal::read`), which is async.
-    rt: tokio::runtime::Runtime,
-    /// The last entry read.
-    seen: u64,
-    /// Per run since its latest `queued`: the fence its `granted` named, the state its
-    /// `ended` named.
-    runs: BTreeMap<String, (Option<u64>, Option<String>)>,
-    /// The budget tokens held, by (owner, operation), as the budget entries say (B2/B3).
-    tokens: BTreeSet<(String, String)>,
-}
-
-impl JournalModel {
-    fn new() -> JournalModel {
-        JournalModel {
-            rt: tokio::runtime::Builder::new_current_thread()
-                .build()
-                .unwrap(),
-            seen: 0,
-            runs: BTreeMap::new(),
-            tokens: BTreeSet::new(),
-        }
-    }
-
-    /// Reads every entry published since the last call, checking that they follow on.
-    fn follow(&mut self, journal: &crate::journal::Journal) -> Result<(), String> {
-        let last = journal.last();
-        if last < self.seen {
-            return Err(format!(
-                "the journal went back from {} to {last}",
-                self.seen
-            ));
-        }
-        while self.seen < last {
-            let page = self
-                .rt
-                .block_on(journal.read(self.seen, 256))
-                .map_err(|e| format!("journal read after {}: {e:?}", self.seen))?;
-            if page.is_empty() {
-                return Err(format!(
-                    "journal entries {}..={last} unreadable",
-                    self.seen + 1
-                ));
-            }
-            for e in page {
-                if e.seq != self.seen + 1 {
-                    return Err(format!("journal entry {} follows {}", e.seq, self.seen));
-                }
-                self.seen = e.seq;
-                self.fold(&e);
-            }
-        }
-        Ok(())
-    }
-
-    fn fold(&mut self, e: &berth_store::JournalEntry) {
-        let line: serde_json::Value = serde_json::from_str(&e.line).unwrap_or_default();
-        let data = &line["data"];
-        let key = || {
-            let s = |f: &str| data[f].as_str().unwrap_or_default().to_string();
-            (s("owner"), s("operation_id"))
-        };
-        match e.kind.as_str() {
-            "budget_token_taken" => {
-                self.tokens.insert(key());
-            }
-            "budget_token_freed" => {
-                self.tokens.remove(&key());
-            }
-            _ => {}
-        }
-        let Some(run) = &e.run_id else { return };
-        match e.kind.as_str() {
-            // A run's life starts here (a forgotten id may come back as a new run).
-            "queued" => {
-                self.runs.insert(run.clone(), (None, None));
-            }
-            "granted" => self.runs.entry(run.clone()).or_default().0 = data["fence"].as_u64(),
-            "ended" => {
-                let state = data["state"].as_str().map(str::to_string);
-                self.runs.entry(run.clone()).or_default().1 = state;
-            }
-            _ => {}
-        }
-    }
-
-    /// Every run the daemon knows agrees with what the journal said of it.
-    fn agrees(&self, runs: &BTreeMap<String, RunRow>) -> Result<(), String> {
-        for (id, (state, fence, _, _, _)) in runs {
-            let Some((j_fence, j_ended)) = self.runs.get(id) else {
-                return Err(format!("{id} ({state:?}) was never journaled"));
-            };
-            if fence.is_some() && fence != j_fence {
-                return Err(format!(
-                    "{id} holds fence {fence:?}, its journal {j_fence:?}"
-                ));
-            }
-            let ended = state.is_terminal().then(|| state.as_str().to_string());
-            if &ended != j_ended {
-                return Err(format!("{id} is {state:?}, its journal's end {j_ended:?}"));
-            }
-        }
-        Ok(())
-    }
 }
 
 fn config(fleet: bool) -> berth_core::Config {
