@@ -38,6 +38,7 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
         insecure_no_auth: false,
         engine,
         sample_memory: false,
+        pressure_source: None,
         reconnect_window_ms: 30_000,
         group_commit,
         tick_ms: 100,

@@ -35,6 +35,9 @@ pub enum Command {
     Drain { on: bool },
     /// A fresh MemAvailable reading, in bytes (A10).
     Sample { mem_available: u64 },
+    /// Issue 36: a fresh reading of the host's memory pressure (PSI `some avg10`, in
+    /// hundredths of a percent): above the configured figures, waiters are held back.
+    Pressure { memory_bp: u32 },
     /// C3: the run launched every declared port and each answered its probe.
     Promote {
         run_id: String,
@@ -283,6 +286,10 @@ pub enum Event {
     MemoryStabilized {
         available: u64,
     },
+    /// Issue 36: the host's memory pressure changed (hundredths of a percent).
+    PressureChanged {
+        memory_bp: u32,
+    },
     /// B1: a scope's policy (and manifest) was frozen by its first admission.
     ScopeFrozen {
         scope: String,
@@ -367,6 +374,9 @@ impl fmt::Display for Event {
             Event::UpgradeGranted { run_id, key } => write!(f, "upgrade-granted {run_id} {key}"),
             Event::MemoryStabilized { available } => {
                 write!(f, "memory-stabilized {}", fmt_bytes(*available))
+            }
+            Event::PressureChanged { memory_bp } => {
+                write!(f, "memory-pressure {}", crate::fmt_bp(*memory_bp))
             }
             Event::ScopeFrozen { .. }
             | Event::ScopeForgotten { .. }

@@ -58,7 +58,21 @@ pub struct Config {
     /// S10: a scope nothing holds (no run, no token, no control state) is forgotten
     /// once it has been idle this long, so scopes made once never fill `SCOPES_MAX`.
     pub scope_idle_ms: u64,
+    /// Issue 36: no foreground run is admitted while the host's memory pressure (the
+    /// share of the last 10 s in which some task stalled on memory, PSI `some avg10`,
+    /// in hundredths of a percent) is above this; background runs stop being admitted
+    /// first, above `pressure_background_max_bp`. Free memory alone misses a host
+    /// that is already reclaiming to keep up.
+    pub pressure_foreground_max_bp: u32,
+    pub pressure_background_max_bp: u32,
 }
+
+/// The defaults: a tenth of the time stalled holds foreground runs back, a twentieth
+/// background runs (a busy but healthy host stays well below 1%).
+pub const PRESSURE_FOREGROUND_MAX_BP: u32 = 1_000;
+pub const PRESSURE_BACKGROUND_MAX_BP: u32 = 500;
+/// A pressure figure's ceiling: all of the time (100.00%).
+pub const PRESSURE_BP_MAX: u32 = 10_000;
 
 /// The shortest idle window a scope may have: forgetting a policy a run is about to
 /// use again would refreeze it under the next caller's terms.
@@ -97,6 +111,8 @@ impl Config {
             },
             fleet: false,
             scope_idle_ms: 86_400_000,
+            pressure_foreground_max_bp: PRESSURE_FOREGROUND_MAX_BP,
+            pressure_background_max_bp: PRESSURE_BACKGROUND_MAX_BP,
         }
     }
 
@@ -120,6 +136,20 @@ impl Config {
     }
 
     /// Refuses configurations the engine cannot keep its promises under.
+    /// Background runs are held back first (issue 36), so their figure is the lower.
+    fn check_pressure(&self) -> Result<(), String> {
+        let (fg, bg) = (
+            self.pressure_foreground_max_bp,
+            self.pressure_background_max_bp,
+        );
+        if fg > PRESSURE_BP_MAX || bg > fg {
+            return Err(
+                "memory pressure limits: background <= foreground <= 100% (PSI some avg10)".into(),
+            );
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), String> {
         if self.slots_max == 0 || self.slots_max > SLOTS_MAX_LIMIT {
             return Err(format!("slots_max must be 1..={SLOTS_MAX_LIMIT}"));
@@ -142,6 +172,7 @@ impl Config {
         if self.queue_len_max == 0 {
             return Err("queue_len_max must be positive".into());
         }
+        self.check_pressure()?;
         if self.ended_retained_max == 0 || self.ended_retained_max > ENDED_RETAINED_LIMIT {
             return Err(format!(
                 "retain_ended (ended_retained_max) must be 1..={ENDED_RETAINED_LIMIT}"

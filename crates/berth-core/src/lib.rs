@@ -17,7 +17,10 @@ mod units;
 pub mod validate;
 
 pub use command::{Command, Error, Event, Output};
-pub use config::{Config, GIB, MIB, SLOTS_MAX_LIMIT, STABILIZE_SAMPLES_MAX, WINDOW_MAX};
+pub use config::{
+    Config, GIB, MIB, PRESSURE_BACKGROUND_MAX_BP, PRESSURE_BP_MAX, PRESSURE_FOREGROUND_MAX_BP,
+    SLOTS_MAX_LIMIT, STABILIZE_SAMPLES_MAX, WINDOW_MAX,
+};
 pub use engine::{
     Engine, FleetNeeds, ProjectFigures, ResourceFigures, RestoredRun, Snapshot, FLEET_KEYS_MAX,
     FLEET_SINGLETON_PREFIX, PORTS_MAX, SINGLETONS_MAX,

@@ -267,9 +267,21 @@ pub fn fmt_bytes(bytes: u64) -> String {
     format!("{text} {unit}")
 }
 
+/// Formats hundredths of a percent the way PSI writes them: `12.50%`.
+pub fn fmt_bp(bp: u32) -> String {
+    format!("{}.{:02}%", bp / 100, bp % 100)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hundredths_of_a_percent_read_as_psi_writes_them() {
+        assert_eq!(fmt_bp(0), "0.00%");
+        assert_eq!(fmt_bp(1_250), "12.50%");
+        assert_eq!(fmt_bp(10_000), "100.00%");
+    }
 
     #[test]
     fn bytes_are_formatted_for_people() {

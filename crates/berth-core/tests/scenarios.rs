@@ -285,6 +285,10 @@ pub fn run_script(script: &str) -> String {
             "sample" => Command::Sample {
                 mem_available: size(&pos[0]),
             },
+            // `pressure 12.50%`: PSI `some avg10`, as hundredths of a percent.
+            "pressure" => Command::Pressure {
+                memory_bp: percent_bp(&pos[0]),
+            },
             "promote" => Command::Promote {
                 run_id: id(),
                 fence: fence().expect("fence"),
@@ -363,4 +367,12 @@ fn scenarios() {
         let trace = run_script(&script);
         insta::assert_snapshot!(trace);
     });
+}
+
+/// `12.50%` as hundredths of a percent.
+fn percent_bp(text: &str) -> u32 {
+    let t = text.strip_suffix('%').expect("a percentage like 12.50%");
+    let (whole, frac) = t.split_once('.').unwrap_or((t, "0"));
+    let frac = format!("{frac:0<2}");
+    whole.parse::<u32>().expect("percent") * 100 + frac[..2].parse::<u32>().expect("percent")
 }

@@ -24,6 +24,25 @@ pub fn memory_available() -> Option<u64> {
     meminfo_field("MemAvailable")
 }
 
+/// Issue 36: PSI's `some avg10` of the file at `path` (`/proc/pressure/memory`, or a
+/// file in its format), in hundredths of a percent; `None` if it cannot be read (a
+/// kernel without PSI): admission then goes by free memory alone.
+pub fn memory_pressure_bp(path: &Path) -> Option<u32> {
+    parse_pressure(&std::fs::read_to_string(path).ok()?)
+}
+
+/// `some avg10=12.34 avg60=… total=…` as 1234 (at most 100.00%).
+pub fn parse_pressure(text: &str) -> Option<u32> {
+    let some = text.lines().find_map(|l| l.strip_prefix("some "))?;
+    let avg10 = some
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("avg10="))?;
+    let (whole, frac) = avg10.split_once('.').unwrap_or((avg10, "0"));
+    let frac: String = frac.chars().chain(std::iter::repeat('0')).take(2).collect();
+    let bp = whole.parse::<u32>().ok()?.checked_mul(100)? + frac.parse::<u32>().ok()?;
+    Some(bp.min(berth_core::PRESSURE_BP_MAX))
+}
+
 pub fn cpus() -> u64 {
     std::thread::available_parallelism().map_or(1, |n| n.get() as u64)
 }
@@ -71,5 +90,30 @@ mod tests {
         assert!(avail > 0 && avail <= super::memory_total());
         assert!(super::cpus() >= 1);
         assert!(super::disk_total(std::path::Path::new("/")) > 0);
+    }
+
+    /// Issue 36: PSI as the kernel writes it; anything else reads as no figure.
+    #[test]
+    fn memory_pressure_is_read_as_psi_writes_it() {
+        let psi = "some avg10=12.34 avg60=1.00 avg300=0.50 total=123\nfull avg10=3.00 avg60=0.00 avg300=0.00 total=9\n";
+        assert_eq!(super::parse_pressure(psi), Some(1_234));
+        assert_eq!(super::parse_pressure("some avg10=7.5 total=1"), Some(750));
+        assert_eq!(
+            super::parse_pressure("some avg10=100.00 total=1"),
+            Some(10_000)
+        );
+        assert_eq!(
+            super::parse_pressure("some avg10=400.00 total=1"),
+            Some(10_000)
+        );
+        for bad in [
+            "",
+            "full avg10=1.00",
+            "some avg10=x",
+            "some avg60=1.00",
+            "some avg10=-1.0",
+        ] {
+            assert_eq!(super::parse_pressure(bad), None, "{bad:?}");
+        }
     }
 }

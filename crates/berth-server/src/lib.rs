@@ -41,6 +41,9 @@ pub struct ServeConfig {
     pub insecure_no_auth: bool,
     pub engine: berth_core::Config,
     pub sample_memory: bool,
+    /// Issue 36: where memory pressure is read (PSI's format: `some avg10=…`), once a
+    /// second; `None`: not read (admission then ignores pressure).
+    pub pressure_source: Option<std::path::PathBuf>,
     /// How long a waiter restored after a restart keeps its place unclaimed (P5).
     pub reconnect_window_ms: u64,
     /// Group commit on (false only for the benchmark's baseline).
@@ -336,7 +339,11 @@ fn spawn_state(
         uid: rustix::process::geteuid().as_raw(),
         starting: Arc::default(),
     };
-    let (tick_ms, sample) = (cfg.tick_ms, cfg.sample_memory);
+    let tick_ms = cfg.tick_ms;
+    let sample = daemon::Sampler {
+        memory: cfg.sample_memory,
+        pressure: cfg.pressure_source.clone(),
+    };
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()
         .name("berth-state".into())
@@ -583,6 +590,7 @@ mod tests {
             insecure_no_auth: false,
             engine: berth_core::Config::for_host(4, 8 << 30, 100 << 30),
             sample_memory: false,
+            pressure_source: None,
             reconnect_window_ms: 30_000,
             group_commit: true,
             tick_ms: 100,

@@ -13,6 +13,22 @@ pub fn parse_duration(s: &str) -> Result<u64, String> {
     validate::parse_duration_ms(s)
 }
 
+/// A percentage as hundredths of a percent (PSI's precision): `10%`, `12.5%`, `0.25%`,
+/// at most `100%`.
+pub fn parse_percent(s: &str) -> Result<u32, String> {
+    let bad = || format!("{s:?} is not a percentage like 10% or 2.5% (0% to 100%)");
+    let t = s.trim().strip_suffix('%').ok_or_else(bad)?;
+    let (whole, frac) = t.split_once('.').unwrap_or((t, ""));
+    if frac.len() > 2 || !frac.chars().all(|c| c.is_ascii_digit()) {
+        return Err(bad());
+    }
+    let frac: u32 = format!("{frac:0<2}").parse().map_err(|_| bad())?;
+    let bp = whole.parse::<u32>().map_err(|_| bad())?.saturating_mul(100) + frac;
+    (bp <= berth_core::PRESSURE_BP_MAX)
+        .then_some(bp)
+        .ok_or_else(bad)
+}
+
 /// CPUs as millis, one unit everywhere (issue 33 item 7: `--cpu-total` was millis
 /// while `--cpus` was CPUs): decimal CPUs (`1.5` is 1500) or millis with an `m`, as
 /// Kubernetes writes them (`500m` is half a CPU). More than 0.
@@ -80,6 +96,18 @@ mod tests {
         assert!(parse_cpus("4097").is_err());
         assert!(parse_cpus("1.5m").is_err());
         assert!(parse_cpus("lots").unwrap_err().contains("500m"));
+    }
+
+    #[test]
+    fn percentages_are_hundredths_of_a_percent() {
+        use super::*;
+        assert_eq!(parse_percent("10%"), Ok(1_000));
+        assert_eq!(parse_percent("12.5%"), Ok(1_250));
+        assert_eq!(parse_percent("0.25%"), Ok(25));
+        assert_eq!(parse_percent("100%"), Ok(10_000));
+        for bad in ["10", "101%", "1.234%", "-1%", "x%", "%"] {
+            assert!(parse_percent(bad).unwrap_err().contains("10%"), "{bad}");
+        }
     }
 
     #[test]

@@ -6,12 +6,13 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::{anyhow, bail};
+use berth_core::fmt_bp;
 use berth_core::validate::{parse_duration_ms, parse_size};
 use clap::Args;
 use serde::Deserialize;
 
 use crate::args::{
-    cpus_to_millis, parse_cpu_amount, parse_cpus, parse_duration, parse_port_range,
+    cpus_to_millis, parse_cpu_amount, parse_cpus, parse_duration, parse_percent, parse_port_range,
     parse_size as parse_size_arg,
 };
 
@@ -81,6 +82,19 @@ pub struct ServeArgs {
     /// Never use cgroups (process groups only).
     #[arg(long, env = "BERTH_NO_CGROUPS")]
     pub no_cgroups: bool,
+    /// No foreground run is admitted while the host's memory pressure (PSI some avg10:
+    /// the share of the last 10 s in which some task stalled on memory) is above this
+    /// [default: 10%].
+    #[arg(long, env = "BERTH_MEMORY_PRESSURE_MAX", value_parser = parse_percent)]
+    pub memory_pressure_max: Option<u32>,
+    /// No background run is admitted while the pressure is above this (at most the
+    /// foreground figure) [default: 5%].
+    #[arg(long, env = "BERTH_MEMORY_PRESSURE_BACKGROUND_MAX", value_parser = parse_percent)]
+    pub memory_pressure_background_max: Option<u32>,
+    /// Where memory pressure is read, in PSI's format [default: /proc/pressure/memory,
+    /// unless --no-memory-sampling]. A file of one's own makes a synthetic source.
+    #[arg(long, env = "BERTH_PRESSURE_SOURCE")]
+    pub pressure_source: Option<PathBuf>,
     /// Diagnostics (a run's logs/) kept per run [default: 1MiB].
     #[arg(long, env = "BERTH_DIAGNOSTICS_RUN_BYTES", value_parser = parse_size_arg)]
     pub diagnostics_run_bytes: Option<u64>,
@@ -188,6 +202,9 @@ struct FileConfig {
     no_memory_sampling: Option<bool>,
     stop_grace: Option<String>,
     no_cgroups: Option<bool>,
+    memory_pressure_max: Option<String>,
+    memory_pressure_background_max: Option<String>,
+    pressure_source: Option<PathBuf>,
     diagnostics_run_bytes: Option<String>,
     diagnostics_total_bytes: Option<String>,
     default_cpus: Option<f64>,
@@ -311,6 +328,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         insecure_no_auth: a.insecure_no_auth || file.insecure_no_auth.unwrap_or(false),
         engine: c,
         sample_memory: !(a.no_memory_sampling || file.no_memory_sampling.unwrap_or(false)),
+        pressure_source: pressure_source(&a, &file),
         reconnect_window_ms: a
             .reconnect_window
             .or(duration("reconnect_window", file.reconnect_window)?)
@@ -513,6 +531,7 @@ fn engine_config(
         c.slots_max = v;
     }
     reserves(&mut c, a, file)?;
+    pressure_limits(&mut c, a, file)?;
     if let Some(v) = a.window.or(file.window) {
         c.window = v;
     }
@@ -528,6 +547,43 @@ fn engine_config(
     }
     named_and_defaults(&mut c, a, file)?;
     Ok(c)
+}
+
+/// Issue 36: the memory pressure above which waiters are held back, where given.
+fn pressure_limits(
+    c: &mut berth_core::Config,
+    a: &ServeArgs,
+    file: &FileConfig,
+) -> anyhow::Result<()> {
+    let key = |name: &str, v: &Option<String>| -> anyhow::Result<Option<u32>> {
+        v.as_deref()
+            .map(parse_percent)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("{name}: {e}"))
+    };
+    let fg = key("memory_pressure_max", &file.memory_pressure_max)?;
+    if let Some(v) = a.memory_pressure_max.or(fg) {
+        c.pressure_foreground_max_bp = v;
+        // A lower foreground figure lowers the background one with it.
+        c.pressure_background_max_bp = c.pressure_background_max_bp.min(v);
+    }
+    let bg = key(
+        "memory_pressure_background_max",
+        &file.memory_pressure_background_max,
+    )?;
+    if let Some(v) = a.memory_pressure_background_max.or(bg) {
+        c.pressure_background_max_bp = v;
+    }
+    Ok(())
+}
+
+/// Issue 36: where pressure is read: the flag's file, else the kernel's while memory
+/// is sampled (if this kernel has PSI).
+fn pressure_source(a: &ServeArgs, file: &FileConfig) -> Option<PathBuf> {
+    let given = a.pressure_source.clone().or(file.pressure_source.clone());
+    let sampled = !(a.no_memory_sampling || file.no_memory_sampling.unwrap_or(false));
+    let kernel = PathBuf::from("/proc/pressure/memory");
+    given.or_else(|| (sampled && kernel.exists()).then_some(kernel))
 }
 
 /// A2: what admission keeps back of memory, CPU and disk, where given.
@@ -673,6 +729,7 @@ fn config_toml(c: &berth_server::ServeConfig) -> String {
             q(format!("{}-{}", c.port_range.0, c.port_range.1))
         ),
     ];
+    lines.extend(pressure_keys(c));
     if let Some(d) = &c.user_workspaces {
         lines.push(format!("user_workspaces = {}", q(d.display().to_string())));
     }
@@ -683,6 +740,25 @@ fn config_toml(c: &berth_server::ServeConfig) -> String {
         }
     }
     lines.join("\n") + "\n"
+}
+
+/// Issue 36: the memory pressure limits, and where pressure is read if it is.
+fn pressure_keys(c: &berth_server::ServeConfig) -> Vec<String> {
+    let (e, q) = (&c.engine, |s: String| format!("{s:?}"));
+    let mut keys = vec![
+        format!(
+            "memory_pressure_max = {}",
+            q(fmt_bp(e.pressure_foreground_max_bp))
+        ),
+        format!(
+            "memory_pressure_background_max = {}",
+            q(fmt_bp(e.pressure_background_max_bp))
+        ),
+    ];
+    if let Some(p) = &c.pressure_source {
+        keys.push(format!("pressure_source = {}", q(p.display().to_string())));
+    }
+    keys
 }
 
 /// Colour in the daemon's log only on a terminal, and never with `NO_COLOR` set to

@@ -78,6 +78,7 @@ fn serve_config(state: &Path) -> berth_server::ServeConfig {
         insecure_no_auth: true,
         engine,
         sample_memory: false,
+        pressure_source: None,
         reconnect_window_ms: 30_000,
         group_commit: true,
         tick_ms: TICK_MS,

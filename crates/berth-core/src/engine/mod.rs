@@ -6,7 +6,7 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use crate::command::{Command, Error, Event, Output};
-use crate::config::Config;
+use crate::config::{Config, PRESSURE_BP_MAX};
 use crate::queue::{Queue, Slot};
 use crate::scopes::{Block, Scope, ScopeError, Scopes};
 use crate::types::{
@@ -150,6 +150,12 @@ pub(crate) enum Blocker {
     },
     /// G4: the host is draining; nothing new is granted until the drain ends.
     Draining,
+    /// Issue 36: the host's memory pressure (hundredths of a percent) is above what
+    /// this run's priority is admitted under.
+    Pressure {
+        bp: u32,
+        max: u32,
+    },
     /// B5 / the harness limit: the run's budget token cannot be taken now.
     Budget(Slot, Block),
     /// F1: everything local fits; the fleet-wide claim is not held yet.
@@ -177,6 +183,10 @@ pub struct Engine {
     pub(crate) queues: [Queue; 2],
     /// G4: while set, no waiter is granted (runs already granted go on as before).
     pub(crate) draining: bool,
+    /// Issue 36: the host's memory pressure as last sampled (PSI `some avg10`, in
+    /// hundredths of a percent; 0 until a sample says otherwise). Not restored: the
+    /// next sample, a second after a start, says what it is.
+    pub(crate) memory_pressure_bp: u32,
     /// B1–B5: experiment budgets; a run's token is part of its claim.
     pub(crate) scopes: Scopes,
     pub(crate) deadlines: BTreeSet<(TimeMs, Slot)>,
@@ -253,6 +263,7 @@ impl Engine {
             project_ids: HashMap::new(),
             queues: [Queue::default(), Queue::default()],
             draining: false,
+            memory_pressure_bp: 0,
             scopes: Scopes::default(),
             deadlines: BTreeSet::new(),
             expiries: BTreeSet::new(),
@@ -324,6 +335,14 @@ impl Engine {
             }
             Command::Sample { mem_available } => {
                 self.sample(mem_available, ev);
+                Ok(None)
+            }
+            Command::Pressure { memory_bp } => {
+                let memory_bp = memory_bp.min(PRESSURE_BP_MAX);
+                if memory_bp != self.memory_pressure_bp {
+                    self.memory_pressure_bp = memory_bp;
+                    ev.push(Event::PressureChanged { memory_bp });
+                }
                 Ok(None)
             }
             Command::Promote {

@@ -12,6 +12,9 @@ impl Engine {
             return Some(Blocker::Draining);
         }
         let run = self.run(s);
+        if let Some(b) = self.pressure_blocker(run.req.priority) {
+            return Some(b);
+        }
         if run.req.priority == Priority::Background && !self.queues[0].is_empty() {
             return Some(Blocker::ForegroundWaiting);
         }
@@ -71,6 +74,17 @@ impl Engine {
             return Some(Blocker::Permit);
         }
         None
+    }
+
+    /// Issue 36: a host reclaiming to keep up takes no one new; background runs are
+    /// held back first (at the lower figure).
+    fn pressure_blocker(&self, priority: Priority) -> Option<Blocker> {
+        let max = match priority {
+            Priority::Foreground => self.cfg.pressure_foreground_max_bp,
+            Priority::Background => self.cfg.pressure_background_max_bp,
+        };
+        let bp = self.memory_pressure_bp;
+        (bp > max).then_some(Blocker::Pressure { bp, max })
     }
 
     /// Memory that the host really has for new grants (A2): stabilised MemAvailable less

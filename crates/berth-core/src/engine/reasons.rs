@@ -43,6 +43,7 @@ impl Blocker {
             },
             Blocker::Permit => "fleet.claim",
             Blocker::Draining => "host.draining",
+            Blocker::Pressure { .. } => "host.memory_pressure",
             Blocker::Guard { .. } => "queue.starvation_guard",
         })
     }
@@ -85,6 +86,12 @@ impl Blocker {
             Blocker::Draining => {
                 "the host is draining: nothing new is granted until the drain ends".into()
             }
+            Blocker::Pressure { bp, max } => format!(
+                "the host is under memory pressure: some task stalled on memory {} of the \
+                 last 10 s, over the {} this run's priority is admitted under",
+                crate::fmt_bp(bp),
+                crate::fmt_bp(max)
+            ),
             Blocker::Guard { head } => {
                 let h = e.run(head);
                 format!(

@@ -317,6 +317,7 @@ pub(super) fn event_run(ev: &Event) -> Option<&str> {
         | Event::PermitWanted { .. }
         | Event::EvidenceInvalidated { .. }
         | Event::MemoryStabilized { .. }
+        | Event::PressureChanged { .. }
         | Event::ScopeFrozen { .. }
         | Event::ScopeForgotten { .. }
         | Event::TokenTaken { .. }

@@ -563,13 +563,13 @@ impl<H: Host> Daemon<H> {
 
     /// Time passes: expiries and deadlines (L6, A8), reclaim windows (P5), cleanup
     /// retries (L3), and optionally a MemAvailable sample (A10).
-    pub fn tick(&mut self, now: u64, sample: Option<u64>) -> super::Effects {
+    pub fn tick(&mut self, now: u64, sample: Option<super::Sample>) -> super::Effects {
         self.now = now;
-        self.on_tick(sample);
+        self.on_tick(sample.unwrap_or_default());
         self.take_effects()
     }
 
-    fn on_tick(&mut self, sample: Option<u64>) {
+    fn on_tick(&mut self, sample: super::Sample) {
         let now = self.now;
         // C6: analysis runs that lived through a restart are watched again; what
         // their processes hold now is their baseline.
@@ -578,8 +578,11 @@ impl<H: Host> Daemon<H> {
         }
         let mut touched = BTreeSet::new();
         let _ = self.apply(Command::Tick, &mut touched);
-        if let Some(mem) = sample {
+        if let Some(mem) = sample.mem_available {
             let _ = self.apply(Command::Sample { mem_available: mem }, &mut touched);
+        }
+        if let Some(memory_bp) = sample.memory_pressure_bp {
+            let _ = self.apply(Command::Pressure { memory_bp }, &mut touched);
         }
         self.cancel_unclaimed(&mut touched);
         self.retry_due_cleanups(&mut touched);

@@ -58,7 +58,7 @@ pub use ask::{ask, register_off_task};
 pub use host::{Host, ListenWatch, RealHost, StopOrder, StopSink, Supervision};
 pub use msg::{Msg, RegistrationPlan, Reply};
 pub use restore::Restore;
-pub use runtime::run;
+pub use runtime::{run, Sampler};
 pub use runtimes::RuntimePlan;
 pub use scopes::{ScopeAnswer, ScopeOp};
 pub use shell::{Commit, Done, Effect, Effects, Shell};
@@ -137,6 +137,15 @@ pub struct Shared {
 /// How often at most the queue's streams are told that it moved (issue: position
 /// updates at most once a second per stream).
 pub const QUEUE_MOVED_EVERY_MS: u64 = 1_000;
+
+/// What the runtime read of the host for a tick (once a second; `None` between).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sample {
+    /// MemAvailable, bytes (A10).
+    pub mem_available: Option<u64>,
+    /// Issue 36: PSI `some avg10` of memory, hundredths of a percent.
+    pub memory_pressure_bp: Option<u32>,
+}
 
 pub struct Daemon<H: Host> {
     /// CLOCK_MONOTONIC milliseconds, as the runtime said at the latest input (`handle`,

@@ -1,10 +1,32 @@
-//! The thin runtime around [`Daemon`]: it reads the clock, samples memory and feeds
+//! The thin runtime around [`Daemon`]: it reads the clock, samples memory (what is
+//! available, and the pressure on it) and feeds
 //! the daemon its messages and ticks. Nothing here decides anything.
+
+use std::path::PathBuf;
 
 use tokio::sync::mpsc;
 
-use super::{Daemon, Host, Msg, Shell};
+use super::{Daemon, Host, Msg, Sample, Shell};
 use crate::clock;
+
+/// What the runtime reads of the host once a second, for the daemon's next tick.
+#[derive(Clone, Debug, Default)]
+pub struct Sampler {
+    /// MemAvailable (A10); off where only the configured totals count.
+    pub memory: bool,
+    /// Issue 36: memory pressure, from `/proc/pressure/memory` or a file in its format.
+    pub pressure: Option<PathBuf>,
+}
+
+impl Sampler {
+    fn read(&self) -> Sample {
+        Sample {
+            mem_available: self.memory.then(crate::host::memory_available).flatten(),
+            memory_pressure_bp: (self.pressure.as_deref())
+                .and_then(crate::host::memory_pressure_bp),
+        }
+    }
+}
 
 /// Runs the daemon until every sender is gone.
 pub async fn run<H: Host>(
@@ -12,7 +34,7 @@ pub async fn run<H: Host>(
     shell: Shell,
     mut rx: mpsc::Receiver<Msg>,
     tick_ms: u64,
-    sample_memory: bool,
+    sampler: Sampler,
     probe: Option<crate::CommitProbe>,
 ) {
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(tick_ms));
@@ -31,12 +53,10 @@ pub async fn run<H: Host>(
             },
             _ = tick.tick() => {
                 let now = clock::mono_ms();
-                let sample = if sample_memory && now >= last_sample + 1000 {
+                let sample = (now >= last_sample + 1000).then(|| {
                     last_sample = now;
-                    crate::host::memory_available()
-                } else {
-                    None
-                };
+                    sampler.read()
+                });
                 shell.carry_out(st.tick(now, sample));
             }
         }

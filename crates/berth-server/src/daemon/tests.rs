@@ -119,7 +119,7 @@ impl Live {
         self.shell.carry_out(fx);
     }
 
-    fn tick(&mut self, now: u64, sample: Option<u64>) {
+    fn tick(&mut self, now: u64, sample: Option<super::Sample>) {
         let fx = self.d.tick(now, sample);
         self.shell.carry_out(fx);
     }

@@ -161,10 +161,24 @@ impl Sim {
         self.carry_out(fx);
     }
 
-    /// A tick at the simulator's time, its effects carried out and durable.
+    /// A tick at the simulator's time, its effects carried out and durable. Now and
+    /// then the host's memory pressure is sampled too (issue 36): spikes that hold
+    /// waiters back for a while.
     fn tick(&mut self) {
         let now = self.now;
-        let fx = self.d().tick(now, None);
+        let memory_pressure_bp = self.rng.chance(0.05).then(|| {
+            let spike = self.rng.chance(0.5);
+            if spike {
+                self.rng.range(0, 3_000) as u32
+            } else {
+                0
+            }
+        });
+        let sample = super::Sample {
+            mem_available: None,
+            memory_pressure_bp,
+        };
+        let fx = self.d().tick(now, Some(sample));
         self.carry_out(fx);
     }
 
@@ -788,6 +802,13 @@ impl Sim {
         if let Some(f) = self.fleet.as_mut() {
             f.link_up();
         }
+        let calm = super::Sample {
+            mem_available: None,
+            memory_pressure_bp: Some(0),
+        };
+        let now = self.now;
+        let fx = self.d().tick(now, Some(calm));
+        self.carry_out(fx);
         for round in 0..40 {
             while !self.machine.lock().unwrap().orders.is_empty() {
                 let order = self.machine.lock().unwrap().orders.remove(0);

@@ -1,0 +1,111 @@
+//! Issue 36: admission follows the host's memory pressure (PSI `some avg10`), here from
+//! a synthetic source: a file in `/proc/pressure/memory`'s format that the test writes
+//! (`--pressure-source`). Above 5% background waiters are held back, above 10%
+//! foreground ones too, each with reason `host.memory_pressure` and the figures; once
+//! the pressure falls they are admitted, without a request to wake them.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Daemon;
+use serde_json::json;
+
+/// The daemon reads its source once a second.
+const SAMPLE_MS: u64 = 1_000;
+
+fn psi(path: &std::path::Path, avg10: &str) {
+    let text = format!(
+        "some avg10={avg10} avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    );
+    std::fs::write(path, text).unwrap();
+}
+
+fn waiter(d: &Daemon, id: &str, priority: &str) {
+    let body = json!({"run_id": id, "project": id, "priority": priority, "detach": true,
+                      "wait_s": 60, "resources": {"cpu_millis": 100}});
+    let r = d.post("/v1/runs", &body.to_string());
+    assert!(r.status < 300, "{id}: {:?}", r.body);
+}
+
+fn state_and_reason(d: &Daemon, id: &str) -> (String, String, String) {
+    let v = d.get(&format!("/v1/runs/{id}")).body;
+    let s = |x: &serde_json::Value| x.as_str().unwrap_or_default().to_string();
+    (
+        s(&v["state"]),
+        s(&v["reason"]["code"]),
+        s(&v["reason"]["message"]),
+    )
+}
+
+#[test]
+fn waiters_are_held_back_under_memory_pressure_and_admitted_when_it_falls() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("memory");
+    psi(&source, "25.00");
+    let d = Daemon::start(&["--pressure-source", source.to_str().unwrap()]);
+    std::thread::sleep(Duration::from_millis(2 * SAMPLE_MS));
+    waiter(&d, "fg", "foreground");
+    waiter(&d, "bg", "background");
+    for id in ["fg", "bg"] {
+        let (state, code, message) = state_and_reason(&d, id);
+        assert_eq!(
+            (state.as_str(), code.as_str()),
+            ("queued", "host.memory_pressure"),
+            "{id}"
+        );
+        assert!(message.contains("25.00%"), "{id}: {message}");
+    }
+    // Between the two figures: foreground runs go in, background ones still wait.
+    psi(&source, "7.50");
+    d.wait_until("fg is granted", |d| {
+        state_and_reason(d, "fg").0 == "granted"
+    });
+    let (state, code, message) = state_and_reason(&d, "bg");
+    assert_eq!(
+        (state.as_str(), code.as_str()),
+        ("queued", "host.memory_pressure")
+    );
+    assert!(
+        message.contains("7.50%") && message.contains("5.00%"),
+        "{message}"
+    );
+    psi(&source, "0.00");
+    d.wait_until("bg is granted", |d| {
+        state_and_reason(d, "bg").0 == "granted"
+    });
+}
+
+/// The limits are flags (and `berth.toml` keys): a background figure above the
+/// foreground one, or a figure that is not a percentage, is refused at start naming
+/// the flag.
+#[test]
+fn memory_pressure_limits_are_checked_at_start() {
+    let out = |args: &[&str]| {
+        let dir = tempfile::tempdir().unwrap();
+        let o = std::process::Command::new(env!("CARGO_BIN_EXE_berth"))
+            .arg("serve")
+            .arg("--state-dir")
+            .arg(dir.path())
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (ok, err) = out(&["--memory-pressure-max", "lots"]);
+    assert!(
+        !ok && err.contains("--memory-pressure-max") && err.contains("10%"),
+        "{err}"
+    );
+    let (ok, err) = out(&[
+        "--memory-pressure-max",
+        "5%",
+        "--memory-pressure-background-max",
+        "20%",
+    ]);
+    assert!(!ok && err.contains("memory pressure limits"), "{err}");
+}
