@@ -27,9 +27,28 @@ pub fn memory_available() -> Option<u64> {
 /// Issue 36: PSI's `some avg10` of the file at `path` (`/proc/pressure/memory`, or a
 /// file in its format), in hundredths of a percent; `None` if it cannot be read (a
 /// kernel without PSI): admission then goes by free memory alone.
+///
+/// Read on the daemon's own thread once a second, so never more than
+/// `PSI_READ_BYTES_MAX` and never waiting: opened non-blocking, a FIFO or a device named
+/// there reads as nothing rather than stalling the daemon.
 pub fn memory_pressure_bp(path: &Path) -> Option<u32> {
-    parse_pressure(&std::fs::read_to_string(path).ok()?)
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let nonblock = rustix::fs::OFlags::NONBLOCK.bits() as i32;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nonblock)
+        .open(path)
+        .ok()?;
+    let mut text = String::new();
+    file.take(PSI_READ_BYTES_MAX)
+        .read_to_string(&mut text)
+        .ok()?;
+    parse_pressure(&text)
 }
+
+/// PSI's two lines are under 200 bytes; more is not a PSI file.
+const PSI_READ_BYTES_MAX: u64 = 4_096;
 
 /// `some avg10=12.34 avg60=… total=…` as 1234 (at most 100.00%).
 pub fn parse_pressure(text: &str) -> Option<u32> {
@@ -115,5 +134,27 @@ mod tests {
         ] {
             assert_eq!(super::parse_pressure(bad), None, "{bad:?}");
         }
+    }
+
+    /// A FIFO named as the source reads as no figure at once (a blocking open would
+    /// stall the daemon's thread for good), and a file reads as its figure.
+    #[test]
+    fn a_pressure_source_that_would_block_reads_as_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let started = std::time::Instant::now();
+        assert_eq!(super::memory_pressure_bp(&fifo), None);
+        assert!(started.elapsed() < std::time::Duration::from_secs(1));
+        let file = dir.path().join("memory");
+        std::fs::write(&file, "some avg10=3.25 avg60=0.00 avg300=0.00 total=1\n").unwrap();
+        assert_eq!(super::memory_pressure_bp(&file), Some(325));
     }
 }

@@ -562,7 +562,8 @@ impl<H: Host> Daemon<H> {
     }
 
     /// Time passes: expiries and deadlines (L6, A8), reclaim windows (P5), cleanup
-    /// retries (L3), and optionally a MemAvailable sample (A10).
+    /// retries (L3), and optionally what was sampled of the host: MemAvailable (A10)
+    /// and memory pressure (issue 36).
     pub fn tick(&mut self, now: u64, sample: Option<super::Sample>) -> super::Effects {
         self.now = now;
         self.on_tick(sample.unwrap_or_default());
