@@ -85,6 +85,23 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     scale(num, mult).ok_or_else(|| format!("{s:?} is not a size like 2GiB or 512MB"))
 }
 
+/// A decimal with at most two places as hundredths (`12.5` is 1250, `7` is 700): how
+/// percentages are given (`--memory-pressure-max 12.5%`) and how PSI writes them
+/// (`avg10=12.34`). `None` for anything else, a sign or a third place included.
+pub fn parse_hundredths(s: &str) -> Option<u32> {
+    let (whole, frac) = s.split_once('.').unwrap_or((s, ""));
+    let digits = |t: &str| t.bytes().all(|b| b.is_ascii_digit());
+    if whole.is_empty() || !digits(whole) || frac.len() > 2 || !digits(frac) {
+        return None;
+    }
+    let frac: u32 = format!("{frac:0<2}").parse().ok()?;
+    whole
+        .parse::<u32>()
+        .ok()?
+        .checked_mul(100)?
+        .checked_add(frac)
+}
+
 /// Parses `30s`, `5m`, `1h`, `250ms`, `1.5s` into milliseconds. A bare number is seconds.
 pub fn parse_duration_ms(s: &str) -> Result<u64, String> {
     let s = s.trim();
@@ -128,6 +145,16 @@ fn scale(num: &str, mult: u64) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hundredths_take_two_places_and_nothing_else() {
+        assert_eq!(parse_hundredths("12.5"), Some(1_250));
+        assert_eq!(parse_hundredths("12.34"), Some(1_234));
+        assert_eq!(parse_hundredths("7"), Some(700));
+        for bad in ["", ".5", "1.234", "-1", "+1", "1.x", "4294967296"] {
+            assert_eq!(parse_hundredths(bad), None, "{bad:?}");
+        }
+    }
 
     #[test]
     fn ids_follow_the_spec_alphabet() {

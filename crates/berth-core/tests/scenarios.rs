@@ -372,7 +372,5 @@ fn scenarios() {
 /// `12.50%` as hundredths of a percent.
 fn percent_bp(text: &str) -> u32 {
     let t = text.strip_suffix('%').expect("a percentage like 12.50%");
-    let (whole, frac) = t.split_once('.').unwrap_or((t, "0"));
-    let frac = format!("{frac:0<2}");
-    whole.parse::<u32>().expect("percent") * 100 + frac[..2].parse::<u32>().expect("percent")
+    berth_core::validate::parse_hundredths(t).expect("a percentage like 12.50%")
 }

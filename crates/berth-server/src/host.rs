@@ -56,9 +56,7 @@ pub fn parse_pressure(text: &str) -> Option<u32> {
     let avg10 = some
         .split_whitespace()
         .find_map(|f| f.strip_prefix("avg10="))?;
-    let (whole, frac) = avg10.split_once('.').unwrap_or((avg10, "0"));
-    let frac: String = frac.chars().chain(std::iter::repeat('0')).take(2).collect();
-    let bp = whole.parse::<u32>().ok()?.checked_mul(100)? + frac.parse::<u32>().ok()?;
+    let bp = berth_core::validate::parse_hundredths(avg10)?;
     Some(bp.min(berth_core::PRESSURE_BP_MAX))
 }
 

@@ -18,12 +18,7 @@ pub fn parse_duration(s: &str) -> Result<u64, String> {
 pub fn parse_percent(s: &str) -> Result<u32, String> {
     let bad = || format!("{s:?} is not a percentage like 10% or 2.5% (0% to 100%)");
     let t = s.trim().strip_suffix('%').ok_or_else(bad)?;
-    let (whole, frac) = t.split_once('.').unwrap_or((t, ""));
-    if frac.len() > 2 || !frac.chars().all(|c| c.is_ascii_digit()) {
-        return Err(bad());
-    }
-    let frac: u32 = format!("{frac:0<2}").parse().map_err(|_| bad())?;
-    let bp = whole.parse::<u32>().map_err(|_| bad())?.saturating_mul(100) + frac;
+    let bp = validate::parse_hundredths(t).ok_or_else(bad)?;
     (bp <= berth_core::PRESSURE_BP_MAX)
         .then_some(bp)
         .ok_or_else(bad)
