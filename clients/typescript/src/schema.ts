@@ -882,6 +882,18 @@ export interface components {
             path: string;
             sha256: string;
         };
+        /**
+         * @description `oom_killed` (issue 36): the kernel's OOM killer killed inside the run's cgroup;
+         *     its peak against its claim.
+         */
+        JournalOom: {
+            /** Format: int64 */
+            memory_claim_bytes: number;
+            /** Format: int64 */
+            memory_peak_bytes?: number | null;
+            /** Format: int64 */
+            oom_kills: number;
+        };
         /** @description `process_registered` (P1): the process's pid. */
         JournalPid: {
             /** Format: int32 */
@@ -1013,6 +1025,35 @@ export interface components {
              * @description Ended runs retention has deleted since the daemon started.
              */
             ended_runs_pruned: number;
+        };
+        /** @description Whether runs are held to their claims on this host, and by what policy (issue 36). */
+        LimitsStatus: {
+            /** @description Runs' cgroups get memory, pids and cpu limits from their claims. */
+            enforced: boolean;
+            /** @description How (e.g. `cgroup v1 memory, pids, cpu`), when enforced. */
+            how: string | null;
+            /**
+             * @description Why not, when not enforced: runs are then admitted by their claims but not
+             *     held to them.
+             */
+            why_not: string | null;
+            /**
+             * Format: int64
+             * @description `memory.max` as a percentage of the memory claim.
+             */
+            memory_max_percent: number;
+            /**
+             * Format: int64
+             * @description `memory.swap.max` per run (null: unlimited).
+             */
+            swap_max_bytes: number | null;
+            /** @description `max` (the claim is a ceiling) or `weight` (a share; runs may burst). */
+            cpu: string;
+            /**
+             * Format: int64
+             * @description `pids.max` per run (0: none).
+             */
+            pids_max: number;
         };
         /** @description `POST /v1/runs/{id}/processes`: a process tree the run's client started (P1). */
         ProcessRequest: {
@@ -1188,12 +1229,81 @@ export interface components {
             state: "queued" | "granted" | "releasing" | "released" | "expired" | "cancelled" | "rejected" | "degraded";
             /** @description Pids that survived the last stop (a degraded run). */
             survivors: number[];
+            usage: null | components["schemas"]["RunUsage"];
             workspace: string | null;
             worktree: string | null;
+        };
+        /** @description The cgroup limits a run's claim became (null: that limit is not set). */
+        RunLimits: {
+            /**
+             * Format: int64
+             * @description `cpu.max` as CPU millis (the claim): a ceiling.
+             */
+            cpu_max_millis: number | null;
+            /**
+             * Format: int64
+             * @description `cpu.weight` (`--cpu-burst`): a share under contention, no ceiling.
+             */
+            cpu_weight: number | null;
+            /**
+             * Format: int64
+             * @description `memory.high` (the claim): above it the run is throttled and reclaimed.
+             */
+            memory_high_bytes: number | null;
+            /**
+             * Format: int64
+             * @description `memory.max`: above it the kernel OOM-kills inside the run.
+             */
+            memory_max_bytes: number | null;
+            /**
+             * Format: int64
+             * @description `pids.max`: forks beyond it fail.
+             */
+            pids_max: number | null;
+            /**
+             * Format: int64
+             * @description `memory.swap.max`.
+             */
+            swap_max_bytes: number | null;
         };
         /** @description `GET /v1/runs`. */
         RunList: {
             runs: components["schemas"]["Run"][];
+        };
+        /**
+         * @description A run's use of its claim, from its cgroup (issue 36). A figure the host cannot
+         *     read is null.
+         */
+        RunUsage: {
+            /**
+             * Format: int64
+             * @description CPU time used, microseconds.
+             */
+            cpu_usec: number | null;
+            limits: null | components["schemas"]["RunLimits"];
+            /**
+             * Format: int64
+             * @description Memory in use, bytes.
+             */
+            memory_bytes: number | null;
+            /**
+             * Format: int64
+             * @description The most memory it has used, bytes.
+             */
+            memory_peak_bytes: number | null;
+            /**
+             * Format: int64
+             * @description Processes the kernel's OOM killer killed inside the run's cgroup: the run
+             *     went past its hard memory limit.
+             */
+            oom_kills: number;
+            /** @description `oom_kills` > 0. */
+            oom_killed: boolean;
+            /**
+             * Format: int64
+             * @description Processes and threads in it now.
+             */
+            processes: number | null;
         };
         /**
          * @description One step of a runtime start, as the stream (`Accept: application/x-ndjson`) and the
@@ -1318,6 +1428,8 @@ export interface components {
         };
         /** @description `GET /v1/status`. */
         Status: {
+            /** @description Issue 36: whether runs are held to their claims. */
+            limits: components["schemas"]["LimitsStatus"];
             resources: components["schemas"]["ResourceStatus"][];
             /** Format: int64 */
             memory_available: number | null;

@@ -44,6 +44,7 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
         tick_ms: 100,
         stop_grace_ms: 10_000,
         cgroups: true,
+        limits: Default::default(),
         diagnostics_run_bytes_max: 1 << 20,
         diagnostics_total_bytes_max: 1 << 30,
         init_ledger: false,

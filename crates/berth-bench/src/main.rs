@@ -67,6 +67,9 @@ enum Bench {
         #[arg(long, default_value_t = 200)]
         naive_passes: usize,
     },
+    /// Issue 36: 32 runs on a 2 GiB claims budget, 4 ballooning past their claim:
+    /// OOM kills outside runs (0), inside (the 4), well-behaved runs completed (28).
+    Fanout,
     /// Restart with N expired runs (process trees, logs) and time the reaping.
     Recovery {
         #[arg(long, default_value_t = 1000)]
@@ -160,6 +163,7 @@ enum Bench {
     },
 }
 
+mod fanout;
 mod fleet;
 mod http;
 mod peers;
@@ -354,6 +358,7 @@ fn main() {
             seconds,
         } => http::main(clients, subscribers, seconds),
         Bench::Recovery { runs } => recovery::main(runs),
+        Bench::Fanout => fanout::main(),
         Bench::Fleet {
             hosts,
             clients,

@@ -82,7 +82,8 @@ impl Bench {
     /// shell with a child).
     fn run_with_a_tree(&self, i: usize, ttl_s: u64) -> Child {
         let id = format!("rec-{i}");
-        let resources = [("memory", 1 << 20), ("cpu_millis", 1), ("disk", 0)];
+        // Enough for its shell and sleep: a claim is also a cgroup limit (issue 36).
+        let resources = [("memory", 16 << 20), ("cpu_millis", 10), ("disk", 0)];
         let body = AcquireRequest {
             run_id: Some(id.clone()),
             project: format!("p{i}"),

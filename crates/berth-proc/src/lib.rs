@@ -6,7 +6,8 @@
 //!   signals: a recycled pid can never be hit (P3).
 //! - [`members`]: the pure rule that decides which live processes belong to a run in
 //!   the process-group fallback.
-//! - [`cgroup`]: a cgroup v2 group per run where the host allows it.
+//! - [`cgroup`]: a cgroup v2 group per run where the host allows it, and the
+//!   controllers that hold it to its claim; [`limits`]: the pure claim-to-limits rule.
 //! - [`StopPlan`]: the pure TERM → grace → KILL → proven-gone decision (P2).
 //!
 //! Two rules run through everything here. "Could not look" is never "gone" (S4): a
@@ -16,6 +17,7 @@
 //! ancestors ([`is_kernel_thread`], [`ancestors_of`], [`is_protected`]).
 
 pub mod cgroup;
+pub mod limits;
 pub mod net;
 #[doc(hidden)]
 pub mod testing;

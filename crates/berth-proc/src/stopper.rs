@@ -22,6 +22,9 @@ pub struct StopReport {
     /// pid 1, kernel threads, the daemon itself and its ancestors (S3). They are left
     /// alone and not counted as the run's; a cgroup holding one is never `cgroup.kill`ed.
     pub spared: Vec<i32>,
+    /// What the run's cgroup had used, read as the stop ended (before the group is
+    /// removed), where it had controllers (issue 36: an OOM kill is reported by it).
+    pub usage: Option<crate::limits::Usage>,
 }
 
 impl StopReport {
@@ -397,6 +400,7 @@ impl Stopper {
                 let mut a = self.active.swap_remove(i);
                 a.report.terminated = a.signalled.len();
                 a.report.spared = a.spared.into_iter().collect();
+                a.report.usage = a.job.group.as_ref().and_then(|g| g.usage());
                 if a.report.ok() {
                     if let Some(g) = &a.job.group {
                         let _ = g.remove();

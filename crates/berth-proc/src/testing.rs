@@ -58,3 +58,29 @@ pub fn cgroups(test: &str) -> bool {
     }
     base.is_some()
 }
+
+/// Does this host give berth the memory and pids controllers for run groups (cgroup2
+/// delegated, or cgroup v1 hierarchies beside it: `cgroup::Controllers::find`)? If
+/// not, `unavailable` says so (or fails, under `REQUIRE_CGROUPS`).
+pub fn limits(test: &str) -> bool {
+    // One name per call: tests of one process probe at once.
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let name = format!("probe-limits-{}-{n}", std::process::id());
+    let Some(base) = cgroup_base(test, &name) else {
+        return false;
+    };
+    let found = crate::cgroup::Controllers::find(&base, &name);
+    if let Ok(c) = &found {
+        c.remove_bases();
+    }
+    let _ = std::fs::remove_dir(&base);
+    if let Err(why) = &found {
+        unavailable(
+            REQUIRE_CGROUPS,
+            test,
+            &format!("limits cannot be set here: {why}"),
+        );
+    }
+    found.is_ok()
+}

@@ -53,6 +53,9 @@ pub struct ServeConfig {
     pub stop_grace_ms: u64,
     /// Use a cgroup v2 group per run where the host allows it.
     pub cgroups: bool,
+    /// Issue 36: how runs' cgroups are held to their claims (where the host has the
+    /// memory and pids controllers for berth).
+    pub limits: berth_proc::limits::Policy,
     /// Diagnostics kept per run and in all (P4).
     pub diagnostics_run_bytes_max: u64,
     pub diagnostics_total_bytes_max: u64,
@@ -207,8 +210,9 @@ fn real_host(
     cfg: &ServeConfig,
     runs_dir: &std::path::Path,
     marker: private::FenceMarker,
+    supervision: daemon::Supervision,
 ) -> anyhow::Result<daemon::RealHost> {
-    let mut host = daemon::RealHost::new(runs_dir, diagnostics(cfg), marker, supervision(cfg))
+    let mut host = daemon::RealHost::new(runs_dir, diagnostics(cfg), marker, supervision)
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     if let Some(dir) = &cfg.user_workspaces {
         users_dir(dir, &mut host)?;
@@ -230,16 +234,18 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
         .await
         .with_context(|| format!("binding {}", cfg.listen))?;
     let addr = listener.local_addr()?;
+    let (supervision, enforcement) = supervision(&cfg);
     let shared = Arc::new(daemon::Shared {
         tokens: RwLock::new(opened.tokens),
         url: format!("http://{addr}"),
         limits: limits::Limits::new(cfg.token_streams_max, cfg.token_waits_max),
         me: Some(register::Me::now()),
+        enforcement,
         ..Default::default()
     });
     let writer = spawn_writer(&cfg, opened.store, &shared);
     let fatal = Arc::new(Fatal::default());
-    let host = real_host(&cfg, &runs_dir, opened.marker)?;
+    let host = real_host(&cfg, &runs_dir, opened.marker, supervision)?;
     let how = daemon::Restore {
         cfg: cfg.engine.clone(),
         same_boot: opened.same_boot,
@@ -489,22 +495,53 @@ fn users_dir(dir: &std::path::Path, host: &mut daemon::RealHost) -> anyhow::Resu
     Ok(())
 }
 
-fn supervision(cfg: &ServeConfig) -> daemon::Supervision {
-    daemon::Supervision {
-        // One namespace per state dir: a restarted daemon finds its runs' groups
-        // again (P5), another daemon never touches them.
-        cgroup_base: if cfg.cgroups {
-            let state = cfg
-                .state_dir
-                .canonicalize()
-                .unwrap_or_else(|_| cfg.state_dir.clone());
-            berth_proc::cgroup::base(&workspace::dir_name(&state.display().to_string()))
-        } else {
-            None
-        },
+/// How runs' processes are grouped, stopped and held to their claims, and whether
+/// they are (said once here, at start, and in `GET /v1/status`).
+fn supervision(cfg: &ServeConfig) -> (daemon::Supervision, daemon::Enforcement) {
+    // One namespace per state dir: a restarted daemon finds its runs' groups again
+    // (P5), another daemon never touches them.
+    let state = cfg
+        .state_dir
+        .canonicalize()
+        .unwrap_or_else(|_| cfg.state_dir.clone());
+    let instance = workspace::dir_name(&state.display().to_string());
+    let cgroup_base = cfg
+        .cgroups
+        .then(|| berth_proc::cgroup::base(&instance))
+        .flatten();
+    let controllers = match &cgroup_base {
+        None if !cfg.cgroups => Err("cgroups are off (--no-cgroups)".to_string()),
+        None => Err("there is no writable cgroup2 tree for run groups".to_string()),
+        Some(base) => berth_proc::cgroup::Controllers::find(base, &instance),
+    };
+    let mut enforcement = daemon::Enforcement {
+        policy: cfg.limits,
+        ..Default::default()
+    };
+    match &controllers {
+        Ok(c) => {
+            let names: Vec<&str> = c.bases.iter().map(|(k, _)| k.name()).collect();
+            let flavor = match c.flavor {
+                berth_proc::limits::Flavor::V2 => "cgroup2",
+                berth_proc::limits::Flavor::V1 => "cgroup v1",
+            };
+            let how = format!("{flavor} {}", names.join(", "));
+            tracing::info!("runs are held to their claims by {how}");
+            enforcement.how = Some(how);
+        }
+        Err(why) => {
+            tracing::warn!("limits are not enforced: {why}; runs are admitted by their claims but not held to them");
+            enforcement.why_not = Some(why.clone());
+        }
+    }
+    let supervision = daemon::Supervision {
+        cgroup_base,
+        controllers: controllers.ok(),
+        policy: cfg.limits,
         grace_ms: cfg.stop_grace_ms,
         kill_wait_ms: 5_000,
-    }
+    };
+    (supervision, enforcement)
 }
 
 fn diagnostics(cfg: &ServeConfig) -> workspace::Diagnostics {
@@ -596,6 +633,7 @@ mod tests {
             tick_ms: 100,
             stop_grace_ms: 1_000,
             cgroups: true,
+            limits: Default::default(),
             diagnostics_run_bytes_max: 1 << 20,
             diagnostics_total_bytes_max: 1 << 30,
             init_ledger: false,

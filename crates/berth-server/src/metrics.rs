@@ -49,6 +49,25 @@ struct HarnessLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RunLabel {
+    run_id: String,
+}
+
+/// Issue 36: per-run gauges are kept for at most this many runs (those using the
+/// most memory), so a host with thousands of runs does not make thousands of series.
+pub const RUN_GAUGES_MAX: usize = 64;
+
+/// Per-run use gauges (issue 36), set at each scrape.
+#[derive(Default)]
+struct RunGauges {
+    memory: Family<RunLabel, Gauge>,
+    memory_claim: Family<RunLabel, Gauge>,
+    memory_peak: Family<RunLabel, Gauge>,
+    processes: Family<RunLabel, Gauge>,
+    cpu: Family<RunLabel, Gauge<f64, AtomicU64>>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct HttpLabels {
     // Static: a route of the route table (or "unmatched") and a method's name, so that
     // counting a request builds no String (this runs for every request).
@@ -66,6 +85,8 @@ pub struct Metrics {
     expiries: Counter,
     reaps: Counter,
     degraded: Counter,
+    oom_kills: Counter,
+    runs: RunGauges,
     refusals: Family<CodeLabel, Counter>,
     queue_depth: Family<PriorityLabel, Gauge>,
     queue_reasons: Family<ReasonLabel, Gauge>,
@@ -96,6 +117,8 @@ impl Default for Metrics {
             expiries: Counter::default(),
             reaps: Counter::default(),
             degraded: Counter::default(),
+            oom_kills: Counter::default(),
+            runs: RunGauges::default(),
             refusals: Family::default(),
             queue_depth: Family::default(),
             queue_reasons: Family::default(),
@@ -119,6 +142,7 @@ impl Default for Metrics {
         m.register();
         m.register_waiting();
         m.register_budgets();
+        m.register_runs();
         m
     }
 }
@@ -135,6 +159,41 @@ impl Metrics {
             "state_messages",
             "Messages the daemon's state task handled (requests and process reports, not its timer): with nothing changing, it does not grow with the number of waiters",
             self.state_messages.clone(),
+        );
+    }
+
+    /// Issue 36: runs' use of their claims.
+    fn register_runs(&mut self) {
+        let (r, g) = (&mut self.registry, &self.runs);
+        r.register(
+            "runs_oom_killed",
+            "Runs in which the kernel's OOM killer killed (inside the run's cgroup, past its hard memory limit)",
+            self.oom_kills.clone(),
+        );
+        r.register(
+            "run_memory_bytes",
+            "Memory a granted run's cgroup uses now (the RUN_GAUGES_MAX runs using most)",
+            g.memory.clone(),
+        );
+        r.register(
+            "run_memory_claim_bytes",
+            "The memory a granted run claimed (same runs as run_memory_bytes)",
+            g.memory_claim.clone(),
+        );
+        r.register(
+            "run_memory_peak_bytes",
+            "The most memory a granted run's cgroup has used (same runs)",
+            g.memory_peak.clone(),
+        );
+        r.register(
+            "run_processes",
+            "Processes and threads in a granted run's cgroup now (same runs)",
+            g.processes.clone(),
+        );
+        r.register(
+            "run_cpu_seconds",
+            "CPU time a granted run's cgroup has used (same runs)",
+            g.cpu.clone(),
         );
     }
 
@@ -252,6 +311,7 @@ impl Metrics {
             "expired" => self.expiries.inc(),
             "reaped" => self.reaps.inc(),
             "degraded" => self.degraded.inc(),
+            "oom_killed" => self.oom_kills.inc(),
             _ => 0,
         };
     }
@@ -366,6 +426,7 @@ impl Metrics {
                 self.budget_lapsed.get_or_create(&l).set(fig.lapsed.into());
             }
         }
+        self.render_runs(&now.runs);
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
@@ -373,9 +434,53 @@ impl Metrics {
     }
 }
 
+impl Metrics {
+    /// Sets the per-run gauges: the `RUN_GAUGES_MAX` runs using the most memory.
+    fn render_runs(&self, runs: &[RunUse]) {
+        let g = &self.runs;
+        g.memory.clear();
+        g.memory_claim.clear();
+        g.memory_peak.clear();
+        g.processes.clear();
+        g.cpu.clear();
+        let mut top: Vec<&RunUse> = runs.iter().collect();
+        top.sort_by_key(|r| std::cmp::Reverse(r.usage.memory_bytes.unwrap_or(0)));
+        let clamp = |v: u64| v.min(i64::MAX as u64) as i64;
+        for r in top.into_iter().take(RUN_GAUGES_MAX) {
+            let l = RunLabel {
+                run_id: r.run_id.clone(),
+            };
+            let u = &r.usage;
+            g.memory_claim.get_or_create(&l).set(clamp(r.memory_claim));
+            if let Some(v) = u.memory_bytes {
+                g.memory.get_or_create(&l).set(clamp(v));
+            }
+            if let Some(v) = u.memory_peak_bytes {
+                g.memory_peak.get_or_create(&l).set(clamp(v));
+            }
+            if let Some(v) = u.pids {
+                g.processes.get_or_create(&l).set(clamp(v));
+            }
+            if let Some(v) = u.cpu_usec {
+                g.cpu.get_or_create(&l).set(v as f64 / 1e6);
+            }
+        }
+    }
+}
+
+/// One granted run's use, for the per-run gauges.
+#[derive(Debug)]
+pub struct RunUse {
+    pub run_id: String,
+    pub memory_claim: u64,
+    pub usage: berth_proc::limits::Usage,
+}
+
 /// A scrape's figures from the engine.
 #[derive(Debug, Default)]
 pub struct Scrape {
+    /// Granted runs' use of their claims (issue 36).
+    pub runs: Vec<RunUse>,
     pub foreground: u64,
     pub background: u64,
     /// Waiters by reason code.

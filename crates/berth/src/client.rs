@@ -595,8 +595,8 @@ pub fn runs_main(a: RunsArgs) -> anyhow::Result<u8> {
     }
     let list: RunList = r.parse()?;
     println!(
-        "{:<20} {:<16} {:<9} {:>7} {:>6} {:>4} {:<12} {:<34} reason",
-        "run", "project", "state", "age", "fence", "pos", "expires", "claim"
+        "{:<20} {:<16} {:<9} {:>7} {:>6} {:>4} {:<12} {:<34} {:<28} reason",
+        "run", "project", "state", "age", "fence", "pos", "expires", "claim", "memory use"
     );
     for run in &list.runs {
         // How long it has been granted (or waiting).
@@ -608,7 +608,7 @@ pub fn runs_main(a: RunsArgs) -> anyhow::Result<u8> {
             .unwrap_or_default();
         let num = |n: Option<u64>| n.map(|f| f.to_string()).unwrap_or_default();
         println!(
-            "{:<20} {:<16} {:<9} {:>7} {:>6} {:>4} {:<12} {:<34} {}",
+            "{:<20} {:<16} {:<9} {:>7} {:>6} {:>4} {:<12} {:<34} {:<28} {}",
             run.run_id,
             run.project,
             run.state.as_str(),
@@ -620,6 +620,7 @@ pub fn runs_main(a: RunsArgs) -> anyhow::Result<u8> {
                 .and_then(crate::show::relative)
                 .unwrap_or_default(),
             crate::show::claim(&run.claim.resources),
+            crate::show::usage(run),
             run.reason.as_ref().map_or("", |r| r.message.as_str())
         );
     }

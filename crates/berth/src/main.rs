@@ -21,6 +21,10 @@ use clap::{CommandFactory, Parser, Subcommand};
 pub const EXIT_USAGE: u8 = 2;
 pub const EXIT_REFUSED: u8 = 69;
 pub const EXIT_TIMEOUT: u8 = 75;
+/// `berth run`: the kernel's OOM killer killed inside the run (it went past its hard
+/// memory limit) and CMD did not succeed (issue 36). Outside sysexits' 64-78 and the
+/// shell's 126-165, so it is told apart from CMD's own codes and signals.
+pub const EXIT_OOM: u8 = 88;
 
 #[derive(Parser)]
 #[command(
@@ -36,7 +40,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the daemon for this host.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Wait for a berth, run CMD inside it, renew while it runs, release when it exits.
     Run(run::RunArgs),
     /// Show the host's capacity, queue and projects.
@@ -117,7 +121,7 @@ fn main() -> ExitCode {
         }
     }
     let result = match cli.cmd {
-        Cmd::Serve(a) => serve::main(a),
+        Cmd::Serve(a) => serve::main(*a),
         Cmd::Run(a) => run::run_main(a),
         Cmd::Status(a) => client::status_main(a),
         Cmd::Runs(a) => client::runs_main(a),

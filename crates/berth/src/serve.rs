@@ -82,6 +82,22 @@ pub struct ServeArgs {
     /// Never use cgroups (process groups only).
     #[arg(long, env = "BERTH_NO_CGROUPS")]
     pub no_cgroups: bool,
+    /// A run's hard memory limit (memory.max) as a percentage of its memory claim
+    /// (memory.high, the throttle, is the claim itself), 100 to 1000 [default: 125].
+    #[arg(long, env = "BERTH_MEMORY_MAX_PERCENT")]
+    pub memory_max_percent: Option<u64>,
+    /// Swap a run may use beyond its memory (memory.swap.max), or `unlimited` (the
+    /// host's own policy) [default: 0].
+    #[arg(long, env = "BERTH_SWAP_MAX")]
+    pub swap_max: Option<String>,
+    /// Let runs use idle CPU beyond their claim: their claim becomes a weight
+    /// (cpu.weight, their share under contention) instead of a ceiling (cpu.max).
+    #[arg(long, env = "BERTH_CPU_BURST")]
+    pub cpu_burst: bool,
+    /// Processes (and threads) one run may have at once (pids.max; 0: no limit)
+    /// [default: 4096].
+    #[arg(long, env = "BERTH_PIDS_MAX")]
+    pub pids_max: Option<u64>,
     /// No foreground run is admitted while the host's memory pressure (PSI some avg10:
     /// the share of the last 10 s in which some task stalled on memory) is above this
     /// [default: 10%].
@@ -204,6 +220,10 @@ struct FileConfig {
     no_cgroups: Option<bool>,
     memory_pressure_max: Option<String>,
     memory_pressure_background_max: Option<String>,
+    memory_max_percent: Option<u64>,
+    swap_max: Option<String>,
+    cpu_burst: Option<bool>,
+    pids_max: Option<u64>,
     pressure_source: Option<PathBuf>,
     diagnostics_run_bytes: Option<String>,
     diagnostics_total_bytes: Option<String>,
@@ -308,6 +328,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     berth_server::private::state_dir(&state_dir)?;
     let file = file_config(&a, &state_dir)?;
     let threads = thread_config(&a, &file)?;
+    let limits = run_limits(&a, &file)?;
     let mut c = engine_config(&a, &file, &state_dir)?;
     c.fit_default_request();
     let listen = a
@@ -340,6 +361,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
             .or(duration("stop_grace", file.stop_grace)?)
             .unwrap_or(10_000),
         cgroups: !(a.no_cgroups || file.no_cgroups.unwrap_or(false)),
+        limits,
         diagnostics_run_bytes_max: diagnostics.0,
         diagnostics_total_bytes_max: diagnostics.1,
         init_ledger: a.init_ledger,
@@ -577,6 +599,33 @@ fn pressure_limits(
     Ok(())
 }
 
+/// Issue 36: how runs' cgroups are held to their claims, from flags or file.
+fn run_limits(a: &ServeArgs, file: &FileConfig) -> anyhow::Result<berth_proc::limits::Policy> {
+    use berth_proc::limits::{CpuMode, Policy, MEMORY_MAX_PCT_MAX, MEMORY_MAX_PCT_MIN};
+    let mut p = Policy::default();
+    if let Some(pct) = a.memory_max_percent.or(file.memory_max_percent) {
+        if !(MEMORY_MAX_PCT_MIN..=MEMORY_MAX_PCT_MAX).contains(&pct) {
+            anyhow::bail!("memory_max_percent: {pct} must be from {MEMORY_MAX_PCT_MIN} to {MEMORY_MAX_PCT_MAX} (the hard limit is never below the claim)");
+        }
+        p.memory_max_pct = pct;
+    }
+    if let Some(s) = a.swap_max.as_ref().or(file.swap_max.as_ref()) {
+        p.swap_max_bytes = match s.trim() {
+            "unlimited" => None,
+            s => {
+                Some(parse_size(s).map_err(|e| anyhow::anyhow!("swap_max: {e} (or `unlimited`)"))?)
+            }
+        };
+    }
+    if a.cpu_burst || file.cpu_burst.unwrap_or(false) {
+        p.cpu = CpuMode::Weight;
+    }
+    if let Some(n) = a.pids_max.or(file.pids_max) {
+        p.pids_max = n;
+    }
+    Ok(p)
+}
+
 /// Issue 36: where pressure is read: the flag's file, else the kernel's while memory
 /// is sampled (if this kernel has PSI).
 fn pressure_source(a: &ServeArgs, file: &FileConfig) -> Option<PathBuf> {
@@ -730,6 +779,7 @@ fn config_toml(c: &berth_server::ServeConfig) -> String {
         ),
     ];
     lines.extend(pressure_keys(c));
+    lines.extend(limit_keys(&c.limits));
     if let Some(d) = &c.user_workspaces {
         lines.push(format!("user_workspaces = {}", q(d.display().to_string())));
     }
@@ -740,6 +790,20 @@ fn config_toml(c: &berth_server::ServeConfig) -> String {
         }
     }
     lines.join("\n") + "\n"
+}
+
+/// Issue 36: how runs' cgroups are held to their claims.
+fn limit_keys(p: &berth_proc::limits::Policy) -> Vec<String> {
+    let swap = p.swap_max_bytes.map_or("unlimited".to_string(), show_size);
+    vec![
+        format!("memory_max_percent = {}", p.memory_max_pct),
+        format!("swap_max = {swap:?}"),
+        format!(
+            "cpu_burst = {}",
+            p.cpu == berth_proc::limits::CpuMode::Weight
+        ),
+        format!("pids_max = {}", p.pids_max),
+    ]
 }
 
 /// Issue 36: the memory pressure limits, and where pressure is read if it is.

@@ -86,6 +86,36 @@ pub fn claim(m: &BTreeMap<String, u64>) -> String {
     parts.join(", ")
 }
 
+/// A run's memory use against its claim (issue 36), for `berth runs`: `41 MiB/64 MiB,
+/// 3 procs` while it holds its claim, its peak after, `oom_killed` first when the
+/// kernel killed inside it; empty for a run berth made no cgroup for.
+pub fn usage(run: &Run) -> String {
+    let Some(u) = &run.usage else {
+        return String::new();
+    };
+    let claim = run.claim.resources.get("memory").copied().unwrap_or(0);
+    let (now, what) = match (run.state.holds_claim(), u.memory_bytes) {
+        (true, Some(m)) => (Some(m), ""),
+        _ => (u.memory_peak_bytes, "peak "),
+    };
+    let mut parts = Vec::new();
+    if u.oom_killed {
+        parts.push("oom_killed".to_string());
+    }
+    if let Some(m) = now {
+        let of = if claim > 0 {
+            format!("/{}", berth_core::fmt_bytes(claim))
+        } else {
+            String::new()
+        };
+        parts.push(format!("{what}{}{of}", berth_core::fmt_bytes(m)));
+    }
+    if let (true, Some(p)) = (run.state.holds_claim(), u.processes) {
+        parts.push(format!("{p} procs"));
+    }
+    parts.join(", ")
+}
+
 /// Millis as CPUs: `0.5`, `2`.
 pub fn cpus(millis: u64) -> String {
     let t = format!("{:.3}", millis as f64 / 1000.0);

@@ -84,6 +84,7 @@ fn serve_config(state: &Path) -> berth_server::ServeConfig {
         tick_ms: TICK_MS,
         stop_grace_ms: 1_000,
         cgroups: false,
+        limits: Default::default(),
         diagnostics_run_bytes_max: 1 << 20,
         diagnostics_total_bytes_max: 1 << 30,
         init_ledger: false,

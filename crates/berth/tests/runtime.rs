@@ -38,7 +38,7 @@ fn range(offset: u16, n: u16) -> String {
 
 fn acquire(id: &str, wt: &std::path::Path, wait_s: u64) -> String {
     json!({"run_id": id, "project": "shop", "worktree": wt, "wait_s": wait_s, "ttl_s": 300,
-           "resources": {"cpu_millis": 10, "memory": 1 << 20, "disk": 0}})
+           "resources": {"cpu_millis": 1000, "memory": 256 << 20, "disk": 0}})
     .to_string()
 }
 
@@ -228,7 +228,7 @@ ready = { tcp = true, timeout_s = 1, interval_ms = 100 }
     let an = d.post(
         "/v1/runs",
         &json!({"run_id": "an", "project": "shop", "class": "analysis", "worktree": wt.path(),
-                "resources": {"cpu_millis": 10, "memory": 1 << 20, "disk": 0}})
+                "resources": {"cpu_millis": 1000, "memory": 256 << 20, "disk": 0}})
         .to_string(),
     );
     assert_eq!(an.status, 201, "{}", an.body);
@@ -371,7 +371,7 @@ fn finding_4_a_demotion_never_leaves_a_ledger_that_refuses_to_restore() {
         "/v1/runs",
         &json!({"run_id": "a2", "project": "shop", "worktree": wt.path(), "wait_s": 60,
             "ttl_s": 300, "detach": true,
-            "resources": {"cpu_millis": 10, "memory": 1 << 20, "disk": 0}})
+            "resources": {"cpu_millis": 1000, "memory": 256 << 20, "disk": 0}})
         .to_string(),
     );
     assert_eq!(a2.status, 202, "a2 waits for the runtime key: {}", a2.body);

@@ -49,6 +49,7 @@ __all__ = [
     "JournalKey",
     "JournalKeyName",
     "JournalManifest",
+    "JournalOom",
     "JournalPid",
     "JournalPids",
     "JournalPromoted",
@@ -70,6 +71,7 @@ __all__ = [
     "JournalWaitExtended",
     "Key",
     "LedgerStatus",
+    "LimitsStatus",
     "ProcessRequest",
     "ProjectStatus",
     "Queued",
@@ -84,7 +86,9 @@ __all__ = [
     "ReservationRequest",
     "ResourceStatus",
     "Run",
+    "RunLimits",
     "RunList",
+    "RunUsage",
     "RuntimeEvent",
     "RuntimeEventBuilding",
     "RuntimeEventDone",
@@ -504,6 +508,17 @@ class JournalManifest(Model):
 
 
 @dataclass
+class JournalOom(Model):
+    """`oom_killed` (issue 36): the kernel's OOM killer killed inside the run's cgroup;
+    its peak against its claim.
+    """
+
+    memory_claim_bytes: int
+    oom_kills: int
+    memory_peak_bytes: Optional[int] = None
+
+
+@dataclass
 class JournalPid(Model):
     """`process_registered` (P1): the process's pid."""
 
@@ -685,6 +700,27 @@ class LedgerStatus(Model):
 
 
 @dataclass
+class LimitsStatus(Model):
+    """Whether runs are held to their claims on this host, and by what policy (issue 36)."""
+
+    #: Runs' cgroups get memory, pids and cpu limits from their claims.
+    enforced: bool
+    #: How (e.g. `cgroup v1 memory, pids, cpu`), when enforced.
+    how: Optional[str]
+    #: Why not, when not enforced: runs are then admitted by their claims but not
+    #: held to them.
+    why_not: Optional[str]
+    #: `memory.max` as a percentage of the memory claim.
+    memory_max_percent: int
+    #: `memory.swap.max` per run (null: unlimited).
+    swap_max_bytes: Optional[int]
+    #: `max` (the claim is a ceiling) or `weight` (a share; runs may burst).
+    cpu: str
+    #: `pids.max` per run (0: none).
+    pids_max: int
+
+
+@dataclass
 class ProcessRequest(Model):
     """`POST /v1/runs/{id}/processes`: a process tree the run's client started (P1)."""
 
@@ -847,6 +883,10 @@ class Run(Model):
     state: Literal["queued", "granted", "releasing", "released", "expired", "cancelled", "rejected", "degraded"]
     #: Pids that survived the last stop (a degraded run).
     survivors: List[int]
+    #: What the run's cgroup has used against the limits it is held to: live while
+    #: it holds its claim, as its stop found it after. Null for a run berth made no
+    #: cgroup for (nothing registered or launched, or no cgroups on the host).
+    usage: Optional[RunUsage]
     workspace: Optional[str]
     worktree: Optional[str]
     #: A detached waiter (`detach: true`): it keeps its place without a connection.
@@ -857,10 +897,51 @@ class Run(Model):
 
 
 @dataclass
+class RunLimits(Model):
+    """The cgroup limits a run's claim became (null: that limit is not set)."""
+
+    #: `cpu.max` as CPU millis (the claim): a ceiling.
+    cpu_max_millis: Optional[int]
+    #: `cpu.weight` (`--cpu-burst`): a share under contention, no ceiling.
+    cpu_weight: Optional[int]
+    #: `memory.high` (the claim): above it the run is throttled and reclaimed.
+    memory_high_bytes: Optional[int]
+    #: `memory.max`: above it the kernel OOM-kills inside the run.
+    memory_max_bytes: Optional[int]
+    #: `pids.max`: forks beyond it fail.
+    pids_max: Optional[int]
+    #: `memory.swap.max`.
+    swap_max_bytes: Optional[int]
+
+
+@dataclass
 class RunList(Model):
     """`GET /v1/runs`."""
 
     runs: List[Run]
+
+
+@dataclass
+class RunUsage(Model):
+    """A run's use of its claim, from its cgroup (issue 36). A figure the host cannot
+    read is null.
+    """
+
+    #: CPU time used, microseconds.
+    cpu_usec: Optional[int]
+    #: The limits its cgroup is held to (null: not enforced on this host).
+    limits: Optional[RunLimits]
+    #: Memory in use, bytes.
+    memory_bytes: Optional[int]
+    #: The most memory it has used, bytes.
+    memory_peak_bytes: Optional[int]
+    #: Processes the kernel's OOM killer killed inside the run's cgroup: the run
+    #: went past its hard memory limit.
+    oom_kills: int
+    #: `oom_kills` > 0.
+    oom_killed: bool
+    #: Processes and threads in it now.
+    processes: Optional[int]
 
 
 @dataclass
@@ -1018,6 +1099,8 @@ class ScopeWaiter(Model):
 class Status(Model):
     """`GET /v1/status`."""
 
+    #: Issue 36: whether runs are held to their claims.
+    limits: LimitsStatus
     resources: List[ResourceStatus]
     memory_available: Optional[int]
     memory_pending: int

@@ -151,6 +151,15 @@ pub struct JournalDegraded {
     pub survivors: Option<Vec<i32>>,
 }
 
+/// `oom_killed` (issue 36): the kernel's OOM killer killed inside the run's cgroup;
+/// its peak against its claim.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct JournalOom {
+    pub memory_claim_bytes: u64,
+    pub memory_peak_bytes: Option<u64>,
+    pub oom_kills: u64,
+}
+
 /// `ended`: the final state, and the failure if there was one.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct JournalEnded<'a> {
@@ -401,6 +410,7 @@ journal_kinds! {
     StopStarted(JournalPids) = "stop_started",
     Survivors(JournalPids) = "survivors",
     Degraded(JournalDegraded) = "degraded",
+    OomKilled(JournalOom) = "oom_killed",
     Ended(JournalEnded<'a>) = "ended",
     Promoted(JournalPromoted<'a>) = "promoted",
     EvidenceInvalidated(JournalEmpty) = "evidence_invalidated",
@@ -481,6 +491,11 @@ mod tests {
             Journal::Survivors(JournalPids { pids: vec![5] }),
             Journal::Degraded(JournalDegraded {
                 survivors: Some(vec![5]),
+            }),
+            Journal::OomKilled(JournalOom {
+                memory_claim_bytes: 64,
+                memory_peak_bytes: Some(80),
+                oom_kills: 1,
             }),
             Journal::Ended(JournalEnded {
                 failure: Some(t("x")),

@@ -229,6 +229,12 @@ pub struct Run {
     pub state: RunState,
     /// Pids that survived the last stop (a degraded run).
     pub survivors: Vec<i32>,
+    /// What the run's cgroup has used against the limits it is held to: live while
+    /// it holds its claim, as its stop found it after. Null for a run berth made no
+    /// cgroup for (nothing registered or launched, or no cgroups on the host).
+    #[serde(default)]
+    #[schema(required = true)]
+    pub usage: Option<RunUsage>,
     #[schema(required = true)]
     pub workspace: Option<String>,
     #[schema(required = true)]
@@ -337,9 +343,83 @@ pub struct LedgerStatus {
     pub ended_runs_pruned: u64,
 }
 
+/// A run's use of its claim, from its cgroup (issue 36). A figure the host cannot
+/// read is null.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct RunUsage {
+    /// CPU time used, microseconds.
+    #[schema(required = true)]
+    pub cpu_usec: Option<u64>,
+    /// The limits its cgroup is held to (null: not enforced on this host).
+    #[schema(required = true)]
+    pub limits: Option<RunLimits>,
+    /// Memory in use, bytes.
+    #[schema(required = true)]
+    pub memory_bytes: Option<u64>,
+    /// The most memory it has used, bytes.
+    #[schema(required = true)]
+    pub memory_peak_bytes: Option<u64>,
+    /// Processes the kernel's OOM killer killed inside the run's cgroup: the run
+    /// went past its hard memory limit.
+    pub oom_kills: u64,
+    /// `oom_kills` > 0.
+    pub oom_killed: bool,
+    /// Processes and threads in it now.
+    #[schema(required = true)]
+    pub processes: Option<u64>,
+}
+
+/// The cgroup limits a run's claim became (null: that limit is not set).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct RunLimits {
+    /// `cpu.max` as CPU millis (the claim): a ceiling.
+    #[schema(required = true)]
+    pub cpu_max_millis: Option<u64>,
+    /// `cpu.weight` (`--cpu-burst`): a share under contention, no ceiling.
+    #[schema(required = true)]
+    pub cpu_weight: Option<u64>,
+    /// `memory.high` (the claim): above it the run is throttled and reclaimed.
+    #[schema(required = true)]
+    pub memory_high_bytes: Option<u64>,
+    /// `memory.max`: above it the kernel OOM-kills inside the run.
+    #[schema(required = true)]
+    pub memory_max_bytes: Option<u64>,
+    /// `pids.max`: forks beyond it fail.
+    #[schema(required = true)]
+    pub pids_max: Option<u64>,
+    /// `memory.swap.max`.
+    #[schema(required = true)]
+    pub swap_max_bytes: Option<u64>,
+}
+
+/// Whether runs are held to their claims on this host, and by what policy (issue 36).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct LimitsStatus {
+    /// Runs' cgroups get memory, pids and cpu limits from their claims.
+    pub enforced: bool,
+    /// How (e.g. `cgroup v1 memory, pids, cpu`), when enforced.
+    #[schema(required = true)]
+    pub how: Option<String>,
+    /// Why not, when not enforced: runs are then admitted by their claims but not
+    /// held to them.
+    #[schema(required = true)]
+    pub why_not: Option<String>,
+    /// `memory.max` as a percentage of the memory claim.
+    pub memory_max_percent: u64,
+    /// `memory.swap.max` per run (null: unlimited).
+    #[schema(required = true)]
+    pub swap_max_bytes: Option<u64>,
+    /// `max` (the claim is a ceiling) or `weight` (a share; runs may burst).
+    pub cpu: String,
+    /// `pids.max` per run (0: none).
+    pub pids_max: u64,
+}
+
 /// `GET /v1/status`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Status {
+    /// Issue 36: whether runs are held to their claims.
+    pub limits: LimitsStatus,
     pub resources: Vec<ResourceStatus>,
     #[schema(required = true)]
     pub memory_available: Option<u64>,

@@ -37,9 +37,10 @@ mod threads;
 mod tokens;
 
 use berth_client::wire::{
-    AcquireEvent, Claim, ErrorDetail, FenceCheck, Key, LedgerStatus, ProcessRequest as ProcessBody,
-    ProjectStatus, Queued, ReapReport, ReaperStatus, Reason, ReleaseRequest as ReleaseBody,
-    RenewRequest as RenewBody, ResourceStatus, Run, RunList, Status,
+    AcquireEvent, Claim, ErrorDetail, FenceCheck, Key, LedgerStatus, LimitsStatus,
+    ProcessRequest as ProcessBody, ProjectStatus, Queued, ReapReport, ReaperStatus, Reason,
+    ReleaseRequest as ReleaseBody, RenewRequest as RenewBody, ResourceStatus, Run, RunLimits,
+    RunList, RunUsage, Status,
 };
 
 use crate::auth::{self, Scope};

@@ -625,6 +625,15 @@ pub async fn metrics(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
         background: snap.queued_background as u64,
         ..Default::default()
     };
+    for r in waiting.iter().filter(|r| r.view.state.holds_claim()) {
+        if let Some(usage) = r.usage {
+            scrape.runs.push(crate::metrics::RunUse {
+                run_id: r.view.run_id.clone(),
+                memory_claim: r.view.resources.memory,
+                usage,
+            });
+        }
+    }
     for r in waiting
         .iter()
         .filter(|r| r.view.state == berth_core::RunState::Queued)
@@ -632,7 +641,8 @@ pub async fn metrics(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
         let code = r.view.reason.as_ref().map_or("none", |r| r.code.as_str());
         *scrape.reasons.entry(code.to_string()).or_default() += 1;
     }
-    scrape.resources = super::status_out(&snap, &Default::default()).resources;
+    scrape.resources =
+        super::status_out(&snap, &Default::default(), &api.shared.enforcement).resources;
     scrape.scopes = ask(&api, |reply| Msg::ScopeList { reply }).await?;
     let text = api.shared.metrics.render(&scrape);
     Ok((

@@ -49,8 +49,48 @@ pub fn run_out(i: &RunInfo) -> Run {
         since: i.since.clone(),
         state: v.state,
         survivors: i.survivors.clone(),
+        usage: i.usage.map(|u| usage_out(&u, i.limits.as_ref())),
         workspace: i.workspace.clone(),
         worktree: i.worktree.clone(),
+    }
+}
+
+/// Issue 36: a run's use of its claim, and the limits it is held to.
+fn usage_out(u: &berth_proc::limits::Usage, l: Option<&berth_proc::limits::Limits>) -> RunUsage {
+    RunUsage {
+        cpu_usec: u.cpu_usec,
+        limits: l.map(|l| RunLimits {
+            cpu_max_millis: l
+                .cpu_quota_us
+                .map(|q| q * 1000 / berth_proc::limits::CPU_PERIOD_US),
+            cpu_weight: l.cpu_weight,
+            memory_high_bytes: l.memory_high_bytes,
+            memory_max_bytes: l.memory_max_bytes,
+            pids_max: l.pids_max,
+            swap_max_bytes: l.swap_max_bytes,
+        }),
+        memory_bytes: u.memory_bytes,
+        memory_peak_bytes: u.memory_peak_bytes,
+        oom_kills: u.oom_kills,
+        oom_killed: u.oom_kills > 0,
+        processes: u.pids,
+    }
+}
+
+/// Issue 36: whether runs are held to their claims, as `GET /v1/status` says it.
+fn limits_status(e: &crate::daemon::Enforcement) -> LimitsStatus {
+    LimitsStatus {
+        enforced: e.how.is_some(),
+        how: e.how.clone(),
+        why_not: e.why_not.clone(),
+        memory_max_percent: e.policy.memory_max_pct,
+        swap_max_bytes: e.policy.swap_max_bytes,
+        cpu: match e.policy.cpu {
+            berth_proc::limits::CpuMode::Quota => "max",
+            berth_proc::limits::CpuMode::Weight => "weight",
+        }
+        .into(),
+        pids_max: e.policy.pids_max,
     }
 }
 
@@ -315,7 +355,11 @@ pub(super) async fn delete_run(
 }
 
 /// `GET /v1/status` from the engine's snapshot and the reaper's counters.
-pub fn status_out(s: &Snapshot, c: &crate::daemon::ReapCounters) -> Status {
+pub fn status_out(
+    s: &Snapshot,
+    c: &crate::daemon::ReapCounters,
+    e: &crate::daemon::Enforcement,
+) -> Status {
     let resources = s
         .resources
         .iter()
@@ -347,6 +391,7 @@ pub fn status_out(s: &Snapshot, c: &crate::daemon::ReapCounters) -> Status {
         })
         .collect();
     Status {
+        limits: limits_status(e),
         resources,
         memory_available: s.memory_available,
         memory_pending: s.memory_pending,
@@ -376,7 +421,7 @@ pub fn status_out(s: &Snapshot, c: &crate::daemon::ReapCounters) -> Status {
 
 pub(super) async fn status(AxState(api): AxState<Api>) -> Result<Json<Status>, ApiError> {
     let (s, c) = ask(&api, |reply| Msg::Status { reply }).await?;
-    Ok(Json(status_out(&s, &c)))
+    Ok(Json(status_out(&s, &c, &api.shared.enforcement)))
 }
 
 pub(super) async fn fence_check(

@@ -40,6 +40,12 @@ pub(super) struct Extra {
     /// the run's own). `None` after a restart (the baseline is then what it holds).
     /// (Sorted; a boxed slice: every remembered run carries the field.)
     pub(super) listeners_at_grant: Option<Box<[u64]>>,
+    /// Issue 36: berth made the run a cgroup (a process registered or launched): its
+    /// use is read from it while it holds its claim.
+    pub(super) grouped: bool,
+    /// Issue 36: what its cgroup had used when its stop ended (boxed: most runs have
+    /// none, and every remembered run carries the field).
+    pub(super) usage: Option<Box<berth_proc::limits::Usage>>,
 }
 
 /// What an acquire carries besides the engine's request, as one digest.
@@ -78,6 +84,8 @@ impl Extra {
             owner_uid: None,
             journal_first: 0,
             listeners_at_grant: None,
+            grouped: false,
+            usage: None,
         }
     }
 
@@ -91,6 +99,8 @@ impl Extra {
         );
         extra.workspace = r.workspace.take();
         extra.processes = std::mem::take(&mut r.processes);
+        // A restarted daemon re-adopts a run's registered processes in its group.
+        extra.grouped = !extra.processes.is_empty();
         extra.ports = std::mem::take(&mut r.ports);
         extra.detached = r.detached;
         extra.thread = r.thread.take();

@@ -497,6 +497,9 @@ impl<H: Host> Daemon<H> {
         if let Some(e) = self.extras.get_mut(&run_id) {
             e.survivors = report.survivors.clone();
         }
+        if let Some(usage) = report.usage {
+            self.record_usage(&run_id, usage);
+        }
         if !report.survivors.is_empty() {
             let pids = report.survivors.clone();
             self.journal(
@@ -515,6 +518,33 @@ impl<H: Host> Daemon<H> {
             }
         }
         self.commit(touched, |_| {});
+    }
+
+    /// Issue 36: what the run's cgroup used, as its stop found it: kept for `GET` of
+    /// the ended run, and an OOM kill inside it journaled (and counted) with its peak
+    /// against its claim.
+    fn record_usage(&mut self, run_id: &str, usage: berth_proc::limits::Usage) {
+        let Some(e) = self.extras.get_mut(run_id) else {
+            return;
+        };
+        let first = e.usage.as_ref().map_or(0, |u| u.oom_kills);
+        e.usage = Some(Box::new(usage));
+        if usage.oom_kills > first {
+            let claim = self.claimed(run_id).0;
+            tracing::warn!(
+                run_id,
+                oom_kills = usage.oom_kills,
+                memory_peak_bytes = usage.memory_peak_bytes,
+                memory_claim_bytes = claim,
+                "the kernel's OOM killer killed inside the run: it went past its hard memory limit"
+            );
+            let data = wire::JournalOom {
+                memory_claim_bytes: claim,
+                memory_peak_bytes: usage.memory_peak_bytes,
+                oom_kills: usage.oom_kills,
+            };
+            self.journal(run_id, wire::Journal::OomKilled(data));
+        }
     }
 
     fn on_create_token(&mut self, grant: Grant, reply: Reply<String>) {

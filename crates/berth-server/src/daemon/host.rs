@@ -61,8 +61,9 @@ pub trait Host {
     fn check_process(&self, uid: u32, pid: i32, others: &[OtherRun<'_>]) -> Checked;
     /// W3: is something outside berth using this port (a bind test fails)?
     fn port_in_use(&self, port: u16) -> bool;
-    /// Moves a registered process into the run's cgroup, where the host has them.
-    fn adopt(&mut self, run_id: &str, pid: i32);
+    /// Moves a registered process into the run's cgroup, where the host has them,
+    /// the group held to the run's claim (issue 36) where it has controllers.
+    fn adopt(&mut self, run_id: &str, pid: i32, claim: Claimed);
     /// C6: the listening sockets (by inode) the processes of these roots hold now.
     fn listeners_of(&self, roots: &[ProcId]) -> std::collections::BTreeSet<u64>;
     /// C6: every listening socket on the host now (by inode), whoever holds it.
@@ -70,9 +71,12 @@ pub trait Host {
     /// C6: the analysis runs to watch from now on (the whole set, replacing the last);
     /// a new listener is reported with `Msg::ListenerViolation`.
     fn watch_listeners(&mut self, watched: Vec<ListenWatch>);
-    /// C7: makes the run's cgroup (where the host has them) and names its
-    /// `cgroup.procs`, for a process berth launches to join before it runs anything.
-    fn prepare_group(&mut self, run_id: &str) -> Option<PathBuf>;
+    /// C7: makes the run's cgroup (where the host has them), held to its claim, and
+    /// names every `cgroup.procs` a process berth launches joins before it runs
+    /// anything (empty: no group).
+    fn prepare_group(&mut self, run_id: &str, claim: Claimed) -> Vec<PathBuf>;
+    /// Issue 36: what the run's cgroup has used so far, if it has one with controllers.
+    fn usage(&self, run_id: &str) -> Option<berth_proc::limits::Usage>;
     /// L1/S6: fences up to `last_fence` are covered by the durable marker.
     fn cover_fence(&mut self, last_fence: u64) -> Result<(), String>;
     /// A new API token (random).
@@ -88,11 +92,28 @@ pub trait Host {
     fn close(&mut self, clean_last_fence: Option<u64>);
 }
 
-/// How processes are stopped (P2).
+/// What a run claimed that its cgroup is held to: (memory bytes, cpu millis).
+pub type Claimed = (u64, u64);
+
+/// Issue 36: whether runs' cgroups are held to their claims, and how, or why not
+/// (said at start and in `GET /v1/status`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Enforcement {
+    /// e.g. "cgroup v1 memory, pids, cpu"; `None`: limits are not enforced.
+    pub how: Option<String>,
+    /// Why not, when `how` is `None`.
+    pub why_not: Option<String>,
+    pub policy: berth_proc::limits::Policy,
+}
+
+/// How processes are stopped (P2) and held to their claims (issue 36).
 #[derive(Clone, Debug)]
 pub struct Supervision {
     /// Where run cgroups go, when the host allows them.
     pub cgroup_base: Option<PathBuf>,
+    /// Where the controllers of run groups are, when berth may set limits.
+    pub controllers: Option<berth_proc::cgroup::Controllers>,
+    pub policy: berth_proc::limits::Policy,
     /// Between SIGTERM and SIGKILL.
     pub grace_ms: u64,
     /// How long SIGKILLed processes may take to vanish before the run degrades.
@@ -151,9 +172,37 @@ impl RealHost {
         self.inbox = Some(tx.downgrade());
     }
 
-    fn group(base: &Option<PathBuf>, run_id: &str) -> Option<berth_proc::cgroup::Group> {
-        let path = base.as_ref()?.join(workspace::dir_name(run_id));
-        path.exists().then(|| berth_proc::cgroup::Group::open(path))
+    fn group(sup: &Supervision, run_id: &str) -> Option<berth_proc::cgroup::Group> {
+        let name = workspace::dir_name(run_id);
+        let path = sup.cgroup_base.as_ref()?.join(&name);
+        path.exists()
+            .then(|| berth_proc::cgroup::Group::open_with(path, &name, sup.controllers.as_ref()))
+    }
+
+    /// Makes the run's group (in every hierarchy) and holds it to `claim`; a limit
+    /// that cannot be set is said, and the group is used without it.
+    fn make_group(&self, run_id: &str, claim: Claimed) -> Option<berth_proc::cgroup::Group> {
+        let sup = &self.supervision;
+        let base = sup.cgroup_base.as_ref()?;
+        let name = workspace::dir_name(run_id);
+        let group = berth_proc::cgroup::Group::create_with(base, &name, sup.controllers.as_ref());
+        let group = match group {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::warn!(run_id, "cgroup: {e}; the process group is the fallback");
+                return None;
+            }
+        };
+        if sup.controllers.is_some() {
+            let limits = berth_proc::limits::plan(claim.0, claim.1, &sup.policy);
+            if let Err(e) = group.limit(&limits) {
+                tracing::warn!(
+                    run_id,
+                    "cgroup limits not set: {e}; the run is not held to its claim"
+                );
+            }
+        }
+        Some(group)
     }
 }
 
@@ -188,17 +237,17 @@ impl Host for RealHost {
     }
 
     fn has_group(&self, run_id: &str) -> bool {
-        RealHost::group(&self.supervision.cgroup_base, run_id).is_some()
+        RealHost::group(&self.supervision, run_id).is_some()
     }
 
     fn stop_sink(&mut self) -> StopSink {
         if self.stopper.is_none() {
             let tx = spawn_stopper(&self.supervision, self.inbox.clone());
-            let base = self.supervision.cgroup_base.clone();
+            let sup = self.supervision.clone();
             let tx = std::sync::Mutex::new(tx);
             self.stopper = Some(Arc::new(move |o: StopOrder| {
                 let group = if o.may_have_group {
-                    RealHost::group(&base, &o.run_id)
+                    RealHost::group(&sup, &o.run_id)
                 } else {
                     None
                 };
@@ -230,10 +279,9 @@ impl Host for RealHost {
         std::net::TcpListener::bind(("0.0.0.0", port)).is_err()
     }
 
-    fn adopt(&mut self, run_id: &str, pid: i32) {
-        if let Some(base) = &self.supervision.cgroup_base {
-            let group = berth_proc::cgroup::Group::create(base, &workspace::dir_name(run_id));
-            if let Err(e) = group.and_then(|g| g.add(pid)) {
+    fn adopt(&mut self, run_id: &str, pid: i32, claim: Claimed) {
+        if let Some(group) = self.make_group(run_id, claim) {
+            if let Err(e) = group.add(pid) {
                 tracing::warn!(
                     run_id,
                     pid,
@@ -271,15 +319,14 @@ impl Host for RealHost {
         }
     }
 
-    fn prepare_group(&mut self, run_id: &str) -> Option<PathBuf> {
-        let base = self.supervision.cgroup_base.as_ref()?;
-        match berth_proc::cgroup::Group::create(base, &workspace::dir_name(run_id)) {
-            Ok(g) => Some(g.path.join("cgroup.procs")),
-            Err(e) => {
-                tracing::warn!(run_id, "cgroup: {e}; the process group is the fallback");
-                None
-            }
-        }
+    fn prepare_group(&mut self, run_id: &str, claim: Claimed) -> Vec<PathBuf> {
+        self.make_group(run_id, claim)
+            .map(|g| g.procs_files())
+            .unwrap_or_default()
+    }
+
+    fn usage(&self, run_id: &str) -> Option<berth_proc::limits::Usage> {
+        RealHost::group(&self.supervision, run_id)?.usage()
     }
 
     fn cover_fence(&mut self, last_fence: u64) -> Result<(), String> {
@@ -323,6 +370,9 @@ impl Host for RealHost {
         // of live runs stay for the next start to re-adopt; rmdir refuses then).
         if let Some(base) = &self.supervision.cgroup_base {
             let _ = std::fs::remove_dir(base);
+        }
+        if let Some(c) = &self.supervision.controllers {
+            c.remove_bases();
         }
     }
 }

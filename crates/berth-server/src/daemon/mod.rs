@@ -55,7 +55,9 @@ use extra::{proc_id, Extra};
 use ports::PortBroker;
 
 pub use ask::{ask, register_off_task};
-pub use host::{Host, ListenWatch, RealHost, StopOrder, StopSink, Supervision};
+pub use host::{
+    Claimed, Enforcement, Host, ListenWatch, RealHost, StopOrder, StopSink, Supervision,
+};
 pub use msg::{Msg, RegistrationPlan, Reply};
 pub use restore::Restore;
 pub use runtime::{run, Sampler};
@@ -88,6 +90,11 @@ pub struct RunInfo {
     pub failure: Option<String>,
     /// S9: the uid of the uid-bound token that made it (`None`: an unbound token).
     pub owner_uid: Option<u32>,
+    /// Issue 36: what its cgroup has used (live while it holds its claim, as its stop
+    /// found it after), if it has one with controllers.
+    pub usage: Option<berth_proc::limits::Usage>,
+    /// Issue 36: the limits its cgroup is held to, where berth enforces them.
+    pub limits: Option<berth_proc::limits::Limits>,
 }
 
 /// S9: who a request acts for. `Some(uid)`: a uid-bound token below admin, which acts
@@ -132,6 +139,8 @@ pub struct Shared {
     /// S3: what the registration rule knows of the daemon, for checks made off the
     /// state task (`None`: every check is made on it, as the simulator's are).
     pub me: Option<crate::register::Me>,
+    /// Issue 36: whether runs' cgroups are held to their claims.
+    pub enforcement: Enforcement,
 }
 
 /// How often at most the queue's streams are told that it moved (issue: position

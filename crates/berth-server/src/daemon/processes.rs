@@ -60,7 +60,8 @@ impl<H: Host> Daemon<H> {
             }
         };
         self.registrations += 1;
-        self.host.adopt(run_id, pid);
+        let claim = self.claimed(run_id);
+        self.host.adopt(run_id, pid, claim);
         let rec = berth_store::ProcessRecord {
             pid: id.pid,
             start_ticks: id.start_ticks,
@@ -70,6 +71,7 @@ impl<H: Host> Daemon<H> {
             if !e.processes.contains(&rec) {
                 e.processes.push(rec);
             }
+            e.grouped = true;
         }
         if view.class == berth_core::Class::Analysis {
             self.watch_analysis_run(run_id);

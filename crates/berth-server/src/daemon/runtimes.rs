@@ -16,9 +16,10 @@ pub struct RuntimePlan {
     pub info: RunInfo,
     /// The contract the run was admitted with (its fingerprint and commit).
     pub contract: Option<ContractInfo>,
-    /// The run's cgroup's `cgroup.procs`, made ready: a launched process moves itself
-    /// there before it executes anything (so even a double fork stays in the group).
-    pub group_procs: Option<PathBuf>,
+    /// The run's cgroup's `cgroup.procs` files (cgroup2's first, then any v1
+    /// hierarchy's), made ready: a launched process moves itself into each before it
+    /// executes anything (so even a double fork stays in the group). Empty: no group.
+    pub group_procs: Vec<PathBuf>,
 }
 
 impl<H: Host> Daemon<H> {
@@ -49,7 +50,7 @@ impl<H: Host> Daemon<H> {
         }
         let plan = self.runtime_run(&run_id, fence).map(|info| RuntimePlan {
             contract: self.engine.record(&run_id).and_then(|r| r.request.contract),
-            group_procs: self.host.prepare_group(&run_id),
+            group_procs: self.host.prepare_group(&run_id, self.claimed(&run_id)),
             info,
         });
         self.answer(reply, plan);

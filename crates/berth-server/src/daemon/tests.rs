@@ -77,6 +77,8 @@ fn restore_with(dir: &std::path::Path, cfg: berth_core::Config) -> Live {
         crate::private::FenceMarker::open(dir).unwrap(),
         Supervision {
             cgroup_base: None,
+            controllers: None,
+            policy: Default::default(),
             grace_ms: 1_000,
             kill_wait_ms: 1_000,
         },

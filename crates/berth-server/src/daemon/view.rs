@@ -40,8 +40,48 @@ impl<H: Host> Daemon<H> {
             survivors: extra.map(|e| e.survivors.clone()).unwrap_or_default(),
             failure: extra.and_then(|e| e.failure.clone()),
             owner_uid: extra.and_then(|e| e.owner_uid),
+            usage: self.usage_of(&view, extra),
+            limits: self.limits_of(&view, extra),
             view,
         })
+    }
+
+    /// Issue 36: the run's use, read live from its cgroup while it holds its claim
+    /// (only a run berth made a group for: a lease alone costs no read), and as its
+    /// stop found it after.
+    fn usage_of(&self, view: &RunView, extra: Option<&Extra>) -> Option<berth_proc::limits::Usage> {
+        let e = extra?;
+        match view.state.holds_claim() && e.grouped {
+            // A group its stop just removed: its use as the stop found it, once told.
+            true => self
+                .host
+                .usage(&view.run_id)
+                .or(e.usage.as_deref().copied()),
+            false => e.usage.as_deref().copied(),
+        }
+    }
+
+    /// Issue 36: the limits a run's group is held to, where berth enforces them.
+    fn limits_of(
+        &self,
+        view: &RunView,
+        extra: Option<&Extra>,
+    ) -> Option<berth_proc::limits::Limits> {
+        let enforced = &self.shared.enforcement;
+        (extra?.grouped && enforced.how.is_some()).then(|| {
+            berth_proc::limits::plan(
+                view.resources.memory,
+                view.resources.cpu_millis,
+                &enforced.policy,
+            )
+        })
+    }
+
+    /// Issue 36: what a run claimed that its cgroup is held to.
+    pub(super) fn claimed(&self, run_id: &str) -> super::host::Claimed {
+        self.engine
+            .view_of(run_id)
+            .map_or((0, 0), |v| (v.resources.memory, v.resources.cpu_millis))
     }
 
     /// The `BERTH_*` environment of a granted run.

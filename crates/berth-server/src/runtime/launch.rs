@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::ffi::CString;
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -88,7 +88,7 @@ pub fn spawn(
     cwd: &Path,
     env: &BTreeMap<String, String>,
     logs: &Path,
-    group_procs: Option<&Path>,
+    group_procs: &[PathBuf],
 ) -> Result<Launched, Failure> {
     let l = &port.launch;
     let log = open_log(logs, &format!("{}.log", port.name))
@@ -125,7 +125,7 @@ pub async fn build(
     cwd: &Path,
     env: &BTreeMap<String, String>,
     logs: &Path,
-    group_procs: Option<&Path>,
+    group_procs: &[PathBuf],
 ) -> Result<(), Failure> {
     let as_port = Port {
         name: format!("{}.build", port.name),
@@ -139,12 +139,10 @@ pub async fn build(
         build: None,
     };
     let (cwd, env, logs) = (cwd.to_path_buf(), env.clone(), logs.to_path_buf());
-    let group = group_procs.map(Path::to_path_buf);
-    let mut l = super::off_worker(port, move || {
-        spawn(&as_port, &cwd, &env, &logs, group.as_deref())
-    })
-    .await
-    .map_err(|f| Failure::new(port, format!("build: {}", f.why), f.log_tail))?;
+    let group = group_procs.to_vec();
+    let mut l = super::off_worker(port, move || spawn(&as_port, &cwd, &env, &logs, &group))
+        .await
+        .map_err(|f| Failure::new(port, format!("build: {}", f.why), f.log_tail))?;
     let limit = Duration::from_millis(b.timeout_ms);
     match tokio::time::timeout(limit, l.child.wait()).await {
         Ok(Ok(s)) if s.success() => Ok(()),
@@ -174,7 +172,7 @@ fn command(
     args: &[String],
     cwd: &Path,
     env: &BTreeMap<String, String>,
-    group_procs: Option<&Path>,
+    group_procs: &[PathBuf],
 ) -> Result<tokio::process::Command, String> {
     let mut cmd = tokio::process::Command::new(program);
     cmd.args(args)
@@ -186,19 +184,19 @@ fn command(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .kill_on_drop(false);
-    let procs = match group_procs {
-        Some(p) => Some(
+    let procs = group_procs
+        .iter()
+        .map(|p| {
             CString::new(p.as_os_str().as_encoded_bytes())
-                .map_err(|_| "the cgroup path holds a NUL".to_string())?,
-        ),
-        None => None,
-    };
+                .map_err(|_| "the cgroup path holds a NUL".to_string())
+        })
+        .collect::<Result<Vec<CString>, String>>()?;
     // SAFETY: between fork and exec only async-signal-safe system calls are made
     // (setsid, open, write, close), with nothing allocated: the path was made above.
     unsafe {
         cmd.pre_exec(move || {
             let _ = rustix::process::setsid();
-            if let Some(p) = &procs {
+            for p in &procs {
                 // "0" moves the writing process itself: it is in the run's group before
                 // it runs anything, so no fork of it can escape the group.
                 if let Ok(fd) = rustix::fs::open(
@@ -302,7 +300,7 @@ mod tests {
             "web",
             "head -c 9000000 /dev/zero | tr '\\0' x; echo; echo last words",
         );
-        let mut l = spawn(&p, logs.path(), &BTreeMap::new(), logs.path(), None).unwrap();
+        let mut l = spawn(&p, logs.path(), &BTreeMap::new(), logs.path(), &[]).unwrap();
         let status = l.child.wait().await.unwrap();
         assert!(status.success());
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -325,7 +323,7 @@ mod tests {
         std::fs::write(&victim, "keep me").unwrap();
         std::os::unix::fs::symlink(&victim, logs.path().join("web.log")).unwrap();
         let p = port("web", "echo overwritten");
-        let err = spawn(&p, logs.path(), &BTreeMap::new(), logs.path(), None)
+        let err = spawn(&p, logs.path(), &BTreeMap::new(), logs.path(), &[])
             .err()
             .expect("refused");
         assert!(err.why.starts_with("its log file"), "{}", err.why);
@@ -346,7 +344,7 @@ mod tests {
         .unwrap();
         let p = port("web", "echo hi");
         let t = std::time::Instant::now();
-        let err = spawn(&p, logs.path(), &BTreeMap::new(), logs.path(), None)
+        let err = spawn(&p, logs.path(), &BTreeMap::new(), logs.path(), &[])
             .err()
             .expect("refused");
         assert!(err.why.starts_with("its log file"), "{}", err.why);

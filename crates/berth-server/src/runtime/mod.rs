@@ -115,12 +115,12 @@ async fn launch_all(
             let _ = events.send(RuntimeEvent::Building {
                 port: port.name.clone(),
             });
-            launch::build(port, b, &cwd, &env, &logs, s.plan.group_procs.as_deref()).await?;
+            launch::build(port, b, &cwd, &env, &logs, &s.plan.group_procs).await?;
         }
         let l = off_worker(port, {
             let (port, cwd, env, logs) = (port.clone(), cwd.clone(), env.clone(), logs.clone());
             let group = s.plan.group_procs.clone();
-            move || launch::spawn(&port, &cwd, &env, &logs, group.as_deref())
+            move || launch::spawn(&port, &cwd, &env, &logs, &group)
         })
         .await?;
         let pid = l.pid;
@@ -164,7 +164,7 @@ async fn owned_listener(
     number: u16,
     l: &Launched,
 ) -> Result<(), Failure> {
-    let group = group_pids(s.plan.group_procs.as_deref());
+    let group = group_pids(s.plan.group_procs.first().map(PathBuf::as_path));
     let holder = off_worker(port, {
         let port = port.clone();
         move || {

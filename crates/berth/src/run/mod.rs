@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::anyhow;
 use berth_client::wire::{
     AcquireEvent, AcquireRequest, BudgetClaim, ErrorDetail, ProcessRequest, ReleaseRequest, Run,
-    RuntimeEvent, RuntimeRequest, UniqueMap,
+    RunUsage, RuntimeEvent, RuntimeRequest, UniqueMap,
 };
 use berth_core::validate;
 use berth_core::RunState;
@@ -23,7 +23,7 @@ use clap::Args;
 use serde_json::Value;
 
 use crate::client::{error_of, error_text, Client, ConnArgs};
-use crate::{EXIT_REFUSED, EXIT_TIMEOUT};
+use crate::{EXIT_OOM, EXIT_REFUSED, EXIT_TIMEOUT};
 
 mod admit;
 mod child;
@@ -87,6 +87,8 @@ struct Held {
     keeper: tokio::task::JoinHandle<()>,
     /// `$BERTH_LEASE_FILE`: the lease as it stands, for CMD.
     file: Option<LeaseFile>,
+    /// The memory it claimed (issue 36: an OOM kill is said against it).
+    memory_claim: u64,
 }
 
 impl Held {
@@ -121,6 +123,7 @@ impl Held {
             renew_now,
             keeper,
             file,
+            memory_claim: grant.claim.resources.get("memory").copied().unwrap_or(0),
         }
     }
 
@@ -134,9 +137,12 @@ impl Held {
     /// suspended or cut off, and the broker stopped CMD: issue 33 item 3).
     async fn finish(mut self, status: ExitKind, lost_reason: Option<String>) -> u8 {
         self.keeper.abort();
-        let lost = match lost_reason.or_else(|| self.lost.try_recv().ok()) {
-            Some(why) => Some(why),
-            None => release(&self.client, &self.run_id, self.fence).await.err(),
+        let (lost, usage) = match lost_reason.or_else(|| self.lost.try_recv().ok()) {
+            Some(why) => (Some(why), None),
+            None => match release(&self.client, &self.run_id, self.fence).await {
+                Ok(usage) => (None, usage),
+                Err(why) => (Some(why), None),
+            },
         };
         drop(self.file.take());
         if let Some(why) = lost {
@@ -146,6 +152,10 @@ impl Held {
                 status.describe()
             );
             return EXIT_TIMEOUT;
+        }
+        if let Some((code, line)) = kernel_kill(status, usage.as_ref(), self.memory_claim) {
+            eprintln!("berth: run {}: {line}", self.run_id);
+            return code;
         }
         status.code()
     }
@@ -351,9 +361,45 @@ async fn register(held: &Held, pid: i32) -> Result<(), (u8, String)> {
     }
 }
 
-/// Releases the lease. `Err(why)` when it was no longer ours (it expired, or another
-/// fence holds it): the caller reports a lost lease.
-async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), String> {
+/// Issue 36: the kernel's OOM killer killed inside the run: the line `berth run` ends
+/// with (its peak against its claim) and its exit code: `EXIT_OOM` unless CMD
+/// succeeded anyway (a child was killed and CMD recovered), when CMD's 0 stands and
+/// the line is a warning. `None`: no OOM kill.
+fn kernel_kill(status: ExitKind, usage: Option<&RunUsage>, claim: u64) -> Option<(u8, String)> {
+    let u = usage.filter(|u| u.oom_killed)?;
+    let used = u
+        .memory_peak_bytes
+        .map_or("used more than its limit".into(), |p| {
+            format!("used {}", berth_core::fmt_bytes(p))
+        });
+    let limit = u
+        .limits
+        .as_ref()
+        .and_then(|l| l.memory_max_bytes)
+        .map_or(String::new(), |m| {
+            format!(", hard limit {}", berth_core::fmt_bytes(m))
+        });
+    let line = format!(
+        "killed by the kernel: {used} of a {} claim (oom_killed{limit}); {}",
+        berth_core::fmt_bytes(claim),
+        status.describe()
+    );
+    let code = if matches!(status, ExitKind::Code(0)) {
+        0
+    } else {
+        EXIT_OOM
+    };
+    Some((code, line))
+}
+
+/// Releases the lease; the run's use of its claim, as the release answer gives it.
+/// `Err(why)` when it was no longer ours (it expired, or another fence holds it):
+/// the caller reports a lost lease.
+async fn release(
+    client: &Arc<Client>,
+    run_id: &str,
+    fence: u64,
+) -> Result<Option<RunUsage>, String> {
     let give_up = Instant::now() + RELEASE_FOR;
     let mut retry = Retry::new(RELEASE);
     while let Some(left) = give_up.checked_duration_since(Instant::now()) {
@@ -376,18 +422,19 @@ async fn release(client: &Arc<Client>, run_id: &str, fence: u64) -> Result<(), S
                     Ok(Run {
                         failure: Some(why), ..
                     }) => Err(why),
-                    _ => Ok(()),
+                    Ok(r) => Ok(r.usage),
+                    Err(_) => Ok(None),
                 };
             }
             Ok(reply) if reply.status == 409 || reply.status == 410 => {
                 return Err(error_text(&reply.body));
             }
-            Ok(reply) if reply.status < 500 => return Ok(()),
+            Ok(reply) if reply.status < 500 => return Ok(None),
             _ => tokio::time::sleep(retry.failed().min(left)).await,
         }
     }
     eprintln!("berth: could not release run {run_id}; it will expire");
-    Ok(())
+    Ok(None)
 }
 
 const REGISTER: Backoff = Backoff::new(100, 2_000);
@@ -438,5 +485,47 @@ impl LeaseFile {
 impl Drop for LeaseFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn oom(peak: Option<u64>) -> RunUsage {
+        RunUsage {
+            memory_peak_bytes: peak,
+            oom_kills: 1,
+            oom_killed: true,
+            limits: Some(berth_client::wire::RunLimits {
+                memory_max_bytes: Some(80 << 20),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// Issue 36: the line and code `berth run` ends with after an OOM kill in its run.
+    #[test]
+    fn an_oom_kill_is_said_with_its_peak_against_the_claim_and_its_own_exit_code() {
+        let killed = ExitKind::Signal(9);
+        let (code, line) = kernel_kill(killed, Some(&oom(Some(80 << 20))), 64 << 20).unwrap();
+        assert_eq!(code, EXIT_OOM);
+        assert_eq!(
+            line,
+            "killed by the kernel: used 80 MiB of a 64 MiB claim (oom_killed, hard limit 80 MiB); it was ended by signal 9"
+        );
+        // CMD recovered (a child was killed): its 0 stands, the line is a warning.
+        let (code, _) = kernel_kill(ExitKind::Code(0), Some(&oom(None)), 64 << 20).unwrap();
+        assert_eq!(code, 0);
+        let (code, line) = kernel_kill(ExitKind::Code(1), Some(&oom(None)), 64 << 20).unwrap();
+        assert_eq!(code, EXIT_OOM);
+        assert!(
+            line.starts_with("killed by the kernel: used more than its limit of a 64 MiB claim")
+        );
+        // No OOM kill, no line: CMD's own status.
+        let calm = RunUsage::default();
+        assert_eq!(kernel_kill(killed, Some(&calm), 64 << 20), None);
+        assert_eq!(kernel_kill(killed, None, 64 << 20), None);
     }
 }

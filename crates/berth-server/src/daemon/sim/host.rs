@@ -118,9 +118,17 @@ impl Host for SimHost {
         false
     }
 
-    fn adopt(&mut self, _run_id: &str, _pid: i32) {}
+    fn adopt(&mut self, _run_id: &str, _pid: i32, _claim: crate::daemon::Claimed) {}
 
-    fn prepare_group(&mut self, _run_id: &str) -> Option<std::path::PathBuf> {
+    fn prepare_group(
+        &mut self,
+        _run_id: &str,
+        _claim: crate::daemon::Claimed,
+    ) -> Vec<std::path::PathBuf> {
+        Vec::new()
+    }
+
+    fn usage(&self, _run_id: &str) -> Option<berth_proc::limits::Usage> {
         None
     }
 
