@@ -38,7 +38,7 @@ def test_a_run_decodes_nested_nullable_and_enum_fields():
         "class": "analysis", "deadline": None, "env": {}, "expires_at": None, "ttl_ms": None,
         "ending": None, "fence": None, "labels": {}, "ports": {}, "position": 2,
         "priority": "background", "project": "p", "reason": {"code": "c", "message": "m"},
-        "run_id": "r", "since": None, "state": "queued", "survivors": [], "workspace": None,
+        "run_id": "r", "since": None, "state": "queued", "survivors": [], "usage": None, "workspace": None,
         "worktree": None, "a_field_from_a_newer_daemon": 1,
     }
     run = models.Run.from_dict(answer)
@@ -62,7 +62,7 @@ def test_an_answer_that_breaks_its_schema_is_named_where(change, error):
             "env": {}, "expires_at": None, "ttl_ms": None, "ending": None, "fence": 1,
             "labels": {}, "ports": {}, "position": None, "priority": "foreground",
             "project": "p", "reason": None, "run_id": "r", "since": None, "state": "granted",
-            "survivors": [], "workspace": None, "worktree": None}
+            "survivors": [], "usage": None, "workspace": None, "worktree": None}
     models.Run.from_dict(good)
     with pytest.raises(ValueError) as e:
         models.Run.from_dict({**good, **change})

@@ -75,6 +75,7 @@ function runOf(state: Run["state"], lease: { fence?: number | null; expires_at?:
     since: NOW,
     state,
     survivors: [],
+    usage: null,
     workspace: null,
     worktree: null,
   };
