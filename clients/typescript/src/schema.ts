@@ -1088,6 +1088,10 @@ export interface components {
             reaped: number;
             /** Format: int64 */
             degraded: number;
+            /** @description Issue 36: the runs the pass recovered (ended), by id. */
+            reaped_runs?: string[];
+            /** @description The runs it left degraded (their stop or cleanup failed), by id. */
+            degraded_runs?: string[];
             /** Format: int64 */
             processes_terminated: number;
             /** Format: int64 */
@@ -1435,6 +1439,14 @@ export interface components {
             memory_available: number | null;
             /** Format: int64 */
             memory_pending: number;
+            /**
+             * Format: int64
+             * @description Issue 36: free space on the workspaces' file system as last sampled (null:
+             *     not sampled), and the disk claims of runs granted too recently to show in it.
+             */
+            disk_free: number | null;
+            /** Format: int64 */
+            disk_pending: number;
             /** Format: int64 */
             slots_max: number;
             /** Format: int64 */

@@ -75,6 +75,11 @@ export type ProjectStatus = Schemas["ProjectStatus"];
 export type Queued = Schemas["Queued"];
 export type ReaperStatus = Schemas["ReaperStatus"];
 export type LedgerStatus = Schemas["LedgerStatus"];
+/** Issue 36: whether runs are held to their claims, and by what policy. */
+export type LimitsStatus = Schemas["LimitsStatus"];
+/** Issue 36: a run's use of its claim (`run.usage`) and the limits it is held to. */
+export type RunUsage = Schemas["RunUsage"];
+export type RunLimits = Schemas["RunLimits"];
 export type Status = Schemas["Status"];
 export type ReapReport = Schemas["ReapReport"];
 export type FenceCheck = Schemas["FenceCheck"];
@@ -108,6 +113,7 @@ export type JournalDrain = Schemas["JournalDrain"];
 export type JournalEmpty = Schemas["JournalEmpty"];
 export type JournalEnded = Schemas["JournalEnded"];
 export type JournalFence = Schemas["JournalFence"];
+export type JournalOom = Schemas["JournalOom"];
 export type JournalGranted = Schemas["JournalGranted"];
 export type JournalKey = Schemas["JournalKey"];
 export type JournalKeyName = Schemas["JournalKeyName"];
@@ -143,6 +149,7 @@ export interface JournalData {
   expired: JournalFence;
   granted: JournalGranted;
   key_mode_changed: JournalKey;
+  oom_killed: JournalOom;
   process_registered: JournalPid;
   promoted: JournalPromoted;
   queued: JournalQueued;
@@ -181,6 +188,7 @@ export const JOURNAL_KINDS: readonly (keyof JournalData)[] = [
   "expired",
   "granted",
   "key_mode_changed",
+  "oom_killed",
   "process_registered",
   "promoted",
   "queued",

@@ -38,6 +38,14 @@ pub enum Command {
     /// Issue 36: a fresh reading of the host's memory pressure (PSI `some avg10`, in
     /// hundredths of a percent): above the configured figures, waiters are held back.
     Pressure { memory_bp: u32 },
+    /// Issue 36: a fresh reading of the free space (to an unprivileged writer) on the
+    /// workspaces' file system, in bytes: a run's disk claim must fit in it, less the
+    /// disk reserve and the claims of runs whose use is still pending.
+    DiskFree { bytes: u64 },
+    /// Issue 36: the run's process tree has started and its memory was sampled, so
+    /// MemAvailable (and the free disk) show its use from now on: its claim stops
+    /// being pending before `pending_settle_ms` is up. Ignored for any other fence.
+    Settle { run_id: String, fence: Fence },
     /// C3: the run launched every declared port and each answered its probe.
     Promote {
         run_id: String,

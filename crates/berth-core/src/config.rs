@@ -65,6 +65,10 @@ pub struct Config {
     /// that is already reclaiming to keep up.
     pub pressure_foreground_max_bp: u32,
     pub pressure_background_max_bp: u32,
+    /// Issue 36: the memory reserve while no foreground run holds a claim (the host is
+    /// idle: nobody at the desk is waiting on it), if smaller than `memory_reserve`;
+    /// it applies to the live check against MemAvailable. `None`: the same reserve.
+    pub memory_reserve_idle: Option<u64>,
 }
 
 /// The defaults: a tenth of the time stalled holds foreground runs back, a twentieth
@@ -113,6 +117,7 @@ impl Config {
             scope_idle_ms: 86_400_000,
             pressure_foreground_max_bp: PRESSURE_FOREGROUND_MAX_BP,
             pressure_background_max_bp: PRESSURE_BACKGROUND_MAX_BP,
+            memory_reserve_idle: None,
         }
     }
 
@@ -173,6 +178,15 @@ impl Config {
             return Err("queue_len_max must be positive".into());
         }
         self.check_pressure()?;
+        if self
+            .memory_reserve_idle
+            .is_some_and(|r| r > self.memory_reserve)
+        {
+            return Err(
+                "memory_reserve_idle must be <= memory_reserve (it is the reserve of an idle host)"
+                    .into(),
+            );
+        }
         if self.ended_retained_max == 0 || self.ended_retained_max > ENDED_RETAINED_LIMIT {
             return Err(format!(
                 "retain_ended (ended_retained_max) must be 1..={ENDED_RETAINED_LIMIT}"

@@ -42,6 +42,7 @@ fn config(kv: &BTreeMap<String, String>) -> Config {
             "slots" => c.slots_max = v.parse().unwrap(),
             "memory" => c.memory_total = size(v),
             "memory_reserve" => c.memory_reserve = size(v),
+            "memory_reserve_idle" => c.memory_reserve_idle = Some(size(v)),
             "cpu" => c.cpu_total_millis = v.parse().unwrap(),
             "cpu_reserve" => c.cpu_reserve_millis = v.parse().unwrap(),
             "disk" => c.disk_total = size(v),
@@ -288,6 +289,15 @@ pub fn run_script(script: &str) -> String {
             // `pressure 12.50%`: PSI `some avg10`, as hundredths of a percent.
             "pressure" => Command::Pressure {
                 memory_bp: percent_bp(&pos[0]),
+            },
+            // `disk-free 40GiB`: the workspaces' file system's free space (issue 36).
+            "disk-free" => Command::DiskFree {
+                bytes: size(&pos[0]),
+            },
+            // `settle a fence=1`: the run's tree started and was sampled (issue 36).
+            "settle" => Command::Settle {
+                run_id: id(),
+                fence: fence().expect("fence"),
             },
             "promote" => Command::Promote {
                 run_id: id(),

@@ -24,6 +24,13 @@ pub fn memory_available() -> Option<u64> {
     meminfo_field("MemAvailable")
 }
 
+/// Issue 36: bytes free to an unprivileged writer on the file system of `path` (the
+/// workspaces'), as `statvfs` says; `None` if it cannot be told.
+pub fn disk_free(path: &Path) -> Option<u64> {
+    let st = rustix::fs::statvfs(path).ok()?;
+    Some(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 /// Issue 36: PSI's `some avg10` of the file at `path` (`/proc/pressure/memory`, or a
 /// file in its format), in hundredths of a percent; `None` if it cannot be read (a
 /// kernel without PSI): admission then goes by free memory alone.

@@ -349,6 +349,7 @@ fn spawn_state(
     let sample = daemon::Sampler {
         memory: cfg.sample_memory,
         pressure: cfg.pressure_source.clone(),
+        disk: cfg.sample_memory.then(|| cfg.state_dir.join("runs")),
     };
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
     std::thread::Builder::new()

@@ -656,10 +656,16 @@ pub fn reap_main(a: ConnArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a)?;
     match c.call::<()>("POST", "/v1/reap", None) {
         Ok(r) => print_reply(&r, a.json, |b: &ReapReport| {
-            format!(
+            let mut line = format!(
                 "reaped {} of {} runs being released ({} degraded); {} processes terminated, {} reused pids left alone",
                 b.reaped, b.examined, b.degraded, b.processes_terminated, b.reused_pids_protected
-            )
+            );
+            for (what, ids) in [("reaped", &b.reaped_runs), ("degraded", &b.degraded_runs)] {
+                if !ids.is_empty() {
+                    line.push_str(&format!("\n{what}: {}", ids.join(" ")));
+                }
+            }
+            line
         }),
         Err(e) => Ok(c.unreachable(&e)),
     }

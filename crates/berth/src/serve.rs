@@ -43,6 +43,11 @@ pub struct ServeArgs {
     /// Memory never granted [default: 12.5% of the total, from 1GiB to 4GiB].
     #[arg(long, env = "BERTH_MEMORY_RESERVE", value_parser = parse_size_arg)]
     pub memory_reserve: Option<u64>,
+    /// The memory reserve while no foreground run holds a claim (an idle host lends
+    /// background runs more of itself), at most --memory-reserve; checked against
+    /// sampled MemAvailable [default: the same as --memory-reserve].
+    #[arg(long, env = "BERTH_MEMORY_RESERVE_IDLE", value_parser = parse_size_arg)]
+    pub memory_reserve_idle: Option<u64>,
     /// CPU never granted, in CPUs or millis (500m) [default: 1].
     #[arg(long, env = "BERTH_CPU_RESERVE", value_parser = parse_cpu_amount)]
     pub cpu_reserve: Option<u64>,
@@ -208,6 +213,7 @@ struct FileConfig {
     cpu_total: Option<CpuValue>,
     disk_total: Option<String>,
     memory_reserve: Option<String>,
+    memory_reserve_idle: Option<String>,
     cpu_reserve: Option<CpuValue>,
     disk_reserve: Option<String>,
     resources: Option<BTreeMap<String, u64>>,
@@ -641,6 +647,10 @@ fn reserves(c: &mut berth_core::Config, a: &ServeArgs, file: &FileConfig) -> any
     if let Some(v) = a.memory_reserve.or(mem) {
         c.memory_reserve = v;
     }
+    let idle = size("memory_reserve_idle", file.memory_reserve_idle.clone())?;
+    if let Some(v) = a.memory_reserve_idle.or(idle) {
+        c.memory_reserve_idle = Some(v);
+    }
     let cpu = cpu_key("cpu_reserve", file.cpu_reserve.clone())?;
     if let Some(v) = a.cpu_reserve.or(cpu) {
         c.cpu_reserve_millis = v;
@@ -733,6 +743,10 @@ fn config_toml(c: &berth_server::ServeConfig) -> String {
         format!("cpu_total = {}", q(format!("{}m", e.cpu_total_millis))),
         format!("disk_total = {}", q(show_size(e.disk_total))),
         format!("memory_reserve = {}", q(show_size(e.memory_reserve))),
+        format!(
+            "memory_reserve_idle = {}",
+            q(show_size(e.memory_reserve_idle.unwrap_or(e.memory_reserve)))
+        ),
         format!("cpu_reserve = {}", q(format!("{}m", e.cpu_reserve_millis))),
         format!("disk_reserve = {}", q(show_size(e.disk_reserve))),
         format!(

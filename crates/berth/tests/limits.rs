@@ -218,3 +218,103 @@ fn a_limit_policy_out_of_bounds_is_refused_at_start_naming_the_field() {
     assert!(!status.success());
     assert!(said.contains("swap_max:"), "{said}");
 }
+
+/// A tmpfs, mounted for the test and unmounted after it (even when it fails).
+struct Tmpfs(tempfile::TempDir);
+
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "mount tmpfs");
+        Tmpfs(dir)
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(self.0.path()).status();
+    }
+}
+
+/// Issue 36 item 5: disk admission follows the workspaces' file system's live free
+/// space: another process fills it, a run's disk claim waits with reason
+/// `host.disk_pressure` (the figures named), and it is admitted once space is freed.
+#[test]
+fn disk_admission_follows_a_tmpfs_being_filled_by_another_process() {
+    const TEST: &str = "disk_admission_follows_a_tmpfs_being_filled_by_another_process";
+    if !berth_proc::testing::root(TEST) {
+        return;
+    }
+    let fs = Tmpfs::mount("64m");
+    let state = fs.0.path().join("state");
+    let d = Daemon::start_sampling_in(&state, &["--disk-reserve", "8MiB", "--disk-total", "64MiB"]);
+    d.wait_until("the free space is sampled", |d| {
+        d.get("/v1/status").body["disk_free"].as_u64().is_some()
+    });
+    // Another process takes 44 of the 64 MiB: about 12 MiB are left above the reserve.
+    let filler = fs.0.path().join("filler");
+    let ok = Command::new("dd")
+        .args(["if=/dev/zero", "bs=1M", "count=44", "status=none"])
+        .arg(format!("of={}", filler.display()))
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "dd");
+    d.wait_until("the fill is sampled", |d| {
+        d.get("/v1/status").body["disk_free"]
+            .as_u64()
+            .is_some_and(|f| f < 21 * MIB)
+    });
+    let body = serde_json::json!({"run_id": "disk", "project": "disk", "detach": true, "wait_s": 60,
+        "resources": {"disk": 16 * MIB, "memory": MIB, "cpu_millis": 10}});
+    let r = d.post("/v1/runs", &body.to_string());
+    assert!(r.status < 300, "{:?}", r.body);
+    let v = run(&d, "disk");
+    assert_eq!(v["state"], "queued", "{v}");
+    assert_eq!(v["reason"]["code"], "host.disk_pressure", "{v}");
+    assert!(
+        v["reason"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("needs 16 MiB"),
+        "{v}"
+    );
+    // The other process lets go: admitted without another request.
+    std::fs::remove_file(&filler).unwrap();
+    d.wait_until("the run is admitted", |d| {
+        run(d, "disk")["state"] == "granted"
+    });
+}
+
+/// Issue 36 item 5: a run's memory stops being pending once its process tree has
+/// started and a sample has seen it, not after a fixed 30 s settle.
+#[test]
+fn pending_memory_settles_once_the_runs_tree_is_registered_and_sampled() {
+    let d = Daemon::start_sampling_memory(&[]);
+    // A lease with no process: its claim stays pending for the settle window.
+    let body = serde_json::json!({"run_id": "idle", "project": "idle",
+        "resources": {"memory": 128 * MIB, "cpu_millis": 10, "disk": 0}});
+    assert_eq!(d.post("/v1/runs", &body.to_string()).status, 201);
+    let mut child = berth_run(&d, "settle", &["--memory", "256MiB"], &["sleep", "60"]);
+    d.wait_until("the run is granted", |d| {
+        run(d, "settle")["state"] == "granted"
+    });
+    let start = Instant::now();
+    d.wait_until("its memory is no longer pending", |d| {
+        d.get("/v1/status").body["memory_pending"] == 128 * MIB
+    });
+    // The settle window is 30 s: this came from the registration and a sample.
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        start.elapsed()
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+}

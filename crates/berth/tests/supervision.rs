@@ -197,7 +197,7 @@ fn recorded_processes_survive_a_daemon_kill_9_and_are_stopped_afterwards() {
 
 #[test]
 fn a_swapped_workspace_is_never_removed_and_the_run_degrades() {
-    let d = Daemon::start(&["--slots-max", "2"]);
+    let mut d = Daemon::start(&["--slots-max", "2"]);
     let fence = acquire(&d, "swap", 60);
     let ws = std::path::PathBuf::from(d.get("/v1/runs/swap").body["workspace"].as_str().unwrap());
     // Replace the workspace with a symlink to a directory that must survive.
@@ -232,6 +232,14 @@ fn a_swapped_workspace_is_never_removed_and_the_run_degrades() {
         (Some(1), Some(1)),
         "{report}"
     );
+    // Issue 36: by id, too.
+    assert_eq!(report["degraded_runs"], json!(["swap"]), "{report}");
+    assert_eq!(report["reaped_runs"], json!([]), "{report}");
+    // A restart names the runs it recovers, by id.
+    d.kill9_and_restart();
+    d.wait_until("the restart names the run it recovers", |d| {
+        common::log_tail(&d.log).contains("recovering 1 runs still to be stopped: swap")
+    });
     for key in [
         "reaped",
         "processes_terminated",

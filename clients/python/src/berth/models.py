@@ -759,6 +759,10 @@ class ReapReport(Model):
     reused_pids_protected: int
     diagnostics_bytes: int
     diagnostics_dropped: int
+    #: Issue 36: the runs the pass recovered (ended), by id.
+    reaped_runs: Optional[List[str]] = None
+    #: The runs it left degraded (their stop or cleanup failed), by id.
+    degraded_runs: Optional[List[str]] = None
 
 
 @dataclass
@@ -1104,6 +1108,10 @@ class Status(Model):
     resources: List[ResourceStatus]
     memory_available: Optional[int]
     memory_pending: int
+    #: Issue 36: free space on the workspaces' file system as last sampled (null:
+    #: not sampled), and the disk claims of runs granted too recently to show in it.
+    disk_free: Optional[int]
+    disk_pending: int
     slots_max: int
     effective_max_now: int
     min_run_blocked: Optional[Reason]

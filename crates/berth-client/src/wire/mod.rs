@@ -424,6 +424,11 @@ pub struct Status {
     #[schema(required = true)]
     pub memory_available: Option<u64>,
     pub memory_pending: u64,
+    /// Issue 36: free space on the workspaces' file system as last sampled (null:
+    /// not sampled), and the disk claims of runs granted too recently to show in it.
+    #[schema(required = true)]
+    pub disk_free: Option<u64>,
+    pub disk_pending: u64,
     pub slots_max: u64,
     pub effective_max_now: u64,
     #[schema(required = true)]
@@ -444,6 +449,12 @@ pub struct ReapReport {
     pub examined: u64,
     pub reaped: u64,
     pub degraded: u64,
+    /// Issue 36: the runs the pass recovered (ended), by id.
+    #[serde(default)]
+    pub reaped_runs: Vec<String>,
+    /// The runs it left degraded (their stop or cleanup failed), by id.
+    #[serde(default)]
+    pub degraded_runs: Vec<String>,
     pub processes_terminated: u64,
     pub reused_pids_protected: u64,
     pub diagnostics_bytes: u64,

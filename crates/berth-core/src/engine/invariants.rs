@@ -1,8 +1,8 @@
 //! `check_invariants`: recomputes every derived figure from scratch and compares.
 //! O(runs + keys); tests and the simulator call it after every step.
 
-use crate::engine::{Engine, Run, MEMORY};
-use crate::types::{KeyMode, RunState};
+use crate::engine::{Engine, Run, DISK, MEMORY};
+use crate::types::{KeyMode, Priority, RunState};
 
 macro_rules! ensure {
     ($cond:expr, $($fmt:tt)+) => {
@@ -17,6 +17,8 @@ macro_rules! ensure {
 struct Recount {
     committed: Vec<u64>,
     pending: u64,
+    pending_disk: u64,
+    foreground_holding: u32,
     shared: Vec<u32>,
     exclusive: Vec<u32>,
     waiters: Vec<usize>,
@@ -54,6 +56,8 @@ impl Engine {
         let mut rc = Recount {
             committed: vec![0; self.allocatable.len()],
             pending: 0,
+            pending_disk: 0,
+            foreground_holding: 0,
             shared: vec![0; nkeys],
             exclusive: vec![0; nkeys],
             waiters: vec![0; nkeys],
@@ -156,6 +160,10 @@ impl Engine {
             }
             if run.pending_mem {
                 rc.pending += run.amounts[MEMORY];
+                rc.pending_disk += run.amounts[DISK];
+            }
+            if run.req.priority == Priority::Foreground {
+                rc.foreground_holding += 1;
             }
             for &(k, mode) in &run.keys {
                 if run.upgrade == Some(k) {
@@ -218,6 +226,18 @@ impl Engine {
             "pending memory {} but runs hold {}",
             self.pending_memory,
             rc.pending
+        );
+        ensure!(
+            rc.pending_disk == self.pending_disk,
+            "pending disk {} but runs hold {}",
+            self.pending_disk,
+            rc.pending_disk
+        );
+        ensure!(
+            rc.foreground_holding == self.foreground_holding,
+            "{} foreground runs counted holding but {} do",
+            self.foreground_holding,
+            rc.foreground_holding
         );
         Ok(())
     }

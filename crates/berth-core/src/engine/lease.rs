@@ -220,6 +220,7 @@ impl Engine {
         let upgrade = run.upgrade;
         if run.pending_mem {
             self.pending_memory -= run.amounts[MEMORY];
+            self.pending_disk -= run.amounts[DISK];
         }
         for (k, mode) in keys {
             let ks = self.key_mut(k);

@@ -150,6 +150,12 @@ pub(crate) enum Blocker {
     },
     /// G4: the host is draining; nothing new is granted until the drain ends.
     Draining,
+    /// Issue 36: the run's disk claim does not fit in the free space the host has
+    /// now (less the reserve and the pending claims).
+    Disk {
+        need: u64,
+        free: u64,
+    },
     /// Issue 36: the host's memory pressure (hundredths of a percent) is above what
     /// this run's priority is admitted under.
     Pressure {
@@ -191,9 +197,17 @@ pub struct Engine {
     pub(crate) scopes: Scopes,
     pub(crate) deadlines: BTreeSet<(TimeMs, Slot)>,
     pub(crate) expiries: BTreeSet<(TimeMs, Slot)>,
-    /// Grants whose memory is still `pending` (A2): (settles at, slot, fence).
+    /// Grants whose memory and disk are still `pending` (A2): (settles at, slot, fence).
     pending: VecDeque<(TimeMs, Slot, Fence)>,
     pub(crate) pending_memory: u64,
+    /// Issue 36: the disk claims of the pending grants.
+    pub(crate) pending_disk: u64,
+    /// Issue 36: free space on the workspaces' file system as last sampled (`None`:
+    /// not sampled; the configured total alone counts). Not restored.
+    pub(crate) disk_free: Option<u64>,
+    /// Issue 36: foreground runs holding a claim (none: the host is idle, and the
+    /// idle memory reserve applies).
+    pub(crate) foreground_holding: u32,
     samples: VecDeque<u64>,
     pub(crate) stabilized_available: Option<u64>,
     pub(crate) last_fence: Fence,
@@ -269,6 +283,9 @@ impl Engine {
             expiries: BTreeSet::new(),
             pending: VecDeque::new(),
             pending_memory: 0,
+            pending_disk: 0,
+            disk_free: None,
+            foreground_holding: 0,
             samples: VecDeque::new(),
             stabilized_available: None,
             last_fence,
@@ -335,6 +352,16 @@ impl Engine {
             }
             Command::Sample { mem_available } => {
                 self.sample(mem_available, ev);
+                Ok(None)
+            }
+            Command::DiskFree { bytes } => {
+                self.disk_free = Some(bytes);
+                Ok(None)
+            }
+            Command::Settle { run_id, fence } => {
+                if let Some(&s) = self.by_id.get(&run_id) {
+                    self.settle_pending(s, fence);
+                }
                 Ok(None)
             }
             Command::Pressure { memory_bp } => {
@@ -413,6 +440,7 @@ impl Engine {
             if run.fence == Some(fence) && run.pending_mem {
                 run.pending_mem = false;
                 self.pending_memory -= run.amounts[MEMORY];
+                self.pending_disk -= run.amounts[DISK];
             }
         }
     }
@@ -543,6 +571,11 @@ impl Engine {
         let st = self.project_mut(p);
         count(st, old, -1);
         count(st, new, 1);
+        if self.run(s).req.priority == Priority::Foreground {
+            let holding = self.foreground_holding as i64 + new.holds_claim() as i64
+                - old.holds_claim() as i64;
+            self.foreground_holding = holding as u32;
+        }
         self.run_mut(s).state = new;
     }
 

@@ -66,6 +66,11 @@ impl Engine {
         if need > free {
             return Some(Blocker::Ambient { need, free });
         }
+        let need = run.amounts[DISK];
+        let free = self.disk_ambient_free();
+        if need > free {
+            return Some(Blocker::Disk { need, free });
+        }
         // Last: the fleet is asked only for a run that would otherwise be granted, so a
         // fleet-wide token is not held while the run waits for local capacity. A permit
         // whose fence is not above the host's last is stale (another run's permit, taken
@@ -88,12 +93,33 @@ impl Engine {
     }
 
     /// Memory that the host really has for new grants (A2): stabilised MemAvailable less
-    /// the reserve, less memory granted whose processes have not started using it.
+    /// the reserve (issue 36: the idle reserve while no foreground run holds a claim),
+    /// less memory granted whose processes have not started using it.
     pub(crate) fn ambient_free(&self) -> u64 {
         match self.stabilized_available {
             Some(avail) => avail
-                .saturating_sub(self.cfg.memory_reserve)
+                .saturating_sub(self.live_memory_reserve())
                 .saturating_sub(self.pending_memory),
+            None => u64::MAX,
+        }
+    }
+
+    /// The reserve the live memory check keeps back now (issue 36).
+    pub(crate) fn live_memory_reserve(&self) -> u64 {
+        match (self.foreground_holding, self.cfg.memory_reserve_idle) {
+            (0, Some(idle)) => idle,
+            _ => self.cfg.memory_reserve,
+        }
+    }
+
+    /// Issue 36: disk the host really has for new grants: the sampled free space less
+    /// the disk reserve, less the disk claims of grants still pending (their runs have
+    /// not written yet, so the free space does not show them).
+    pub(crate) fn disk_ambient_free(&self) -> u64 {
+        match self.disk_free {
+            Some(free) => free
+                .saturating_sub(self.cfg.disk_reserve)
+                .saturating_sub(self.pending_disk),
             None => u64::MAX,
         }
     }
@@ -124,6 +150,11 @@ impl Engine {
         }
         if c.amounts[MEMORY] > 0
             && h.amounts[MEMORY].saturating_add(c.amounts[MEMORY]) > self.ambient_free()
+        {
+            return false;
+        }
+        if c.amounts[DISK] > 0
+            && h.amounts[DISK].saturating_add(c.amounts[DISK]) > self.disk_ambient_free()
         {
             return false;
         }
@@ -272,8 +303,10 @@ impl Engine {
                 }
             }
         }
-        if amounts[MEMORY] > 0 {
+        let pending = amounts[MEMORY] > 0 || amounts[DISK] > 0;
+        if pending {
             self.pending_memory += amounts[MEMORY];
+            self.pending_disk += amounts[DISK];
             self.pending.push_back((settle, s, fence));
         }
         self.take_token(s, now, ev);
@@ -281,7 +314,7 @@ impl Engine {
         run.fence = Some(fence);
         run.granted_at = now;
         run.expires_at = now.saturating_add(run.req.ttl_ms);
-        run.pending_mem = amounts[MEMORY] > 0;
+        run.pending_mem = pending;
         let expires_at = run.expires_at;
         let run_id = run.req.run_id.clone();
         self.expiries.insert((expires_at, s));

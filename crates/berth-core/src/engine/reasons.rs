@@ -44,6 +44,7 @@ impl Blocker {
             Blocker::Permit => "fleet.claim",
             Blocker::Draining => "host.draining",
             Blocker::Pressure { .. } => "host.memory_pressure",
+            Blocker::Disk { .. } => "host.disk_pressure",
             Blocker::Guard { .. } => "queue.starvation_guard",
         })
     }
@@ -77,7 +78,13 @@ impl Blocker {
                 "needs {}, {} free under the {} host reserve",
                 fmt_bytes(need),
                 fmt_bytes(free),
-                fmt_bytes(e.cfg.memory_reserve)
+                fmt_bytes(e.live_memory_reserve())
+            ),
+            Blocker::Disk { need, free } => format!(
+                "disk: needs {}, {} free on the workspaces' file system under the {} reserve and the claims of runs just granted",
+                fmt_bytes(need),
+                fmt_bytes(free),
+                fmt_bytes(e.cfg.disk_reserve)
             ),
             Blocker::Budget(s, block) => budget(e, s, block),
             Blocker::Permit => "waiting for its fleet-wide claim (run id, fence, budget token, \

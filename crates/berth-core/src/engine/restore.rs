@@ -82,9 +82,11 @@ impl Engine {
         }
         // Memory granted recently is still pending (A2), across a restart too.
         let settle = r.granted_at.saturating_add(self.cfg.pending_settle_ms);
-        let pending = r.state.holds_claim() && amounts[MEMORY] > 0 && settle > self.now;
+        let claims = amounts[MEMORY] > 0 || amounts[DISK] > 0;
+        let pending = r.state.holds_claim() && claims && settle > self.now;
         if pending {
             self.pending_memory += amounts[MEMORY];
+            self.pending_disk += amounts[DISK];
             self.pending.push_back((settle, slot, r.fence.unwrap_or(0)));
         }
         let upgrade = (r.upgrading && r.state.holds_claim()).then(|| keys[0].0);

@@ -30,6 +30,10 @@ pub struct Snapshot {
     /// Stabilised MemAvailable (A10), if any sample has arrived.
     pub memory_available: Option<u64>,
     pub memory_pending: u64,
+    /// Issue 36: free space on the workspaces' file system as last sampled, and the
+    /// disk claims of grants still pending against it.
+    pub disk_free: Option<u64>,
+    pub disk_pending: u64,
     pub slots_max: u64,
     /// Slots in use plus how many more default-size runs would fit right now.
     pub effective_max_now: u64,
@@ -79,6 +83,8 @@ impl Engine {
             resources: self.resource_figures(),
             memory_available: self.stabilized_available,
             memory_pending: self.pending_memory,
+            disk_free: self.disk_free,
+            disk_pending: self.pending_disk,
             slots_max: cfg.slots_max,
             effective_max_now,
             min_run_blocked: blocked.map(|b| self.render_blocker(b)),

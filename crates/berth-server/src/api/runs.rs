@@ -314,11 +314,23 @@ pub(super) async fn reap(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
-    let count = |f: &dyn Fn(&RunState) -> bool| states.iter().filter(|s| f(s)).count() as u64;
+    let ids = |f: &dyn Fn(&RunState) -> bool| -> Vec<String> {
+        states
+            .iter()
+            .filter(|(_, s)| f(s))
+            .map(|(id, _)| id.clone())
+            .collect()
+    };
+    let (reaped, degraded) = (
+        ids(&|s| s.is_terminal()),
+        ids(&|s| *s == RunState::Degraded),
+    );
     Ok(Json(ReapReport {
         examined: runs.len() as u64,
-        reaped: count(&|s| s.is_terminal()),
-        degraded: count(&|s| *s == RunState::Degraded),
+        reaped: reaped.len() as u64,
+        degraded: degraded.len() as u64,
+        reaped_runs: reaped,
+        degraded_runs: degraded,
         processes_terminated: after.processes_terminated - before.processes_terminated,
         reused_pids_protected: after.reused_pids_protected - before.reused_pids_protected,
         diagnostics_bytes: after.diagnostics_bytes,
@@ -395,6 +407,8 @@ pub fn status_out(
         resources,
         memory_available: s.memory_available,
         memory_pending: s.memory_pending,
+        disk_free: s.disk_free,
+        disk_pending: s.disk_pending,
         slots_max: s.slots_max,
         effective_max_now: s.effective_max_now,
         min_run_blocked: s.min_run_blocked.as_ref().map(reason),

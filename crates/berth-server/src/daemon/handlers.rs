@@ -478,12 +478,12 @@ impl<H: Host> Daemon<H> {
     fn on_reap_status(
         &mut self,
         runs: Vec<String>,
-        reply: Reply<(usize, Vec<RunState>, ReapCounters)>,
+        reply: Reply<super::msg::ReapStates>,
     ) {
         let busy = runs.iter().filter(|id| self.stopping.contains(*id)).count();
         let states = runs
-            .iter()
-            .filter_map(|id| self.engine.view_of(id).map(|v| v.state))
+            .into_iter()
+            .filter_map(|id| self.engine.view_of(&id).map(|v| (id, v.state)))
             .collect();
         let counters = self.reap_counters();
         self.answer(reply, Ok((busy, states, counters)));
@@ -615,6 +615,12 @@ impl<H: Host> Daemon<H> {
         if let Some(memory_bp) = sample.memory_pressure_bp {
             let _ = self.apply(Command::Pressure { memory_bp }, &mut touched);
         }
+        if let Some(bytes) = sample.disk_free {
+            let _ = self.apply(Command::DiskFree { bytes }, &mut touched);
+        }
+        if sample != super::Sample::default() {
+            self.settle_started(&mut touched);
+        }
         self.cancel_unclaimed(&mut touched);
         self.retry_due_cleanups(&mut touched);
         self.fleet_tick(&mut touched);
@@ -630,6 +636,21 @@ impl<H: Host> Daemon<H> {
             || !self.pending_mutations.is_empty()
         {
             self.commit(touched, |_| {});
+        }
+    }
+
+    /// Issue 36: runs whose process tree was registered since the last sample have
+    /// started; once their group's memory has been read (or at once, where there is no
+    /// group to read), this sample shows their use, and their claims stop being pending.
+    fn settle_started(&mut self, touched: &mut BTreeSet<String>) {
+        for (run_id, fence) in std::mem::take(&mut self.to_settle) {
+            let grouped = self.extras.get(&run_id).is_some_and(|e| e.grouped);
+            let seen = self.host.usage(&run_id).and_then(|u| u.memory_bytes);
+            if grouped && seen == Some(0) {
+                self.to_settle.push((run_id, fence)); // not sampled with any use yet
+                continue;
+            }
+            let _ = self.apply(Command::Settle { run_id, fence }, touched);
         }
     }
 

@@ -354,8 +354,7 @@ impl Host for RealHost {
     }
 
     fn disk_free(&self) -> Option<u64> {
-        let st = rustix::fs::statvfs(&self.runs_dir).ok()?;
-        Some(st.f_bavail.saturating_mul(st.f_frsize))
+        crate::host::disk_free(&self.runs_dir)
     }
 
     fn close(&mut self, clean_last_fence: Option<u64>) {

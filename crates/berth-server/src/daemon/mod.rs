@@ -143,6 +143,10 @@ pub struct Shared {
     pub enforcement: Enforcement,
 }
 
+/// Issue 36: registrations waiting for the next sample to settle their runs' claims,
+/// at most (beyond it a run settles by the engine's window, as before).
+pub const TO_SETTLE_MAX: usize = 4_096;
+
 /// How often at most the queue's streams are told that it moved (issue: position
 /// updates at most once a second per stream).
 pub const QUEUE_MOVED_EVERY_MS: u64 = 1_000;
@@ -154,6 +158,8 @@ pub struct Sample {
     pub mem_available: Option<u64>,
     /// Issue 36: PSI `some avg10` of memory, hundredths of a percent.
     pub memory_pressure_bp: Option<u32>,
+    /// Issue 36: free space on the workspaces' file system, bytes.
+    pub disk_free: Option<u64>,
 }
 
 pub struct Daemon<H: Host> {
@@ -203,6 +209,9 @@ pub struct Daemon<H: Host> {
     /// C6: restored analysis runs with processes, watched again from the first tick
     /// (once the runtime has given the host its inbox).
     rewatch: Vec<String>,
+    /// Issue 36: (run, fence) of runs whose process tree registered since the last
+    /// sample: their pending claims settle once a sample sees them (`settle_started`).
+    to_settle: Vec<(String, u64)>,
     /// D5: the next journal entry's sequence number (the ledger's last + 1).
     journal_next: u64,
     /// Processes registered so far: a check made off the state task holds only if no

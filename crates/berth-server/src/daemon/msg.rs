@@ -12,6 +12,10 @@ use crate::auth::Grant;
 
 pub type Reply<T> = oneshot::Sender<Result<T, Error>>;
 
+/// `ReapStatus`'s answer: stops still running, each asked run's state (by id), and
+/// the reaper's counters.
+pub type ReapStates = (usize, Vec<(String, RunState)>, ReapCounters);
+
 pub enum Msg {
     Acquire {
         req: berth_core::Request,
@@ -109,7 +113,7 @@ pub enum Msg {
     /// How the runs of a reap pass are doing.
     ReapStatus {
         runs: Vec<String>,
-        reply: Reply<(usize, Vec<RunState>, ReapCounters)>,
+        reply: Reply<ReapStates>,
     },
     /// C7: what starting a granted run's runtime needs (its lease, contract, group).
     RuntimePlan {

@@ -73,6 +73,14 @@ impl<H: Host> Daemon<H> {
             }
             e.grouped = true;
         }
+        if let Some(f) = view.fence {
+            // Bounded: one entry per registration, drained at the next sample.
+            if self.to_settle.len() < super::TO_SETTLE_MAX
+                && !self.to_settle.iter().any(|(r, _)| r == run_id)
+            {
+                self.to_settle.push((run_id.to_string(), f));
+            }
+        }
         if view.class == berth_core::Class::Analysis {
             self.watch_analysis_run(run_id);
         }

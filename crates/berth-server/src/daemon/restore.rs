@@ -24,8 +24,9 @@ pub struct Restore {
     pub threads: berth_core::threads::ThreadConfig,
 }
 
-/// One line at startup: what the ledger gave back (P5). The runs still to be stopped
-/// (releasing, degraded) are named one per line at debug level.
+/// One line at startup: what the ledger gave back (P5), then one naming the runs still
+/// to be stopped (releasing, degraded: the reaper recovers them now), by id, the first
+/// `RECOVERING_NAMED_MAX` of them.
 fn restore_summary(ledger: &Ledger, same_boot: bool) {
     let count = |s: RunState| ledger.runs.iter().filter(|r| r.state == s).count();
     let ended = ledger.runs.iter().filter(|r| r.state.is_terminal()).count();
@@ -44,17 +45,29 @@ fn restore_summary(ledger: &Ledger, same_boot: bool) {
             " (after a reboot: every lease is over, every waiter has one reconnect window)"
         }
     );
-    for r in &ledger.runs {
-        if matches!(r.state, RunState::Releasing | RunState::Degraded) {
-            tracing::debug!(
-                run_id = r.request.run_id.as_str(),
-                state = r.state.as_str(),
-                fence = r.fence,
-                "restored a run still to be stopped"
-            );
-        }
+    let recovering: Vec<&str> = ledger
+        .runs
+        .iter()
+        .filter(|r| matches!(r.state, RunState::Releasing | RunState::Degraded))
+        .map(|r| r.request.run_id.as_str())
+        .collect();
+    if !recovering.is_empty() {
+        let more = recovering.len().saturating_sub(RECOVERING_NAMED_MAX);
+        let named = recovering[..recovering.len().min(RECOVERING_NAMED_MAX)].join(" ");
+        let more = if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        };
+        tracing::warn!(
+            "recovering {} runs still to be stopped: {named}{more}",
+            recovering.len()
+        );
     }
 }
+
+/// Runs named by id in the startup line of those being recovered (the rest counted).
+const RECOVERING_NAMED_MAX: usize = 100;
 
 /// W1/P5: the workspaces no run or thread of the ledger owns are removed, each said.
 /// A crash between making a granted run's workspace and committing its grant leaves
@@ -281,6 +294,7 @@ impl<H: Host> Daemon<H> {
             ended_records: HashMap::new(),
             listen_watched: BTreeMap::new(),
             rewatch,
+            to_settle: Vec::new(),
             journal_next: ledger.journal_last + 1,
             registrations: 0,
             journal_at: (0, String::new()),

@@ -16,6 +16,9 @@ pub struct Sampler {
     pub memory: bool,
     /// Issue 36: memory pressure, from `/proc/pressure/memory` or a file in its format.
     pub pressure: Option<PathBuf>,
+    /// Issue 36: the workspaces' directory, whose file system's free space admission
+    /// follows (sampled with memory: off where only the configured totals count).
+    pub disk: Option<PathBuf>,
 }
 
 impl Sampler {
@@ -24,6 +27,7 @@ impl Sampler {
             mem_available: self.memory.then(crate::host::memory_available).flatten(),
             memory_pressure_bp: (self.pressure.as_deref())
                 .and_then(crate::host::memory_pressure_bp),
+            disk_free: self.disk.as_deref().and_then(crate::host::disk_free),
         }
     }
 }

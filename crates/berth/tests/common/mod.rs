@@ -160,6 +160,14 @@ impl Daemon {
         d
     }
 
+    /// Like `start_in`, but sampling the host (MemAvailable, pressure, free disk).
+    pub fn start_sampling_in(state: &Path, extra: &[&str]) -> Daemon {
+        let mut d = Daemon::prepare(state, free_port(), extra);
+        d.args.retain(|a| a != "--no-memory-sampling");
+        d.spawn();
+        d
+    }
+
     /// Prepared on a temporary state dir, not started yet (set `env`, `nofile`, …).
     pub fn unstarted(extra: &[&str]) -> Daemon {
         let dir = tempfile::tempdir().unwrap();

@@ -174,9 +174,20 @@ impl Sim {
                 0
             }
         });
+        // And now and then the workspaces' free disk: mostly plenty, at times scarce
+        // (runs' disk claims then wait with host.disk_pressure).
+        let disk_free = self.rng.chance(0.05).then(|| {
+            let scarce = self.rng.chance(0.5);
+            if scarce {
+                self.rng.range(0, 20 << 30)
+            } else {
+                1 << 44
+            }
+        });
         let sample = super::Sample {
             mem_available: None,
             memory_pressure_bp,
+            disk_free,
         };
         let fx = self.d().tick(now, Some(sample));
         self.carry_out(fx);
@@ -805,6 +816,7 @@ impl Sim {
         let calm = super::Sample {
             mem_available: None,
             memory_pressure_bp: Some(0),
+            disk_free: Some(1 << 44),
         };
         let now = self.now;
         let fx = self.d().tick(now, Some(calm));
