@@ -298,6 +298,15 @@ pub enum Event {
     PressureChanged {
         memory_bp: u32,
     },
+    /// Issue 36: the workspaces' free disk space changed (bytes, as sampled).
+    DiskFreeChanged {
+        bytes: u64,
+    },
+    /// A2 / issue 36: the run's memory and disk claims stopped being pending (its tree
+    /// was seen started, or the settle window passed).
+    Settled {
+        run_id: String,
+    },
     /// B1: a scope's policy (and manifest) was frozen by its first admission.
     ScopeFrozen {
         scope: String,
@@ -386,6 +395,8 @@ impl fmt::Display for Event {
             Event::PressureChanged { memory_bp } => {
                 write!(f, "memory-pressure {}", crate::fmt_bp(*memory_bp))
             }
+            Event::DiskFreeChanged { bytes } => write!(f, "disk-free {}", fmt_bytes(*bytes)),
+            Event::Settled { run_id } => write!(f, "settled {run_id}"),
             Event::ScopeFrozen { .. }
             | Event::ScopeForgotten { .. }
             | Event::TokenTaken { .. }

@@ -140,8 +140,9 @@ impl Config {
         d.slots = d.slots.min(self.slots_max).max(1);
     }
 
-    /// Refuses configurations the engine cannot keep its promises under.
-    /// Background runs are held back first (issue 36), so their figure is the lower.
+    /// Refuses configurations the engine cannot keep its promises under (issue 36).
+    /// Background runs are held back first, so their pressure figure is the lower; an
+    /// idle host's reserve is a smaller one, never a larger one.
     fn check_pressure(&self) -> Result<(), String> {
         let (fg, bg) = (
             self.pressure_foreground_max_bp,
@@ -150,6 +151,15 @@ impl Config {
         if fg > PRESSURE_BP_MAX || bg > fg {
             return Err(
                 "memory pressure limits: background <= foreground <= 100% (PSI some avg10)".into(),
+            );
+        }
+        if self
+            .memory_reserve_idle
+            .is_some_and(|r| r > self.memory_reserve)
+        {
+            return Err(
+                "memory_reserve_idle must be <= memory_reserve (it is the reserve of an idle host)"
+                    .into(),
             );
         }
         Ok(())
@@ -178,15 +188,6 @@ impl Config {
             return Err("queue_len_max must be positive".into());
         }
         self.check_pressure()?;
-        if self
-            .memory_reserve_idle
-            .is_some_and(|r| r > self.memory_reserve)
-        {
-            return Err(
-                "memory_reserve_idle must be <= memory_reserve (it is the reserve of an idle host)"
-                    .into(),
-            );
-        }
         if self.ended_retained_max == 0 || self.ended_retained_max > ENDED_RETAINED_LIMIT {
             return Err(format!(
                 "retain_ended (ended_retained_max) must be 1..={ENDED_RETAINED_LIMIT}"

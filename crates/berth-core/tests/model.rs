@@ -246,6 +246,11 @@ impl Model {
                 r.cause = Some(EndCause::Expired);
                 changed = true;
             }
+            // A2: a grant's memory settling frees ambient memory: time changed something.
+            if holds(r.state) && r.pending_until.is_some_and(|t| t <= self.now) {
+                r.pending_until = None;
+                changed = true;
+            }
         }
         changed
     }

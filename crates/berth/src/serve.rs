@@ -743,10 +743,6 @@ fn config_toml(c: &berth_server::ServeConfig) -> String {
         format!("cpu_total = {}", q(format!("{}m", e.cpu_total_millis))),
         format!("disk_total = {}", q(show_size(e.disk_total))),
         format!("memory_reserve = {}", q(show_size(e.memory_reserve))),
-        format!(
-            "memory_reserve_idle = {}",
-            q(show_size(e.memory_reserve_idle.unwrap_or(e.memory_reserve)))
-        ),
         format!("cpu_reserve = {}", q(format!("{}m", e.cpu_reserve_millis))),
         format!("disk_reserve = {}", q(show_size(e.disk_reserve))),
         format!(
@@ -793,7 +789,7 @@ fn config_toml(c: &berth_server::ServeConfig) -> String {
         ),
     ];
     lines.extend(pressure_keys(c));
-    lines.extend(limit_keys(&c.limits));
+    lines.extend(limit_keys(c));
     if let Some(d) = &c.user_workspaces {
         lines.push(format!("user_workspaces = {}", q(d.display().to_string())));
     }
@@ -806,10 +802,13 @@ fn config_toml(c: &berth_server::ServeConfig) -> String {
     lines.join("\n") + "\n"
 }
 
-/// Issue 36: how runs' cgroups are held to their claims.
-fn limit_keys(p: &berth_proc::limits::Policy) -> Vec<String> {
+/// Issue 36: how runs' cgroups are held to their claims, and the idle host's reserve.
+fn limit_keys(c: &berth_server::ServeConfig) -> Vec<String> {
+    let (p, e) = (&c.limits, &c.engine);
     let swap = p.swap_max_bytes.map_or("unlimited".to_string(), show_size);
+    let idle = show_size(e.memory_reserve_idle.unwrap_or(e.memory_reserve));
     vec![
+        format!("memory_reserve_idle = {idle:?}"),
         format!("memory_max_percent = {}", p.memory_max_pct),
         format!("swap_max = {swap:?}"),
         format!(

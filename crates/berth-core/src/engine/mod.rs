@@ -343,33 +343,12 @@ impl Engine {
             Command::Release { run_id, fence } => self.release(&run_id, fence, ev),
             Command::StopDone { run_id, ok } => self.stop_done(&run_id, ok, ev),
             Command::Tick => Ok(None),
-            Command::Drain { on } => {
-                if self.draining != on {
-                    self.draining = on;
-                    ev.push(Event::DrainChanged { on });
-                }
-                Ok(None)
-            }
-            Command::Sample { mem_available } => {
-                self.sample(mem_available, ev);
-                Ok(None)
-            }
-            Command::DiskFree { bytes } => {
-                self.disk_free = Some(bytes);
-                Ok(None)
-            }
-            Command::Settle { run_id, fence } => {
-                if let Some(&s) = self.by_id.get(&run_id) {
-                    self.settle_pending(s, fence);
-                }
-                Ok(None)
-            }
-            Command::Pressure { memory_bp } => {
-                let memory_bp = memory_bp.min(PRESSURE_BP_MAX);
-                if memory_bp != self.memory_pressure_bp {
-                    self.memory_pressure_bp = memory_bp;
-                    ev.push(Event::PressureChanged { memory_bp });
-                }
+            cmd @ (Command::Drain { .. }
+            | Command::Sample { .. }
+            | Command::DiskFree { .. }
+            | Command::Settle { .. }
+            | Command::Pressure { .. }) => {
+                self.host_input(cmd, ev);
                 Ok(None)
             }
             Command::Promote {
@@ -431,16 +410,52 @@ impl Engine {
                 break;
             }
             self.pending.pop_front();
-            self.settle_pending(s, fence);
+            self.settle_pending(s, fence, ev);
         }
     }
 
-    fn settle_pending(&mut self, s: Slot, fence: Fence) {
+    /// What the host says of itself (G4's drain, A10's memory, issue 36's pressure,
+    /// free disk and started trees): state it keeps as given, each change an event.
+    /// `dispatch` sends only these.
+    fn host_input(&mut self, cmd: Command, ev: &mut Vec<Event>) {
+        match cmd {
+            Command::Drain { on } if self.draining != on => {
+                self.draining = on;
+                ev.push(Event::DrainChanged { on });
+            }
+            Command::Sample { mem_available } => {
+                self.sample(mem_available, ev);
+            }
+            Command::DiskFree { bytes } if self.disk_free != Some(bytes) => {
+                self.disk_free = Some(bytes);
+                ev.push(Event::DiskFreeChanged { bytes });
+            }
+            Command::Settle { run_id, fence } => {
+                if let Some(&s) = self.by_id.get(&run_id) {
+                    self.settle_pending(s, fence, ev);
+                }
+            }
+            Command::Pressure { memory_bp } => {
+                let memory_bp = memory_bp.min(PRESSURE_BP_MAX);
+                if memory_bp != self.memory_pressure_bp {
+                    self.memory_pressure_bp = memory_bp;
+                    ev.push(Event::PressureChanged { memory_bp });
+                }
+            }
+            // A drain or a free figure that did not change; no other command comes here.
+            _ => {}
+        }
+    }
+
+    fn settle_pending(&mut self, s: Slot, fence: Fence, ev: &mut Vec<Event>) {
         if let Some(Some(run)) = self.runs.get_mut(s as usize) {
             if run.fence == Some(fence) && run.pending_mem {
                 run.pending_mem = false;
                 self.pending_memory -= run.amounts[MEMORY];
                 self.pending_disk -= run.amounts[DISK];
+                ev.push(Event::Settled {
+                    run_id: run.req.run_id.clone(),
+                });
             }
         }
     }

@@ -61,15 +61,8 @@ impl Engine {
                 });
             }
         }
-        let need = run.amounts[MEMORY];
-        let free = self.ambient_free();
-        if need > free {
-            return Some(Blocker::Ambient { need, free });
-        }
-        let need = run.amounts[DISK];
-        let free = self.disk_ambient_free();
-        if need > free {
-            return Some(Blocker::Disk { need, free });
+        if let Some(b) = self.live_blocker(run) {
+            return Some(b);
         }
         // Last: the fleet is asked only for a run that would otherwise be granted, so a
         // fleet-wide token is not held while the run waits for local capacity. A permit
@@ -79,6 +72,17 @@ impl Engine {
             return Some(Blocker::Permit);
         }
         None
+    }
+
+    /// A2 and issue 36: the run's memory and disk must also fit what the host has now
+    /// (sampled MemAvailable and free disk, less reserves and pending claims).
+    fn live_blocker(&self, run: &Run) -> Option<Blocker> {
+        let (need, free) = (run.amounts[MEMORY], self.ambient_free());
+        if need > free {
+            return Some(Blocker::Ambient { need, free });
+        }
+        let (need, free) = (run.amounts[DISK], self.disk_ambient_free());
+        (need > free).then_some(Blocker::Disk { need, free })
     }
 
     /// Issue 36: a host reclaiming to keep up takes no one new; background runs are

@@ -53,6 +53,21 @@ impl Engine {
         Ok(e)
     }
 
+    /// Memory and disk granted recently are still pending (A2, issue 36), across a
+    /// restart too (a settle seen before it is not kept: it counts from the grant).
+    fn restore_pending(&mut self, r: &RestoredRun, slot: Slot, amounts: &[u64]) -> bool {
+        let settle = r.granted_at.saturating_add(self.cfg.pending_settle_ms);
+        let pending = r.state.holds_claim()
+            && (amounts[MEMORY] > 0 || amounts[DISK] > 0)
+            && settle > self.now;
+        if pending {
+            self.pending_memory += amounts[MEMORY];
+            self.pending_disk += amounts[DISK];
+            self.pending.push_back((settle, slot, r.fence.unwrap_or(0)));
+        }
+        pending
+    }
+
     pub(super) fn restore_one(&mut self, r: RestoredRun) -> Result<(), String> {
         let id = r.request.run_id.clone();
         if self.by_id.contains_key(&id) {
@@ -80,15 +95,7 @@ impl Engine {
         if r.state.holds_claim() {
             self.restore_holdings(&r, slot, &amounts, &keys)?;
         }
-        // Memory granted recently is still pending (A2), across a restart too.
-        let settle = r.granted_at.saturating_add(self.cfg.pending_settle_ms);
-        let claims = amounts[MEMORY] > 0 || amounts[DISK] > 0;
-        let pending = r.state.holds_claim() && claims && settle > self.now;
-        if pending {
-            self.pending_memory += amounts[MEMORY];
-            self.pending_disk += amounts[DISK];
-            self.pending.push_back((settle, slot, r.fence.unwrap_or(0)));
-        }
+        let pending = self.restore_pending(&r, slot, &amounts);
         let upgrade = (r.upgrading && r.state.holds_claim()).then(|| keys[0].0);
         let promoted_shared =
             r.request.class == Class::Managed && r.primary_mode == KeyMode::Shared;

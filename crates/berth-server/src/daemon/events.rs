@@ -318,6 +318,9 @@ pub(super) fn event_run(ev: &Event) -> Option<&str> {
         | Event::EvidenceInvalidated { .. }
         | Event::MemoryStabilized { .. }
         | Event::PressureChanged { .. }
+        // Pending claims are not kept in the ledger (a restart recomputes them).
+        | Event::Settled { .. }
+        | Event::DiskFreeChanged { .. }
         | Event::ScopeFrozen { .. }
         | Event::ScopeForgotten { .. }
         | Event::TokenTaken { .. }

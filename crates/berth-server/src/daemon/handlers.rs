@@ -475,11 +475,7 @@ impl<H: Host> Daemon<H> {
         self.commit_and_answer(touched, reply, Ok((runs, counters)));
     }
 
-    fn on_reap_status(
-        &mut self,
-        runs: Vec<String>,
-        reply: Reply<super::msg::ReapStates>,
-    ) {
+    fn on_reap_status(&mut self, runs: Vec<String>, reply: Reply<super::msg::ReapStates>) {
         let busy = runs.iter().filter(|id| self.stopping.contains(*id)).count();
         let states = runs
             .into_iter()
