@@ -39,6 +39,8 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
         engine,
         sample_memory: false,
         pressure_source: None,
+        cpu_pressure_source: None,
+        io_pressure_source: None,
         reconnect_window_ms: 30_000,
         group_commit,
         tick_ms: 100,

@@ -6,6 +6,72 @@ use crate::types::{
     fmt_bytes, EndCause, Evidence, Fence, KeyMode, Request, RunState, RunView, TimeMs,
 };
 
+/// What the host said of itself at one sampling, taken as one: admission decides on
+/// every figure of a sample together, never on half of one (a sample whose memory
+/// pressure rose while MemAvailable rose must not grant between the two). A figure
+/// not read (or not readable) is `None` and leaves the engine's last one standing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostSample {
+    /// MemAvailable, bytes (A10): stabilised before it counts.
+    pub mem_available: Option<u64>,
+    /// Issue 36: PSI `some avg10` of memory, cpu and io (by `PressureKind`), in
+    /// hundredths of a percent: above the configured figures, waiters are held back.
+    pub pressure_bp: [Option<u32>; 3],
+    /// Issue 36: free space (to an unprivileged writer) on the workspaces' file
+    /// system, bytes: a disk claim must fit in it, less the disk reserve and the
+    /// claims of runs whose use is still pending.
+    pub disk_free: Option<u64>,
+}
+
+impl HostSample {
+    /// A sample of MemAvailable alone.
+    pub fn memory(mem_available: u64) -> HostSample {
+        HostSample {
+            mem_available: Some(mem_available),
+            ..HostSample::default()
+        }
+    }
+
+    /// A sample of one pressure figure alone.
+    pub fn pressure(kind: PressureKind, bp: u32) -> HostSample {
+        let mut s = HostSample::default();
+        s.pressure_bp[kind.index()] = Some(bp);
+        s
+    }
+
+    /// A sample of the free disk alone.
+    pub fn disk(free: u64) -> HostSample {
+        HostSample {
+            disk_free: Some(free),
+            ..HostSample::default()
+        }
+    }
+}
+
+/// Issue 36: what a pressure figure (PSI) is of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum PressureKind {
+    Memory,
+    Cpu,
+    Io,
+}
+
+impl PressureKind {
+    pub const ALL: [PressureKind; 3] = [PressureKind::Memory, PressureKind::Cpu, PressureKind::Io];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PressureKind::Memory => "memory",
+            PressureKind::Cpu => "cpu",
+            PressureKind::Io => "io",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// Every way the outside world can change the engine's state. One task owns the engine
 /// and feeds it these, one at a time, each with the current monotonic time.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -33,15 +99,8 @@ pub enum Command {
     /// G4: the host starts (`on`) or ends a drain. While it drains, waiters stay
     /// queued with reason `host.draining` and nothing is granted.
     Drain { on: bool },
-    /// A fresh MemAvailable reading, in bytes (A10).
-    Sample { mem_available: u64 },
-    /// Issue 36: a fresh reading of the host's memory pressure (PSI `some avg10`, in
-    /// hundredths of a percent): above the configured figures, waiters are held back.
-    Pressure { memory_bp: u32 },
-    /// Issue 36: a fresh reading of the free space (to an unprivileged writer) on the
-    /// workspaces' file system, in bytes: a run's disk claim must fit in it, less the
-    /// disk reserve and the claims of runs whose use is still pending.
-    DiskFree { bytes: u64 },
+    /// What the host said of itself at one sampling (A10, issue 36), taken whole.
+    Sample(HostSample),
     /// Issue 36: the run's process tree has started and its memory was sampled, so
     /// MemAvailable (and the free disk) show its use from now on: its claim stops
     /// being pending before `pending_settle_ms` is up. Ignored for any other fence.
@@ -294,9 +353,10 @@ pub enum Event {
     MemoryStabilized {
         available: u64,
     },
-    /// Issue 36: the host's memory pressure changed (hundredths of a percent).
+    /// Issue 36: the host's memory, cpu or io pressure changed (hundredths of a percent).
     PressureChanged {
-        memory_bp: u32,
+        kind: PressureKind,
+        bp: u32,
     },
     /// Issue 36: the workspaces' free disk space changed (bytes, as sampled).
     DiskFreeChanged {
@@ -392,8 +452,8 @@ impl fmt::Display for Event {
             Event::MemoryStabilized { available } => {
                 write!(f, "memory-stabilized {}", fmt_bytes(*available))
             }
-            Event::PressureChanged { memory_bp } => {
-                write!(f, "memory-pressure {}", crate::fmt_bp(*memory_bp))
+            Event::PressureChanged { kind, bp } => {
+                write!(f, "{}-pressure {}", kind.as_str(), crate::fmt_bp(*bp))
             }
             Event::DiskFreeChanged { bytes } => write!(f, "disk-free {}", fmt_bytes(*bytes)),
             Event::Settled { run_id } => write!(f, "settled {run_id}"),

@@ -65,6 +65,12 @@ pub struct Config {
     /// that is already reclaiming to keep up.
     pub pressure_foreground_max_bp: u32,
     pub pressure_background_max_bp: u32,
+    /// Issue 36: the same for cpu and io pressure (PSI `some avg10` of cpu, of io):
+    /// above it no foreground run is admitted, above half of it no background run.
+    /// Default `PRESSURE_BP_MAX`: off (cpu contention is what cpu claims govern; a
+    /// host turns these on where its runs share a disk or oversubscribe cpus).
+    pub pressure_cpu_max_bp: u32,
+    pub pressure_io_max_bp: u32,
     /// Issue 36: the memory reserve while no foreground run holds a claim (the host is
     /// idle: nobody at the desk is waiting on it), if smaller than `memory_reserve`;
     /// it applies to the live check against MemAvailable. `None`: the same reserve.
@@ -117,6 +123,8 @@ impl Config {
             scope_idle_ms: 86_400_000,
             pressure_foreground_max_bp: PRESSURE_FOREGROUND_MAX_BP,
             pressure_background_max_bp: PRESSURE_BACKGROUND_MAX_BP,
+            pressure_cpu_max_bp: PRESSURE_BP_MAX,
+            pressure_io_max_bp: PRESSURE_BP_MAX,
             memory_reserve_idle: None,
         }
     }
@@ -152,6 +160,9 @@ impl Config {
             return Err(
                 "memory pressure limits: background <= foreground <= 100% (PSI some avg10)".into(),
             );
+        }
+        if self.pressure_cpu_max_bp > PRESSURE_BP_MAX || self.pressure_io_max_bp > PRESSURE_BP_MAX {
+            return Err("cpu and io pressure limits: at most 100% (PSI some avg10)".into());
         }
         if self
             .memory_reserve_idle

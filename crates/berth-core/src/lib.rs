@@ -16,7 +16,7 @@ mod types;
 mod units;
 pub mod validate;
 
-pub use command::{Command, Error, Event, Output};
+pub use command::{Command, Error, Event, HostSample, Output, PressureKind};
 pub use config::{
     Config, GIB, MIB, PRESSURE_BACKGROUND_MAX_BP, PRESSURE_BP_MAX, PRESSURE_FOREGROUND_MAX_BP,
     SLOTS_MAX_LIMIT, STABILIZE_SAMPLES_MAX, WINDOW_MAX,

@@ -407,8 +407,11 @@ impl Model {
                 }
             }
             Command::Tick => Ok(()),
-            Command::Sample { mem_available } => {
-                self.samples.push(*mem_available);
+            Command::Sample(HostSample {
+                mem_available: Some(m),
+                ..
+            }) => {
+                self.samples.push(*m);
                 Ok(())
             }
             _ => unreachable!("not generated"),
@@ -566,7 +569,7 @@ fn arb_command() -> impl Strategy<Value = Command> {
         4 => (id.clone(), prop::sample::select(vec![0u64, 0, 0, 0, 2, 7])).prop_map(|(run_id, fence)| Command::Release { run_id, fence }),
         3 => (id.clone(), prop::bool::weighted(0.85)).prop_map(|(run_id, ok)| Command::StopDone { run_id, ok }),
         2 => Just(Command::Tick),
-        1 => (2u64..=14).prop_map(|g| Command::Sample { mem_available: g * GIB }),
+        1 => (2u64..=14).prop_map(|g| Command::Sample(HostSample::memory(g * GIB))),
     ]
 }
 

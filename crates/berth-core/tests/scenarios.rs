@@ -43,6 +43,8 @@ fn config(kv: &BTreeMap<String, String>) -> Config {
             "memory" => c.memory_total = size(v),
             "memory_reserve" => c.memory_reserve = size(v),
             "memory_reserve_idle" => c.memory_reserve_idle = Some(size(v)),
+            "cpu_pressure_max" => c.pressure_cpu_max_bp = percent_bp(v),
+            "io_pressure_max" => c.pressure_io_max_bp = percent_bp(v),
             "cpu" => c.cpu_total_millis = v.parse().unwrap(),
             "cpu_reserve" => c.cpu_reserve_millis = v.parse().unwrap(),
             "disk" => c.disk_total = size(v),
@@ -219,6 +221,24 @@ fn show_snapshot(out: &mut String, s: &Snapshot) {
     }
 }
 
+/// `sample 8GiB` (MemAvailable), `pressure 12.50%` (memory) or `pressure cpu 40.00%`,
+/// `disk-free 40GiB`: one figure of a host sample (issue 36).
+fn host_sample(verb: &str, pos: &[String]) -> Command {
+    let kind = |k: &str| match k {
+        "memory" => PressureKind::Memory,
+        "cpu" => PressureKind::Cpu,
+        "io" => PressureKind::Io,
+        other => panic!("bad pressure kind {other}"),
+    };
+    Command::Sample(match (verb, pos) {
+        ("sample", [m]) => HostSample::memory(size(m)),
+        ("pressure", [k, figure]) => HostSample::pressure(kind(k), percent_bp(figure)),
+        ("pressure", [figure]) => HostSample::pressure(PressureKind::Memory, percent_bp(figure)),
+        ("disk-free", [d]) => HostSample::disk(size(d)),
+        _ => panic!("bad {verb} {pos:?}"),
+    })
+}
+
 pub fn run_script(script: &str) -> String {
     let mut out = String::new();
     let mut engine: Option<Engine> = None;
@@ -283,17 +303,7 @@ pub fn run_script(script: &str) -> String {
             "drain" => Command::Drain {
                 on: pos.first().is_some_and(|p| p == "on"),
             },
-            "sample" => Command::Sample {
-                mem_available: size(&pos[0]),
-            },
-            // `pressure 12.50%`: PSI `some avg10`, as hundredths of a percent.
-            "pressure" => Command::Pressure {
-                memory_bp: percent_bp(&pos[0]),
-            },
-            // `disk-free 40GiB`: the workspaces' file system's free space (issue 36).
-            "disk-free" => Command::DiskFree {
-                bytes: size(&pos[0]),
-            },
+            "sample" | "pressure" | "disk-free" => host_sample(verb, &pos),
             // `settle a fence=1`: the run's tree started and was sampled (issue 36).
             "settle" => Command::Settle {
                 run_id: id(),
@@ -383,4 +393,36 @@ fn scenarios() {
 fn percent_bp(text: &str) -> u32 {
     let t = text.strip_suffix('%').expect("a percentage like 12.50%");
     berth_core::validate::parse_hundredths(t).expect("a percentage like 12.50%")
+}
+
+/// Issue 36: a sample is taken whole. One whose MemAvailable rose while the memory
+/// pressure rose grants nobody (the waiter stays, held back by the pressure); taken a
+/// figure at a time, the rise alone would have granted it in between.
+#[test]
+fn a_sample_is_taken_whole() {
+    let mut e = Engine::new(config(&BTreeMap::new()), 0).unwrap();
+    let low = HostSample::memory(GIB);
+    e.apply(0, Command::Sample(low));
+    let kv: BTreeMap<String, String> = [("mem".to_string(), "2GiB".to_string())].into();
+    e.apply(0, Command::Acquire(request("r", &kv, &[])));
+    let reason = |e: &Engine| {
+        e.view_of("r")
+            .and_then(|v| v.reason)
+            .map(|r| r.code.to_string())
+    };
+    assert_eq!(reason(&e).as_deref(), Some("capacity.memory"));
+    // A rise is trusted after two samples; the second also says the host is stalling.
+    e.apply(1_000, Command::Sample(HostSample::memory(8 * GIB)));
+    let mut both = HostSample::memory(8 * GIB);
+    both.pressure_bp[PressureKind::Memory.index()] = Some(5_000);
+    let out = e.apply(2_000, Command::Sample(both));
+    assert!(
+        !out.events
+            .iter()
+            .any(|ev| matches!(ev, Event::Granted { .. })),
+        "{:?}",
+        out.events
+    );
+    assert_eq!(reason(&e).as_deref(), Some("host.memory_pressure"));
+    e.check_invariants().unwrap();
 }

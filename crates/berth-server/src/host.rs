@@ -31,14 +31,14 @@ pub fn disk_free(path: &Path) -> Option<u64> {
     Some(st.f_bavail.saturating_mul(st.f_frsize))
 }
 
-/// Issue 36: PSI's `some avg10` of the file at `path` (`/proc/pressure/memory`, or a
-/// file in its format), in hundredths of a percent; `None` if it cannot be read (a
-/// kernel without PSI): admission then goes by free memory alone.
+/// Issue 36: PSI's `some avg10` of the file at `path` (`/proc/pressure/memory`, `cpu`,
+/// `io`, or a file in its format), in hundredths of a percent; `None` if it cannot be
+/// read (a kernel without PSI): admission then goes without that figure.
 ///
 /// Read on the daemon's own thread once a second, so never more than
 /// `PSI_READ_BYTES_MAX` and never waiting: opened non-blocking, a FIFO or a device named
 /// there reads as nothing rather than stalling the daemon.
-pub fn memory_pressure_bp(path: &Path) -> Option<u32> {
+pub fn pressure_bp(path: &Path) -> Option<u32> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
     let nonblock = rustix::fs::OFlags::NONBLOCK.bits() as i32;
@@ -156,10 +156,10 @@ mod tests {
         )
         .unwrap();
         let started = std::time::Instant::now();
-        assert_eq!(super::memory_pressure_bp(&fifo), None);
+        assert_eq!(super::pressure_bp(&fifo), None);
         assert!(started.elapsed() < std::time::Duration::from_secs(1));
         let file = dir.path().join("memory");
         std::fs::write(&file, "some avg10=3.25 avg60=0.00 avg300=0.00 total=1\n").unwrap();
-        assert_eq!(super::memory_pressure_bp(&file), Some(325));
+        assert_eq!(super::pressure_bp(&file), Some(325));
     }
 }

@@ -44,6 +44,9 @@ pub struct ServeConfig {
     /// Issue 36: where memory pressure is read (PSI's format: `some avg10=…`), once a
     /// second; `None`: not read (admission then ignores pressure).
     pub pressure_source: Option<std::path::PathBuf>,
+    /// Issue 36: the same for cpu and io pressure (read only where a limit is set).
+    pub cpu_pressure_source: Option<std::path::PathBuf>,
+    pub io_pressure_source: Option<std::path::PathBuf>,
     /// How long a waiter restored after a restart keeps its place unclaimed (P5).
     pub reconnect_window_ms: u64,
     /// Group commit on (false only for the benchmark's baseline).
@@ -349,6 +352,8 @@ fn spawn_state(
     let sample = daemon::Sampler {
         memory: cfg.sample_memory,
         pressure: cfg.pressure_source.clone(),
+        cpu_pressure: cfg.cpu_pressure_source.clone(),
+        io_pressure: cfg.io_pressure_source.clone(),
         disk: cfg.sample_memory.then(|| cfg.state_dir.join("runs")),
     };
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
@@ -629,6 +634,8 @@ mod tests {
             engine: berth_core::Config::for_host(4, 8 << 30, 100 << 30),
             sample_memory: false,
             pressure_source: None,
+            cpu_pressure_source: None,
+            io_pressure_source: None,
             reconnect_window_ms: 30_000,
             group_commit: true,
             tick_ms: 100,

@@ -591,7 +591,7 @@ impl Sim {
         if self.now >= self.next_sample {
             self.next_sample = self.now + self.p.sample_interval_ms;
             let mem = self.mem_available();
-            self.apply(Command::Sample { mem_available: mem })?;
+            self.apply(Command::Sample(berth_core::HostSample::memory(mem)))?;
         }
         if self.now >= self.next_tick {
             self.next_tick = self.now + self.p.tick_interval_ms;

@@ -116,6 +116,19 @@ pub struct ServeArgs {
     /// unless --no-memory-sampling]. A file of one's own makes a synthetic source.
     #[arg(long, env = "BERTH_PRESSURE_SOURCE")]
     pub pressure_source: Option<PathBuf>,
+    /// No foreground run is admitted while the host's cpu pressure (PSI some avg10 of
+    /// cpu) is above this, no background run above half of it [default: 100%, off].
+    #[arg(long, env = "BERTH_CPU_PRESSURE_MAX", value_parser = parse_percent)]
+    pub cpu_pressure_max: Option<u32>,
+    /// The same for io pressure (PSI some avg10 of io) [default: 100%, off].
+    #[arg(long, env = "BERTH_IO_PRESSURE_MAX", value_parser = parse_percent)]
+    pub io_pressure_max: Option<u32>,
+    /// Where cpu pressure is read, where a limit is set [default: /proc/pressure/cpu].
+    #[arg(long, env = "BERTH_CPU_PRESSURE_SOURCE")]
+    pub cpu_pressure_source: Option<PathBuf>,
+    /// Where io pressure is read, where a limit is set [default: /proc/pressure/io].
+    #[arg(long, env = "BERTH_IO_PRESSURE_SOURCE")]
+    pub io_pressure_source: Option<PathBuf>,
     /// Diagnostics (a run's logs/) kept per run [default: 1MiB].
     #[arg(long, env = "BERTH_DIAGNOSTICS_RUN_BYTES", value_parser = parse_size_arg)]
     pub diagnostics_run_bytes: Option<u64>,
@@ -231,6 +244,10 @@ struct FileConfig {
     cpu_burst: Option<bool>,
     pids_max: Option<u64>,
     pressure_source: Option<PathBuf>,
+    cpu_pressure_max: Option<String>,
+    io_pressure_max: Option<String>,
+    cpu_pressure_source: Option<PathBuf>,
+    io_pressure_source: Option<PathBuf>,
     diagnostics_run_bytes: Option<String>,
     diagnostics_total_bytes: Option<String>,
     default_cpus: Option<f64>,
@@ -348,6 +365,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
     }
     let diagnostics = diagnostics_limits(&a, &file)?;
     let user_workspaces = user_workspaces(&a, &file);
+    let (cpu_pressure_source, io_pressure_source) = cpu_io_sources(&a, &file, &c);
     Ok(berth_server::ServeConfig {
         fleet,
         state_dir,
@@ -356,6 +374,8 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         engine: c,
         sample_memory: !(a.no_memory_sampling || file.no_memory_sampling.unwrap_or(false)),
         pressure_source: pressure_source(&a, &file),
+        cpu_pressure_source,
+        io_pressure_source,
         reconnect_window_ms: a
             .reconnect_window
             .or(duration("reconnect_window", file.reconnect_window)?)
@@ -602,7 +622,49 @@ fn pressure_limits(
     if let Some(v) = a.memory_pressure_background_max.or(bg) {
         c.pressure_background_max_bp = v;
     }
+    if let Some(v) = a
+        .cpu_pressure_max
+        .or(key("cpu_pressure_max", &file.cpu_pressure_max)?)
+    {
+        c.pressure_cpu_max_bp = v;
+    }
+    if let Some(v) = a
+        .io_pressure_max
+        .or(key("io_pressure_max", &file.io_pressure_max)?)
+    {
+        c.pressure_io_max_bp = v;
+    }
     Ok(())
+}
+
+/// Issue 36: where cpu and io pressure are read.
+fn cpu_io_sources(
+    a: &ServeArgs,
+    file: &FileConfig,
+    c: &berth_core::Config,
+) -> (Option<PathBuf>, Option<PathBuf>) {
+    let cpu = a
+        .cpu_pressure_source
+        .clone()
+        .or(file.cpu_pressure_source.clone());
+    let io = a
+        .io_pressure_source
+        .clone()
+        .or(file.io_pressure_source.clone());
+    (
+        kernel_pressure(cpu, "/proc/pressure/cpu", c.pressure_cpu_max_bp),
+        kernel_pressure(io, "/proc/pressure/io", c.pressure_io_max_bp),
+    )
+}
+
+/// Issue 36: where cpu or io pressure is read: the given file, else the kernel's, and
+/// only where a limit is set (below 100%): a figure nothing uses is not read.
+fn kernel_pressure(given: Option<PathBuf>, kernel: &str, max_bp: u32) -> Option<PathBuf> {
+    if max_bp >= berth_core::PRESSURE_BP_MAX {
+        return None;
+    }
+    let kernel = PathBuf::from(kernel);
+    given.or_else(|| kernel.exists().then_some(kernel))
 }
 
 /// Issue 36: how runs' cgroups are held to their claims, from flags or file.
@@ -832,8 +894,22 @@ fn pressure_keys(c: &berth_server::ServeConfig) -> Vec<String> {
             q(fmt_bp(e.pressure_background_max_bp))
         ),
     ];
-    if let Some(p) = &c.pressure_source {
-        keys.push(format!("pressure_source = {}", q(p.display().to_string())));
+    keys.push(format!(
+        "cpu_pressure_max = {}",
+        q(fmt_bp(e.pressure_cpu_max_bp))
+    ));
+    keys.push(format!(
+        "io_pressure_max = {}",
+        q(fmt_bp(e.pressure_io_max_bp))
+    ));
+    for (key, p) in [
+        ("pressure_source", &c.pressure_source),
+        ("cpu_pressure_source", &c.cpu_pressure_source),
+        ("io_pressure_source", &c.io_pressure_source),
+    ] {
+        if let Some(p) = p {
+            keys.push(format!("{key} = {}", q(p.display().to_string())));
+        }
     }
     keys
 }

@@ -79,6 +79,8 @@ fn serve_config(state: &Path) -> berth_server::ServeConfig {
         engine,
         sample_memory: false,
         pressure_source: None,
+        cpu_pressure_source: None,
+        io_pressure_source: None,
         reconnect_window_ms: 30_000,
         group_commit: true,
         tick_ms: TICK_MS,

@@ -109,3 +109,60 @@ fn memory_pressure_limits_are_checked_at_start() {
     ]);
     assert!(!ok && err.contains("memory pressure limits"), "{err}");
 }
+
+/// Issue 36: cpu and io pressure hold waiters back too, once a limit is set (off by
+/// default): from synthetic sources, each with its own reason code and figure.
+#[test]
+fn cpu_and_io_pressure_hold_waiters_back_once_a_limit_is_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let (cpu, io) = (dir.path().join("cpu"), dir.path().join("io"));
+    psi(&cpu, "50.00");
+    psi(&io, "0.00");
+    let d = Daemon::start(&[
+        "--cpu-pressure-max",
+        "40%",
+        "--io-pressure-max",
+        "20%",
+        "--cpu-pressure-source",
+        cpu.to_str().unwrap(),
+        "--io-pressure-source",
+        io.to_str().unwrap(),
+    ]);
+    std::thread::sleep(Duration::from_millis(2 * SAMPLE_MS));
+    waiter(&d, "fg", "foreground");
+    let (state, code, message) = state_and_reason(&d, "fg");
+    assert_eq!(
+        (state.as_str(), code.as_str()),
+        ("queued", "host.cpu_pressure")
+    );
+    assert!(
+        message.contains("50.00%") && message.contains("40.00%"),
+        "{message}"
+    );
+    // io first: a sample between the two writes still holds the waiter back.
+    psi(&io, "30.00");
+    psi(&cpu, "0.00");
+    d.wait_until("io holds it back now", |d| {
+        state_and_reason(d, "fg").1 == "host.io_pressure"
+    });
+    psi(&io, "0.00");
+    d.wait_until("fg is granted", |d| {
+        state_and_reason(d, "fg").0 == "granted"
+    });
+    // Without a limit nothing is read: the kernel's figures never hold anyone back.
+    let plain = Daemon::start(&[]);
+    let text = String::from_utf8(
+        plain
+            .cli()
+            .args(["serve", "--print-config", "--state-dir"])
+            .arg(dir.path())
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    assert!(
+        text.contains("cpu_pressure_max = \"100.00%\"") && !text.contains("cpu_pressure_source"),
+        "{text}"
+    );
+}

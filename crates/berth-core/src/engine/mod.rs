@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
-use crate::command::{Command, Error, Event, Output};
+use crate::command::{Command, Error, Event, HostSample, Output, PressureKind};
 use crate::config::{Config, PRESSURE_BP_MAX};
 use crate::queue::{Queue, Slot};
 use crate::scopes::{Block, Scope, ScopeError, Scopes};
@@ -156,9 +156,10 @@ pub(crate) enum Blocker {
         need: u64,
         free: u64,
     },
-    /// Issue 36: the host's memory pressure (hundredths of a percent) is above what
-    /// this run's priority is admitted under.
+    /// Issue 36: the host's memory, cpu or io pressure (hundredths of a percent) is
+    /// above what this run's priority is admitted under.
     Pressure {
+        kind: PressureKind,
         bp: u32,
         max: u32,
     },
@@ -192,7 +193,7 @@ pub struct Engine {
     /// Issue 36: the host's memory pressure as last sampled (PSI `some avg10`, in
     /// hundredths of a percent; 0 until a sample says otherwise). Not restored: the
     /// next sample, a second after a start, says what it is.
-    pub(crate) memory_pressure_bp: u32,
+    pub(crate) pressure_bp: [u32; 3],
     /// B1–B5: experiment budgets; a run's token is part of its claim.
     pub(crate) scopes: Scopes,
     pub(crate) deadlines: BTreeSet<(TimeMs, Slot)>,
@@ -277,7 +278,7 @@ impl Engine {
             project_ids: HashMap::new(),
             queues: [Queue::default(), Queue::default()],
             draining: false,
-            memory_pressure_bp: 0,
+            pressure_bp: [0; 3],
             scopes: Scopes::default(),
             deadlines: BTreeSet::new(),
             expiries: BTreeSet::new(),
@@ -343,11 +344,7 @@ impl Engine {
             Command::Release { run_id, fence } => self.release(&run_id, fence, ev),
             Command::StopDone { run_id, ok } => self.stop_done(&run_id, ok, ev),
             Command::Tick => Ok(None),
-            cmd @ (Command::Drain { .. }
-            | Command::Sample { .. }
-            | Command::DiskFree { .. }
-            | Command::Settle { .. }
-            | Command::Pressure { .. }) => {
+            cmd @ (Command::Drain { .. } | Command::Sample(_) | Command::Settle { .. }) => {
                 self.host_input(cmd, ev);
                 Ok(None)
             }
@@ -423,27 +420,35 @@ impl Engine {
                 self.draining = on;
                 ev.push(Event::DrainChanged { on });
             }
-            Command::Sample { mem_available } => {
-                self.sample(mem_available, ev);
-            }
-            Command::DiskFree { bytes } if self.disk_free != Some(bytes) => {
-                self.disk_free = Some(bytes);
-                ev.push(Event::DiskFreeChanged { bytes });
-            }
+            Command::Sample(sample) => self.host_sample(sample, ev),
             Command::Settle { run_id, fence } => {
                 if let Some(&s) = self.by_id.get(&run_id) {
                     self.settle_pending(s, fence, ev);
                 }
             }
-            Command::Pressure { memory_bp } => {
-                let memory_bp = memory_bp.min(PRESSURE_BP_MAX);
-                if memory_bp != self.memory_pressure_bp {
-                    self.memory_pressure_bp = memory_bp;
-                    ev.push(Event::PressureChanged { memory_bp });
-                }
-            }
-            // A drain or a free figure that did not change; no other command comes here.
+            // A drain that did not change; no other command comes here.
             _ => {}
+        }
+    }
+
+    /// A sample's figures, all kept before the pass that follows the command.
+    fn host_sample(&mut self, sample: HostSample, ev: &mut Vec<Event>) {
+        if let Some(m) = sample.mem_available {
+            self.sample(m, ev);
+        }
+        for kind in PressureKind::ALL {
+            let Some(bp) = sample.pressure_bp[kind.index()] else {
+                continue;
+            };
+            let bp = bp.min(PRESSURE_BP_MAX);
+            if bp != self.pressure_bp[kind.index()] {
+                self.pressure_bp[kind.index()] = bp;
+                ev.push(Event::PressureChanged { kind, bp });
+            }
+        }
+        if let Some(bytes) = sample.disk_free.filter(|b| self.disk_free != Some(*b)) {
+            self.disk_free = Some(bytes);
+            ev.push(Event::DiskFreeChanged { bytes });
         }
     }
 

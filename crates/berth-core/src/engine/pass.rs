@@ -85,15 +85,25 @@ impl Engine {
         (need > free).then_some(Blocker::Disk { need, free })
     }
 
-    /// Issue 36: a host reclaiming to keep up takes no one new; background runs are
-    /// held back first (at the lower figure).
+    /// Issue 36: a host reclaiming (or stalling on cpu or io) to keep up takes no one
+    /// new; background runs are held back first (at the lower figure: memory's own,
+    /// half of cpu's and io's).
     fn pressure_blocker(&self, priority: Priority) -> Option<Blocker> {
-        let max = match priority {
-            Priority::Foreground => self.cfg.pressure_foreground_max_bp,
-            Priority::Background => self.cfg.pressure_background_max_bp,
-        };
-        let bp = self.memory_pressure_bp;
-        (bp > max).then_some(Blocker::Pressure { bp, max })
+        let c = &self.cfg;
+        PressureKind::ALL.into_iter().find_map(|kind| {
+            let fg = match kind {
+                PressureKind::Memory => c.pressure_foreground_max_bp,
+                PressureKind::Cpu => c.pressure_cpu_max_bp,
+                PressureKind::Io => c.pressure_io_max_bp,
+            };
+            let max = match (priority, kind) {
+                (Priority::Foreground, _) => fg,
+                (Priority::Background, PressureKind::Memory) => c.pressure_background_max_bp,
+                (Priority::Background, _) => fg / 2,
+            };
+            let bp = self.pressure_bp[kind.index()];
+            (bp > max).then_some(Blocker::Pressure { kind, bp, max })
+        })
     }
 
     /// Memory that the host really has for new grants (A2): stabilised MemAvailable less

@@ -4,6 +4,7 @@
 
 use std::borrow::Cow;
 
+use crate::command::PressureKind;
 use crate::engine::{concurrency_class, Blocker, Engine, KeyId, CPU, DISK, MEMORY, SLOTS};
 use crate::scopes::Block;
 use crate::types::{fmt_bytes, ConcurrencyClass, Reason};
@@ -43,7 +44,11 @@ impl Blocker {
             },
             Blocker::Permit => "fleet.claim",
             Blocker::Draining => "host.draining",
-            Blocker::Pressure { .. } => "host.memory_pressure",
+            Blocker::Pressure { kind, .. } => match kind {
+                PressureKind::Memory => "host.memory_pressure",
+                PressureKind::Cpu => "host.cpu_pressure",
+                PressureKind::Io => "host.io_pressure",
+            },
             Blocker::Disk { .. } => "host.disk_pressure",
             Blocker::Guard { .. } => "queue.starvation_guard",
         })
@@ -93,11 +98,12 @@ impl Blocker {
             Blocker::Draining => {
                 "the host is draining: nothing new is granted until the drain ends".into()
             }
-            Blocker::Pressure { bp, max } => format!(
-                "the host is under memory pressure: some task stalled on memory {} of the \
+            Blocker::Pressure { kind, bp, max } => format!(
+                "the host is under {k} pressure: some task stalled on {k} {} of the \
                  last 10 s, over the {} this run's priority is admitted under",
                 crate::fmt_bp(bp),
-                crate::fmt_bp(max)
+                crate::fmt_bp(max),
+                k = kind.as_str()
             ),
             Blocker::Guard { head } => {
                 let h = e.run(head);

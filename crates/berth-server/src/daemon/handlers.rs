@@ -605,16 +605,9 @@ impl<H: Host> Daemon<H> {
         }
         let mut touched = BTreeSet::new();
         let _ = self.apply(Command::Tick, &mut touched);
-        if let Some(mem) = sample.mem_available {
-            let _ = self.apply(Command::Sample { mem_available: mem }, &mut touched);
-        }
-        if let Some(memory_bp) = sample.memory_pressure_bp {
-            let _ = self.apply(Command::Pressure { memory_bp }, &mut touched);
-        }
-        if let Some(bytes) = sample.disk_free {
-            let _ = self.apply(Command::DiskFree { bytes }, &mut touched);
-        }
         if sample != super::Sample::default() {
+            // One command: admission decides on the whole sample, never half of it.
+            let _ = self.apply(Command::Sample(sample), &mut touched);
             self.settle_started(&mut touched);
         }
         self.cancel_unclaimed(&mut touched);

@@ -151,16 +151,9 @@ pub const TO_SETTLE_MAX: usize = 4_096;
 /// updates at most once a second per stream).
 pub const QUEUE_MOVED_EVERY_MS: u64 = 1_000;
 
-/// What the runtime read of the host for a tick (once a second; `None` between).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Sample {
-    /// MemAvailable, bytes (A10).
-    pub mem_available: Option<u64>,
-    /// Issue 36: PSI `some avg10` of memory, hundredths of a percent.
-    pub memory_pressure_bp: Option<u32>,
-    /// Issue 36: free space on the workspaces' file system, bytes.
-    pub disk_free: Option<u64>,
-}
+/// What the runtime read of the host for a tick (once a second; `None` between): the
+/// engine's own sample, handed to it whole.
+pub type Sample = berth_core::HostSample;
 
 pub struct Daemon<H: Host> {
     /// CLOCK_MONOTONIC milliseconds, as the runtime said at the latest input (`handle`,

@@ -16,6 +16,9 @@ pub struct Sampler {
     pub memory: bool,
     /// Issue 36: memory pressure, from `/proc/pressure/memory` or a file in its format.
     pub pressure: Option<PathBuf>,
+    /// Issue 36: cpu and io pressure, likewise (`/proc/pressure/cpu`, `…/io`).
+    pub cpu_pressure: Option<PathBuf>,
+    pub io_pressure: Option<PathBuf>,
     /// Issue 36: the workspaces' directory, whose file system's free space admission
     /// follows (sampled with memory: off where only the configured totals count).
     pub disk: Option<PathBuf>,
@@ -23,10 +26,15 @@ pub struct Sampler {
 
 impl Sampler {
     fn read(&self) -> Sample {
+        let psi = |p: &Option<PathBuf>| p.as_deref().and_then(crate::host::pressure_bp);
         Sample {
             mem_available: self.memory.then(crate::host::memory_available).flatten(),
-            memory_pressure_bp: (self.pressure.as_deref())
-                .and_then(crate::host::memory_pressure_bp),
+            // By `PressureKind`: memory, cpu, io.
+            pressure_bp: [
+                psi(&self.pressure),
+                psi(&self.cpu_pressure),
+                psi(&self.io_pressure),
+            ],
             disk_free: self.disk.as_deref().and_then(crate::host::disk_free),
         }
     }

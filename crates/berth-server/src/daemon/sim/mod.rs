@@ -186,7 +186,7 @@ impl Sim {
         });
         let sample = super::Sample {
             mem_available: None,
-            memory_pressure_bp,
+            pressure_bp: [memory_pressure_bp, None, None],
             disk_free,
         };
         let fx = self.d().tick(now, Some(sample));
@@ -815,7 +815,7 @@ impl Sim {
         }
         let calm = super::Sample {
             mem_available: None,
-            memory_pressure_bp: Some(0),
+            pressure_bp: [Some(0); 3],
             disk_free: Some(1 << 44),
         };
         let now = self.now;
