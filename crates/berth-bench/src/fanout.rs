@@ -23,11 +23,7 @@ const BALLOON: &str =
 
 pub fn main() {
     let dir = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = crate::http::daemon_runtime();
     let mut cfg = crate::http::config(dir.path(), true);
     cfg.engine = berth_core::Config::for_host(64, RUNS as u64 * CLAIM_BYTES, 1 << 44);
     cfg.engine.memory_reserve = 0;

@@ -12,11 +12,7 @@ fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> Outcom
     rustix::fs::sync();
     let db = berth_store::fleet::testing::pg_fresh_database("bench").expect("a PostgreSQL server");
     let dirs: Vec<_> = (0..hosts).map(|_| tempfile::tempdir().unwrap()).collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = crate::http::daemon_runtime();
     let running: Vec<_> = dirs
         .iter()
         .enumerate()

@@ -61,16 +61,22 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
     }
 }
 
+/// The runtime an embedded daemon runs on in the benchmarks: two workers, one per core
+/// of the machine they are measured on.
+pub fn daemon_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 pub(crate) fn run(clients: usize, subscribers: usize, seconds: u64, group_commit: bool) -> Outcome {
     // Whatever ran before (a build, the other half of this benchmark) leaves dirty pages
     // whose writeback would compete with the daemon's fsyncs: flush them first.
     rustix::fs::sync();
     let dir = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = crate::http::daemon_runtime();
     let running = rt
         .block_on(berth_server::start(config(dir.path(), group_commit)))
         .expect("daemon");

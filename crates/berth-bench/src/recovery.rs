@@ -11,11 +11,7 @@ use berth_client::wire::{AcquireRequest, ProcessRequest, Run, Status, UniqueMap}
 
 pub fn main(runs: usize) {
     let dir = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = crate::http::daemon_runtime();
     // Long enough that no lease runs out while the runs are being set up (the first
     // daemon would reap those itself), short enough to keep the benchmark quick.
     let ttl_s = (runs as u64 / 100 + 5).max(2);
