@@ -111,7 +111,7 @@ pub fn usage(run: &Run) -> String {
         parts.push(format!("{what}{}{of}", berth_core::fmt_bytes(m)));
     }
     if let (true, Some(p)) = (run.state.holds_claim(), u.processes) {
-        parts.push(format!("{p} procs"));
+        parts.push(format!("{p} proc{}", if p == 1 { "" } else { "s" }));
     }
     parts.join(", ")
 }
