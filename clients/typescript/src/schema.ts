@@ -1308,6 +1308,11 @@ export interface components {
              * @description Processes and threads in it now.
              */
             processes: number | null;
+            /**
+             * @description Paused (`cgroup.freeze`) under memory pressure (`--freeze-background`); it
+             *     resumes when the pressure falls.
+             */
+            frozen?: boolean;
         };
         /**
          * @description One step of a runtime start, as the stream (`Accept: application/x-ndjson`) and the

@@ -350,6 +350,15 @@ impl Group {
         }
     }
 
+    /// Pauses (or resumes) every process in the group (cgroup2's `cgroup.freeze`, in
+    /// the group itself: no controller needed, so a hybrid host has it too).
+    pub fn freeze(&self, frozen: bool) -> std::io::Result<()> {
+        std::fs::write(
+            self.path.join("cgroup.freeze"),
+            if frozen { "1" } else { "0" },
+        )
+    }
+
     /// SIGKILL to every process in the group, atomically (kernel 5.14+).
     pub fn kill(&self) -> std::io::Result<()> {
         std::fs::write(self.path.join("cgroup.kill"), "1")

@@ -43,6 +43,9 @@ pub struct Policy {
     pub cpu: CpuMode,
     /// `pids.max` per run; 0 sets none.
     pub pids_max: u64,
+    /// Pause (`cgroup.freeze`) the newest background run while memory pressure holds
+    /// background waiters back, and resume it when the pressure falls. Off by default.
+    pub freeze_background: bool,
 }
 
 impl Default for Policy {
@@ -52,6 +55,7 @@ impl Default for Policy {
             swap_max_bytes: Some(0),
             cpu: CpuMode::Quota,
             pids_max: PIDS_MAX_DEFAULT,
+            freeze_background: false,
         }
     }
 }

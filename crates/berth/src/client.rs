@@ -514,24 +514,7 @@ pub fn status_main(a: StatusArgs) -> anyhow::Result<u8> {
             berth_core::fmt_bytes(s.memory_pending)
         );
     }
-    if let Some(d) = s.disk_free {
-        println!(
-            "  workspaces' disk free {} (granted but not yet written {})",
-            berth_core::fmt_bytes(d),
-            berth_core::fmt_bytes(s.disk_pending)
-        );
-    }
-    // Issue 36: whether runs are held to their claims.
-    match (&s.limits.how, &s.limits.why_not) {
-        (Some(how), _) => println!(
-            "  limits: runs held to their claims by {how} (hard memory limit {}% of the claim, {} processes per run)",
-            s.limits.memory_max_percent, s.limits.pids_max
-        ),
-        (None, why) => println!(
-            "  limits: NOT enforced ({}); runs are admitted by their claims but not held to them",
-            why.as_deref().unwrap_or("unknown")
-        ),
-    }
+    print_host_figures(&s);
     println!(
         "  runs: {} granted, {} degraded; queued {} foreground, {} background; at most {} at once (now {})",
         s.granted, s.degraded, s.queued.foreground, s.queued.background, s.slots_max, s.effective_max_now
@@ -594,6 +577,28 @@ fn print_resources(s: &Status) {
             f(res.total),
             f(res.reserve)
         );
+    }
+}
+
+/// Issue 36: the workspaces' free disk, and whether runs are held to their claims.
+fn print_host_figures(s: &Status) {
+    if let Some(d) = s.disk_free {
+        println!(
+            "  workspaces' disk free {} (granted but not yet written {})",
+            berth_core::fmt_bytes(d),
+            berth_core::fmt_bytes(s.disk_pending)
+        );
+    }
+    // Issue 36: whether runs are held to their claims.
+    match (&s.limits.how, &s.limits.why_not) {
+        (Some(how), _) => println!(
+            "  limits: runs held to their claims by {how} (hard memory limit {}% of the claim, {} processes per run)",
+            s.limits.memory_max_percent, s.limits.pids_max
+        ),
+        (None, why) => println!(
+            "  limits: NOT enforced ({}); runs are admitted by their claims but not held to them",
+            why.as_deref().unwrap_or("unknown")
+        ),
     }
 }
 

@@ -103,6 +103,11 @@ pub struct ServeArgs {
     /// [default: 4096].
     #[arg(long, env = "BERTH_PIDS_MAX")]
     pub pids_max: Option<u64>,
+    /// While memory pressure holds background waiters back, pause the newest granted
+    /// background run (cgroup.freeze; one more every 10 s at most) and resume them all
+    /// when it falls.
+    #[arg(long, env = "BERTH_FREEZE_BACKGROUND")]
+    pub freeze_background: bool,
     /// No foreground run is admitted while the host's memory pressure (PSI some avg10:
     /// the share of the last 10 s in which some task stalled on memory) is above this
     /// [default: 10%].
@@ -243,6 +248,7 @@ struct FileConfig {
     swap_max: Option<String>,
     cpu_burst: Option<bool>,
     pids_max: Option<u64>,
+    freeze_background: Option<bool>,
     pressure_source: Option<PathBuf>,
     cpu_pressure_max: Option<String>,
     io_pressure_max: Option<String>,
@@ -691,6 +697,7 @@ fn run_limits(a: &ServeArgs, file: &FileConfig) -> anyhow::Result<berth_proc::li
     if let Some(n) = a.pids_max.or(file.pids_max) {
         p.pids_max = n;
     }
+    p.freeze_background = a.freeze_background || file.freeze_background.unwrap_or(false);
     Ok(p)
 }
 
@@ -878,6 +885,7 @@ fn limit_keys(c: &berth_server::ServeConfig) -> Vec<String> {
             p.cpu == berth_proc::limits::CpuMode::Weight
         ),
         format!("pids_max = {}", p.pids_max),
+        format!("freeze_background = {}", p.freeze_background),
     ]
 }
 

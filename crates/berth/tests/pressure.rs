@@ -166,3 +166,62 @@ fn cpu_and_io_pressure_hold_waiters_back_once_a_limit_is_set() {
         "{text}"
     );
 }
+
+/// Issue 36 (optional, `--freeze-background`): under memory pressure the newest
+/// background run is paused by `cgroup.freeze` (its processes stop making progress,
+/// its status says `frozen`), and resumed when the pressure falls.
+#[test]
+fn under_pressure_the_newest_background_run_is_paused_and_resumed_when_it_falls() {
+    const TEST: &str =
+        "under_pressure_the_newest_background_run_is_paused_and_resumed_when_it_falls";
+    if !berth_proc::testing::cgroups(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("memory");
+    psi(&source, "0.00");
+    let d = Daemon::start(&[
+        "--freeze-background",
+        "--pressure-source",
+        source.to_str().unwrap(),
+    ]);
+    let beat = dir.path().join("beat");
+    let script = format!(
+        "while :; do date +%s%N > {}; sleep 0.05; done",
+        beat.display()
+    );
+    let mut child = d
+        .cli()
+        .args([
+            "run",
+            "--run-id",
+            "bg",
+            "--project",
+            "bg",
+            "--priority",
+            "background",
+            "--",
+        ])
+        .args(["sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let frozen = |d: &Daemon| d.get("/v1/runs/bg").body["usage"]["frozen"].as_bool();
+    d.wait_until("the run beats", |_| beat.exists());
+    d.wait_until("the run is grouped", |d| frozen(d) == Some(false));
+    psi(&source, "25.00");
+    d.wait_until("the run is paused", |d| frozen(d) == Some(true));
+    let at = std::fs::read_to_string(&beat).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        std::fs::read_to_string(&beat).unwrap(),
+        at,
+        "a paused run made progress"
+    );
+    psi(&source, "0.00");
+    d.wait_until("the run is resumed", |d| frozen(d) == Some(false));
+    d.wait_until("the run beats again", |_| {
+        std::fs::read_to_string(&beat).unwrap() != at
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+}

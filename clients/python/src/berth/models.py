@@ -946,6 +946,9 @@ class RunUsage(Model):
     oom_killed: bool
     #: Processes and threads in it now.
     processes: Optional[int]
+    #: Paused (`cgroup.freeze`) under memory pressure (`--freeze-background`); it
+    #: resumes when the pressure falls.
+    frozen: Optional[bool] = None
 
 
 @dataclass

@@ -367,6 +367,10 @@ pub struct RunUsage {
     /// Processes and threads in it now.
     #[schema(required = true)]
     pub processes: Option<u64>,
+    /// Paused (`cgroup.freeze`) under memory pressure (`--freeze-background`); it
+    /// resumes when the pressure falls.
+    #[serde(default)]
+    pub frozen: bool,
 }
 
 /// The cgroup limits a run's claim became (null: that limit is not set).

@@ -49,14 +49,18 @@ pub fn run_out(i: &RunInfo) -> Run {
         since: i.since.clone(),
         state: v.state,
         survivors: i.survivors.clone(),
-        usage: i.usage.map(|u| usage_out(&u, i.limits.as_ref())),
+        usage: i.usage.map(|u| usage_out(&u, i.limits.as_ref(), i.frozen)),
         workspace: i.workspace.clone(),
         worktree: i.worktree.clone(),
     }
 }
 
 /// Issue 36: a run's use of its claim, and the limits it is held to.
-fn usage_out(u: &berth_proc::limits::Usage, l: Option<&berth_proc::limits::Limits>) -> RunUsage {
+fn usage_out(
+    u: &berth_proc::limits::Usage,
+    l: Option<&berth_proc::limits::Limits>,
+    frozen: bool,
+) -> RunUsage {
     RunUsage {
         cpu_usec: u.cpu_usec,
         limits: l.map(|l| RunLimits {
@@ -74,6 +78,7 @@ fn usage_out(u: &berth_proc::limits::Usage, l: Option<&berth_proc::limits::Limit
         oom_kills: u.oom_kills,
         oom_killed: u.oom_kills > 0,
         processes: u.pids,
+        frozen,
     }
 }
 

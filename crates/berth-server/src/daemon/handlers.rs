@@ -609,6 +609,7 @@ impl<H: Host> Daemon<H> {
             // One command: admission decides on the whole sample, never half of it.
             let _ = self.apply(Command::Sample(sample), &mut touched);
             self.settle_started(&mut touched);
+            self.freeze_background(sample.pressure_bp[0]);
         }
         self.cancel_unclaimed(&mut touched);
         self.retry_due_cleanups(&mut touched);

@@ -77,6 +77,8 @@ pub trait Host {
     fn prepare_group(&mut self, run_id: &str, claim: Claimed) -> Vec<PathBuf>;
     /// Issue 36: what the run's cgroup has used so far, if it has one with controllers.
     fn usage(&self, run_id: &str) -> Option<berth_proc::limits::Usage>;
+    /// Issue 36: pauses (or resumes) every process in the run's cgroup.
+    fn freeze(&mut self, run_id: &str, frozen: bool) -> Result<(), String>;
     /// L1/S6: fences up to `last_fence` are covered by the durable marker.
     fn cover_fence(&mut self, last_fence: u64) -> Result<(), String>;
     /// A new API token (random).
@@ -327,6 +329,11 @@ impl Host for RealHost {
 
     fn usage(&self, run_id: &str) -> Option<berth_proc::limits::Usage> {
         RealHost::group(&self.supervision, run_id)?.usage()
+    }
+
+    fn freeze(&mut self, run_id: &str, frozen: bool) -> Result<(), String> {
+        let group = RealHost::group(&self.supervision, run_id).ok_or("the run has no cgroup")?;
+        group.freeze(frozen).map_err(|e| e.to_string())
     }
 
     fn cover_fence(&mut self, last_fence: u64) -> Result<(), String> {

@@ -17,6 +17,7 @@ mod commit;
 mod events;
 mod extra;
 mod fleet;
+mod freeze;
 mod handlers;
 mod host;
 mod journal;
@@ -95,6 +96,8 @@ pub struct RunInfo {
     pub usage: Option<berth_proc::limits::Usage>,
     /// Issue 36: the limits its cgroup is held to, where berth enforces them.
     pub limits: Option<berth_proc::limits::Limits>,
+    /// Issue 36: paused under memory pressure (`--freeze-background`).
+    pub frozen: bool,
 }
 
 /// S9: who a request acts for. `Some(uid)`: a uid-bound token below admin, which acts
@@ -205,6 +208,8 @@ pub struct Daemon<H: Host> {
     /// Issue 36: (run, fence) of runs whose process tree registered since the last
     /// sample: their pending claims settle once a sample sees them (`settle_started`).
     to_settle: Vec<(String, u64)>,
+    /// Issue 36: background runs paused under memory pressure (`--freeze-background`).
+    frozen: freeze::Frozen,
     /// D5: the next journal entry's sequence number (the ledger's last + 1).
     journal_next: u64,
     /// Processes registered so far: a check made off the state task holds only if no

@@ -295,6 +295,7 @@ impl<H: Host> Daemon<H> {
             listen_watched: BTreeMap::new(),
             rewatch,
             to_settle: Vec::new(),
+            frozen: Default::default(),
             journal_next: ledger.journal_last + 1,
             registrations: 0,
             journal_at: (0, String::new()),

@@ -42,6 +42,7 @@ impl<H: Host> Daemon<H> {
             owner_uid: extra.and_then(|e| e.owner_uid),
             usage: self.usage_of(&view, extra),
             limits: self.limits_of(&view, extra),
+            frozen: self.frozen.runs.contains(&view.run_id),
             view,
         })
     }

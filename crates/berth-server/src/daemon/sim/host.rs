@@ -132,6 +132,10 @@ impl Host for SimHost {
         None
     }
 
+    fn freeze(&mut self, _run_id: &str, _frozen: bool) -> Result<(), String> {
+        Err("the simulated host has no cgroups".into())
+    }
+
     fn listeners_of(&self, _roots: &[ProcId]) -> std::collections::BTreeSet<u64> {
         Default::default()
     }
