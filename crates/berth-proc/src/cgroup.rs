@@ -1,8 +1,8 @@
-//! A cgroup v2 group per run, where the host allows it, and the controllers that
-//! hold it to its claim (`Controllers`: in the group, or in v1 hierarchies beside it). The cgroup2 mount is found in
-//! /proc/self/mountinfo (it may be a hybrid `/sys/fs/cgroup/unified` without
-//! controllers: berth needs none, only `cgroup.procs`, `cgroup.kill` and
-//! `cgroup.events`). Groups live under `<mount><own cgroup>/berth/<instance>/`, where
+//! A cgroup v2 group per run, where the host allows it, and the controllers that hold
+//! it to its claim (`Controllers`: in the group, or in v1 hierarchies beside it). The
+//! cgroup2 mount is found in /proc/self/mountinfo (it may be a hybrid
+//! `/sys/fs/cgroup/unified` without controllers: grouping and stopping need none, only
+//! `cgroup.procs`, `cgroup.kill`, `cgroup.events` and `cgroup.freeze`). Groups live under `<mount><own cgroup>/berth/<instance>/`, where
 //! the instance names one daemon's state (two daemons on a host, or two tests, must
 //! never share a run's group: stopping one would kill the other's processes).
 

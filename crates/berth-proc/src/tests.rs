@@ -20,6 +20,36 @@ fn stat_lines_parse_even_with_odd_command_names() {
     assert_eq!(st.flags, 4194560);
     assert!(!is_kernel_thread(&st));
     assert_eq!(parse_stat("garbage"), None);
+    // Issue 36: the usage fields of the same line (14-17 cpu, 20 threads, 24 rss).
+    assert_eq!(
+        usage_fields(line),
+        Some(UsageFields {
+            cpu_ticks: 3,
+            threads: 1,
+            rss_pages: 10
+        })
+    );
+    assert_eq!(usage_fields("1 (x) S 1"), None);
+}
+
+/// Issue 36: without a cgroup a run's use comes from its tree in `/proc`: this test's
+/// own process, a root, uses memory, at least one task and some cpu.
+#[test]
+fn a_tree_without_a_cgroup_has_its_use_read_from_proc() {
+    let me = identify(std::process::id() as i32).unwrap();
+    let all = scan().unwrap();
+    let u = tree_usage(std::slice::from_ref(&me), &all);
+    assert!(u.memory_bytes.unwrap() > 1 << 20, "{u:?}");
+    assert!(u.pids.unwrap() >= 1, "{u:?}");
+    assert!(u.cpu_usec.is_some());
+    assert_eq!((u.memory_peak_bytes, u.oom_kills), (None, 0));
+    // A root that is gone: nothing.
+    let gone = ProcId {
+        pid: i32::MAX,
+        start_ticks: 1,
+        boot_id: me.boot_id.clone(),
+    };
+    assert_eq!(tree_usage(&[gone], &all).memory_bytes, Some(0));
 }
 
 #[test]

@@ -74,6 +74,59 @@ pub(super) fn can_belong(s: &Stat) -> bool {
     s.state != 'Z' && s.pid > INIT_PID && !is_kernel_thread(s)
 }
 
+/// Issue 36: what a run's processes use, from `/proc`, where it has no cgroup to say:
+/// the members of its tree (`members`) summed: resident memory, cpu time (its own and
+/// its waited-for children's) and tasks (threads, as `pids.current` counts them). A
+/// member that exits between the scan and its read is skipped. No peak, no OOM count:
+/// only a cgroup knows those.
+pub fn tree_usage(roots: &[ProcId], all: &[Stat]) -> crate::limits::Usage {
+    let page = rustix::param::page_size() as u64;
+    let hz = rustix::param::clock_ticks_per_second().max(1);
+    let (mut rss, mut ticks, mut tasks) = (0u64, 0u64, 0u64);
+    for m in members(roots, all) {
+        let Ok(line) = std::fs::read_to_string(format!("/proc/{}/stat", m.pid)) else {
+            continue;
+        };
+        if let Some(f) = usage_fields(&line) {
+            rss = rss.saturating_add(f.rss_pages.saturating_mul(page));
+            ticks = ticks.saturating_add(f.cpu_ticks);
+            tasks = tasks.saturating_add(f.threads);
+        }
+    }
+    crate::limits::Usage {
+        memory_bytes: Some(rss),
+        memory_peak_bytes: None,
+        oom_kills: 0,
+        pids: Some(tasks),
+        cpu_usec: Some(ticks.saturating_mul(1_000_000) / hz),
+    }
+}
+
+/// The usage fields of one `/proc/<pid>/stat` line.
+#[derive(Debug, PartialEq, Eq)]
+pub struct UsageFields {
+    /// utime + stime + cutime + cstime, clock ticks.
+    pub cpu_ticks: u64,
+    pub threads: u64,
+    pub rss_pages: u64,
+}
+
+/// Parses them (fields 14-17, 20 and 24, counted from the last `)` as `parse_stat`).
+pub fn usage_fields(line: &str) -> Option<UsageFields> {
+    let close = line.rfind(')')?;
+    let rest: Vec<&str> = line[close + 1..].split_whitespace().collect();
+    let n = |field: usize| rest.get(field - 3)?.parse::<i64>().ok();
+    let cpu: i64 = [14, 15, 16, 17]
+        .iter()
+        .map(|&f| n(f).unwrap_or(0).max(0))
+        .sum();
+    Some(UsageFields {
+        cpu_ticks: cpu as u64,
+        threads: n(20)?.max(0) as u64,
+        rss_pages: n(24)?.max(0) as u64,
+    })
+}
+
 /// The process-group fallback's membership rule (pure): a live process belongs to the
 /// run if it is a registered root, or it is in a root's process group or session and
 /// started no earlier than that root, or its parent chain reaches a member. What it

@@ -201,6 +201,22 @@ fn without_cgroups_status_says_limits_are_not_enforced_and_runs_work_as_before()
     assert_eq!(run(&d, "plain")["usage"], Value::Null);
     assert!(common::log_tail(&d.log)
         .contains("limits are not enforced: cgroups are off (--no-cgroups)"));
+    // A run's use is still told, from its processes in /proc: no limits, no peak.
+    let mut child = berth_run(&d, "told", &["--memory", "64MiB"], &["sleep", "30"]);
+    d.wait_until("its use is read from /proc", |d| {
+        run(d, "told")["usage"]["processes"]
+            .as_u64()
+            .is_some_and(|p| p >= 1)
+    });
+    let u = run(&d, "told")["usage"].clone();
+    assert!(u["memory_bytes"].as_u64().unwrap() > 0, "{u}");
+    assert_eq!(
+        (&u["limits"], &u["memory_peak_bytes"]),
+        (&Value::Null, &Value::Null),
+        "{u}"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// A hard limit below the claim (or absurdly above it) is refused at start, naming

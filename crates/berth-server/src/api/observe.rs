@@ -614,7 +614,7 @@ async fn catch_up(
 /// `GET /metrics`: Prometheus' text format.
 pub async fn metrics(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
     let (snap, _) = ask(&api, |reply| Msg::Status { reply }).await?;
-    let waiting = ask(&api, |reply| Msg::List {
+    let mut waiting = ask(&api, |reply| Msg::List {
         limit: super::LIST_MAX,
         ended: false,
         reply,
@@ -625,6 +625,7 @@ pub async fn metrics(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
         background: snap.queued_background as u64,
         ..Default::default()
     };
+    super::runs::proc_usage(&mut waiting).await;
     for r in waiting.iter().filter(|r| r.view.state.holds_claim()) {
         if let Some(usage) = r.usage {
             scrape.runs.push(crate::metrics::RunUse {

@@ -55,6 +55,32 @@ pub fn run_out(i: &RunInfo) -> Run {
     }
 }
 
+/// Issue 36: the use of granted runs berth made no cgroup for (none on this host), from
+/// their registered processes' trees in `/proc`: read here, on a blocking thread, with
+/// one scan for all of `infos`, never on the daemon's thread.
+pub(super) async fn proc_usage(infos: &mut [RunInfo]) {
+    let want: Vec<(usize, Vec<berth_proc::ProcId>)> = infos
+        .iter()
+        .enumerate()
+        .filter(|(_, i)| i.usage.is_none() && !i.roots.is_empty())
+        .map(|(n, i)| (n, i.roots.clone()))
+        .collect();
+    if want.is_empty() {
+        return;
+    }
+    let read = tokio::task::spawn_blocking(move || {
+        let all = berth_proc::scan().ok()?;
+        Some(
+            want.into_iter()
+                .map(|(n, roots)| (n, berth_proc::tree_usage(&roots, &all)))
+                .collect::<Vec<_>>(),
+        )
+    });
+    for (n, usage) in read.await.ok().flatten().into_iter().flatten() {
+        infos[n].usage = Some(usage);
+    }
+}
+
 /// Issue 36: a run's use of its claim, and the limits it is held to.
 fn usage_out(
     u: &berth_proc::limits::Usage,
@@ -171,12 +197,13 @@ pub(super) async fn list_runs(
             })?,
         None => LIST_MAX,
     };
-    let runs = ask(&api, |reply| Msg::List {
+    let mut runs = ask(&api, |reply| Msg::List {
         limit,
         ended,
         reply,
     })
     .await?;
+    proc_usage(&mut runs).await;
     Ok(Json(RunList {
         runs: runs.iter().map(|i| run_for(&caller, i)).collect(),
     }))
@@ -213,7 +240,9 @@ pub(super) async fn get_run(
     };
     if wait_s == 0 {
         let info = ask(&api, |reply| Msg::Get { run_id: id, reply }).await?;
-        return Ok(Json(run_for(&caller, &info)).into_response());
+        let mut one = [info];
+        proc_usage(&mut one).await;
+        return Ok(Json(run_for(&caller, &one[0])).into_response());
     }
     let _slot = (api.shared.limits).take(caller.token, crate::limits::Kind::Wait)?;
     let (tx, rx) = oneshot::channel();

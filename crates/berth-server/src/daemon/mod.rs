@@ -98,6 +98,10 @@ pub struct RunInfo {
     pub limits: Option<berth_proc::limits::Limits>,
     /// Issue 36: paused under memory pressure (`--freeze-background`).
     pub frozen: bool,
+    /// Issue 36: a granted run berth made no cgroup for (none on this host): its
+    /// registered processes, whose trees the API reads its use from in `/proc`, off
+    /// this thread (`api::runs::proc_usage`). Empty otherwise.
+    pub roots: Vec<berth_proc::ProcId>,
 }
 
 /// S9: who a request acts for. `Some(uid)`: a uid-bound token below admin, which acts

@@ -27,6 +27,19 @@ impl<H: Host> Daemon<H> {
             }
             _ => BTreeMap::new(),
         };
+        let usage = self.usage_of(&view, extra);
+        let roots = match (extra, &usage) {
+            (Some(e), None) if e.grouped && view.state.holds_claim() => e
+                .processes
+                .iter()
+                .map(|p| berth_proc::ProcId {
+                    pid: p.pid,
+                    start_ticks: p.start_ticks,
+                    boot_id: p.boot_id.clone(),
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         Some(RunInfo {
             ports,
             worktree: extra.and_then(|e| e.worktree.clone()),
@@ -40,7 +53,8 @@ impl<H: Host> Daemon<H> {
             survivors: extra.map(|e| e.survivors.clone()).unwrap_or_default(),
             failure: extra.and_then(|e| e.failure.clone()),
             owner_uid: extra.and_then(|e| e.owner_uid),
-            usage: self.usage_of(&view, extra),
+            usage,
+            roots,
             limits: self.limits_of(&view, extra),
             frozen: self.frozen.runs.contains(&view.run_id),
             view,
