@@ -171,6 +171,7 @@ function seen() {
         run_id: r.dataset.runId,
         fence: text(r, '.fence'),
       })),
+      use: Object.fromEntries(rows('#runs tbody tr[data-run-id]').map((r) => [r.dataset.runId, text(r, '.use')])),
       projects: rows('#projects tbody tr[data-project]').map((r) => r.dataset.project).sort(),
       events: rows('#events li[data-seq]').map((e) => Number(e.dataset.seq)),
       conn: document.getElementById('conn')?.textContent ?? '',
@@ -324,6 +325,29 @@ test('the page shows what the API says: capacity, queue, live runs, projects', (
   );
   assert.deepEqual(s.projects, status.projects.map((p) => p.project).sort(), 'one row per project of /v1/status');
   assert.deepEqual(s.projects, ['api', 'docs', 'web']);
+}, t));
+
+// Issue 36: a live run with a registered process shows its memory use against its claim
+// (from its cgroup, or from /proc where it has none) and its process count.
+test('the live runs show memory use against the claim', (t) => diagnosed(async () => {
+  const proc = spawn('sleep', ['60'], { stdio: 'ignore' });
+  try {
+    const reg = await api('POST', `/v1/runs/${ctx.granted.run_id}/processes`, { fence: ctx.granted.fence, pid: proc.pid });
+    assert.equal(reg.status, 201, `register: ${JSON.stringify(reg.json)}`);
+    const run = await waitFor('the API to tell the run\'s use', 10_000, async () => {
+      const r = await get(`/v1/runs/${ctx.granted.run_id}`);
+      return r.usage && r.usage.processes >= 1 ? r : null;
+    });
+    const claim = run.claim.resources.memory;
+    assert.ok(claim > 0, 'the run claims memory');
+    const cell = await waitFor('the page to show the run\'s memory use', 10_000, async () => {
+      const use = (await seen()).use[ctx.granted.run_id];
+      return use && /procs?$/.test(use) ? use : null;
+    });
+    assert.match(cell, /\/ \d/, `the use is shown against the claim: ${cell}`);
+  } finally {
+    proc.kill('SIGKILL');
+  }
 }, t));
 
 test('the page follows a release: the first waiter goes live, one row stays queued', (t) => diagnosed(async () => {
