@@ -225,3 +225,55 @@ fn under_pressure_the_newest_background_run_is_paused_and_resumed_when_it_falls(
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// A pause is not remembered across a restart: a run paused when the daemon was
+/// killed is resumed at the next start (the pressure has fallen meanwhile), instead of
+/// staying frozen with nobody to thaw it.
+#[test]
+fn a_run_paused_when_the_daemon_died_is_resumed_at_its_next_start() {
+    const TEST: &str = "a_run_paused_when_the_daemon_died_is_resumed_at_its_next_start";
+    if !berth_proc::testing::cgroups(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("memory");
+    psi(&source, "0.00");
+    let mut d = Daemon::start(&[
+        "--freeze-background",
+        "--pressure-source",
+        source.to_str().unwrap(),
+    ]);
+    let beat = dir.path().join("beat");
+    let script = format!(
+        "while :; do date +%s%N > {}; sleep 0.05; done",
+        beat.display()
+    );
+    let mut child = d
+        .cli()
+        .args([
+            "run",
+            "--run-id",
+            "bg",
+            "--project",
+            "bg",
+            "--priority",
+            "background",
+            "--",
+        ])
+        .args(["sh", "-c", &script])
+        .spawn()
+        .unwrap();
+    let frozen = |d: &Daemon| d.get("/v1/runs/bg").body["usage"]["frozen"].as_bool();
+    d.wait_until("the run is grouped", |d| frozen(d) == Some(false));
+    psi(&source, "25.00");
+    d.wait_until("the run is paused", |d| frozen(d) == Some(true));
+    psi(&source, "0.00");
+    d.kill9_and_restart();
+    let at = std::fs::read_to_string(&beat).unwrap();
+    d.wait_until("the run beats again after the restart", |_| {
+        std::fs::read_to_string(&beat).unwrap() != at
+    });
+    assert_eq!(frozen(&d), Some(false));
+    let _ = child.kill();
+    let _ = child.wait();
+}

@@ -55,6 +55,9 @@ pub fn run_out(i: &RunInfo) -> Run {
     }
 }
 
+/// `/proc` scans for runs' use at once, at most (`proc_usage`).
+pub const PROC_SCANS_MAX: usize = 2;
+
 /// Issue 36: the use of granted runs berth made no cgroup for (none on this host), from
 /// their registered processes' trees in `/proc`: read here, on a blocking thread, with
 /// one scan for all of `infos`, never on the daemon's thread.
@@ -68,6 +71,13 @@ pub(super) async fn proc_usage(infos: &mut [RunInfo]) {
     if want.is_empty() {
         return;
     }
+    // A scan of /proc costs milliseconds: however many requests ask at once, at most
+    // `PROC_SCANS_MAX` run, and the rest wait for them (S1: nothing a token holder
+    // sends may take the host's threads).
+    static SCANS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(PROC_SCANS_MAX);
+    let Ok(_turn) = SCANS.acquire().await else {
+        return;
+    };
     let read = tokio::task::spawn_blocking(move || {
         let all = berth_proc::scan().ok()?;
         Some(

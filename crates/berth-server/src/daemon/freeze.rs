@@ -45,6 +45,23 @@ pub fn plan(
 }
 
 impl<H: Host> Daemon<H> {
+    /// At start: a pause is not remembered across a restart, so no run may stay paused
+    /// by the daemon before it (the next samples pause again if the pressure holds).
+    pub(super) fn thaw_restored(&mut self) {
+        if !self.shared.enforcement.policy.freeze_background {
+            return;
+        }
+        let grouped: Vec<String> = self
+            .extras
+            .iter()
+            .filter(|(_, e)| e.grouped)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in grouped {
+            let _ = self.host.freeze(&id, false);
+        }
+    }
+
     /// Carries out this sample's `plan`, if the host asked for it.
     pub(super) fn freeze_background(&mut self, memory_pressure_bp: Option<u32>) {
         if !self.shared.enforcement.policy.freeze_background {

@@ -306,6 +306,7 @@ impl<H: Host> Daemon<H> {
             fleet: super::fleet::FleetState::default(),
         };
         d.repair_workspaces();
+        d.thaw_restored();
         Ok(d)
     }
 
