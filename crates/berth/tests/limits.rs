@@ -233,6 +233,16 @@ fn a_limit_policy_out_of_bounds_is_refused_at_start_naming_the_field() {
     let (status, said) = d.start_fails(&["--swap-max", "lots"]);
     assert!(!status.success());
     assert!(said.contains("swap_max:"), "{said}");
+    // The idle reserve is a smaller reserve, never a larger one (the test daemon's is 1GiB).
+    let (status, said) = d.start_fails(&["--memory-reserve-idle", "2GiB"]);
+    assert!(!status.success());
+    assert!(
+        said.contains("memory_reserve_idle must be <= memory_reserve"),
+        "{said}"
+    );
+    let (status, said) = d.start_fails(&["--cpu-pressure-max", "lots"]);
+    assert!(!status.success());
+    assert!(said.contains("--cpu-pressure-max"), "{said}");
 }
 
 /// A tmpfs, mounted for the test and unmounted after it (even when it fails).

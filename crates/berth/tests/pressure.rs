@@ -167,6 +167,61 @@ fn cpu_and_io_pressure_hold_waiters_back_once_a_limit_is_set() {
     );
 }
 
+/// A daemon with `--freeze-background` on a synthetic pressure source (at 0%), and a
+/// background `berth run` (`bg`) whose shell writes the time to `beat` every 50 ms.
+struct Paused {
+    dir: tempfile::TempDir,
+    source: std::path::PathBuf,
+    d: Daemon,
+    beat: std::path::PathBuf,
+    child: std::process::Child,
+}
+
+impl Paused {
+    fn start() -> Paused {
+        let dir = tempfile::tempdir().unwrap();
+        let source = dir.path().join("memory");
+        psi(&source, "0.00");
+        let d = Daemon::start(&[
+            "--freeze-background",
+            "--pressure-source",
+            source.to_str().unwrap(),
+        ]);
+        let beat = dir.path().join("beat");
+        let script = format!(
+            "while :; do date +%s%N > {}; sleep 0.05; done",
+            beat.display()
+        );
+        let child = d
+            .cli()
+            .args([
+                "run",
+                "--run-id",
+                "bg",
+                "--project",
+                "bg",
+                "--priority",
+                "background",
+                "--",
+            ])
+            .args(["sh", "-c", &script])
+            .spawn()
+            .unwrap();
+        Paused {
+            dir,
+            source,
+            d,
+            beat,
+            child,
+        }
+    }
+}
+
+/// Whether a run is paused, once its status tells its use.
+fn frozen(d: &Daemon, id: &str) -> Option<bool> {
+    d.get(&format!("/v1/runs/{id}")).body["usage"]["frozen"].as_bool()
+}
+
 /// Issue 36 (optional, `--freeze-background`): under memory pressure the newest
 /// background run is paused by `cgroup.freeze` (its processes stop making progress,
 /// its status says `frozen`), and resumed when the pressure falls.
@@ -177,39 +232,17 @@ fn under_pressure_the_newest_background_run_is_paused_and_resumed_when_it_falls(
     if !berth_proc::testing::cgroups(TEST) {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("memory");
-    psi(&source, "0.00");
-    let d = Daemon::start(&[
-        "--freeze-background",
-        "--pressure-source",
-        source.to_str().unwrap(),
-    ]);
-    let beat = dir.path().join("beat");
-    let script = format!(
-        "while :; do date +%s%N > {}; sleep 0.05; done",
-        beat.display()
-    );
-    let mut child = d
-        .cli()
-        .args([
-            "run",
-            "--run-id",
-            "bg",
-            "--project",
-            "bg",
-            "--priority",
-            "background",
-            "--",
-        ])
-        .args(["sh", "-c", &script])
-        .spawn()
-        .unwrap();
-    let frozen = |d: &Daemon| d.get("/v1/runs/bg").body["usage"]["frozen"].as_bool();
+    let Paused {
+        dir: _dir,
+        source,
+        d,
+        beat,
+        mut child,
+    } = Paused::start();
     d.wait_until("the run beats", |_| beat.exists());
-    d.wait_until("the run is grouped", |d| frozen(d) == Some(false));
+    d.wait_until("the run is grouped", |d| frozen(d, "bg") == Some(false));
     psi(&source, "25.00");
-    d.wait_until("the run is paused", |d| frozen(d) == Some(true));
+    d.wait_until("the run is paused", |d| frozen(d, "bg") == Some(true));
     let at = std::fs::read_to_string(&beat).unwrap();
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(
@@ -218,7 +251,7 @@ fn under_pressure_the_newest_background_run_is_paused_and_resumed_when_it_falls(
         "a paused run made progress"
     );
     psi(&source, "0.00");
-    d.wait_until("the run is resumed", |d| frozen(d) == Some(false));
+    d.wait_until("the run is resumed", |d| frozen(d, "bg") == Some(false));
     d.wait_until("the run beats again", |_| {
         std::fs::read_to_string(&beat).unwrap() != at
     });
@@ -235,45 +268,23 @@ fn a_run_paused_when_the_daemon_died_is_resumed_at_its_next_start() {
     if !berth_proc::testing::cgroups(TEST) {
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
-    let source = dir.path().join("memory");
-    psi(&source, "0.00");
-    let mut d = Daemon::start(&[
-        "--freeze-background",
-        "--pressure-source",
-        source.to_str().unwrap(),
-    ]);
-    let beat = dir.path().join("beat");
-    let script = format!(
-        "while :; do date +%s%N > {}; sleep 0.05; done",
-        beat.display()
-    );
-    let mut child = d
-        .cli()
-        .args([
-            "run",
-            "--run-id",
-            "bg",
-            "--project",
-            "bg",
-            "--priority",
-            "background",
-            "--",
-        ])
-        .args(["sh", "-c", &script])
-        .spawn()
-        .unwrap();
-    let frozen = |d: &Daemon| d.get("/v1/runs/bg").body["usage"]["frozen"].as_bool();
-    d.wait_until("the run is grouped", |d| frozen(d) == Some(false));
+    let Paused {
+        dir: _dir,
+        source,
+        mut d,
+        beat,
+        mut child,
+    } = Paused::start();
+    d.wait_until("the run is grouped", |d| frozen(d, "bg") == Some(false));
     psi(&source, "25.00");
-    d.wait_until("the run is paused", |d| frozen(d) == Some(true));
+    d.wait_until("the run is paused", |d| frozen(d, "bg") == Some(true));
     psi(&source, "0.00");
     d.kill9_and_restart();
     let at = std::fs::read_to_string(&beat).unwrap();
     d.wait_until("the run beats again after the restart", |_| {
         std::fs::read_to_string(&beat).unwrap() != at
     });
-    assert_eq!(frozen(&d), Some(false));
+    assert_eq!(frozen(&d, "bg"), Some(false));
     let _ = child.kill();
     let _ = child.wait();
 }
