@@ -32,6 +32,10 @@ pub const CHECKS: &[(&str, Check)] = &[
         fence_counter_never_goes_back,
     ),
     (
+        "the_fence_counter_outlives_the_rows_that_carried_it",
+        the_fence_counter_outlives_the_rows_that_carried_it,
+    ),
+    (
         "ended_runs_are_bounded_on_load",
         ended_runs_are_bounded_on_load,
     ),
@@ -220,6 +224,36 @@ pub fn fence_counter_never_goes_back(open: Open) {
     s.write(&[&batch(12, vec![]), &batch(41, vec![]), &batch(7, vec![])])
         .unwrap();
     assert_eq!(open().load(10).unwrap().last_fence, 41);
+}
+
+/// L1 (issue 37): a commit whose run carries the fence need not write the counter on
+/// its own, so the counter must outlive the rows that carried it: a run replaced by a
+/// new run of its id, and a run pruned, leave the fence where it was.
+pub fn the_fence_counter_outlives_the_rows_that_carried_it(open: Open) {
+    let mut s = open();
+    let mut top = sample_run("top", 1, RunState::Released);
+    top.ports.clear();
+    let fence = top.fence.expect("a granted run's fence");
+    s.write(&[&batch(fence, vec![top])]).unwrap();
+    assert_eq!(open().load(10).unwrap().last_fence, fence);
+    // A new run of the same id, queued (no fence of its own), replaces the ended one.
+    let again = sample_run("top", 2, RunState::Queued);
+    s.write(&[&batch(0, vec![again])]).unwrap();
+    let l = open().load(10).unwrap();
+    assert_eq!((l.runs.len(), l.last_fence), (1, fence), "{:?}", l.runs);
+    // A run with a higher fence, ended, then pruned with everything ended.
+    let mut higher = sample_run("higher", 3, RunState::Released);
+    higher.ports.clear();
+    let fence = higher.fence.expect("a granted run's fence");
+    s.write(&[&batch(fence, vec![higher])]).unwrap();
+    let forget_all = Retention {
+        ended_max: 0,
+        ended_age_ms: 0,
+        journal_hold: None,
+    };
+    assert_eq!(s.prune(&forget_all, 1_900_000_000_000, 100).unwrap(), 1);
+    let l = open().load(10).unwrap();
+    assert_eq!((l.runs.len(), l.last_fence), (1, fence), "{:?}", l.runs);
 }
 
 pub fn ended_runs_are_bounded_on_load(open: Open) {

@@ -294,3 +294,75 @@ fn a_corrupt_run_budget_refuses_to_load() {
         other => panic!("expected a refusal, got {:?}", other.map(|_| ())),
     }
 }
+
+/// WAL frames (pages) a commit of `batch` adds to the ledger at `path`.
+fn frames_of(store: &mut SqliteStore, path: &Path, batch: &Batch) -> u64 {
+    let wal = path.with_file_name("ledger.db-wal");
+    let size = || std::fs::metadata(&wal).map_or(0, |m| m.len());
+    let before = size();
+    store.write(&[batch]).unwrap();
+    // A frame is a 24-byte header and a 4096-byte page.
+    (size() - before) / (24 + 4096)
+}
+
+/// Issue 37 (a lean ledger record): a lease's release writes three pages (the run's
+/// row, the queue-order index, the journal's chunk) and its grant four (and the run-id
+/// index). The fence counter in `meta` was one more page of every commit, though the
+/// granted run's own row already carries its fence (the counter is the higher of both).
+#[test]
+fn a_lifecycle_writes_no_page_for_the_fence_counter() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger.db");
+    let mut store = SqliteStore::open_exclusive(&path).unwrap();
+    store.load(10).unwrap();
+    let journal = |seq: u64, kind: &str, id: &str| {
+        berth_store::Mutation::Journal(std::sync::Arc::new(berth_store::JournalEntry {
+            seq,
+            kind: kind.into(),
+            run_id: Some(id.into()),
+            project: Some("bench-1".into()),
+            line: format!("{{\"seq\":{seq},\"kind\":\"{kind}\",\"run_id\":\"{id}\"}}"),
+        }))
+    };
+    let mut seq = 0;
+    let mut frames = Vec::new();
+    // Enough lifecycles that the tables have grown past their first pages, and few
+    // enough that the WAL is not checkpointed (at 1,000 pages) and written over.
+    for i in 1..=100u64 {
+        let id = format!("c0-{i}");
+        let mut run = sample_run(&id, i, RunState::Granted);
+        run.processes.clear();
+        run.ports.clear();
+        let fence = run.fence.unwrap();
+        let mut grant = Batch::runs(fence, vec![run.clone()]);
+        seq += 1;
+        grant.push(journal(seq, "granted", &id));
+        let granted = frames_of(&mut store, &path, &grant);
+        run.state = RunState::Released;
+        run.end_cause = Some(berth_core::EndCause::Released);
+        let mut release = Batch::runs(fence, vec![run]);
+        seq += 1;
+        release.push(journal(seq, "released", &id));
+        frames.push((granted, frames_of(&mut store, &path, &release)));
+    }
+    // The typical commit (a page split now and then adds one or two).
+    let typical = |pick: fn(&(u64, u64)) -> u64| {
+        let mut v: Vec<u64> = frames[50..].iter().map(pick).collect();
+        v.sort();
+        v[v.len() / 2]
+    };
+    let (grant, release) = (typical(|f| f.0), typical(|f| f.1));
+    eprintln!("pages per commit: grant {grant}, release {release}");
+    assert!(
+        grant <= 4 && release <= 3,
+        "pages per commit, median of the last 50 lifecycles: grant {grant}, release {release}"
+    );
+    // The counter is still the last fence, on a reopen.
+    drop(store);
+    let last = SqliteStore::open(&path)
+        .unwrap()
+        .load(10)
+        .unwrap()
+        .last_fence;
+    assert_eq!(last, 200);
+}

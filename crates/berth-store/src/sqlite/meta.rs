@@ -21,6 +21,42 @@ pub(super) fn load_meta(c: &Connection) -> Result<(u64, Option<String>), StoreEr
     Ok((last_fence, boot_id))
 }
 
+/// L1: moves the fence counter in `meta` up to `fence`, never down, whatever order
+/// batches arrive in.
+pub(super) fn raise_fence(tx: &rusqlite::Transaction, fence: u64) -> rusqlite::Result<()> {
+    tx.prepare_cached(
+        "UPDATE meta SET value = CAST(MAX(CAST(value AS INTEGER), ?1) AS TEXT)
+         WHERE key = 'last_fence'",
+    )?
+    .execute(params![fence.min(i64::MAX as u64) as i64])?;
+    Ok(())
+}
+
+/// L1: before run rows leave the table (`which` selects them by `run_id`, with `?1` and
+/// `?2` bound to `args`), the counter is raised to the highest fence among them: a
+/// commit whose rows carried its fence did not write it to `meta`.
+pub(super) fn keep_fence_of(
+    tx: &rusqlite::Transaction,
+    which: &str,
+    args: impl rusqlite::Params,
+) -> rusqlite::Result<()> {
+    let highest: Option<i64> = tx
+        .prepare_cached(&format!("SELECT MAX(fence) FROM runs WHERE {which}"))?
+        .query_row(args, |r| r.get(0))?;
+    match highest {
+        Some(f) if f > 0 => raise_fence(tx, f as u64),
+        _ => Ok(()),
+    }
+}
+
+/// The highest fence any run row carries (0: none).
+pub(super) fn fence_on_rows(c: &Connection) -> Result<u64, StoreError> {
+    let highest: Option<i64> = c
+        .query_row("SELECT MAX(fence) FROM runs", [], |r| r.get(0))
+        .map_err(corrupt)?;
+    Ok(highest.map_or(0, |f| f.max(0) as u64))
+}
+
 /// The API tokens: (hash, grant as text).
 pub(super) fn load_tokens(c: &Connection) -> Result<Vec<(String, String)>, StoreError> {
     let mut stmt = c

@@ -188,14 +188,10 @@ impl Store for SqliteStore {
         let mut runs = load_runs(c, ended_max)?;
         load_processes(c, &mut runs, ended_max)?;
         load_ports(c, &mut runs)?;
-        // L1: no fence issued may exceed the counter; if it does the ledger is damaged.
-        if let Some(max) = runs.iter().filter_map(|r| r.fence).max() {
-            if max > last_fence {
-                return Err(StoreError::Corrupt(format!(
-                    "run fence {max} is above the fence counter {last_fence}"
-                )));
-            }
-        }
+        // L1: the counter is the highest fence in `meta` or on any run row (a commit
+        // whose runs carry its fence leaves `meta` alone; a row leaving the table
+        // raises `meta` to its fence first).
+        let last_fence = last_fence.max(fence_on_rows(c)?);
         Ok(Ledger {
             threads: load_threads(c)?,
             scopes: load_scopes(c)?,
@@ -217,6 +213,10 @@ impl Store for SqliteStore {
             .map_err(write_err)?;
         let now_ms = unix_ms();
         let mut fence = 0u64;
+        // The highest fence a run row written here carries: the counter in `meta` is
+        // rewritten only when the batches' fence is above it (issue 37: that row was a
+        // page of every commit, and the fence is almost always a granted run's own).
+        let mut carried = 0u64;
         // Prepared once per transaction: a group carries thousands of runs.
         let mut upsert = tx.prepare_cached(UPSERT).map_err(write_err)?;
         let mut add_process = tx.prepare_cached(ADD_PROCESS).map_err(write_err)?;
@@ -231,6 +231,7 @@ impl Store for SqliteStore {
                             continue;
                         }
                     }
+                    carried = carried.max(r.fence.unwrap_or(0));
                     write_ports(&tx, r)?;
                 }
                 Mutation::Evidence { project, evidence } => {
@@ -269,13 +270,9 @@ impl Store for SqliteStore {
         }
         drop((upsert, add_process));
         chunk.write(&tx, now_ms)?;
-        // L1: the counter only ever moves up, whatever order batches arrive in.
-        tx.prepare_cached(
-            "UPDATE meta SET value = CAST(MAX(CAST(value AS INTEGER), ?1) AS TEXT)
-             WHERE key = 'last_fence'",
-        )
-        .and_then(|mut s| s.execute(params![fence as i64]))
-        .map_err(write_err)?;
+        if fence > carried {
+            raise_fence(&tx, fence).map_err(write_err)?;
+        }
         tx.commit().map_err(write_err)
     }
 

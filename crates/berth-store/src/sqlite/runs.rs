@@ -194,6 +194,12 @@ pub(super) fn replace_ended(tx: &rusqlite::Transaction, r: &RunRecord) -> Result
     )
     .and_then(|mut s| s.execute(params![id, seq]))
     .map_err(write_err)?;
+    keep_fence_of(
+        tx,
+        "run_id = ?1 AND terminal = 1 AND queue_seq <> ?2",
+        params![id, seq],
+    )
+    .map_err(write_err)?;
     tx.prepare_cached("DELETE FROM runs WHERE run_id = ?1 AND terminal = 1 AND queue_seq <> ?2")
         .and_then(|mut s| s.execute(params![id, seq]))
         .map_err(write_err)?;
@@ -380,6 +386,7 @@ pub(super) fn prune_in(
         .execute([])?;
     tx.prepare_cached("DELETE FROM ports WHERE run_id IN (SELECT run_id FROM temp.doomed)")?
         .execute([])?;
+    keep_fence_of(tx, "run_id IN (SELECT run_id FROM temp.doomed)", [])?;
     tx.prepare_cached(
         // By the primary key. (With `terminal = 1` too, SQLite walked every ended row
         // through the terminal index and tested each: 16 ms a prune at 60,000 rows.)
