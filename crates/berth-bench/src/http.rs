@@ -61,11 +61,10 @@ pub fn config(state: &std::path::Path, group_commit: bool) -> berth_server::Serv
     }
 }
 
-/// The runtime an embedded daemon runs on in the benchmarks: two workers, one per core
-/// of the machine they are measured on.
+/// The runtime an embedded daemon runs on in the benchmarks: `berth serve`'s.
 pub fn daemon_runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(berth_server::SERVE_WORKERS)
         .enable_all()
         .build()
         .unwrap()

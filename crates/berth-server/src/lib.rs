@@ -146,6 +146,13 @@ impl Fatal {
 /// Messages in flight to the daemon at most; handlers wait beyond it.
 pub const INBOX_MAX: usize = 16_384;
 
+/// The runtime workers `berth serve` runs its connections and the daemon's task on:
+/// one, so neither a request nor its answer waits for another worker to wake (issue
+/// 37: at 64 clients one worker did 10,800–12,400 lifecycles/s where two workers and a
+/// daemon thread did 9,600–9,900). The disk has its own thread (the ledger's), and
+/// so do the stopper and the workspace pool.
+pub const SERVE_WORKERS: usize = 1;
+
 /// A running daemon: its address and a way to stop it.
 pub struct Running {
     pub addr: SocketAddr,
@@ -310,12 +317,16 @@ fn spawn_writer(cfg: &ServeConfig, store: SqliteStore, shared: &Arc<daemon::Shar
     )
 }
 
-/// Starts the daemon (the one owner of the engine and the writer) on a thread of
-/// its own and returns the API's handle to it, and what resolves once it has ended.
+/// Starts the daemon (the one owner of the engine and the writer) as a task on the
+/// caller's runtime and returns the API's handle to it, and what resolves once it has
+/// ended.
 ///
-/// Its own thread, not a tokio worker: the task does blocking work (a `/proc` scan when
-/// a process registers, cgroup files, renaming workspaces), and on a worker that work
-/// would stall every connection that worker serves.
+/// On the same thread as the connections (`berth serve` runs one worker,
+/// `SERVE_WORKERS`), not a thread of its own (issue 37): a request then crosses no
+/// thread boundary on its way to the daemon and one (the ledger's answer) on its way
+/// back, where a thread of its own cost two more wake-ups per request. The daemon's
+/// blocking work is short (a workspace rename, cgroup files); the long kind (a
+/// registration's `/proc` reads) is done off it (`register_off_task`).
 fn spawn_state(
     cfg: &ServeConfig,
     (mut st, shell): (daemon::Daemon<daemon::RealHost>, daemon::Shell),
@@ -357,17 +368,11 @@ fn spawn_state(
         disk: cfg.sample_memory.then(|| cfg.state_dir.join("runs")),
     };
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-    std::thread::Builder::new()
-        .name("berth-state".into())
-        .spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_time()
-                .build()
-                .expect("the daemon's runtime");
-            let probe = CommitProbe(commits);
-            rt.block_on(daemon::run(st, shell, rx, tick_ms, sample, Some(probe)));
-            let _ = done_tx.send(());
-        })?;
+    tokio::spawn(async move {
+        let probe = CommitProbe(commits);
+        daemon::run(st, shell, rx, tick_ms, sample, Some(probe)).await;
+        let _ = done_tx.send(());
+    });
     Ok((api, done_rx))
 }
 
@@ -582,7 +587,7 @@ async fn serve_until_stopped(
     http::serve(listener, app, http::connection_budget(), shutdown).await;
     // The router (and every sender) is gone: the daemon drains and closes
     // the writer, which makes everything acknowledged durable.
-    // Dropped without a word: the state thread panicked (its message is in the log).
+    // Dropped without a word: the daemon's task panicked (its message is in the log).
     if state_done.await.is_err() {
         bail!("stopped: the daemon ended unexpectedly");
     }

@@ -948,6 +948,7 @@ pub fn main(a: ServeArgs) -> anyhow::Result<u8> {
         return Ok(0);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(berth_server::SERVE_WORKERS)
         .enable_all()
         .build()?;
     let served = rt.block_on(async move {
