@@ -35,7 +35,7 @@ pub struct Pool {
     pub(super) trash_fd: OwnedFd,
     pub(super) shared: Arc<Shared>,
     pub(super) wake: mpsc::Sender<()>,
-    pub(super) next: AtomicU64,
+    pub(super) next: Arc<AtomicU64>,
     pub diagnostics: Arc<DiagnosticsCounters>,
 }
 
@@ -46,6 +46,70 @@ pub(super) struct Shared {
     pub(super) ready: Mutex<VecDeque<Pooled>>,
     /// Released into `runs/.pool`, not judged yet.
     pub(super) released: Mutex<Vec<Pooled>>,
+    /// Released, their identity checked, still at their run's name in `runs/`: the
+    /// pool thread moves them into `runs/.pool` (issue 37: the move was a quarter of
+    /// the request thread's CPU at 64 clients), or a grant to the same name first.
+    pub(super) leaving: Mutex<Vec<Leaving>>,
+}
+
+/// A released workspace still at its run's name.
+#[derive(Debug)]
+pub(super) struct Leaving {
+    pub(super) name: String,
+    pub(super) ident: Ident,
+    pub(super) run_id: String,
+}
+
+/// The directories a move aside goes between, and the counter that names entries.
+pub(super) struct Dirs<'a> {
+    pub(super) runs: &'a OwnedFd,
+    pub(super) pool: &'a OwnedFd,
+    pub(super) trash: &'a OwnedFd,
+    pub(super) next: &'a AtomicU64,
+}
+
+impl Dirs<'_> {
+    /// Moves the released workspace `l` from its run's name into `runs/.pool`, under a
+    /// name that carries `run_id` (so an archive of its logs is named after the run,
+    /// even after a crash). The entry moved must be the one whose identity the release
+    /// checked; if something swapped it in between, it goes to the trash untouched (the
+    /// pool thread skips `swapped-`) and is reported. `None`: nothing to judge.
+    pub(super) fn move_aside(&self, l: Leaving) -> Option<Pooled> {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        let aside = match run_id_name(&l.run_id) {
+            Some(id) => format!("{}-r{n}{RUN_SEP}{id}", l.name),
+            None => format!("{}-r{n}", l.name),
+        };
+        match fs::renameat(self.runs, l.name.as_str(), self.pool, aside.as_str()) {
+            Ok(()) => {}
+            // Gone already (taken away by hand): nothing to recycle.
+            Err(Errno::NOENT) => return None,
+            Err(e) => {
+                tracing::warn!(
+                    run_id = l.run_id,
+                    "workspace {}: move aside: {e}; left for the next start",
+                    l.name
+                );
+                return None;
+            }
+        }
+        match fs::statat(self.pool, aside.as_str(), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) if (st.st_dev, st.st_ino) == l.ident => Some(Pooled {
+                name: aside,
+                ident: l.ident,
+            }),
+            _ => {
+                tracing::error!(
+                    run_id = l.run_id,
+                    "workspace {} was swapped after its release was checked: moved to the trash untouched, never removed",
+                    l.name
+                );
+                let swapped = format!("swapped-{aside}");
+                let _ = fs::renameat(self.pool, aside.as_str(), self.trash, swapped.as_str());
+                None
+            }
+        }
+    }
 }
 
 /// A workspace directory in `runs/.pool` and its identity.
@@ -98,7 +162,10 @@ impl Pool {
         let counters = Arc::new(DiagnosticsCounters::default());
         let (wake, rx) = mpsc::channel::<()>();
         let (pool_fd, trash_fd) = (dir_fd(&pool_dir)?, dir_fd(&trash_dir)?);
+        let next = Arc::new(AtomicU64::new(0));
         let worker = Worker {
+            runs_fd: dir_fd(runs_dir)?,
+            next: next.clone(),
             pool_mount: walk::stat_fd(&pool_fd)?.mount(),
             trash_mount: walk::stat_fd(&trash_fd)?.mount(),
             pool_fd,
@@ -128,7 +195,7 @@ impl Pool {
             diagnostics: counters,
             shared,
             wake,
-            next: AtomicU64::new(0),
+            next,
         })
     }
 
@@ -136,6 +203,17 @@ impl Pool {
     pub fn create(&self, run_id: &str) -> Result<WorkspaceIdentity, WorkspaceError> {
         let name = dir_name(run_id);
         let path = self.runs_dir.join(&name);
+        // A run of the same id released a moment ago: its workspace leaves first.
+        let earlier = {
+            let mut leaving = self.shared.leaving.lock().unwrap();
+            let at = leaving.iter().position(|l| l.name == name);
+            at.map(|i| leaving.swap_remove(i))
+        };
+        if let Some(l) = earlier {
+            if let Some(p) = self.dirs().move_aside(l) {
+                self.shared.released.lock().unwrap().push(p);
+            }
+        }
         let (taken, low) = {
             let mut ready = self.shared.ready.lock().unwrap();
             (ready.pop_front(), ready.len() < POOL_TARGET / 2)
@@ -208,9 +286,11 @@ impl Pool {
         swept
     }
 
-    /// Checks the workspace's identity, then moves it into the pool to be judged by the
-    /// background thread. Its name there carries `run_id`, so that if its logs are
-    /// archived, the archive is named after the run (see `RUN_SEP`), even after a crash.
+    /// Checks the workspace's identity (W1: a swapped one is refused here, and its run
+    /// degrades), then leaves it to the pool thread, which moves it into the pool to be
+    /// judged (`Dirs::move_aside`; checked again after the move). Not moved here: a
+    /// release costs one `stat` on the request's thread, not a rename. A crash before
+    /// the move leaves it at its run's name, which the next start sweeps to the trash.
     pub fn remove(&self, ws: &WorkspaceIdentity, run_id: &str) -> Result<(), WorkspaceError> {
         let path = PathBuf::from(&ws.path);
         let (parent_path, name) = split(ws, &path)?;
@@ -228,37 +308,29 @@ impl Pool {
             Ok(st) if (st.st_dev, st.st_ino) != ident => return Err(swapped()),
             Ok(_) => {}
         }
-        let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let aside = match run_id_name(run_id) {
-            Some(id) => format!("{name}-r{n}{RUN_SEP}{id}"),
-            None => format!("{name}-r{n}"),
-        };
-        fs::renameat(&self.runs_fd, name, &self.pool_fd, aside.as_str())
-            .map_err(io(&path, "move aside"))?;
-        // The entry moved must be the one just checked; if something swapped it in
-        // between, it goes to the trash untouched (the thread skips `swapped-`), reported.
-        let st = fs::statat(&self.pool_fd, aside.as_str(), AtFlags::SYMLINK_NOFOLLOW)
-            .map_err(io(&path, "stat"))?;
-        if (st.st_dev, st.st_ino) != ident {
-            let _ = fs::renameat(
-                &self.pool_fd,
-                aside.as_str(),
-                &self.trash_fd,
-                format!("swapped-{aside}").as_str(),
-            );
-            return Err(swapped());
-        }
-        self.shared
-            .released
-            .lock()
-            .unwrap()
-            .push(Pooled { name: aside, ident });
+        self.shared.leaving.lock().unwrap().push(Leaving {
+            name: name.to_string(),
+            ident,
+            run_id: run_id.to_string(),
+        });
         Ok(())
+    }
+
+    pub(super) fn dirs(&self) -> Dirs<'_> {
+        Dirs {
+            runs: &self.runs_fd,
+            pool: &self.pool_fd,
+            trash: &self.trash_fd,
+            next: &self.next,
+        }
     }
 }
 
-/// The pool thread: judges releases, scrubs the trash, refills.
+/// The pool thread: moves releases aside, judges them, scrubs the trash, refills.
 pub(super) struct Worker {
+    runs_fd: OwnedFd,
+    /// Names entries moved aside (shared with `Pool`, which moves some itself).
+    next: Arc<AtomicU64>,
     pool_fd: OwnedFd,
     /// The mount of `runs/.pool`: every pooled workspace's subdirectories must be on it.
     pool_mount: walk::Mount,
@@ -314,6 +386,7 @@ impl Worker {
             // Releases first, events second: a run's changes were queued before its
             // release was, so reading the queue after taking a release sees them all.
             // (Every round reads it, so one busy run cannot fill the kernel's queue.)
+            self.move_leaving();
             let released = std::mem::take(&mut *self.shared.released.lock().unwrap());
             let dirtied = self.watcher.drain();
             if !dirtied.is_empty() {
@@ -353,6 +426,25 @@ impl Worker {
             }
             self.refill();
         }
+    }
+
+    /// Moves the released workspaces still at their runs' names into the pool.
+    fn move_leaving(&mut self) {
+        let leaving = std::mem::take(&mut *self.shared.leaving.lock().unwrap());
+        if leaving.is_empty() {
+            return;
+        }
+        let dirs = Dirs {
+            runs: &self.runs_fd,
+            pool: &self.pool_fd,
+            trash: &self.trash_fd,
+            next: &self.next,
+        };
+        let moved: Vec<Pooled> = leaving
+            .into_iter()
+            .filter_map(|l| dirs.move_aside(l))
+            .collect();
+        self.shared.released.lock().unwrap().extend(moved);
     }
 
     fn pooled(&self) -> usize {

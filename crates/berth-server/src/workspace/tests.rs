@@ -23,7 +23,8 @@ fn the_pool_hands_out_clean_workspaces_and_recycles_only_clean_ones() {
     }
     std::fs::write(pa.join("out/secret"), b"x").unwrap();
     pool.remove(&a, "a").unwrap();
-    assert!(!pa.exists());
+    // Moved aside by the pool thread, not by the release (issue 37).
+    until("a moved aside", || !pa.exists());
     // A dirty workspace is never handed out again: every later one is empty.
     for i in 0..(2 * POOL_TARGET) {
         let w = pool.create(&format!("b{i}")).unwrap();
@@ -47,6 +48,12 @@ fn the_pool_hands_out_clean_workspaces_and_recycles_only_clean_ones() {
         Err(WorkspaceError::Swapped { .. })
     ));
     assert!(pc.exists());
+}
+
+/// Every release moved aside and judged by the pool thread.
+fn settled(pool: &Pool) -> bool {
+    pool.shared.leaving.lock().unwrap().is_empty()
+        && pool.shared.released.lock().unwrap().is_empty()
 }
 
 /// Waits until `f` holds, at most 10 s.
@@ -106,14 +113,10 @@ fn an_untouched_workspace_is_recycled_without_a_scan() {
         pool.remove(&w, &format!("u{i}")).unwrap();
         // Give the thread a chance to judge, so the pool never runs dry here.
         if i % 16 == 15 {
-            until("releases judged", || {
-                pool.shared.released.lock().unwrap().is_empty()
-            });
+            until("releases judged", || settled(&pool));
         }
     }
-    until("releases judged", || {
-        pool.shared.released.lock().unwrap().is_empty()
-    });
+    until("releases judged", || settled(&pool));
     // Nothing took the slow path, and no new inodes were needed: every run got one
     // of the first pool's workspaces back.
     assert_eq!(scrubbed(&pool), 0);
@@ -390,7 +393,7 @@ fn finding_1_depth_10000_nesting_is_removed_without_recursion() {
         pool.remove(&x, &format!("after{i}")).unwrap();
     }
     until("after-runs scrubbed", || {
-        pool.shared.released.lock().unwrap().is_empty() && trash_is_empty(&runs)
+        settled(&pool) && trash_is_empty(&runs)
     });
 }
 
@@ -602,9 +605,7 @@ fn bind_mount_over_out_is_neither_recycled_nor_scrubbed() {
     }
     let before = scrubbed(&pool);
     pool.remove(&w, "mounted").unwrap();
-    until("the release is judged", || {
-        pool.shared.released.lock().unwrap().is_empty()
-    });
+    until("the release is judged", || settled(&pool));
     // Never handed out again while mounted: more than the pool holds, all pristine.
     let all: Vec<_> = (0..(POOL_MAX + 8))
         .map(|i| pool.create(&format!("other{i}")).unwrap())
@@ -915,4 +916,58 @@ fn create_then_remove_and_refuse_a_swapped_directory() {
 fn dir_name_is_the_first_half_of_the_run_ids_sha256() {
     assert_eq!(dir_name("a"), "ca978112ca1bbdcafac231b39a23dc4d");
     assert_eq!(dir_name(""), "e3b0c44298fc1c149afbf4c8996fb924");
+}
+
+/// Issue 37: a release checks the workspace's identity and leaves the move to the
+/// pool thread. A workspace swapped after that check is moved to the trash untouched
+/// (never opened, never removed) and is not recycled.
+#[test]
+fn a_workspace_swapped_after_its_release_was_checked_is_moved_to_the_trash_untouched() {
+    let state = tempfile::tempdir().unwrap();
+    let runs = ensure_runs_dir(state.path()).unwrap();
+    let pool = full_pool(&runs);
+    let w = pool.create("late-swap").unwrap();
+    let p = PathBuf::from(&w.path);
+    // The release's check passed (as `Pool::remove` does); then the swap.
+    std::fs::rename(&p, runs.join("aside")).unwrap();
+    std::fs::create_dir(&p).unwrap();
+    std::fs::write(p.join("keep"), b"keep").unwrap();
+    let l = Leaving {
+        name: dir_name("late-swap"),
+        ident: (w.dev, w.ino),
+        run_id: "late-swap".into(),
+    };
+    assert!(
+        pool.dirs().move_aside(l).is_none(),
+        "a swapped entry was recycled"
+    );
+    let trash: Vec<String> = std::fs::read_dir(runs.join(".trash"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let swapped = trash
+        .iter()
+        .find(|n| n.starts_with("swapped-"))
+        .expect("in the trash");
+    let kept = runs.join(".trash").join(swapped).join("keep");
+    assert_eq!(std::fs::read(kept).unwrap(), b"keep");
+    assert!(!p.exists());
+}
+
+/// Issue 37: a run granted under the id of a run released a moment ago gets a fresh
+/// workspace, though the released one may still be at that name waiting for the pool
+/// thread: it is moved aside first.
+#[test]
+fn a_run_id_granted_again_right_after_its_release_gets_a_fresh_workspace() {
+    let state = tempfile::tempdir().unwrap();
+    let runs = ensure_runs_dir(state.path()).unwrap();
+    let pool = full_pool(&runs);
+    for i in 0..64 {
+        let w = pool.create("again").unwrap();
+        assert_pristine(&w, &format!("again {i}"));
+        std::fs::write(Path::new(&w.path).join("out/x"), b"x").unwrap();
+        pool.remove(&w, "again").unwrap();
+    }
+    until("settled", || settled(&pool));
+    assert!(!runs.join(dir_name("again")).exists());
 }
