@@ -147,10 +147,10 @@ impl Fatal {
 pub const INBOX_MAX: usize = 16_384;
 
 /// The runtime workers `berth serve` runs its connections and the daemon's task on:
-/// one, so neither a request nor its answer waits for another worker to wake (issue
-/// 37: at 64 clients one worker did 10,800–12,400 lifecycles/s where two workers and a
-/// daemon thread did 9,600–9,900). The disk has its own thread (the ledger's), and
-/// so do the stopper and the workspace pool.
+/// one, so neither a request nor its answer waits for another thread to wake (issue
+/// 37: one client +7–23% lifecycles/s; 64 clients within the machine's drift; the
+/// figures are in ARCHITECTURE.md). The disk has its own thread (the ledger's), and so
+/// do the stopper and the workspace pool.
 pub const SERVE_WORKERS: usize = 1;
 
 /// A running daemon: its address and a way to stop it.

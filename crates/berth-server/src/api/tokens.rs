@@ -1,12 +1,15 @@
 //! Tokens (S9): made, listed and revoked by an admin. Only hashes are kept; a token's
 //! public name is its id, the first 16 hex digits of its hash.
 
-use axum::extract::{Path, State as AxState};
+use axum::extract::State as AxState;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use berth_client::wire::{TokenCreated, TokenInfo, TokenList, TokenRequest};
 
+// A non-UTF-8 id is a JSON `400` naming `id`, not axum's plain text (found by the
+// long-form HTTP fuzz).
+use super::ParamPath as Path;
 use super::{ask, json_body, Api, ApiError, Body, Caller};
 use crate::auth::{self, Grant, Scope};
 use crate::daemon::Msg;
