@@ -203,16 +203,15 @@ impl Pool {
     pub fn create(&self, run_id: &str) -> Result<WorkspaceIdentity, WorkspaceError> {
         let name = dir_name(run_id);
         let path = self.runs_dir.join(&name);
-        // A run of the same id released a moment ago: its workspace leaves first.
-        let earlier = {
+        // A run of the same id released a moment ago: its workspace leaves first (with
+        // the list locked, so the pool thread is not halfway through moving it).
+        let moved = {
             let mut leaving = self.shared.leaving.lock().unwrap();
             let at = leaving.iter().position(|l| l.name == name);
-            at.map(|i| leaving.swap_remove(i))
+            at.and_then(|i| self.dirs().move_aside(leaving.swap_remove(i)))
         };
-        if let Some(l) = earlier {
-            if let Some(p) = self.dirs().move_aside(l) {
-                self.shared.released.lock().unwrap().push(p);
-            }
+        if let Some(p) = moved {
+            self.shared.released.lock().unwrap().push(p);
         }
         let (taken, low) = {
             let mut ready = self.shared.ready.lock().unwrap();
@@ -428,23 +427,27 @@ impl Worker {
         }
     }
 
-    /// Moves the released workspaces still at their runs' names into the pool.
+    /// Moves the released workspaces still at their runs' names into the pool, one at
+    /// a time with the list locked: a grant to the same name (`Pool::create`) then
+    /// finds each either still listed (and moves it itself) or gone from its name,
+    /// never taken off the list and not yet moved.
     fn move_leaving(&mut self) {
-        let leaving = std::mem::take(&mut *self.shared.leaving.lock().unwrap());
-        if leaving.is_empty() {
-            return;
-        }
         let dirs = Dirs {
             runs: &self.runs_fd,
             pool: &self.pool_fd,
             trash: &self.trash_fd,
             next: &self.next,
         };
-        let moved: Vec<Pooled> = leaving
-            .into_iter()
-            .filter_map(|l| dirs.move_aside(l))
-            .collect();
-        self.shared.released.lock().unwrap().extend(moved);
+        loop {
+            let moved = {
+                let mut leaving = self.shared.leaving.lock().unwrap();
+                let Some(l) = leaving.pop() else { return };
+                dirs.move_aside(l)
+            };
+            if let Some(p) = moved {
+                self.shared.released.lock().unwrap().push(p);
+            }
+        }
     }
 
     fn pooled(&self) -> usize {
