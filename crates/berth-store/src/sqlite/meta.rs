@@ -32,9 +32,10 @@ pub(super) fn raise_fence(tx: &rusqlite::Transaction, fence: u64) -> rusqlite::R
     Ok(())
 }
 
-/// L1: before run rows leave the table (`which` selects them by `run_id`, with `?1` and
-/// `?2` bound to `args`), the counter is raised to the highest fence among them: a
-/// commit whose rows carried its fence did not write it to `meta`.
+/// L1: before run rows leave the table (`which` selects them, with `?1` and `?2` bound
+/// to `args`; a run replaced by a new one of its id), the counter is raised to the
+/// highest fence among them: a commit whose rows carried its fence did not write it to
+/// `meta`. (A prune reads the fences with the rows it chooses: `prune_in`.)
 pub(super) fn keep_fence_of(
     tx: &rusqlite::Transaction,
     which: &str,

@@ -344,7 +344,8 @@ pub(super) fn prune_in(
     rows_max: usize,
 ) -> rusqlite::Result<(usize, u64)> {
     tx.execute_batch(
-        "CREATE TEMP TABLE IF NOT EXISTS doomed (run_id TEXT PRIMARY KEY, queue_seq INTEGER);
+        "CREATE TEMP TABLE IF NOT EXISTS doomed
+           (run_id TEXT PRIMARY KEY, queue_seq INTEGER, fence INTEGER);
          DELETE FROM temp.doomed;",
     )?;
     // By count: the queue sequence of the newest ended run past the kept ones.
@@ -363,7 +364,7 @@ pub(super) fn prune_in(
     };
     if let Some(through) = past_kept {
         tx.prepare_cached(
-            "INSERT OR IGNORE INTO temp.doomed SELECT run_id, queue_seq FROM runs
+            "INSERT OR IGNORE INTO temp.doomed SELECT run_id, queue_seq, fence FROM runs
              WHERE terminal = 1 AND queue_seq <= ?1 ORDER BY queue_seq LIMIT ?2",
         )?
         .execute(params![through, rows_max as i64])?;
@@ -376,8 +377,8 @@ pub(super) fn prune_in(
         .saturating_sub(policy.ended_age_ms)
         .min(i64::MAX as u64);
     tx.prepare_cached(
-        "INSERT OR IGNORE INTO temp.doomed SELECT run_id, queue_seq FROM
-           (SELECT run_id, queue_seq, ended_unix_ms FROM runs WHERE terminal = 1
+        "INSERT OR IGNORE INTO temp.doomed SELECT run_id, queue_seq, fence FROM
+           (SELECT run_id, queue_seq, fence, ended_unix_ms FROM runs WHERE terminal = 1
             ORDER BY queue_seq LIMIT ?2)
          WHERE ended_unix_ms < ?1",
     )?
@@ -386,7 +387,14 @@ pub(super) fn prune_in(
         .execute([])?;
     tx.prepare_cached("DELETE FROM ports WHERE run_id IN (SELECT run_id FROM temp.doomed)")?
         .execute([])?;
-    keep_fence_of(tx, "run_id IN (SELECT run_id FROM temp.doomed)", [])?;
+    // L1: the counter keeps the highest fence of the rows leaving (read with them
+    // above: a second lookup of each by its key made every prune ~3% slower).
+    let highest: Option<i64> = tx
+        .prepare_cached("SELECT MAX(fence) FROM temp.doomed")?
+        .query_row([], |r| r.get(0))?;
+    if let Some(f) = highest.filter(|f| *f > 0) {
+        raise_fence(tx, f as u64)?;
+    }
     tx.prepare_cached(
         // By the primary key. (With `terminal = 1` too, SQLite walked every ended row
         // through the terminal index and tested each: 16 ms a prune at 60,000 rows.)
