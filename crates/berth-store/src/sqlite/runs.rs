@@ -387,14 +387,7 @@ pub(super) fn prune_in(
         .execute([])?;
     tx.prepare_cached("DELETE FROM ports WHERE run_id IN (SELECT run_id FROM temp.doomed)")?
         .execute([])?;
-    // L1: the counter keeps the highest fence of the rows leaving (read with them
-    // above: a second lookup of each by its key made every prune ~3% slower).
-    let highest: Option<i64> = tx
-        .prepare_cached("SELECT MAX(fence) FROM temp.doomed")?
-        .query_row([], |r| r.get(0))?;
-    if let Some(f) = highest.filter(|f| *f > 0) {
-        raise_fence(tx, f as u64)?;
-    }
+    keep_fence_of_doomed(tx)?;
     tx.prepare_cached(
         // By the primary key. (With `terminal = 1` too, SQLite walked every ended row
         // through the terminal index and tested each: 16 ms a prune at 60,000 rows.)
