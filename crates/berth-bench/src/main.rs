@@ -91,6 +91,15 @@ enum Bench {
         #[arg(long, default_value_t = 1_000_000)]
         runs: u64,
     },
+    /// (The floors of `peers`, in their own process: see floor.rs.)
+    #[command(hide = true)]
+    FloorDaemon {
+        #[arg(long)]
+        port: u16,
+        /// Rename a ready-made directory in and out per lifecycle, made under here.
+        #[arg(long)]
+        workspaces: Option<std::path::PathBuf>,
+    },
     /// (The daemon `retention` measures, in its own process.)
     #[command(hide = true)]
     RetentionDaemon { state_dir: std::path::PathBuf },
@@ -153,11 +162,13 @@ enum Bench {
         clients: Vec<usize>,
         #[arg(long, default_value_t = 10)]
         seconds: u64,
-        /// Which servers: berth, berth-lease (no workspace), redis, postgres, etcd.
+        /// Which servers: berth, berth-lease (no workspace), redis, postgres, etcd,
+        /// and the floors floor-http and floor-http-ws (berth's HTTP stack doing
+        /// nothing, without and with a workspace's two renames: bounds, not peers).
         #[arg(
             long,
             value_delimiter = ',',
-            default_value = "berth,berth-lease,redis,postgres,etcd"
+            default_value = "berth,berth-lease,redis,postgres,etcd,floor-http,floor-http-ws"
         )]
         peers: Vec<String>,
     },
@@ -165,6 +176,7 @@ enum Bench {
 
 mod fanout;
 mod fleet;
+mod floor;
 mod http;
 mod peers;
 mod recovery;
@@ -381,6 +393,7 @@ fn main() {
             seconds,
             peers,
         } => peers::main(&peers, &clients, seconds),
+        Bench::FloorDaemon { port, workspaces } => floor::daemon(port, workspaces.as_deref()),
         Bench::RetentionDaemon { state_dir } => retention::daemon(&state_dir),
         Bench::Waiters { attached, detached } => waiters::main(attached, detached),
         Bench::WaitersDaemon { state_dir } => waiters::daemon(&state_dir),

@@ -36,8 +36,17 @@ const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// Every peer is asked for this lease length; none of them lapses during a run.
 const LEASE_TTL_S: u64 = 30;
 
-/// The servers, in the order they are measured.
-pub const PEERS: [&str; 5] = ["berth", "berth-lease", "redis", "postgres", "etcd"];
+/// The servers, in the order they are measured. The floors are not peers but bounds:
+/// berth's HTTP stack doing nothing (`floor.rs`).
+pub const PEERS: [&str; 7] = [
+    "berth",
+    "berth-lease",
+    "redis",
+    "postgres",
+    "etcd",
+    "floor-http",
+    "floor-http-ws",
+];
 
 /// A server this benchmark started: its process, where it listens, and its data dir.
 struct Server {
@@ -280,7 +289,7 @@ impl Client {
     async fn open(peer: &str, port: u16, auth: &str) -> Client {
         let url = format!("http://127.0.0.1:{port}");
         match peer {
-            "berth" | "berth-lease" => Client::Berth {
+            "berth" | "berth-lease" | "floor-http" | "floor-http-ws" => Client::Berth {
                 conn: Conn::open(&url).await,
                 auth: auth.to_string(),
                 lease_only: peer == "berth-lease",
@@ -462,7 +471,7 @@ fn base64(s: &str) -> String {
 }
 
 /// A quoted JSON string field (etcd writes 64-bit numbers as strings).
-fn field_str<'a>(json: &'a str, key: &str) -> Option<&'a str> {
+pub(crate) fn field_str<'a>(json: &'a str, key: &str) -> Option<&'a str> {
     let at = json.find(key)? + key.len();
     let rest = json[at..].trim_start_matches([' ', ':', '"']);
     rest.split('"').next()
@@ -618,8 +627,24 @@ fn start(peer: &str) -> Server {
             rt.block_on(Pg::schema(s.port));
             s
         }
-        _ => start_etcd(),
+        "etcd" => start_etcd(),
+        floor => start_floor(floor == "floor-http-ws"),
     }
+}
+
+/// A floor (`floor.rs`): this binary as `floor-daemon`, with directories to rename
+/// when `workspaces`.
+fn start_floor(workspaces: bool) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut cmd = Command::new(std::env::current_exe().expect("current exe"));
+    cmd.args(["floor-daemon", "--port", &port.to_string()]);
+    if workspaces {
+        cmd.arg("--workspaces").arg(dir.path());
+    }
+    let mut child = cmd.stdout(Stdio::null()).spawn().expect("floor-daemon");
+    wait_listening("floor-daemon", &mut child, port);
+    Server::new(child, port, dir)
 }
 
 /// Runs every peer at every client count, one server at a time; one JSON line each,
@@ -643,7 +668,7 @@ pub fn main(peers: &[String], clients: &[usize], seconds: u64) {
 
 /// `berth/PEER` for throughput and `PEER/berth` for p50 (above 1: berth is better).
 fn print_ratios(rates: &[(String, usize, f64, f64)], clients: &[usize]) {
-    for ours in ["berth", "berth-lease"] {
+    for ours in ["berth", "berth-lease", "floor-http", "floor-http-ws"] {
         for &n in clients {
             let Some(b) = rates.iter().find(|r| r.0 == ours && r.1 == n) else {
                 continue;
@@ -651,7 +676,7 @@ fn print_ratios(rates: &[(String, usize, f64, f64)], clients: &[usize]) {
             let mut line = format!("{{\"ratios_of\":\"{ours}\",\"clients\":{n}");
             for r in rates
                 .iter()
-                .filter(|r| r.1 == n && !r.0.starts_with("berth"))
+                .filter(|r| r.1 == n && !r.0.starts_with("berth") && !r.0.starts_with("floor"))
             {
                 line.push_str(&format!(
                     ",\"throughput_vs_{}\":{:.2},\"p50_vs_{}\":{:.2}",
