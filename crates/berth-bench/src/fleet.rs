@@ -29,6 +29,7 @@ fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> Outcom
                 beat_ms: 1_000,
                 lapse_ms: cfg.engine.ttl_ms_max + 30_000,
                 recheck_ms: 2_000,
+                fence_floor: 0,
             });
             rt.block_on(berth_server::start(cfg)).expect("daemon")
         })

@@ -293,6 +293,14 @@ pub enum Event {
     PermitWanted {
         run_id: String,
     },
+    /// F1 and A1 (issue 38 item 6): this waiter holds a permit but is held back for the
+    /// head by the starvation guard: the caller gives its fleet-wide claim back, so the
+    /// keys it holds fleet-wide are never held by a run the engine will not grant (the
+    /// head may need them: it could never get them, nor the waiter its grant). The
+    /// engine asks again (`PermitWanted`) once the waiter may be granted.
+    PermitReturned {
+        run_id: String,
+    },
     Queued {
         run_id: String,
         position: u64,
@@ -410,6 +418,7 @@ impl fmt::Display for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Event::PermitWanted { run_id } => write!(f, "permit? {run_id}"),
+            Event::PermitReturned { run_id } => write!(f, "permit back {run_id}"),
             Event::Queued { run_id, position } => write!(f, "queued {run_id} pos={position}"),
             Event::Granted {
                 run_id,

@@ -195,3 +195,67 @@ fn fleet_singletons_are_named_and_bounded() {
     assert_eq!(needs.keys, ["db"]);
     assert_eq!(needs.token, None);
 }
+
+fn returned(out: &Output) -> Vec<String> {
+    out.events
+        .iter()
+        .filter_map(|ev| match ev {
+            Event::PermitReturned { run_id } => Some(run_id.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Issue 38 item 6 (A1): a waiter that got its permit (its fleet-wide claim, a fleet
+/// key among it) while the starvation guard held it back for the head kept the claim.
+/// The head needs the same key: its claim was refused for as long as the waiter held
+/// it, and the waiter was never granted before the head: both waited until the head's
+/// wait ran out. The held-back waiter gives its permit back, and is asked again once
+/// it may be granted.
+#[test]
+fn regression_a_waiter_held_back_for_the_head_gives_its_permit_back() {
+    let mut e = Engine::new(cfg(true), 0).unwrap();
+    apply(&mut e, 0, Command::Acquire(req("x", 600_000, &[])));
+    apply(&mut e, 1, permit("x", 1));
+    let mut head = req("h", 600_000, &["fleet:k"]);
+    head.resources.slots = 2;
+    let out = apply(&mut e, 2, Command::Acquire(head));
+    assert!(wanted(&out).is_empty(), "the head waits for a slot first");
+    let out = apply(&mut e, 3, Command::Acquire(req("s", 600_000, &["fleet:k"])));
+    assert_eq!(wanted(&out), ["s"], "no guard yet: s fits beside the head");
+    let guard_ms = e.config().starvation_guard_ms;
+    apply(&mut e, 4 + guard_ms, Command::Tick);
+    // Its claim arrives after the guard took hold: s is held back, its permit goes back.
+    let out = apply(&mut e, 5 + guard_ms, permit("s", 2));
+    assert!(granted(&out).is_empty());
+    assert_eq!(returned(&out), ["s"], "s keeps the key the head needs");
+    // x ends: the head asks for its claim (the key is free fleet-wide) and is granted.
+    let t = 6 + guard_ms;
+    let release = Command::Release {
+        run_id: "x".into(),
+        fence: 1,
+    };
+    let mut out = apply(&mut e, t, release);
+    let done = Command::StopDone {
+        run_id: "x".into(),
+        ok: true,
+    };
+    out.events.extend(apply(&mut e, t + 1, done).events);
+    assert_eq!(wanted(&out), ["h"]);
+    let out = apply(&mut e, t + 2, permit("h", 3));
+    assert_eq!(granted(&out), [("h".to_string(), 3)]);
+    // The head ends: s is asked for its claim again, and granted with it.
+    let release = Command::Release {
+        run_id: "h".into(),
+        fence: 3,
+    };
+    let mut out = apply(&mut e, t + 3, release);
+    let done = Command::StopDone {
+        run_id: "h".into(),
+        ok: true,
+    };
+    out.events.extend(apply(&mut e, t + 4, done).events);
+    assert_eq!(wanted(&out), ["s"], "asked again once it may be granted");
+    let out = apply(&mut e, t + 5, permit("s", 4));
+    assert_eq!(granted(&out), [("s".to_string(), 4)]);
+}

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use berth_store::fleet::HostInfo;
-use berth_store::fleet::{Claim, ClaimOutcome, Ending, FleetError, FleetStore};
+use berth_store::fleet::{Claim, ClaimOutcome, Ending, FleetError, FleetStore, HostRow};
 use tokio::sync::oneshot;
 
 use crate::tell::Tell;
@@ -38,6 +38,84 @@ pub struct FleetConfig {
     pub lapse_ms: u64,
     /// Fallback re-check of waiters whose wake-up may have been lost (F3).
     pub recheck_ms: u64,
+    /// The host's last fence as its ledger has it, set by `start`: the fleet's sequence
+    /// is raised above it before the host registers (issue 38 item 1).
+    pub fence_floor: u64,
+}
+
+/// Fleet mode's longest lease when `--ttl-max` is not given (issue 38 item 7). A host
+/// that stops answering keeps its fleet keys until the lapse, `--ttl-max` plus
+/// `--fleet-margin`: with the single-host default of 24 h that was a day. Ten minutes
+/// is twice `berth run`'s default lease (5 min, renewed every third of it), so the
+/// default client never notices, and a dead or hung host frees its keys after 10.5 min.
+pub const FLEET_TTL_MS_MAX_DEFAULT: u64 = 600_000;
+
+/// Heartbeats a starting host watches the row of its id for another instance's beat.
+const ID_CHECK_BEATS: u64 = 3;
+
+/// Issue 38 item 8: the row of this host's id seen twice, `waited_ms` apart, shows
+/// another live instance beating under it: its generation moved, or its heartbeat came
+/// again meanwhile (by more than half a beat of timing slack). A silent row is a dead
+/// host's, or this host's own before a kill -9: taken over.
+pub fn beating_meanwhile(first: &HostRow, second: &HostRow, waited_ms: i64, beat_ms: i64) -> bool {
+    second.alive
+        && (second.gen != first.gen
+            || second.beat_age_ms < first.beat_age_ms + waited_ms - beat_ms / 2)
+}
+
+/// Issue 38 item 8: a host refuses to start while another live instance holds its id
+/// (two daemons with one id each declared the other dead and re-registered, over and
+/// over, and their runs' acquires expired). A row alive with a heartbeat younger than
+/// the lapse is watched for `ID_CHECK_BEATS` heartbeats; `sleep` waits (a test's
+/// does not).
+fn check_id_free(
+    store: &mut dyn FleetStore,
+    cfg: &FleetConfig,
+    sleep: impl Fn(Duration),
+) -> Result<(), FleetError> {
+    let id = cfg.host.host_id.as_str();
+    let mut row = || -> Result<Option<HostRow>, FleetError> {
+        Ok(store.hosts()?.into_iter().find(|h| h.host_id == id))
+    };
+    let lapse_ms = i64::try_from(cfg.lapse_ms).unwrap_or(i64::MAX);
+    let first = match row()? {
+        Some(h) if h.alive && h.beat_age_ms < lapse_ms => h,
+        _ => return Ok(()),
+    };
+    let waited_ms = ID_CHECK_BEATS * cfg.beat_ms;
+    sleep(Duration::from_millis(waited_ms));
+    let Some(second) = row()? else { return Ok(()) };
+    let beat_ms = i64::try_from(cfg.beat_ms).unwrap_or(i64::MAX);
+    if beating_meanwhile(&first, &second, waited_ms as i64, beat_ms) {
+        return Err(FleetError::HostIdInUse(format!(
+            "host id {id} is held by another live berth at {} (generation {}, its last heartbeat {} ms ago): refusing to start; give this host another --host-id",
+            second.address, second.gen, second.beat_age_ms
+        )));
+    }
+    Ok(())
+}
+
+/// F2: how long after its last accepted heartbeat a host stops its runs that hold
+/// fleet-wide claims, so that they are gone before the lapse at which another host may
+/// take those claims. The stop itself takes up to `stop_grace_ms` (TERM, the grace,
+/// KILL), so it starts at least the grace plus two heartbeats before the lapse, and at
+/// least a quarter of the lapse before it (issue 38 item 7: a quarter alone, 7.5 s of
+/// a 30 s lapse, was shorter than the 10 s grace, and a child that ignored SIGTERM ran
+/// 2.5 s beside the next holder). A configuration that leaves less than three
+/// heartbeats before the fence (one slow heartbeat would stop every fleet run) is
+/// refused, naming the flags.
+pub fn self_fence_ms(lapse_ms: u64, beat_ms: u64, stop_grace_ms: u64) -> Result<u64, String> {
+    let early = (lapse_ms / 4)
+        .max(2 * beat_ms)
+        .max(stop_grace_ms.saturating_add(2 * beat_ms));
+    match lapse_ms.checked_sub(early) {
+        Some(fence_ms) if fence_ms >= 3 * beat_ms => Ok(fence_ms),
+        _ => Err(format!(
+            "fleet mode: a host silent for --ttl-max + --fleet-margin ({lapse_ms} ms) is declared dead, and it must stop its fleet-wide runs before then: --stop-grace ({stop_grace_ms} ms) plus two heartbeats ({} ms) before that, after at least three heartbeats of silence ({} ms); raise --ttl-max or --fleet-margin, or lower --stop-grace or --fleet-beat",
+            2 * beat_ms,
+            3 * beat_ms
+        )),
+    }
 }
 
 /// What the daemon and the API read of the fleet without asking the thread.
@@ -140,6 +218,32 @@ pub fn open(url: &str) -> Result<Box<dyn FleetStore>, FleetError> {
 /// `daemon::sim`).
 type Clock = Arc<dyn Fn() -> u64 + Send + Sync>;
 
+/// Issue 38 item 8 at start: refused if another live instance holds the id. On a
+/// thread of its own, with a connection of its own dropped there: the store's client
+/// blocks, and may be neither used nor dropped on the runtime this runs on (nor handed
+/// on connected: the questions' connection opens when it is first asked).
+fn check_id_at_start(cfg: &FleetConfig) -> Result<(), FleetError> {
+    let (mut store, check_cfg) = (open(&cfg.url)?, cfg.clone());
+    let checked =
+        std::thread::spawn(move || check_id_free(&mut *store, &check_cfg, std::thread::sleep))
+            .join()
+            .unwrap_or_else(|_| Err(FleetError::Unavailable("the id check panicked".into())));
+    match checked {
+        Err(FleetError::HostIdInUse(e)) => Err(FleetError::HostIdInUse(e)),
+        // Unknown while the store does not answer: the host serves unregistered until
+        // it registers; if another instance holds the id by then, one of the two
+        // loses its generation and stays out (`Worker::lost_generation`).
+        Err(e) => {
+            tracing::warn!(
+                "fleet: could not check that host id {} is free: {e}",
+                cfg.host.host_id
+            );
+            Ok(())
+        }
+        Ok(()) => Ok(()),
+    }
+}
+
 /// Threads (each with its connection) that carry out claims and endings: a host's
 /// claims are one round trip each, so several in flight let the database's group
 /// commit serve them together instead of one fsync after another.
@@ -153,6 +257,7 @@ pub fn spawn(cfg: FleetConfig, inbox: Tell<Report>) -> Result<Handle, FleetError
         spawn_listener(listener, inbox.clone());
     }
     let (questions, asked) = std::sync::mpsc::sync_channel::<Question>(QUESTIONS_MAX);
+    check_id_at_start(&cfg)?;
     let mut answering = open(&cfg.url)?;
     thread("berth-fleet-ask", move || {
         while let Ok(q) = asked.recv() {
@@ -235,6 +340,9 @@ struct Common {
     ends: Mutex<std::collections::VecDeque<(String, i64, Ending)>>,
     /// Whether the outage was logged (one line per outage, not per call).
     down_logged: AtomicBool,
+    /// Another live instance registered under this host's id (issue 38 item 8): this
+    /// host does not register again until it is restarted.
+    ousted: AtomicBool,
     clock: Clock,
 }
 
@@ -249,6 +357,7 @@ impl Common {
             inbox,
             ends: Mutex::default(),
             down_logged: AtomicBool::new(false),
+            ousted: AtomicBool::new(false),
             clock,
         })
     }
@@ -334,33 +443,55 @@ impl Worker {
         });
     }
 
+    /// Registers this host (again), its fence sequence raised first; false once the
+    /// daemon is gone. Not while another instance holds its id (issue 38 item 8).
+    fn register(&mut self) -> bool {
+        let c = self.common.clone();
+        let host = c.cfg.host.host_id.as_str();
+        if c.ousted.load(Ordering::Relaxed) {
+            return c.inbox.alive();
+        }
+        // Fences from the fleet's sequence are this host's only fences (issue 38
+        // item 1): above any it gave before, or it would refuse every permit.
+        let raised = self.store.raise_fence(c.cfg.fence_floor);
+        c.seen(&raised);
+        if let Err(e) = raised {
+            tracing::warn!(
+                "fleet: raising the fence sequence to this host's last fence {}: {e}",
+                c.cfg.fence_floor
+            );
+            return c.inbox.alive();
+        }
+        let r = self.store.register(&c.cfg.host);
+        c.seen(&r);
+        if let Ok((gen, resumed)) = r {
+            c.status.gen.store(gen, Ordering::Relaxed);
+            c.status.beat_ok_ms.store((c.clock)(), Ordering::Relaxed);
+            tracing::info!(host, gen, resumed, "fleet: registered");
+            // The store just answered; if it fails now, the claims are looked at
+            // again at the next registration.
+            let claims = match resumed {
+                true => self.store.claims_of(host).unwrap_or_default(),
+                false => Vec::new(),
+            };
+            let claims = claims.into_iter().map(|(run_id, _)| run_id).collect();
+            let report = Report::Generation {
+                gen,
+                resumed,
+                claims,
+            };
+            return c.tell_status() && c.inbox.send(report);
+        }
+        c.inbox.alive()
+    }
+
     /// One heartbeat: register if needed, beat, retry endings, declare lapsed hosts
     /// dead. False once the daemon is gone.
     fn beat(&mut self) -> bool {
         let c = self.common.clone();
         let (host, gen) = (c.cfg.host.host_id.as_str(), c.status.gen());
         if gen == 0 {
-            let r = self.store.register(&c.cfg.host);
-            c.seen(&r);
-            if let Ok((gen, resumed)) = r {
-                c.status.gen.store(gen, Ordering::Relaxed);
-                c.status.beat_ok_ms.store((c.clock)(), Ordering::Relaxed);
-                tracing::info!(host, gen, resumed, "fleet: registered");
-                // The store just answered; if it fails now, the claims are looked at
-                // again at the next registration.
-                let claims = match resumed {
-                    true => self.store.claims_of(host).unwrap_or_default(),
-                    false => Vec::new(),
-                };
-                let claims = claims.into_iter().map(|(run_id, _)| run_id).collect();
-                let report = Report::Generation {
-                    gen,
-                    resumed,
-                    claims,
-                };
-                return c.tell_status() && c.inbox.send(report);
-            }
-            return c.inbox.alive();
+            return self.register();
         }
         let load = c
             .status
@@ -376,13 +507,7 @@ impl Worker {
                 c.tell_status();
             }
             Ok(false) => {
-                // F2: declared dead while away. Nothing it held comes back; it
-                // re-registers under a new generation at the next beat.
-                tracing::warn!(
-                    host,
-                    gen,
-                    "fleet: this host was declared dead; re-registering under a new generation"
-                );
+                self.lost_generation(host, gen);
                 c.status.gen.store(0, Ordering::Relaxed);
                 return c.tell_status();
             }
@@ -399,6 +524,35 @@ impl Worker {
             }
         }
         true
+    }
+
+    /// This host's generation is gone. Declared dead while away (F2): nothing it held
+    /// comes back, and it re-registers under a new generation at the next beat. Or
+    /// another live instance registered under its id (issue 38 item 8: the two took
+    /// the id from each other at every heartbeat, and their runs' acquires expired):
+    /// this one stays out of the fleet (new fleet-wide claims get 503) and says so.
+    fn lost_generation(&mut self, host: &str, gen: i64) {
+        let other = self.store.hosts().ok().and_then(|hs| {
+            hs.into_iter()
+                .find(|h| h.host_id == host && h.alive && h.gen != gen)
+        });
+        match other {
+            Some(o) => {
+                tracing::error!(
+                    host,
+                    gen,
+                    "fleet: host id {host} was taken by another live berth at {} (generation {}); this host stays out of the fleet (new fleet-wide claims get 503) until it is restarted with another --host-id",
+                    o.address,
+                    o.gen
+                );
+                self.common.ousted.store(true, Ordering::Relaxed);
+            }
+            None => tracing::warn!(
+                host,
+                gen,
+                "fleet: this host was declared dead; re-registering under a new generation"
+            ),
+        }
     }
 
     /// Endings the store missed, oldest first, until one fails again.
@@ -526,4 +680,85 @@ pub enum Report {
         gen: i64,
         beat_ok_ms: u64,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 38 item 7: `--ttl-max 20s --fleet-margin 10s` with the default 10 s grace.
+    /// The fence came at three quarters of the lapse (22.5 s), and a child ignoring
+    /// SIGTERM was killed at 32.5 s, 2.5 s after another host could take its key.
+    #[test]
+    fn regression_the_self_fence_leaves_the_stop_grace_before_the_lapse() {
+        let (lapse, beat, grace) = (30_000, 1_000, 10_000);
+        let fence = self_fence_ms(lapse, beat, grace).unwrap();
+        assert!(
+            fence + grace < lapse,
+            "fenced at {fence} ms, killed at {} ms, after the {lapse} ms lapse",
+            fence + grace
+        );
+        assert_eq!(fence, lapse - grace - 2 * beat);
+        // A long lapse keeps its quarter.
+        assert_eq!(self_fence_ms(600_000, 1_000, 10_000).unwrap(), 450_000);
+    }
+
+    fn cfg(id: &str) -> FleetConfig {
+        FleetConfig {
+            url: "mem".into(),
+            host: HostInfo {
+                host_id: id.into(),
+                address: format!("http://{id}-second"),
+                version: "test".into(),
+            },
+            beat_ms: 1_000,
+            lapse_ms: 30_000,
+            recheck_ms: 2_000,
+            fence_floor: 0,
+        }
+    }
+
+    /// Issue 38 item 8: two daemons with one id took it from each other at every
+    /// heartbeat. A second one is refused while the first beats, naming the id and the
+    /// first's address; a silent row (a kill -9 of this host, a dead host) is taken
+    /// over, and so is an id nobody holds.
+    #[test]
+    fn regression_a_host_id_held_by_a_live_instance_is_refused() {
+        use berth_store::fleet::MemFleet;
+        let clock = Arc::new(AtomicU64::new(1_000));
+        let store = MemFleet::with_clock(clock.clone());
+        let mut first = store.clone();
+        let mut info = cfg("dup").host;
+        info.address = "http://first:7420".into();
+        let (gen, _) = first.register(&info).unwrap();
+        // The first instance beats while the second one watches.
+        let beating = |d: Duration| {
+            let mut f = store.clone();
+            for _ in 0..d.as_millis() / 1_000 {
+                clock.fetch_add(1_000, Ordering::SeqCst);
+                assert!(f.heartbeat("dup", gen, "{}").unwrap());
+            }
+        };
+        let mut second = store.clone();
+        let e = check_id_free(&mut second, &cfg("dup"), beating).unwrap_err();
+        let e = e.to_string();
+        assert!(e.contains("dup") && e.contains("http://first:7420"), "{e}");
+        // Silent: its own previous life, or a dead host.
+        let silent = |d: Duration| {
+            clock.fetch_add(d.as_millis() as u64, Ordering::SeqCst);
+        };
+        check_id_free(&mut second, &cfg("dup"), silent).unwrap();
+        check_id_free(&mut second, &cfg("free"), |_| panic!("no row to watch")).unwrap();
+    }
+
+    #[test]
+    fn a_lapse_too_short_for_the_grace_is_refused_naming_the_flags() {
+        let e = self_fence_ms(8_000, 1_000, 10_000).unwrap_err();
+        for flag in ["--ttl-max", "--fleet-margin", "--stop-grace"] {
+            assert!(e.contains(flag), "{flag} not named: {e}");
+        }
+        // Three heartbeats of silence at least before the fence.
+        assert!(self_fence_ms(14_000, 1_000, 10_000).is_err());
+        assert_eq!(self_fence_ms(15_000, 1_000, 10_000), Ok(3_000));
+    }
 }

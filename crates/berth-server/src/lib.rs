@@ -209,6 +209,10 @@ fn check_config(cfg: &mut ServeConfig) -> anyhow::Result<()> {
             cfg.listen
         );
     }
+    if let Some(f) = &cfg.fleet {
+        fleet::self_fence_ms(f.lapse_ms, f.beat_ms, cfg.stop_grace_ms)
+            .map_err(|e| anyhow::anyhow!("configuration: {e}"))?;
+    }
     cfg.engine
         .validate()
         .map_err(|e| anyhow::anyhow!("configuration: {e}"))
@@ -256,6 +260,9 @@ pub async fn start(mut cfg: ServeConfig) -> anyhow::Result<Running> {
     let writer = spawn_writer(&cfg, opened.store, &shared);
     let fatal = Arc::new(Fatal::default());
     let host = real_host(&cfg, &runs_dir, opened.marker, supervision)?;
+    if let Some(f) = cfg.fleet.as_mut() {
+        f.fence_floor = opened.ledger.last_fence;
+    }
     let how = daemon::Restore {
         cfg: cfg.engine.clone(),
         same_boot: opened.same_boot,
@@ -343,9 +350,10 @@ fn spawn_state(
             )
             .map_err(|e| anyhow::anyhow!("fleet store: {e}"))?;
             // F2: stop runs holding fleet-wide claims before the lapse at which another
-            // host may take them: a quarter of the lapse (at least two heartbeats) early.
-            let early = (f.lapse_ms / 4).max(2 * f.beat_ms);
-            st.set_fleet(link.clone(), f.lapse_ms.saturating_sub(early), f.recheck_ms);
+            // host may take them (checked by `check_config`).
+            let fence_ms = fleet::self_fence_ms(f.lapse_ms, f.beat_ms, cfg.stop_grace_ms)
+                .map_err(|e| anyhow::anyhow!(e))?;
+            st.set_fleet(link.clone(), fence_ms, f.recheck_ms);
             Some(link)
         }
         None => None,
@@ -429,18 +437,7 @@ fn open_ledger(cfg: &ServeConfig, runs_dir: &std::path::Path) -> anyhow::Result<
             ledger.last_fence
         );
     }
-    // L1/S6: fences continue above the marker even if the ledger is older than it.
-    if marker.reserved > ledger.last_fence {
-        // After a crash this is expected (the marker reserves ahead); after an older
-        // ledger was restored it is what keeps fences from repeating.
-        tracing::info!(
-            "fences continue above the fence marker {} (the ledger's counter is {}: berth crashed, or the ledger is older than the marker)",
-            marker.reserved,
-            ledger.last_fence
-        );
-        ledger.last_fence = marker.reserved;
-    }
-    marker.write(ledger.last_fence.saturating_add(marker.block))?;
+    continue_fences(cfg, &mut marker, &mut ledger)?;
     let boot = clock::boot_id();
     let same_boot = ledger.boot_id.as_deref().is_none_or(|b| b == boot);
     store.set_boot_id(&boot)?;
@@ -453,6 +450,33 @@ fn open_ledger(cfg: &ServeConfig, runs_dir: &std::path::Path) -> anyhow::Result<
         tokens,
         admin,
     })
+}
+
+/// L1/S6: where fences continue after a start, and the marker moved ahead of them.
+fn continue_fences(
+    cfg: &ServeConfig,
+    marker: &mut private::FenceMarker,
+    ledger: &mut berth_store::Ledger,
+) -> anyhow::Result<()> {
+    // L1/S6: fences continue above the marker even if the ledger is older than it.
+    // Not in fleet mode (issue 38 item 1): there every fence comes from the fleet's one
+    // sequence, which is above every fence ever given (this host's too, since the
+    // fleet thread raises it to the ledger's at registration), so the marker's block
+    // reserved ahead would put this host's counter above every fleet fence: after a
+    // kill -9 every permit was stale, re-fenced in a loop, and nothing was granted.
+    if marker.reserved > ledger.last_fence && cfg.fleet.is_none() {
+        // After a crash this is expected (the marker reserves ahead); after an older
+        // ledger was restored it is what keeps fences from repeating.
+        tracing::info!(
+            "fences continue above the fence marker {} (the ledger's counter is {}: berth crashed, or the ledger is older than the marker)",
+            marker.reserved,
+            ledger.last_fence
+        );
+        ledger.last_fence = marker.reserved;
+    }
+    // Never lowered (in fleet mode the marker may be above the ledger's counter).
+    marker.write((ledger.last_fence.saturating_add(marker.block)).max(marker.reserved))?;
+    Ok(())
 }
 
 /// Token hashes and what each grants.

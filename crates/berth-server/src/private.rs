@@ -206,6 +206,31 @@ pub fn admin_token(dir: &Path) -> anyhow::Result<String> {
     Ok(token)
 }
 
+/// Fleet mode's default host id (issue 38 item 8): the host name and a suffix made at
+/// the first fleet start and kept in `<state_dir>/fleet-host-id`, so two daemons on one
+/// machine (two state dirs) never share an id by default, and a restart keeps its own.
+/// (A cloned VM clones the file too: the live-instance check at registration refuses
+/// the second of the two.)
+pub fn default_host_id(state_dir: &Path, hostname: &str) -> anyhow::Result<String> {
+    let path = state_dir.join("fleet-host-id");
+    if let Some(id) = read_trusted(&path)? {
+        return Ok(id.trim().to_string());
+    }
+    use std::io::Read;
+    let mut buf = [0u8; 3];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    let suffix: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+    // A host name is cut so the id stays within the resource-name rule's length.
+    let base: String = hostname.chars().take(HOST_ID_BASE_MAX).collect();
+    let id = format!("{base}-{suffix}");
+    create_line(&path, &id)?;
+    sync_dir(state_dir)?;
+    Ok(id)
+}
+
+/// Characters of the host name kept in a default host id.
+const HOST_ID_BASE_MAX: usize = 48;
+
 /// Creates `path` holding one line, 0600, `O_EXCL` (never over anything, never
 /// through a link), and fsyncs it.
 fn create_line(path: &Path, line: &str) -> anyhow::Result<()> {

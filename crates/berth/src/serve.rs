@@ -196,8 +196,10 @@ pub struct ServeArgs {
     /// berth.toml keys) and exit without starting.
     #[arg(long)]
     pub print_config: bool,
-    /// The longest lease a run may ask for [default: 24h]. In fleet mode a silent
-    /// host is declared dead this long plus --fleet-margin after its last heartbeat.
+    /// The longest lease a run may ask for [default: 24h; 10m in fleet mode]. In
+    /// fleet mode a silent host is declared dead this long plus --fleet-margin after
+    /// its last heartbeat, and stops its fleet-wide runs --stop-grace plus two
+    /// heartbeats (at least a quarter of that) before then.
     #[arg(long, env = "BERTH_TTL_MAX", value_parser = parse_duration)]
     pub ttl_max: Option<u64>,
     /// Fleet mode: the fleet store, postgres://USER@HOST/DB (or a libpq
@@ -205,7 +207,9 @@ pub struct ServeArgs {
     /// The local ledger stays in the state dir.
     #[arg(long, env = "BERTH_STORE")]
     pub store: Option<String>,
-    /// Fleet mode: this host's id, unique in the fleet [default: the host name].
+    /// Fleet mode: this host's id, unique in the fleet [default: the host name and a
+    /// suffix kept in the state dir's `fleet-host-id`]. A host refuses to start while
+    /// another live instance beats under its id.
     #[arg(long, env = "BERTH_HOST_ID")]
     pub host_id: Option<String>,
     /// Fleet mode: the URL other hosts and `berth fleet` show for this host [default:
@@ -364,7 +368,7 @@ pub fn build_config(a: ServeArgs) -> anyhow::Result<berth_server::ServeConfig> {
         .listen
         .or(file.listen)
         .unwrap_or_else(|| "127.0.0.1:7420".parse().expect("addr"));
-    let fleet = fleet_config(&a, &c, listen)?;
+    let fleet = fleet_config(&a, &c, listen, &state_dir)?;
     c.fleet = fleet.is_some();
     if let Err(e) = c.validate() {
         bail!("configuration: {e}");
@@ -475,16 +479,17 @@ fn fleet_config(
     a: &ServeArgs,
     c: &berth_core::Config,
     listen: SocketAddr,
+    state_dir: &std::path::Path,
 ) -> anyhow::Result<Option<berth_server::fleet::FleetConfig>> {
     let Some(url) = a.store.clone() else {
         return Ok(None);
     };
     let host_id = match &a.host_id {
         Some(h) => h.clone(),
-        None => rustix::system::uname()
-            .nodename()
-            .to_string_lossy()
-            .into_owned(),
+        None => berth_server::private::default_host_id(
+            state_dir,
+            &rustix::system::uname().nodename().to_string_lossy(),
+        )?,
     };
     berth_core::validate::resource_name(&host_id).map_err(|e| anyhow!("--host-id: {e}"))?;
     let beat_ms = a.fleet_beat.unwrap_or(1_000).max(10);
@@ -508,6 +513,7 @@ fn fleet_config(
         beat_ms,
         lapse_ms: c.ttl_ms_max.saturating_add(margin_ms),
         recheck_ms: 2_000,
+        fence_floor: 0,
     }))
 }
 
@@ -595,7 +601,13 @@ fn engine_config(
     {
         c.starvation_guard_ms = v;
     }
-    if let Some(ttl) = a.ttl_max {
+    // Fleet mode bounds how long a silent host keeps its keys (the lapse is the
+    // longest lease plus the margin): its own default.
+    let fleet_default = a
+        .store
+        .is_some()
+        .then_some(berth_server::fleet::FLEET_TTL_MS_MAX_DEFAULT);
+    if let Some(ttl) = a.ttl_max.or(fleet_default) {
         c.ttl_ms_max = ttl;
         c.ttl_ms_default = c.ttl_ms_default.min(ttl);
     }

@@ -25,10 +25,13 @@ fn database() -> String {
     berth_store::fleet::testing::pg_fresh_database("fleet").unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// A fleet host: fast heartbeats, a lapse of `ttl_max + margin`.
+/// A fleet host: fast heartbeats, a lapse of `ttl_max + margin`, and a stop grace
+/// short enough for that lapse (the self-fence leaves it before the lapse).
 fn host(store: &str, id: &str, ttl_max: &str, margin: &str) -> Daemon {
     let mut args: Vec<&str> = ROOMY.to_vec();
     args.extend([
+        "--stop-grace",
+        "1s",
         "--store",
         store,
         "--host-id",
@@ -246,6 +249,116 @@ fn a_killed_host_is_declared_dead_once_and_its_fences_are_refused_everywhere() {
     let r = acquire(&c, "rb-token", budget(2));
     assert!(r.status < 300, "{:?}", r.body);
     granted(&c, "rb-token");
+}
+
+/// The run's state within `within`, waiting while it is queued.
+fn state_within(d: &Daemon, run: &str, within: Duration) -> Value {
+    let end = Instant::now() + within;
+    loop {
+        let r = d.get(&format!("/v1/runs/{run}?wait_s=1"));
+        assert_eq!(r.status, 200, "{run}: {:?}", r.body);
+        if r.body["state"] != "queued" || Instant::now() >= end {
+            return r.body;
+        }
+    }
+}
+
+/// Issue 38 item 1: after a kill -9 the host's counter jumped to its fence marker's
+/// block (1,048,576 ahead), above every fleet fence: every permit was stale and
+/// re-fenced in a loop, and nothing was granted, not even a run with no key. The
+/// fleet's sequence is the source of fences in fleet mode.
+#[test]
+fn regression_a_host_restarted_after_kill_9_grants_again() {
+    let db = database();
+    let mut a = host(&db, "a", "60s", "5s");
+    let r = acquire(&a, "before", json!({}));
+    assert!(r.status < 300, "{:?}", r.body);
+    let before = granted(&a, "before");
+    a.kill9_and_restart();
+    for (run, extra) in [
+        ("plain", json!({})),
+        ("keyed", json!({"singletons": ["fleet:after-crash"]})),
+    ] {
+        let r = acquire(&a, run, extra);
+        assert!(r.status < 300, "{run}: {:?}", r.body);
+        let v = state_within(&a, run, Duration::from_secs(10));
+        assert_eq!(v["state"], "granted", "{run} after the restart: {v}");
+        let fence = v["fence"].as_u64().unwrap();
+        assert!(
+            fence > before,
+            "{run}'s fence {fence} is not above {before}"
+        );
+        assert_eq!(fence_check(&a, run, fence)["current"], true);
+    }
+    // The run granted before the crash still holds its fence (the restart resumed it).
+    assert_eq!(fence_check(&a, "before", before)["current"], true);
+}
+
+/// Issue 38 item 8: two daemons with one host id took it from each other at every
+/// heartbeat (54 of 90 budgeted acquires expired). A second daemon with a live host's
+/// id is refused at start, naming the id and the live host's address; two daemons
+/// that name no id get one each (the host name and a suffix kept in the state dir)
+/// and keep their generations.
+#[test]
+fn regression_a_host_id_held_by_a_live_daemon_is_refused() {
+    let db = database();
+    let first = host(&db, "dup", "60s", "5s");
+    let second = Daemon::unstarted(&[]);
+    let args = [
+        "--store",
+        &db,
+        "--host-id",
+        "dup",
+        "--fleet-beat",
+        "100ms",
+        "--stop-grace",
+        "1s",
+    ];
+    let (st, out) = second.start_fails(&args);
+    assert!(!st.success(), "a second daemon with a live id started");
+    assert!(
+        out.contains("dup") && out.contains(&first.url),
+        "the refusal names neither the id nor {}: {out}",
+        first.url
+    );
+    let unnamed = || {
+        let mut args: Vec<&str> = ROOMY.to_vec();
+        args.extend([
+            "--store",
+            &db,
+            "--fleet-beat",
+            "100ms",
+            "--stop-grace",
+            "1s",
+        ]);
+        Daemon::start(&args)
+    };
+    let (x, y) = (unnamed(), unnamed());
+    let gens = |d: &Daemon| -> Vec<(String, i64)> {
+        let f = d.get("/v1/fleet").body;
+        let mut v: Vec<(String, i64)> = (f["hosts"].as_array().unwrap().iter())
+            .map(|h| {
+                (
+                    h["host_id"].as_str().unwrap().to_string(),
+                    h["generation"].as_i64().unwrap(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    x.wait_until("three live hosts", |d| gens(d).len() == 3);
+    let then = gens(&x);
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(gens(&y), then, "the hosts took ids from each other");
+    let ids: BTreeSet<&String> = then.iter().map(|(id, _)| id).collect();
+    assert_eq!(ids.len(), 3, "{then:?}");
+    // A restart keeps its default id (kept in the state dir).
+    let x_id = std::fs::read_to_string(x.state.join("fleet-host-id")).unwrap();
+    assert!(
+        ids.contains(&x_id.trim().to_string()),
+        "{x_id} not in {then:?}"
+    );
 }
 
 /// G2 fleet-wide: a thread registered on host A refuses an older owner on host C.
@@ -580,7 +693,7 @@ fn berth_fleet_lists_the_live_hosts() {
 fn malformed_fleet_flags_refuse_to_start_and_write_nothing() {
     let db = database();
     let d = Daemon::unstarted(&[]);
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 5] = [
         (&["--store", "postgres://[::1", "--host-id", "ok"], "store"),
         (
             &["--store", &db, "--host-id", "bad host/../id"],
@@ -602,6 +715,23 @@ fn malformed_fleet_flags_refuse_to_start_and_write_nothing() {
         (
             &["--store", &db, "--host-id", "ok", "--ttl-max", "soon"],
             "--ttl-max",
+        ),
+        // Issue 38 item 7: the self-fence must leave the stop grace before the lapse
+        // (8 s here, with a 10 s grace).
+        (
+            &[
+                "--store",
+                &db,
+                "--host-id",
+                "ok",
+                "--ttl-max",
+                "5s",
+                "--fleet-margin",
+                "3s",
+                "--stop-grace",
+                "10s",
+            ],
+            "--stop-grace",
         ),
     ];
     for (args, names) in cases {

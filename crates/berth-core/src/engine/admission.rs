@@ -314,6 +314,16 @@ impl Engine {
         }
     }
 
+    /// F1/A1 (issue 38 item 6): the waiter is held back for the head; the claim its
+    /// permit stands for goes back (`Event::PermitReturned`).
+    pub(super) fn return_permit(&mut self, s: Slot, ev: &mut Vec<Event>) {
+        let run = self.run_mut(s);
+        run.permit = None;
+        run.permit_asked = false;
+        let run_id = run.req.run_id.clone();
+        ev.push(Event::PermitReturned { run_id });
+    }
+
     /// F1: the fleet store holds the queued run's claim; its grant will carry `fence`.
     pub(super) fn permit(&mut self, run_id: &str, fence: Fence) -> Result<Option<RunView>, Error> {
         let Some(&s) = self.by_id.get(run_id) else {

@@ -245,6 +245,7 @@ impl Engine {
                 match blocker {
                     None if fits => self.grant(s, now, ev),
                     Some(Blocker::Permit) if fits => self.want_permit(s, ev),
+                    _ if !fits && self.run(s).permit.is_some() => self.return_permit(s, ev),
                     _ => {}
                 }
             }

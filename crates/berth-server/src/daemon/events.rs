@@ -104,6 +104,7 @@ impl<H: Host> Daemon<H> {
                 | Event::TokenLapsed { .. }
                 | Event::ScopeControlled { .. } => self.on_scope_event(&ev),
                 Event::PermitWanted { run_id } => self.on_permit_wanted(run_id),
+                Event::PermitReturned { run_id } => self.on_permit_returned(run_id),
                 Event::Ended { run_id, state } => self.on_ended(run_id, *state),
                 _ => {}
             }
@@ -315,6 +316,7 @@ pub(super) fn event_run(ev: &Event) -> Option<&str> {
         | Event::UpgradeGranted { run_id, .. } => Some(run_id),
         Event::Promoted { .. }
         | Event::PermitWanted { .. }
+        | Event::PermitReturned { .. }
         | Event::EvidenceInvalidated { .. }
         | Event::MemoryStabilized { .. }
         | Event::PressureChanged { .. }

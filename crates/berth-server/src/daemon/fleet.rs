@@ -152,6 +152,19 @@ impl<H: Host> Daemon<H> {
         self.send_claim(run_id);
     }
 
+    /// `Event::PermitReturned`: the waiter is held back for the head, so its claim
+    /// goes back to the fleet (issue 38 item 6); it is asked for again when the waiter
+    /// may be granted. Its keys' waiters are woken by the store's notification.
+    /// A new fence for it still on its way (a stale permit's) is not raced with the
+    /// ending: its answer hands the engine a permit again, given back at the next pass.
+    pub(super) fn on_permit_returned(&mut self, run_id: &str) {
+        if self.fleet.asking.contains_key(run_id) {
+            return;
+        }
+        tracing::debug!(run_id, "fleet: a held-back waiter's claim goes back");
+        self.end_claim(run_id, Ending::Released);
+    }
+
     fn send_claim(&mut self, run_id: &str) {
         let Some(link) = self.fleet.link.clone() else {
             return;

@@ -46,6 +46,10 @@ pub const CHECKS: &[(&str, Check)] = &[
     ),
     ("bad_input_is_refused", bad_input_is_refused),
     (
+        "a_raised_fence_floor_only_moves_up",
+        a_raised_fence_floor_only_moves_up,
+    ),
+    (
         "racing_hosts_never_exceed_a_limit",
         racing_hosts_never_exceed_a_limit,
     ),
@@ -467,4 +471,51 @@ fn racing_hosts_never_exceed_a_limit(open: Open) {
         "too few claims succeeded: {}",
         fences.len()
     );
+}
+
+/// Issue 38 item 1: a host raises the sequence to its own last fence before it
+/// registers. Every later fence is above the floor; a lower floor moves nothing back;
+/// fences drawn by another host while floors are raised still only move up.
+fn a_raised_fence_floor_only_moves_up(open: Open) {
+    let mut s = open();
+    s.raise_fence(1).unwrap();
+    let a = host(&mut *s, "a");
+    let f1 = fence(s.claim(&claim("r1", "a", a, None, &[])).unwrap());
+    assert!(f1 > 1, "a fence at the floor: {f1}");
+    s.raise_fence(1_000_000).unwrap();
+    let f2 = fence(s.claim(&claim("r2", "a", a, None, &[])).unwrap());
+    assert!(f2 > 1_000_000, "a fence below the raised floor: {f2}");
+    s.raise_fence(10).unwrap();
+    let f3 = fence(s.claim(&claim("r3", "a", a, None, &[])).unwrap());
+    assert!(
+        f3 > f2,
+        "a lower floor moved the sequence back: {f3} after {f2}"
+    );
+    s.raise_fence(f3).unwrap();
+    let f4 = fence(s.claim(&claim("r4", "a", a, None, &[])).unwrap());
+    assert!(f4 > f3, "a floor at the last fence gave it again: {f4}");
+    assert!(matches!(
+        s.raise_fence(u64::MAX),
+        Err(FleetError::Invalid(_))
+    ));
+    // Another host draws fences while floors are raised around them.
+    let raiser = std::thread::scope(|sc| {
+        let t = sc.spawn(|| {
+            let mut r = open();
+            for i in 0..20u64 {
+                r.raise_fence(f4 + i * 1_000).unwrap();
+            }
+        });
+        let mut last = f4;
+        for i in 0..40 {
+            let f = fence(
+                s.claim(&claim(&format!("race{i}"), "a", a, None, &[]))
+                    .unwrap(),
+            );
+            assert!(f > last, "fence {f} after {last} while floors were raised");
+            last = f;
+        }
+        t.join()
+    });
+    raiser.unwrap();
 }

@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use super::{
-    check_claim, check_load, owner_fence, Claim, ClaimOutcome, Ending, FleetError, FleetFence,
-    FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
+    check_claim, check_load, fence_floor, owner_fence, Claim, ClaimOutcome, Ending, FleetError,
+    FleetFence, FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 
 /// A new host's load until its first heartbeat (the tables' column default).
@@ -245,6 +245,13 @@ impl State {
 }
 
 impl FleetStore for MemFleet {
+    fn raise_fence(&mut self, floor: u64) -> Result<(), FleetError> {
+        fence_floor(floor)?;
+        let (mut st, _) = self.open();
+        st.last_fence = st.last_fence.max(floor);
+        Ok(())
+    }
+
     fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError> {
         let (mut guard, now) = self.open();
         let st = &mut *guard;

@@ -46,6 +46,9 @@ pub enum FleetError {
     TooNew { found: i64, supported: i64 },
     #[error("fleet store refused the input: {0}")]
     Invalid(String),
+    /// Issue 38 item 8: another live instance beats under this host's id.
+    #[error("{0}")]
+    HostIdInUse(String),
 }
 
 /// A host as it registers (F2).
@@ -163,6 +166,12 @@ pub trait FleetStore: Send {
     /// in which case its runs' rows are gone (their fences stay refused) and only its
     /// lapsed budget tokens remain (B3: only an operator's reconcile frees them).
     fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError>;
+    /// Makes every fence the sequence gives from now on greater than `floor`: a host
+    /// raises it to its own last fence before it registers, so a fleet fence is never
+    /// at or below one the host gave before (a ledger of fences given in single-host
+    /// mode, a fleet database restored from an older backup). Never lowers it, whatever
+    /// other hosts draw meanwhile (issue 38 item 1).
+    fn raise_fence(&mut self, floor: u64) -> Result<(), FleetError>;
     /// Heartbeat with the host's load; false if this generation was declared dead.
     fn heartbeat(&mut self, host_id: &str, gen: i64, load: &str) -> Result<bool, FleetError>;
     /// Declare dead every other live host whose heartbeat is older than `lapse_ms`, each
@@ -245,6 +254,12 @@ pub(crate) fn check_claim(c: &Claim) -> Result<Vec<String>, FleetError> {
 }
 
 /// A thread owner's fence as the stores keep it (a signed 64-bit column).
+/// A fence floor as the SQL stores keep it (signed 64 bits), or the refusal.
+pub(crate) fn fence_floor(floor: u64) -> Result<i64, FleetError> {
+    i64::try_from(floor)
+        .map_err(|_| FleetError::Invalid(format!("fence floor {floor} is above 2^63 - 1")))
+}
+
 pub(crate) fn owner_fence(owner: &ThreadOwner) -> Result<i64, FleetError> {
     i64::try_from(owner.fence)
         .map_err(|_| FleetError::Invalid("owner_fence: at most 2^63-1".into()))
@@ -323,10 +338,53 @@ pub mod testing {
                     .into())
             }
         };
-        let password = var("PGPASSWORD").unwrap_or_default();
-        Ok(format!(
-            "host={host} port={port} user={user} password={password}"
+        Ok(conninfo(
+            &host,
+            &port,
+            &user,
+            var("PGPASSWORD").ok().as_deref(),
         ))
+    }
+
+    /// A libpq key=value string without a database. A value that is empty or has a
+    /// space, quote or backslash in it is quoted, so it cannot swallow the next key: `password= dbname=x` made the
+    /// database name the password, and everything ran in `postgres` (issue 38 item 9).
+    /// No password at all when there is none.
+    pub fn conninfo(host: &str, port: &str, user: &str, password: Option<&str>) -> String {
+        // Quoted where libpq needs it (empty, or a space, quote or backslash in it).
+        let quote = |v: &str| {
+            let plain =
+                !v.is_empty() && !v.contains(|c: char| c.is_whitespace() || c == '\'' || c == '\\');
+            match plain {
+                true => v.to_string(),
+                false => format!("'{}'", v.replace('\\', "\\\\").replace('\'', "\\'")),
+            }
+        };
+        let mut s = format!(
+            "host={} port={} user={}",
+            quote(host),
+            quote(port),
+            quote(user)
+        );
+        if let Some(p) = password {
+            s.push_str(&format!(" password={}", quote(p)));
+        }
+        s
+    }
+
+    #[cfg(test)]
+    #[test]
+    fn regression_an_unset_password_does_not_swallow_the_database_name() {
+        for password in [None, Some(""), Some("p w'\\x")] {
+            let c = format!(
+                "{} dbname=berth_x",
+                conninfo("localhost", "5432", "me", password)
+            );
+            let parsed: postgres::Config = c.parse().unwrap_or_else(|e| panic!("{c}: {e}"));
+            assert_eq!(parsed.get_dbname(), Some("berth_x"), "{c}");
+            assert_eq!(parsed.get_user(), Some("me"), "{c}");
+            assert_eq!(parsed.get_password(), password.map(str::as_bytes), "{c}");
+        }
     }
 
     /// A setting of the test server (`SHOW name`).

@@ -9,8 +9,8 @@ use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, NoTls};
 
 use super::{
-    check_claim, check_load, Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetStore,
-    HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
+    check_claim, check_load, fence_floor, Claim, ClaimOutcome, Ending, FleetError, FleetFence,
+    FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 
 /// Migrations by version, applied in order under an advisory lock so that several
@@ -151,6 +151,30 @@ fn to_fence(v: i64) -> u64 {
 }
 
 impl FleetStore for PgFleet {
+    fn raise_fence(&mut self, floor: u64) -> Result<(), FleetError> {
+        let floor = fence_floor(floor)?;
+        self.with(|c| {
+            // Read without a lock first: the sequence only moves up, so once it is at
+            // the floor it stays there (the case of every restart of a fleet host).
+            let row = c.query_one("SELECT last_value, is_called FROM berth_fence", &[])?;
+            let (last, called): (i64, bool) = (row.get(0), row.get(1));
+            if last > floor || (last == floor && called) {
+                return Ok(());
+            }
+            // `setval` alone could move the sequence back below a fence another host
+            // drew between the read and the set. ALTER SEQUENCE takes a lock that
+            // `nextval` waits for (PostgreSQL 10 and later), held to the commit: under
+            // it nothing is drawn between this read and the set.
+            let mut tx = c.transaction()?;
+            tx.batch_execute("ALTER SEQUENCE berth_fence INCREMENT BY 1")?;
+            let last: i64 = tx.query_one("SELECT nextval('berth_fence')", &[])?.get(0);
+            if last < floor {
+                tx.execute("SELECT setval('berth_fence', $1)", &[&floor])?;
+            }
+            tx.commit()
+        })
+    }
+
     fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError> {
         let h = host;
         self.with(|c| {

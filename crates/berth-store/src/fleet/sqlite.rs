@@ -7,8 +7,8 @@ use std::time::Duration;
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 
 use super::{
-    check_claim, check_load, Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetStore,
-    HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
+    check_claim, check_load, fence_floor, Claim, ClaimOutcome, Ending, FleetError, FleetFence,
+    FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 
 const SCHEMA: &str = "
@@ -141,6 +141,14 @@ fn take(tx: &Tx, c: &Claim, keys: &[String]) -> rusqlite::Result<Result<u64, (St
 }
 
 impl FleetStore for SqliteFleet {
+    fn raise_fence(&mut self, floor: u64) -> Result<(), FleetError> {
+        let floor = fence_floor(floor)?;
+        self.tx(|tx| {
+            tx.execute("UPDATE fence_seq SET last = max(last, ?1)", [floor])
+                .map(|_| ())
+        })
+    }
+
     fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError> {
         self.tx(|tx| {
             let old: Option<(i64, bool)> = tx

@@ -59,6 +59,10 @@ impl Reach {
 }
 
 impl FleetStore for Reach {
+    fn raise_fence(&mut self, floor: u64) -> Result<(), FleetError> {
+        self.up()?;
+        self.store.raise_fence(floor)
+    }
     fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError> {
         self.up()?;
         self.store.register(host)
@@ -215,6 +219,7 @@ fn new_link(
         beat_ms: BEAT_MS,
         lapse_ms: LAPSE_MS,
         recheck_ms: RECHECK_MS,
+        fence_floor: 0,
     };
     let reach = Reach {
         store: store.clone(),
