@@ -50,6 +50,12 @@ pub struct FleetConfig {
 /// default client never notices, and a dead or hung host frees its keys after 10.5 min.
 pub const FLEET_TTL_MS_MAX_DEFAULT: u64 = 600_000;
 
+/// How long a question to the fleet store (`GET /v1/fleet`, a fence check, a
+/// reconcile) and a `wait_s = 0` acquire's claim wait for the store at most before the
+/// caller gets `503 store_unavailable` (issue 38 item 4). The store's own calls have no
+/// deadline of their own yet: this bounds what a caller waits, not what a thread waits.
+pub const ANSWER_WAIT_MS_MAX: u64 = 5_000;
+
 /// Heartbeats a starting host watches the row of its id for another instance's beat.
 const ID_CHECK_BEATS: u64 = 3;
 
@@ -199,8 +205,15 @@ impl Handle {
                 FleetError::Unavailable("the fleet thread has stopped".into())
             }
         })?;
-        rx.await
-            .map_err(|_| FleetError::Unavailable("the fleet thread has stopped".into()))?
+        // Issue 38 item 4: a frozen link (its peer still acknowledging TCP) left the
+        // question, and `GET /v1/fleet` with it, waiting for as long as it lasted.
+        match tokio::time::timeout(Duration::from_millis(ANSWER_WAIT_MS_MAX), rx).await {
+            Ok(answer) => answer
+                .map_err(|_| FleetError::Unavailable("the fleet thread has stopped".into()))?,
+            Err(_) => Err(FleetError::Unavailable(format!(
+                "the fleet store did not answer within {ANSWER_WAIT_MS_MAX} ms"
+            ))),
+        }
     }
 }
 

@@ -353,7 +353,7 @@ fn spawn_state(
             // host may take them (checked by `check_config`).
             let fence_ms = fleet::self_fence_ms(f.lapse_ms, f.beat_ms, cfg.stop_grace_ms)
                 .map_err(|e| anyhow::anyhow!(e))?;
-            st.set_fleet(link.clone(), fence_ms, f.recheck_ms);
+            st.set_fleet(link.clone(), fence_ms, f.recheck_ms, f.beat_ms);
             Some(link)
         }
         None => None,

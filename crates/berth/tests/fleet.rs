@@ -361,6 +361,127 @@ fn regression_a_host_id_held_by_a_live_daemon_is_refused() {
     );
 }
 
+/// Issue 38 item 3 (consul's failure, hashicorp/consul#9788): a daemon frozen with
+/// SIGSTOP cannot stop its own runs, so `berth run` does: it cannot confirm its lease,
+/// and stops CMD by the lease's expiry, before the lapse (the longest lease plus the
+/// margin after the frozen host's last heartbeat) lets another host take the fleet
+/// key. CMD is gone, by a margin, when the other host's grant is seen.
+#[test]
+fn regression_a_frozen_hosts_run_is_gone_before_another_host_takes_its_key() {
+    let db = database();
+    let a = host(&db, "fa", "3s", "1s");
+    let b = host(&db, "fb", "3s", "1s");
+    let dir = tempfile::tempdir().unwrap();
+    let (pidfile, beat) = (dir.path().join("pid"), dir.path().join("beat"));
+    let script = format!(
+        "echo $$ > {p}; while :; do date +%s%3N > {b}.tmp && mv {b}.tmp {b}; sleep 0.02; done",
+        p = pidfile.display(),
+        b = beat.display()
+    );
+    let mut child = a
+        .cli()
+        .args(["run", "--project", "p", "--run-id", "frozen", "--singleton"])
+        .args(["fleet:k", "--cpus", "0.1", "--memory", "0", "--disk", "0"])
+        .args(["--ttl", "3s", "--", "sh", "-c", &script])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let cmd_pid = common::wait_pids(&pidfile, 1)[0];
+    let daemon = rustix::process::Pid::from_raw(a.child.as_ref().unwrap().id() as i32).unwrap();
+    rustix::process::kill_process(daemon, rustix::process::Signal::STOP).unwrap();
+    let r = acquire(
+        &b,
+        "taker",
+        json!({"singletons": ["fleet:k"], "wait_s": 60}),
+    );
+    assert!(r.status < 300, "{:?}", r.body);
+    granted(&b, "taker");
+    let seen_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let alive_then = common::alive(cmd_pid);
+    rustix::process::kill_process(daemon, rustix::process::Signal::CONT).unwrap();
+    assert!(!alive_then, "CMD still ran when another host held its key");
+    let last: i64 = std::fs::read_to_string(&beat)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        last + 300 < seen_ms,
+        "CMD's last sign of life was {} ms before the other host's grant was seen",
+        seen_ms - last
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// Issue 38 items 4 and 5: with the link to the database frozen (its peer still
+/// acknowledging TCP), every acquire hung for as long as it lasted, even `wait_s = 0`
+/// with no key, `/v1/fleet` too, and a `wait_s = 0` acquire whose caller gave up was
+/// granted after the heal with nobody attached. Now: the fleet's questions and a
+/// `wait_s = 0` claim get `503 store_unavailable` within `ANSWER_WAIT_MS_MAX` (new
+/// claims at once once no heartbeat was accepted for three), local questions are
+/// answered, nothing is granted to a caller that is gone, and claims resume after.
+#[test]
+fn regression_a_frozen_database_link_answers_503_and_grants_no_ghost() {
+    let db = database();
+    let (relay, relayed) = through_relay(&db);
+    let d = host(&relayed, "d", "60s", "5s");
+    assert!(acquire(&d, "before", json!({})).status < 300);
+    granted(&d, "before");
+    relay.freeze(true);
+    // A caller that sends a wait_s=0 acquire and gives up at once.
+    let mut ghost = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    let body = json!({"run_id": "ghost", "project": "p-ghost", "wait_s": 0,
+                      "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}})
+    .to_string();
+    write!(
+        ghost,
+        "POST /v1/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        d.token,
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    drop(ghost);
+    let bound = Duration::from_millis(berth_server::fleet::ANSWER_WAIT_MS_MAX + 2_000);
+    let t = Instant::now();
+    let r = acquire(&d, "now", json!({"wait_s": 0}));
+    assert_eq!(
+        (r.status, r.code()),
+        (503, "store_unavailable"),
+        "{:?}",
+        r.body
+    );
+    assert!(t.elapsed() < bound, "the acquire took {:?}", t.elapsed());
+    let t = Instant::now();
+    assert_eq!(d.get("/v1/fleet").status, 503);
+    assert!(t.elapsed() < bound, "/v1/fleet took {:?}", t.elapsed());
+    let t = Instant::now();
+    assert_eq!(d.get("/v1/status").status, 200);
+    assert_eq!(d.get("/v1/runs/before").body["state"], "granted");
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "local questions waited"
+    );
+    relay.freeze(false);
+    // Healed: new runs are granted again, and the caller that left was not.
+    let mut n = 0;
+    d.wait_until("claims resume", |d| {
+        n += 1;
+        acquire(d, &format!("after-{n}"), json!({"wait_s": 0})).status == 201
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let g = d.get("/v1/runs/ghost");
+    assert!(
+        g.status == 404 || g.body["state"] != "granted",
+        "a run whose caller was gone was granted: {}",
+        g.body
+    );
+}
+
 /// G2 fleet-wide: a thread registered on host A refuses an older owner on host C.
 #[test]
 fn a_thread_registered_on_one_host_refuses_an_older_owner_on_another() {
@@ -394,6 +515,9 @@ fn a_thread_registered_on_one_host_refuses_an_older_owner_on_another() {
 struct Relay {
     port: u16,
     cut: Arc<AtomicBool>,
+    /// Frozen: connections stay open and accepted, nothing is passed on (the peer's
+    /// kernel still acknowledges what is sent).
+    frozen: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
 }
 
@@ -402,8 +526,9 @@ impl Relay {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = l.local_addr().unwrap().port();
         let cut = Arc::new(AtomicBool::new(false));
+        let frozen = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let (cut2, conns2) = (cut.clone(), conns.clone());
+        let (cut2, conns2, frozen2) = (cut.clone(), conns.clone(), frozen.clone());
         std::thread::spawn(move || {
             for s in l.incoming().flatten() {
                 if cut2.load(Ordering::SeqCst) {
@@ -420,9 +545,13 @@ impl Relay {
                 for (mut from, mut to) in
                     [(s.try_clone().unwrap(), up.try_clone().unwrap()), (up, s)]
                 {
+                    let frozen = frozen2.clone();
                     std::thread::spawn(move || {
                         let mut buf = [0u8; 16384];
                         while let Ok(n) = from.read(&mut buf) {
+                            while frozen.load(Ordering::SeqCst) {
+                                std::thread::sleep(Duration::from_millis(10));
+                            }
                             if n == 0 || to.write_all(&buf[..n]).is_err() {
                                 break;
                             }
@@ -432,7 +561,16 @@ impl Relay {
                 }
             }
         });
-        Relay { port, cut, conns }
+        Relay {
+            port,
+            cut,
+            frozen,
+            conns,
+        }
+    }
+
+    fn freeze(&self, frozen: bool) {
+        self.frozen.store(frozen, Ordering::SeqCst);
     }
 
     fn cut(&self) {

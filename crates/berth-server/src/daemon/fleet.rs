@@ -25,7 +25,14 @@ pub(super) struct Preclaim {
     extra: Extra,
     attach: bool,
     reply: Reply<RunInfo>,
+    /// When it was sent (the daemon's ms): past `ANSWER_WAIT_MS_MAX` it is answered
+    /// 503 and never granted (issue 38 items 4 and 5).
+    since_ms: u64,
 }
+
+/// Heartbeats without an accepted one after which new fleet-wide claims are refused
+/// (503) rather than queued behind a store that does not answer (issue 38 item 4).
+const STALE_BEATS: u64 = 3;
 
 /// Waiters re-sent per re-check at most, per channel (a deep fleet queue is re-checked
 /// a bounded amount at a time; its wake-ups do the rest).
@@ -94,12 +101,18 @@ pub(super) struct FleetState {
     beat_ok_ms: u64,
     /// This host's id in the fleet (fixed at start).
     host_id: String,
+    /// The heartbeat period (0: not known, no staleness is judged).
+    pub(super) beat_ms: u64,
 }
 
 impl FleetState {
-    /// New fleet-wide claims are refused while the store is away (`503`).
-    pub(super) fn unavailable(&self) -> bool {
-        self.link.is_some() && (!self.available || self.gen == 0)
+    /// New fleet-wide claims are refused while the store is away (`503`): it failed,
+    /// the host is not registered, or no heartbeat was accepted for `STALE_BEATS`
+    /// heartbeats (a frozen link fails nothing; it only never answers).
+    pub(super) fn unavailable(&self, now: u64) -> bool {
+        let stale = self.beat_ms > 0
+            && now.saturating_sub(self.beat_ok_ms) > STALE_BEATS.saturating_mul(self.beat_ms);
+        self.link.is_some() && (!self.available || self.gen == 0 || stale)
     }
 
     /// A `wait_s = 0` acquire of this run is waiting for its claim.
@@ -271,6 +284,7 @@ impl<H: Host> Daemon<H> {
             extra,
             attach,
             reply,
+            since_ms: self.now,
         };
         self.fleet.preclaims.insert(run_id, p);
     }
@@ -279,6 +293,16 @@ impl<H: Host> Daemon<H> {
     /// without it (then it expires at once, as any run that cannot be granted on arrival).
     fn preclaimed(&mut self, p: Preclaim, gen: i64, result: ClaimResult) {
         let id = p.req.run_id.clone();
+        // Issue 38 item 5: its caller is gone (it gave up while the store stalled):
+        // never granted with nobody attached; what the fleet gave it goes back.
+        if p.reply.is_closed() {
+            if let Ok(ClaimOutcome::Taken { .. }) = result {
+                self.fleet.held.insert(id.clone(), (gen, false));
+                self.end_claim(&id, Ending::Released);
+                self.commit(BTreeSet::new(), |_| {});
+            }
+            return;
+        }
         let cmd = match result {
             Ok(ClaimOutcome::Taken { fence }) => {
                 let wide = p.req.budget.is_some()
@@ -579,6 +603,7 @@ impl<H: Host> Daemon<H> {
         let Some(link) = self.fleet.link.clone() else {
             return;
         };
+        self.expire_preclaims();
         let beat_ok = self.fleet.beat_ok_ms;
         if self.fleet.gen > 0 && self.now.saturating_sub(beat_ok) > self.fleet.self_fence_ms {
             let fence: Vec<String> = self
@@ -607,6 +632,26 @@ impl<H: Host> Daemon<H> {
         }
     }
 
+    /// Issue 38 items 4 and 5: a `wait_s = 0` acquire whose claim the store has not
+    /// answered within `ANSWER_WAIT_MS_MAX` is answered 503 and forgotten: its claim's
+    /// answer, when it comes, finds no waiting run and gives back what was taken.
+    fn expire_preclaims(&mut self) {
+        let now = self.now;
+        let late: Vec<String> = (self.fleet.preclaims.iter())
+            .filter(|(_, p)| now.saturating_sub(p.since_ms) >= crate::fleet::ANSWER_WAIT_MS_MAX)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in late {
+            if let Some(p) = self.fleet.preclaims.remove(&id) {
+                tracing::warn!(
+                    run_id = id,
+                    "fleet: the store did not answer a wait_s=0 acquire's claim in time: 503"
+                );
+                self.answer(p.reply, Err(Error::FleetUnavailable));
+            }
+        }
+    }
+
     /// F4: what `GET /v1/fleet` shows of this host (written with each heartbeat).
     fn load_json(&self) -> String {
         let s = self.engine.snapshot();
@@ -630,13 +675,14 @@ impl<H: Host> Daemon<H> {
 impl<H: Host> Daemon<H> {
     /// Fleet mode on: claims go to `link`'s thread. `self_fence_ms` and `recheck_ms`
     /// as in [`FleetState`].
-    pub fn set_fleet(&mut self, link: Handle, self_fence_ms: u64, recheck_ms: u64) {
+    pub fn set_fleet(&mut self, link: Handle, self_fence_ms: u64, recheck_ms: u64, beat_ms: u64) {
         // Its capacity is known before its first heartbeat.
         *link.status.load.lock().unwrap_or_else(|e| e.into_inner()) = self.load_json();
         self.fleet.host_id = link.status.host_id();
         self.fleet.link = Some(link);
         self.fleet.self_fence_ms = self_fence_ms;
         self.fleet.recheck_ms = recheck_ms;
+        self.fleet.beat_ms = beat_ms;
     }
 }
 

@@ -210,7 +210,7 @@ impl<H: Host> Daemon<H> {
             (true, Some(d)) => Some(Error::Draining(d.clone())),
             // F1: a new run's id and fence are fleet-wide claims; none is taken (or
             // granted unrecorded) while the fleet store is away.
-            (true, None) if self.fleet.unavailable() => Some(Error::FleetUnavailable),
+            (true, None) if self.fleet.unavailable(self.now) => Some(Error::FleetUnavailable),
             _ => None,
         }
     }

@@ -238,10 +238,12 @@ impl Sim {
         let Some(f) = self.fleet.as_mut() else { return };
         let (handle, (link, reports)) = new_link(&f.store, &f.clock, &f.down);
         (f.link, f.reports) = (link, reports);
-        self.daemon
-            .as_mut()
-            .expect("started")
-            .set_fleet(handle, SELF_FENCE_MS, RECHECK_MS);
+        self.daemon.as_mut().expect("started").set_fleet(
+            handle,
+            SELF_FENCE_MS,
+            RECHECK_MS,
+            BEAT_MS,
+        );
         self.fleet_beat();
     }
 
