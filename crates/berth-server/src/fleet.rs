@@ -54,7 +54,10 @@ pub const FLEET_TTL_MS_MAX_DEFAULT: u64 = 600_000;
 /// reconcile) and a `wait_s = 0` acquire's claim wait for the store at most before the
 /// caller gets `503 store_unavailable` (issue 38 item 4). The store's own calls have no
 /// deadline of their own yet: this bounds what a caller waits, not what a thread waits.
-pub const ANSWER_WAIT_MS_MAX: u64 = 5_000;
+pub const ANSWER_WAIT_MS: u64 = 5_000;
+
+/// The least slack between a host's self-fence stop (its grace included) and the lapse.
+const FENCE_SLACK_MS_MIN: u64 = 1_000;
 
 /// Heartbeats a starting host watches the row of its id for another instance's beat.
 const ID_CHECK_BEATS: u64 = 3;
@@ -104,21 +107,23 @@ fn check_id_free(
 /// F2: how long after its last accepted heartbeat a host stops its runs that hold
 /// fleet-wide claims, so that they are gone before the lapse at which another host may
 /// take those claims. The stop itself takes up to `stop_grace_ms` (TERM, the grace,
-/// KILL), so it starts at least the grace plus two heartbeats before the lapse, and at
-/// least a quarter of the lapse before it (issue 38 item 7: a quarter alone, 7.5 s of
-/// a 30 s lapse, was shorter than the 10 s grace, and a child that ignored SIGTERM ran
-/// 2.5 s beside the next holder). A configuration that leaves less than three
-/// heartbeats before the fence (one slow heartbeat would stop every fleet run) is
-/// refused, naming the flags.
+/// KILL), so it starts at least the grace plus a slack before the lapse, and at least a
+/// quarter of the lapse before it (issue 38 item 7: a quarter alone, 7.5 s of a 30 s
+/// lapse, was shorter than the 10 s grace, and a child that ignored SIGTERM ran 2.5 s
+/// beside the next holder). The slack, two heartbeats and at least `FENCE_SLACK_MS_MIN`,
+/// covers what the host's own count adds: it starts when the heartbeat's answer
+/// arrived, after the store wrote it, and is looked at every tick. A configuration that
+/// leaves less than three heartbeats before the fence (one slow heartbeat would stop
+/// every fleet run) is refused, naming the flags.
 pub fn self_fence_ms(lapse_ms: u64, beat_ms: u64, stop_grace_ms: u64) -> Result<u64, String> {
+    let slack = (2 * beat_ms).max(FENCE_SLACK_MS_MIN);
     let early = (lapse_ms / 4)
         .max(2 * beat_ms)
-        .max(stop_grace_ms.saturating_add(2 * beat_ms));
+        .max(stop_grace_ms.saturating_add(slack));
     match lapse_ms.checked_sub(early) {
         Some(fence_ms) if fence_ms >= 3 * beat_ms => Ok(fence_ms),
         _ => Err(format!(
-            "fleet mode: a host silent for --ttl-max + --fleet-margin ({lapse_ms} ms) is declared dead, and it must stop its fleet-wide runs before then: --stop-grace ({stop_grace_ms} ms) plus two heartbeats ({} ms) before that, after at least three heartbeats of silence ({} ms); raise --ttl-max or --fleet-margin, or lower --stop-grace or --fleet-beat",
-            2 * beat_ms,
+            "fleet mode: a host silent for --ttl-max + --fleet-margin ({lapse_ms} ms) is declared dead, and it must stop its fleet-wide runs before then: --stop-grace ({stop_grace_ms} ms) plus {slack} ms (two heartbeats, at least {FENCE_SLACK_MS_MIN} ms) before that, after at least three heartbeats of silence ({} ms); raise --ttl-max or --fleet-margin, or lower --stop-grace or --fleet-beat",
             3 * beat_ms
         )),
     }
@@ -207,11 +212,11 @@ impl Handle {
         })?;
         // Issue 38 item 4: a frozen link (its peer still acknowledging TCP) left the
         // question, and `GET /v1/fleet` with it, waiting for as long as it lasted.
-        match tokio::time::timeout(Duration::from_millis(ANSWER_WAIT_MS_MAX), rx).await {
+        match tokio::time::timeout(Duration::from_millis(ANSWER_WAIT_MS), rx).await {
             Ok(answer) => answer
                 .map_err(|_| FleetError::Unavailable("the fleet thread has stopped".into()))?,
             Err(_) => Err(FleetError::Unavailable(format!(
-                "the fleet store did not answer within {ANSWER_WAIT_MS_MAX} ms"
+                "the fleet store did not answer within {ANSWER_WAIT_MS} ms"
             ))),
         }
     }

@@ -25,7 +25,7 @@ pub(super) struct Preclaim {
     extra: Extra,
     attach: bool,
     reply: Reply<RunInfo>,
-    /// When it was sent (the daemon's ms): past `ANSWER_WAIT_MS_MAX` it is answered
+    /// When it was sent (the daemon's ms): past `ANSWER_WAIT_MS` it is answered
     /// 503 and never granted (issue 38 items 4 and 5).
     since_ms: u64,
 }
@@ -633,12 +633,12 @@ impl<H: Host> Daemon<H> {
     }
 
     /// Issue 38 items 4 and 5: a `wait_s = 0` acquire whose claim the store has not
-    /// answered within `ANSWER_WAIT_MS_MAX` is answered 503 and forgotten: its claim's
+    /// answered within `ANSWER_WAIT_MS` is answered 503 and forgotten: its claim's
     /// answer, when it comes, finds no waiting run and gives back what was taken.
     fn expire_preclaims(&mut self) {
         let now = self.now;
         let late: Vec<String> = (self.fleet.preclaims.iter())
-            .filter(|(_, p)| now.saturating_sub(p.since_ms) >= crate::fleet::ANSWER_WAIT_MS_MAX)
+            .filter(|(_, p)| now.saturating_sub(p.since_ms) >= crate::fleet::ANSWER_WAIT_MS)
             .map(|(id, _)| id.clone())
             .collect();
         for id in late {
