@@ -199,7 +199,7 @@ pub struct ServeArgs {
     /// The longest lease a run may ask for [default: 24h; 10m in fleet mode]. In
     /// fleet mode a silent host is declared dead this long plus --fleet-margin after
     /// its last heartbeat, and stops its fleet-wide runs --stop-grace plus two
-    /// heartbeats (at least a quarter of that) before then.
+    /// heartbeats (at least 1 s) before then, and at least a quarter of that before.
     #[arg(long, env = "BERTH_TTL_MAX", value_parser = parse_duration)]
     pub ttl_max: Option<u64>,
     /// Fleet mode: the fleet store, postgres://USER@HOST/DB (or a libpq
