@@ -8,9 +8,10 @@
 //! Checked after every step: a granted run's fence is the one the fleet store holds
 //! for it, on this host; a fleet-wide key is never held by a granted run here and by
 //! the peer at once. At the end, with every job carried out, no claim of this host is
-//! left in the store. Crashes are left out of fleet seeds: an ending lost with the
-//! daemon's fleet thread leaks its claim (issue 38, finding 2), so clean restarts
-//! carry out what the link holds first, as a graceful stop does.
+//! left in the store. Fleet seeds crash too (issue 38 item 2): an ending lost with the
+//! daemon's fleet thread is ended by the registration after the restart, which ends
+//! the claims of runs that ended here; clean restarts carry out what the link holds
+//! first, as a graceful stop does.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

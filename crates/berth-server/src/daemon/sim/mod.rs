@@ -227,10 +227,6 @@ impl Sim {
     /// One of the workload's steps with a crash somewhere in its effects (a step that
     /// had none to carry out crashes at its end).
     fn crash_during(&mut self) -> String {
-        // Not in fleet seeds (see `sim/fleet.rs`).
-        if self.fleet.is_some() {
-            return self.pass_time();
-        }
         self.crash_due = true;
         let line = match self.rng.range(0, 5) {
             0 => self.acquire(),
