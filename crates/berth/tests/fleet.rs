@@ -628,6 +628,53 @@ fn regression_a_release_just_before_a_kill_9_frees_its_fleet_key() {
     }
 }
 
+/// One HTTP/1.1 request on `s`, kept alive; the status and the head of the answer
+/// (its body read by its length).
+fn exchange(s: &mut TcpStream, token: &str, method: &str, path: &str, body: &str) -> (u16, String) {
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        s.read_exact(&mut byte).unwrap();
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let len: usize = (head.lines())
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    let mut rest = vec![0u8; len];
+    s.read_exact(&mut rest).unwrap();
+    (head[9..12].parse().unwrap(), head)
+}
+
+/// Issue 38 (Build 2): on a fleet host every acquire waited for its claim as a queued
+/// long poll, and a parked long poll's answer closes its connection, so every client
+/// made a new connection per run. An acquire that can be claimed now is answered when
+/// its claim commits, on its kept-alive connection.
+#[test]
+fn regression_a_fleet_acquire_is_answered_on_its_kept_alive_connection() {
+    let db = database();
+    let d = host(&db, "d", "60s", "5s");
+    let mut s = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    for i in 0..3 {
+        let body = json!({"run_id": format!("kept-{i}"), "project": format!("p{i}"), "wait_s": 30,
+                          "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
+        let (status, head) = exchange(&mut s, &d.token, "POST", "/v1/runs", &body.to_string());
+        assert_eq!(status, 201, "{head}");
+        assert!(
+            !head.contains("connection: close"),
+            "closed after the grant: {head}"
+        );
+        let v = d.get(&format!("/v1/runs/kept-{i}")).body;
+        assert_eq!(v["state"], "granted", "{v}");
+    }
+}
+
 /// G2 fleet-wide: a thread registered on host A refuses an older owner on host C.
 #[test]
 fn a_thread_registered_on_one_host_refuses_an_older_owner_on_another() {

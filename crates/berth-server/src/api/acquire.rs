@@ -58,10 +58,26 @@ pub(super) async fn acquire_inner(
     // Parsing the request and asking the daemon take far more state than waiting does
     // (4 KiB of it). In a box of their own, freed before the wait, they do not size the
     // future that a queued long poll keeps for hours.
-    let (first, guard, detach) = Box::pin(enqueue(&api, by, body)).await?;
-    let queued = first.view.state == RunState::Queued;
+    let (mut first, guard, detach) = Box::pin(enqueue(&api, by, body)).await?;
+    let mut queued = first.view.state == RunState::Queued;
     if detach && queued {
         return Ok((StatusCode::ACCEPTED, Json(run_out(&first))).into_response());
+    }
+    if queued && !stream && waits_for_claim(&first) {
+        // Issue 38 (Build 2): on a fleet host a run that fits here waits for its
+        // fleet-wide claim, one round trip to the store: answered on this connection
+        // when the claim commits. Parked, its answer would close the connection.
+        if let Some(now) = Box::pin(claim_answer(&api, &first)).await {
+            (first, queued) = (now, false);
+        }
+    }
+    if !queued && !stream {
+        let res = match first.view.state {
+            RunState::Granted => (StatusCode::CREATED, Json(run_out(&first))).into_response(),
+            _ => ended_error(&first).into_response(),
+        };
+        drop(guard);
+        return Ok(res);
     }
     if let (false, true, Some(conn)) = (stream, queued, conn) {
         // A queued long poll leaves hyper for the rest of its wait (`park.rs`): its
@@ -80,6 +96,33 @@ pub(super) async fn acquire_inner(
         return Ok(long_poll_answer(&api, first, guard).await);
     }
     Ok(stream_grant(api, first, guard))
+}
+
+/// How long an acquire waiting only for its fleet-wide claim is held on its connection
+/// before it is parked as any queued long poll (a refused claim waits for a wake-up).
+pub const CLAIM_ANSWER_WAIT_MS: u64 = 1_000;
+
+/// Queued on a fleet host for its fleet-wide claim alone (everything local fits).
+fn waits_for_claim(info: &RunInfo) -> bool {
+    (info.view.reason.as_ref()).is_some_and(|r| r.code == "fleet.claim")
+}
+
+/// The run once it is no longer queued, if that comes within `CLAIM_ANSWER_WAIT_MS`.
+async fn claim_answer(api: &Api, first: &RunInfo) -> Option<RunInfo> {
+    let mut w = subscribe(api, first.view.run_id.clone()).await?;
+    let wait = async {
+        loop {
+            let now = w.borrow_and_update().clone();
+            if now.view.state != RunState::Queued {
+                return Some(now);
+            }
+            w.changed().await.ok()?;
+        }
+    };
+    tokio::time::timeout(Duration::from_millis(CLAIM_ANSWER_WAIT_MS), wait)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// A long poll's answer once its wait is over: the lease (`201`), or why it never
