@@ -675,6 +675,48 @@ fn regression_a_fleet_acquire_is_answered_on_its_kept_alive_connection() {
     }
 }
 
+/// Issue 38 item 5, inside the bound: a `wait_s = 0` acquire whose caller hung up
+/// while its claim waited on a frozen link, the link healed 1.5 s later (well within
+/// `ANSWER_WAIT_MS`), is not admitted: nobody is there to hold it. (This short stall
+/// granted no ghost on the old main either; the issue's 45 s one did, which
+/// `regression_a_frozen_database_link_answers_503_and_grants_no_ghost` pins.)
+#[test]
+fn a_caller_gone_before_its_claim_came_back_is_never_granted() {
+    let db = database();
+    let (relay, relayed) = through_relay(&db);
+    let d = host(&relayed, "d", "60s", "5s");
+    assert!(acquire(&d, "before", json!({})).status < 300);
+    granted(&d, "before");
+    relay.freeze(true);
+    let mut ghost = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    let body = json!({"run_id": "ghost", "project": "p-ghost", "wait_s": 0,
+                      "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}})
+    .to_string();
+    write!(
+        ghost,
+        "POST /v1/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        d.token,
+        body.len()
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    drop(ghost);
+    std::thread::sleep(Duration::from_millis(1_300));
+    relay.freeze(false);
+    // The claim's answer comes back; a run with the same fleet store works again.
+    let mut n = 0;
+    d.wait_until("claims resume", |d| {
+        n += 1;
+        acquire(d, &format!("after-{n}"), json!({"wait_s": 0})).status == 201
+    });
+    let g = d.get("/v1/runs/ghost");
+    assert!(
+        g.status == 404 || g.body["state"] != "granted",
+        "a run whose caller was gone was granted: {}",
+        g.body
+    );
+}
+
 /// G2 fleet-wide: a thread registered on host A refuses an older owner on host C.
 #[test]
 fn a_thread_registered_on_one_host_refuses_an_older_owner_on_another() {
