@@ -534,6 +534,51 @@ fn regression_a_cmd_ignoring_sigterm_is_killed_before_the_lapse() {
     gone.unwrap();
 }
 
+/// A host through a relay, granted a run, then the link frozen and a caller that
+/// sent a `wait_s = 0` acquire (run `ghost`) and hung up 200 ms later.
+fn frozen_with_a_ghost(db: &str) -> (Relay, Daemon) {
+    let (relay, relayed) = through_relay(db);
+    let d = host(&relayed, "d", "60s", "5s");
+    assert!(acquire(&d, "before", json!({})).status < 300);
+    granted(&d, "before");
+    relay.freeze(true);
+    let mut ghost = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
+    let body = json!({"run_id": "ghost", "project": "p-ghost", "wait_s": 0,
+                      "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
+    write_request(&mut ghost, &d.token, "POST", "/v1/runs", &body.to_string());
+    std::thread::sleep(Duration::from_millis(200));
+    drop(ghost);
+    (relay, d)
+}
+
+/// Waits until `d` grants `wait_s = 0` runs again (its link healed).
+fn claims_resume_without_the_ghost(d: &Daemon) {
+    let mut n = 0;
+    d.wait_until("claims resume", |d| {
+        n += 1;
+        acquire(d, &format!("after-{n}"), json!({"wait_s": 0})).status == 201
+    });
+}
+
+fn assert_no_ghost(d: &Daemon) {
+    let g = d.get("/v1/runs/ghost");
+    assert!(
+        g.status == 404 || g.body["state"] != "granted",
+        "a run whose caller was gone was granted: {}",
+        g.body
+    );
+}
+
+/// One HTTP/1.1 request on `s`, kept alive.
+fn write_request(s: &mut TcpStream, token: &str, method: &str, path: &str, body: &str) {
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+}
+
 /// Issue 38 items 4 and 5: with the link to the database frozen (its peer still
 /// acknowledging TCP), every acquire hung for as long as it lasted, even `wait_s = 0`
 /// with no key, `/v1/fleet` too, and a `wait_s = 0` acquire whose caller gave up was
@@ -544,25 +589,7 @@ fn regression_a_cmd_ignoring_sigterm_is_killed_before_the_lapse() {
 #[test]
 fn regression_a_frozen_database_link_answers_503_and_grants_no_ghost() {
     let db = database();
-    let (relay, relayed) = through_relay(&db);
-    let d = host(&relayed, "d", "60s", "5s");
-    assert!(acquire(&d, "before", json!({})).status < 300);
-    granted(&d, "before");
-    relay.freeze(true);
-    // A caller that sends a wait_s=0 acquire and gives up at once.
-    let mut ghost = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
-    let body = json!({"run_id": "ghost", "project": "p-ghost", "wait_s": 0,
-                      "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}})
-    .to_string();
-    write!(
-        ghost,
-        "POST /v1/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        d.token,
-        body.len()
-    )
-    .unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    drop(ghost);
+    let (relay, d) = frozen_with_a_ghost(&db);
     let bound = Duration::from_millis(berth_server::fleet::ANSWER_WAIT_MS + 2_000);
     let t = Instant::now();
     let r = acquire(&d, "now", json!({"wait_s": 0}));
@@ -585,18 +612,9 @@ fn regression_a_frozen_database_link_answers_503_and_grants_no_ghost() {
     );
     relay.freeze(false);
     // Healed: new runs are granted again, and the caller that left was not.
-    let mut n = 0;
-    d.wait_until("claims resume", |d| {
-        n += 1;
-        acquire(d, &format!("after-{n}"), json!({"wait_s": 0})).status == 201
-    });
+    claims_resume_without_the_ghost(&d);
     std::thread::sleep(Duration::from_millis(500));
-    let g = d.get("/v1/runs/ghost");
-    assert!(
-        g.status == 404 || g.body["state"] != "granted",
-        "a run whose caller was gone was granted: {}",
-        g.body
-    );
+    assert_no_ghost(&d);
 }
 
 /// Issue 38 item 2: a release acknowledged just before a kill -9 ended the run here,
@@ -631,12 +649,7 @@ fn regression_a_release_just_before_a_kill_9_frees_its_fleet_key() {
 /// One HTTP/1.1 request on `s`, kept alive; the status and the head of the answer
 /// (its body read by its length).
 fn exchange(s: &mut TcpStream, token: &str, method: &str, path: &str, body: &str) -> (u16, String) {
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
+    write_request(s, token, method, path, body);
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
@@ -683,38 +696,29 @@ fn regression_a_fleet_acquire_is_answered_on_its_kept_alive_connection() {
 #[test]
 fn a_caller_gone_before_its_claim_came_back_is_never_granted() {
     let db = database();
-    let (relay, relayed) = through_relay(&db);
-    let d = host(&relayed, "d", "60s", "5s");
-    assert!(acquire(&d, "before", json!({})).status < 300);
-    granted(&d, "before");
-    relay.freeze(true);
-    let mut ghost = TcpStream::connect(("127.0.0.1", d.port)).unwrap();
-    let body = json!({"run_id": "ghost", "project": "p-ghost", "wait_s": 0,
-                      "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}})
-    .to_string();
-    write!(
-        ghost,
-        "POST /v1/runs HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-        d.token,
-        body.len()
-    )
-    .unwrap();
-    std::thread::sleep(Duration::from_millis(200));
-    drop(ghost);
+    let (relay, d) = frozen_with_a_ghost(&db);
     std::thread::sleep(Duration::from_millis(1_300));
     relay.freeze(false);
     // The claim's answer comes back; a run with the same fleet store works again.
-    let mut n = 0;
-    d.wait_until("claims resume", |d| {
-        n += 1;
-        acquire(d, &format!("after-{n}"), json!({"wait_s": 0})).status == 201
-    });
-    let g = d.get("/v1/runs/ghost");
-    assert!(
-        g.status == 404 || g.body["state"] != "granted",
-        "a run whose caller was gone was granted: {}",
-        g.body
-    );
+    claims_resume_without_the_ghost(&d);
+    assert_no_ghost(&d);
+}
+
+/// Issue 38 item 8: the default host id kept in `<state>/fleet-host-id` is read as any
+/// state file berth trusts: a malformed id refuses the start naming `--host-id`, and
+/// a symbolic link planted there is never followed.
+#[test]
+fn a_hostile_fleet_host_id_file_refuses_the_start() {
+    let db = database();
+    let d = Daemon::unstarted(&[]);
+    let file = d.state.join("fleet-host-id");
+    std::fs::write(&file, "bad host/../id\n").unwrap();
+    let (st, out) = d.start_fails(&["--store", &db]);
+    assert!(!st.success() && out.contains("--host-id"), "{out}");
+    std::fs::remove_file(&file).unwrap();
+    std::os::unix::fs::symlink("/etc/hostname", &file).unwrap();
+    let (st, out) = d.start_fails(&["--store", &db]);
+    assert!(!st.success() && out.contains("symbolic link"), "{out}");
 }
 
 /// G2 fleet-wide: a thread registered on host A refuses an older owner on host C.
