@@ -8,7 +8,9 @@
 
 use crate::http::{config, drive, pct, Outcome};
 
-fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> Outcome {
+/// A fleet run's figures, and how many claims and endings each round trip to the
+/// store carried on average (issue 38 Build 1), from the hosts' `/metrics`.
+fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> (Outcome, f64) {
     rustix::fs::sync();
     let db = berth_store::fleet::testing::pg_fresh_database("bench").expect("a PostgreSQL server");
     let dirs: Vec<_> = (0..hosts).map(|_| tempfile::tempdir().unwrap()).collect();
@@ -34,7 +36,7 @@ fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> Outcom
             rt.block_on(berth_server::start(cfg)).expect("daemon")
         })
         .collect();
-    let targets = running
+    let targets: Vec<(String, String)> = running
         .iter()
         .map(|r| {
             let url = format!("http://{}", r.addr);
@@ -42,11 +44,37 @@ fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> Outcom
         })
         .collect();
     let commits = || running.iter().map(|r| r.commits()).sum();
-    let out = drive(targets, clients, 0, seconds, budget, &commits);
+    let out = drive(targets.clone(), clients, 0, seconds, budget, &commits);
+    let (mut ops, mut trips) = (0.0, 0.0);
+    for (url, auth) in &targets {
+        let (o, t) = batch_ops(url, auth);
+        (ops, trips) = (ops + o, trips + t);
+    }
     for r in running {
         rt.block_on(r.stop()).unwrap();
     }
-    out
+    (out, ops / trips.max(1.0))
+}
+
+/// A host's `berth_fleet_batch_ops` histogram: its sum (ops carried out) and count
+/// (round trips).
+fn batch_ops(url: &str, auth: &str) -> (f64, f64) {
+    let text = ureq::get(format!("{url}/metrics"))
+        .header("Authorization", auth)
+        .call()
+        .expect("GET /metrics")
+        .body_mut()
+        .read_to_string()
+        .expect("the metrics' text");
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        value("berth_fleet_batch_ops_sum "),
+        value("berth_fleet_batch_ops_count "),
+    )
 }
 
 /// pgbench's lifecycle: a row with the next sequence value, then its delete, each
@@ -99,8 +127,8 @@ fn pgbench(clients: usize, seconds: u64) -> Result<f64, String> {
 }
 
 pub fn main(hosts: usize, clients: usize, seconds: u64) {
-    let plain = fleet_run(hosts, clients, seconds, false);
-    let token = fleet_run(hosts, clients, seconds, true);
+    let (plain, per_trip) = fleet_run(hosts, clients, seconds, false);
+    let (token, _) = fleet_run(hosts, clients, seconds, true);
     let single = crate::http::run(clients, 0, seconds, true);
     let pg = pgbench(clients, seconds).unwrap_or_else(|e| {
         eprintln!("pgbench: {e}");
@@ -110,7 +138,7 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
     // Whether the server syncs its commits (pg_virtualenv turns fsync off unless told).
     let fsync = berth_store::fleet::testing::pg_setting("fsync").unwrap_or_else(|e| e);
     println!(
-        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
+        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
         rate(&plain),
         pct(&plain.grant_ms, 0.5),
         pct(&plain.grant_ms, 0.99),

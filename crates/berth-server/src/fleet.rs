@@ -11,8 +11,11 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+pub use berth_store::fleet::FleetOp as Job;
 pub use berth_store::fleet::HostInfo;
-use berth_store::fleet::{Claim, ClaimOutcome, Ending, FleetError, FleetStore, HostRow};
+use berth_store::fleet::{
+    ClaimOutcome, Ending, FleetError, FleetStore, HostRow, OpOutcome, BATCH_OPS_MAX,
+};
 use tokio::sync::oneshot;
 
 use crate::tell::Tell;
@@ -161,19 +164,8 @@ impl Status {
 
 type Question = Box<dyn FnOnce(&mut dyn FleetStore) + Send>;
 
-pub enum Job {
-    Claim(Claim),
-    /// A held claim's permit went stale on this host: a new fence for it.
-    Refence {
-        run_id: String,
-        gen: i64,
-    },
-    End {
-        run_id: String,
-        gen: i64,
-        how: Ending,
-    },
-}
+/// Told the size of each batch the store carried out (`/metrics`).
+pub type BatchObserver = Arc<dyn Fn(usize) + Send + Sync>;
 
 /// API questions in flight at most. They have a thread and a connection of their own,
 /// so that no number of them (a token holder checking fences in a loop) delays a claim
@@ -262,14 +254,20 @@ fn check_id_at_start(cfg: &FleetConfig) -> Result<(), FleetError> {
     }
 }
 
-/// Threads (each with its connection) that carry out claims and endings: a host's
-/// claims are one round trip each, so several in flight let the database's group
-/// commit serve them together instead of one fsync after another.
-pub const CLAIM_WORKERS: usize = 4;
+/// Threads (each with its connection) that carry out claims and endings. Each sends
+/// what has gathered since it last looked as one batch, one round trip and one
+/// transaction (issue 38 Build 1), so the claims that arrive while a round trip is in
+/// flight share the next one; two let one batch be on its way while the other's
+/// answer comes back.
+pub const CLAIM_WORKERS: usize = 2;
 
 /// Starts the fleet threads: the heartbeat, the claim workers, the questions' and, on
 /// PostgreSQL, the listener.
-pub fn spawn(cfg: FleetConfig, inbox: Tell<Report>) -> Result<Handle, FleetError> {
+pub fn spawn(
+    cfg: FleetConfig,
+    inbox: Tell<Report>,
+    batched: BatchObserver,
+) -> Result<Handle, FleetError> {
     if !cfg.url.starts_with("sqlite:") {
         let listener = berth_store::fleet::PgFleet::lazy(&cfg.url)?.listener();
         spawn_listener(listener, inbox.clone());
@@ -282,7 +280,7 @@ pub fn spawn(cfg: FleetConfig, inbox: Tell<Report>) -> Result<Handle, FleetError
             q(&mut *answering);
         }
     })?;
-    let common = Common::new(cfg, inbox, Arc::new(crate::clock::mono_ms));
+    let common = Common::new(cfg, inbox, Arc::new(crate::clock::mono_ms), batched);
     let status = common.status.clone();
     let (tx, rx) = std::sync::mpsc::channel::<Job>();
     let rx = Arc::new(Mutex::new(rx));
@@ -293,11 +291,15 @@ pub fn spawn(cfg: FleetConfig, inbox: Tell<Report>) -> Result<Handle, FleetError
         };
         let rx = rx.clone();
         thread("berth-fleet-claim", move || loop {
-            let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
-            match job {
-                Ok(job) => w.job(job),
-                Err(_) => return,
-            }
+            // The first job waited for, then whatever else has gathered.
+            let jobs = {
+                let rx = rx.lock().unwrap_or_else(|e| e.into_inner());
+                let Ok(first) = rx.recv() else { return };
+                let mut jobs = vec![first];
+                jobs.extend(rx.try_iter().take(BATCH_OPS_MAX - 1));
+                jobs
+            };
+            w.jobs(jobs);
         })?;
     }
     let (first_tx, first_rx) = std::sync::mpsc::channel();
@@ -362,10 +364,16 @@ struct Common {
     /// host does not register again until it is restarted.
     ousted: AtomicBool,
     clock: Clock,
+    batched: BatchObserver,
 }
 
 impl Common {
-    fn new(cfg: FleetConfig, inbox: Tell<Report>, clock: Clock) -> Arc<Common> {
+    fn new(
+        cfg: FleetConfig,
+        inbox: Tell<Report>,
+        clock: Clock,
+        batched: BatchObserver,
+    ) -> Arc<Common> {
         let status = Arc::new(Status::default());
         status.enabled.store(true, Ordering::Relaxed);
         *status.host_id.lock().unwrap_or_else(|e| e.into_inner()) = cfg.host.host_id.clone();
@@ -377,6 +385,7 @@ impl Common {
             down_logged: AtomicBool::new(false),
             ousted: AtomicBool::new(false),
             clock,
+            batched,
         })
     }
 
@@ -432,33 +441,43 @@ impl Worker {
         } {}
     }
 
-    fn job(&mut self, job: Job) {
-        let c = &self.common;
-        let host = &c.cfg.host.host_id;
-        let (run_id, gen, result) = match job {
-            Job::Claim(cl) => {
-                let result = self.store.claim(&cl);
-                (cl.run_id, cl.gen, result)
+    /// Carries out `jobs` (at most `BATCH_OPS_MAX`) as one batch and reports each
+    /// one's answer: a claim's to the daemon, an ending the store missed kept for the
+    /// next heartbeat's retry.
+    fn jobs(&mut self, jobs: Vec<Job>) {
+        let c = self.common.clone();
+        let answers = self.store.batch(&c.cfg.host.host_id, &jobs);
+        c.seen(&answers);
+        let answers = match answers {
+            Ok(answers) => {
+                (c.batched)(jobs.len());
+                answers
             }
-            Job::Refence { run_id, gen } => {
-                let result = self.store.refence(&run_id, host, gen);
-                (run_id, gen, result)
-            }
-            Job::End { run_id, gen, how } => {
-                let r = self.store.end(&run_id, host, gen, how);
-                c.seen(&r);
-                if r.is_err() {
-                    c.missed(run_id, gen, how);
-                }
-                return;
+            Err(e) => {
+                let e = e.to_string();
+                let lost = || Err(FleetError::Unavailable(e.clone()));
+                jobs.iter().map(|_| lost()).collect()
             }
         };
-        c.seen(&result);
-        c.inbox.send(Report::Claimed {
-            run_id,
-            gen,
-            result,
-        });
+        for (job, answer) in jobs.into_iter().zip(answers) {
+            if let Job::End { run_id, gen, how } = job {
+                if answer.is_err() {
+                    c.missed(run_id, gen, how);
+                }
+                continue;
+            }
+            let result = answer.and_then(|a| match a {
+                OpOutcome::Claim(o) => Ok(o),
+                OpOutcome::Ended(_) => Err(FleetError::Unavailable(
+                    "the store answered a claim as an ending".into(),
+                )),
+            });
+            c.inbox.send(Report::Claimed {
+                run_id: job.run_id().to_owned(),
+                gen: job.gen(),
+                result,
+            });
+        }
     }
 
     /// Registers this host (again), its fence sequence raised first; false once the
@@ -613,7 +632,7 @@ impl SimLink {
         inbox: Tell<Report>,
         clock: Clock,
     ) -> (Handle, SimLink) {
-        let common = Common::new(cfg, inbox, clock);
+        let common = Common::new(cfg, inbox, clock, Arc::new(|_| {}));
         let status = common.status.clone();
         let (tx, jobs) = std::sync::mpsc::channel();
         // No questions: the simulator asks the store itself.
@@ -640,16 +659,24 @@ impl SimLink {
         self.worker.beat();
     }
 
-    /// Carries out the oldest job the daemon sent, if any; false if there was none.
-    pub fn one_job(&mut self) -> bool {
+    /// Carries out the oldest `n` jobs the daemon sent (fewer if there are not as
+    /// many) as one batch; how many there were.
+    pub fn jobs(&mut self, n: usize) -> usize {
         self.buffered.extend(self.jobs.try_iter());
-        match self.buffered.pop_front() {
-            Some(job) => {
-                self.worker.job(job);
-                true
-            }
-            None => false,
+        let n = n.min(self.buffered.len()).min(BATCH_OPS_MAX);
+        if n > 0 {
+            self.worker.jobs(self.buffered.drain(..n).collect());
         }
+        n
+    }
+
+    /// Carries out every job the daemon sent, in batches; false if there was none.
+    pub fn all_jobs(&mut self) -> bool {
+        let mut any = false;
+        while self.jobs(BATCH_OPS_MAX) > 0 {
+            any = true;
+        }
+        any
     }
 
     /// Jobs the daemon sent that the link has not carried out.

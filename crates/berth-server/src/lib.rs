@@ -344,9 +344,11 @@ fn spawn_state(
     st.host_mut().set_inbox(&tx);
     let fleet = match &cfg.fleet {
         Some(f) => {
+            let observed = shared.clone();
             let link = fleet::spawn(
                 f.clone(),
                 tell::Tell::to(tx.downgrade(), daemon::Msg::Fleet),
+                Arc::new(move |ops| observed.metrics.fleet_batched(ops)),
             )
             .map_err(|e| anyhow::anyhow!("fleet store: {e}"))?;
             // F2: stop runs holding fleet-wide claims before the lapse at which another

@@ -98,6 +98,7 @@ pub struct Metrics {
     budget_lapsed: Family<HarnessLabels, Gauge>,
     commit_seconds: Histogram,
     commit_batches: Histogram,
+    fleet_batches: Histogram,
     http: Family<HttpLabels, Counter>,
     subscribers: Gauge,
     subscribers_now: AtomicU64,
@@ -132,6 +133,7 @@ impl Default for Metrics {
             commit_seconds: Histogram::new(exponential_buckets(0.000_05, 2.0, 16)),
             // 1 to 4096 batches (GROUP_MAX).
             commit_batches: Histogram::new(exponential_buckets(1.0, 2.0, 13)),
+            fleet_batches: Histogram::new(exponential_buckets(1.0, 2.0, 9)),
             http: Family::default(),
             subscribers: Gauge::default(),
             subscribers_now: AtomicU64::new(0),
@@ -291,6 +293,11 @@ impl Metrics {
             self.commit_batches.clone(),
         );
         r.register(
+            "fleet_batch_ops",
+            "Claims, re-fences and endings each round trip to the fleet store carried (fleet mode)",
+            self.fleet_batches.clone(),
+        );
+        r.register(
             "http_requests",
             "HTTP requests answered, by route, method and status",
             self.http.clone(),
@@ -337,6 +344,11 @@ impl Metrics {
     pub fn committed(&self, took: Duration, batches: usize) {
         self.commit_seconds.observe(took.as_secs_f64());
         self.commit_batches.observe(batches as f64);
+    }
+
+    /// A batch of `ops` carried out by the fleet store (called on a fleet thread).
+    pub fn fleet_batched(&self, ops: usize) {
+        self.fleet_batches.observe(ops as f64);
     }
 
     pub fn http(&self, route: &'static str, method: &axum::http::Method, status: u16) {

@@ -5,7 +5,8 @@
 use std::collections::BTreeSet;
 
 use super::{
-    Claim, ClaimOutcome, Ending, FleetError, FleetStore, HostInfo, ThreadOwner, TokenClaim,
+    Claim, ClaimOutcome, Ending, FleetError, FleetOp, FleetStore, HostInfo, OpOutcome, ThreadOwner,
+    TokenClaim, BATCH_OPS_MAX,
 };
 
 pub type Open<'a> = &'a (dyn Fn() -> Box<dyn FleetStore> + Sync);
@@ -52,6 +53,14 @@ pub const CHECKS: &[(&str, Check)] = &[
     (
         "racing_hosts_never_exceed_a_limit",
         racing_hosts_never_exceed_a_limit,
+    ),
+    (
+        "a_batch_answers_as_its_calls_would",
+        a_batch_answers_as_its_calls_would,
+    ),
+    (
+        "crossing_batches_never_deadlock",
+        crossing_batches_never_deadlock,
     ),
 ];
 
@@ -518,4 +527,129 @@ fn a_raised_fence_floor_only_moves_up(open: Open) {
         t.join()
     });
     raiser.unwrap();
+}
+
+fn end_op(run: &str, gen: i64, how: Ending) -> FleetOp {
+    FleetOp::End {
+        run_id: run.into(),
+        gen,
+        how,
+    }
+}
+
+/// Issue 38 Build 1: a batch's ops are answered in order, each as its own call would
+/// have been: a key taken earlier in the batch is held for a later claim and free
+/// again after an ending in it; a refused op (bad input, another host's claim) is
+/// answered alone and the others go on; a budget token counts within the batch.
+fn a_batch_answers_as_its_calls_would(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    let b = host(&mut *s, "b");
+    let too_many: Vec<String> = (0..=crate::fleet::FLEET_KEYS_MAX)
+        .map(|i| format!("k{i}"))
+        .collect();
+    let too_many: Vec<&str> = too_many.iter().map(String::as_str).collect();
+    let ops = vec![
+        FleetOp::Claim(claim("r1", "a", a, Some(("h", 1)), &["db"])),
+        FleetOp::Claim(claim("r2", "a", a, None, &["cache", "db"])),
+        FleetOp::Claim(claim("r3", "a", a, None, &too_many)),
+        FleetOp::Claim(claim("r4", "b", b, None, &[])),
+        FleetOp::Claim(claim("r5", "a", a, Some(("h", 1)), &[])),
+        FleetOp::Refence {
+            run_id: "r1".into(),
+            gen: a,
+        },
+        end_op("r1", a, Ending::Released),
+        end_op("r1", a, Ending::Released),
+        FleetOp::Claim(claim("r2", "a", a, None, &["cache", "db"])),
+        FleetOp::Claim(claim("r5", "a", a, Some(("h", 1)), &[])),
+    ];
+    let out = s.batch("a", &ops).unwrap();
+    assert_eq!(out.len(), ops.len(), "{out:?}");
+    let taken = |i: usize| match &out[i] {
+        Ok(OpOutcome::Claim(ClaimOutcome::Taken { fence })) => *fence,
+        other => panic!("op {i}: expected taken, got {other:?}"),
+    };
+    let f1 = taken(0);
+    match &out[1] {
+        Ok(OpOutcome::Claim(ClaimOutcome::KeyHeld { key, run_id, .. })) => {
+            assert_eq!((key.as_str(), run_id.as_str()), ("db", "r1"))
+        }
+        other => panic!("op 1: expected db held by r1, got {other:?}"),
+    }
+    assert!(
+        matches!(out[2], Err(FleetError::Invalid(_))),
+        "{:?}",
+        out[2]
+    );
+    assert!(
+        matches!(out[3], Err(FleetError::Invalid(_))),
+        "{:?}",
+        out[3]
+    );
+    assert_eq!(
+        out[4].as_ref().ok(),
+        Some(&OpOutcome::Claim(ClaimOutcome::BudgetFull {
+            holders: 1,
+            limit: 1
+        }))
+    );
+    let refenced = taken(5);
+    assert!(refenced > f1, "re-fenced {refenced} after {f1}");
+    assert_eq!(out[6].as_ref().ok(), Some(&OpOutcome::Ended(true)));
+    assert_eq!(out[7].as_ref().ok(), Some(&OpOutcome::Ended(false)));
+    assert!(taken(8) > refenced);
+    assert!(taken(9) > taken(8));
+    // Nothing of the refused ops was written; what was taken is held.
+    assert_eq!(s.fence("r3").unwrap(), None);
+    assert_eq!(s.fence("r4").unwrap(), None);
+    assert_eq!(s.fence("r1").unwrap(), None);
+    assert_eq!(s.fence("r2").unwrap().map(|f| f.fence), Some(taken(8)));
+    let tokens = s.tokens("exp").unwrap();
+    assert_eq!(tokens.len(), 1, "{tokens:?}");
+    assert_eq!(tokens[0].owner, "r5");
+    // Too many ops at once: refused, nothing done.
+    let ops: Vec<FleetOp> = (0..=BATCH_OPS_MAX)
+        .map(|i| FleetOp::Claim(claim(&format!("x{i}"), "a", a, None, &[])))
+        .collect();
+    assert!(matches!(s.batch("a", &ops), Err(FleetError::Invalid(_))));
+    assert_eq!(s.fence("x0").unwrap(), None);
+}
+
+/// Issue 38 Build 1: two hosts' batches take the same keys in crossing orders (one
+/// claims x then y and z, the other z then x), round after round, and none fails: a
+/// batch that held x and waited for z while the other held z and waited for x would
+/// be a deadlock, which the server breaks by failing one of them.
+fn crossing_batches_never_deadlock(open: Open) {
+    const ROUNDS: usize = 40;
+    let mut s = open();
+    let gens = [host(&mut *s, "a"), host(&mut *s, "b")];
+    let plans: [[&[&str]; 2]; 2] = [[&["x"], &["y", "z"]], [&["z"], &["x"]]];
+    std::thread::scope(|sc| {
+        for (h, name) in ["a", "b"].into_iter().enumerate() {
+            let (gen, plan) = (gens[h], plans[h]);
+            sc.spawn(move || {
+                let mut st = open();
+                for round in 0..ROUNDS {
+                    let runs = [0, 1].map(|i| format!("{name}-{round}-{i}"));
+                    let ops: Vec<FleetOp> = (0..2)
+                        .map(|i| FleetOp::Claim(claim(&runs[i], name, gen, None, plan[i])))
+                        .collect();
+                    let out = st.batch(name, &ops);
+                    let out = out.unwrap_or_else(|e| panic!("{name} round {round}: {e}"));
+                    let ends: Vec<FleetOp> = (0..2)
+                        .filter(|&i| {
+                            matches!(out[i], Ok(OpOutcome::Claim(ClaimOutcome::Taken { .. })))
+                        })
+                        .map(|i| end_op(&runs[i], gen, Ending::Released))
+                        .collect();
+                    let ended = st.batch(name, &ends);
+                    ended.unwrap_or_else(|e| panic!("{name} round {round}, endings: {e}"));
+                }
+            });
+        }
+    });
+    // Everything ended: every key is free again.
+    let c = claim("last", "a", gens[0], None, &["x", "y", "z"]);
+    fence(s.claim(&c).unwrap());
 }

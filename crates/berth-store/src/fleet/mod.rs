@@ -113,6 +113,55 @@ pub enum Ending {
     Lapsed,
 }
 
+/// One thing a host asks of the fleet store, alone or in a batch with others
+/// ([`FleetStore::batch`]; issue 38 Build 1).
+#[derive(Clone, Debug)]
+pub enum FleetOp {
+    /// [`FleetStore::claim`].
+    Claim(Claim),
+    /// [`FleetStore::refence`] of this host's claim.
+    Refence { run_id: String, gen: i64 },
+    /// [`FleetStore::end`] of this host's claim.
+    End {
+        run_id: String,
+        gen: i64,
+        how: Ending,
+    },
+}
+
+impl FleetOp {
+    pub fn run_id(&self) -> &str {
+        match self {
+            FleetOp::Claim(c) => &c.run_id,
+            FleetOp::Refence { run_id, .. } | FleetOp::End { run_id, .. } => run_id,
+        }
+    }
+
+    pub fn gen(&self) -> i64 {
+        match self {
+            FleetOp::Claim(c) => c.gen,
+            FleetOp::Refence { gen, .. } | FleetOp::End { gen, .. } => *gen,
+        }
+    }
+}
+
+/// How one op of a batch was answered: a claim's or re-fence's outcome, or whether an
+/// ending ended anything.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OpOutcome {
+    Claim(ClaimOutcome),
+    Ended(bool),
+}
+
+/// Ops one batch carries at most: what a host's claim workers gather while a round
+/// trip is in flight, bounded so that one statement's arguments and its transaction's
+/// locks stay small (a batch holds every key it touches until its commit).
+pub const BATCH_OPS_MAX: usize = 256;
+
+/// A batch's answers, one per op, in order. An op the input rules refuse
+/// ([`check_claim`]) is answered alone, with its error, and the rest go on.
+pub type BatchOutcome = Vec<Result<OpOutcome, FleetError>>;
+
 /// A host's row as `GET /v1/fleet` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostRow {
@@ -218,6 +267,40 @@ pub trait FleetStore: Send {
     fn reconcile(&mut self, scope: &str, owner: &str) -> Result<bool, FleetError>;
     /// Times a host generation was declared dead (the "exactly once" record).
     fn declarations(&mut self, host_id: &str) -> Result<Vec<(i64, String)>, FleetError>;
+    /// Issue 38 Build 1: carries out `ops` (at most [`BATCH_OPS_MAX`]) of host
+    /// `host_id` in order, each answered as its own call would have been had they been
+    /// made one after another, in one round trip and one transaction where the store
+    /// can. `Err` (the store away) means none of them is known to have happened: each
+    /// is retried or refused as its own call's failure would be (every op is harmless
+    /// twice: a claim retried by its generation gets its fence back). This default
+    /// makes the calls one by one.
+    fn batch(&mut self, host_id: &str, ops: &[FleetOp]) -> Result<BatchOutcome, FleetError> {
+        if ops.len() > BATCH_OPS_MAX {
+            return Err(FleetError::Invalid(format!(
+                "batch: at most {BATCH_OPS_MAX} ops, got {}",
+                ops.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(ops.len());
+        for op in ops {
+            let r = match op {
+                FleetOp::Claim(c) => check_claim_host(c, host_id)
+                    .and_then(|()| self.claim(c))
+                    .map(OpOutcome::Claim),
+                FleetOp::Refence { run_id, gen } => {
+                    self.refence(run_id, host_id, *gen).map(OpOutcome::Claim)
+                }
+                FleetOp::End { run_id, gen, how } => {
+                    self.end(run_id, host_id, *gen, *how).map(OpOutcome::Ended)
+                }
+            };
+            if let Err(FleetError::Unavailable(e)) = r {
+                return Err(FleetError::Unavailable(e));
+            }
+            out.push(r);
+        }
+        Ok(out)
+    }
     /// The runs whose claims a host holds (any generation), by run id, at most
     /// [`CLAIMS_OF_MAX`]: a host that registers again ends those whose runs ended while
     /// their endings could not reach the store (a restart, a crash).
@@ -251,6 +334,35 @@ pub(crate) fn check_claim(c: &Claim) -> Result<Vec<String>, FleetError> {
     keys.sort();
     keys.dedup();
     Ok(keys)
+}
+
+/// A batch is one host's: a claim in it for another host is refused.
+pub(crate) fn check_claim_host(c: &Claim, host_id: &str) -> Result<(), FleetError> {
+    match c.host_id == host_id {
+        true => Ok(()),
+        false => Err(FleetError::Invalid(format!(
+            "batch: a claim of host {:?} in a batch of host {host_id:?}",
+            c.host_id
+        ))),
+    }
+}
+
+/// The one answer of a batch of one.
+pub(crate) fn one(r: Result<BatchOutcome, FleetError>) -> Result<OpOutcome, FleetError> {
+    r?.pop()
+        .unwrap_or_else(|| Err(FleetError::Unavailable("the store answered nothing".into())))
+}
+
+/// The one answer of a batch of one claim or re-fence.
+pub(crate) fn one_claim(r: Result<BatchOutcome, FleetError>) -> Result<ClaimOutcome, FleetError> {
+    match one(r)? {
+        OpOutcome::Claim(o) => Ok(o),
+        other => Err(answered_wrong(&other)),
+    }
+}
+
+pub(crate) fn answered_wrong(o: &OpOutcome) -> FleetError {
+    FleetError::Unavailable(format!("the store answered {o:?} to another kind of op"))
 }
 
 /// A thread owner's fence as the stores keep it (a signed 64-bit column).

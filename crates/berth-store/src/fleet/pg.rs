@@ -6,16 +6,21 @@
 use std::time::Duration;
 
 use postgres::fallible_iterator::FallibleIterator;
-use postgres::{Client, NoTls};
+use postgres::{Client, NoTls, Statement};
 
 use super::{
-    check_claim, check_load, fence_floor, Claim, ClaimOutcome, Ending, FleetError, FleetFence,
-    FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
+    check_claim, check_load, fence_floor, BatchOutcome, Claim, ClaimOutcome, Ending, FleetError,
+    FleetFence, FleetOp, FleetStore, HostInfo, HostRow, OpOutcome, ThreadOwner, TokenRow,
+    BATCH_OPS_MAX, HOSTS_MAX,
 };
 
 /// Migrations by version, applied in order under an advisory lock so that several
 /// daemons starting at once migrate exactly once (the version is the count applied).
-const MIGRATIONS: &[&str] = &[include_str!("pg_v1.sql"), include_str!("pg_v2.sql")];
+const MIGRATIONS: &[&str] = &[
+    include_str!("pg_v1.sql"),
+    include_str!("pg_v2.sql"),
+    include_str!("pg_v3.sql"),
+];
 /// The advisory lock id of the migration ("berth" in ASCII, as a number).
 const MIGRATION_LOCK: i64 = 0x0062_6572_7468;
 
@@ -30,9 +35,28 @@ const TCP_USER_TIMEOUT_MS: u64 = 5_000;
 
 pub struct PgFleet {
     config: postgres::Config,
-    client: Option<Client>,
+    client: Option<Conn>,
     /// The schema was checked (and migrated) on a connection of this store.
     migrated: bool,
+}
+
+/// A connection and the statements prepared on it. A statement sent as text is
+/// prepared and then run, two round trips and a parse and plan on the server each
+/// time; the hot ones (a batch of claims) are prepared once per connection.
+struct Conn {
+    client: Client,
+    prepared: Vec<(&'static str, Statement)>,
+}
+
+impl Conn {
+    fn prepared(&mut self, sql: &'static str) -> Result<Statement, postgres::Error> {
+        if let Some((_, st)) = self.prepared.iter().find(|(s, _)| *s == sql) {
+            return Ok(st.clone());
+        }
+        let st = self.client.prepare(sql)?;
+        self.prepared.push((sql, st.clone()));
+        Ok(st)
+    }
 }
 
 fn unavailable(e: postgres::Error) -> FleetError {
@@ -77,15 +101,18 @@ impl PgFleet {
 
     /// The connection, made again if the last one broke; the first one checks (and
     /// migrates) the schema.
-    fn client(&mut self) -> Result<&mut Client, FleetError> {
-        if self.client.as_ref().is_none_or(|c| c.is_closed()) {
+    fn client(&mut self) -> Result<&mut Conn, FleetError> {
+        if self.client.as_ref().is_none_or(|c| c.client.is_closed()) {
             self.client = None;
             let mut c = self.config.connect(NoTls).map_err(unavailable)?;
             if !self.migrated {
                 migrate(&mut c)?;
                 self.migrated = true;
             }
-            self.client = Some(c);
+            self.client = Some(Conn {
+                client: c,
+                prepared: Vec::new(),
+            });
         }
         Ok(self.client.as_mut().expect("connected above"))
     }
@@ -98,6 +125,14 @@ impl PgFleet {
     fn with<T>(
         &mut self,
         mut f: impl FnMut(&mut Client) -> Result<T, postgres::Error>,
+    ) -> Result<T, FleetError> {
+        self.with_conn(|c| f(&mut c.client))
+    }
+
+    /// `with`, on the connection and its prepared statements.
+    fn with_conn<T>(
+        &mut self,
+        mut f: impl FnMut(&mut Conn) -> Result<T, postgres::Error>,
     ) -> Result<T, FleetError> {
         let mut r = f(self.client()?);
         if r.as_ref().is_err_and(|e| e.as_db_error().is_none()) {
@@ -144,6 +179,74 @@ fn migrate(c: &mut Client) -> Result<(), FleetError> {
         return Err(FleetError::TooNew { found, supported });
     }
     Ok(())
+}
+
+/// The one statement a batch is (`berth_batch`, schema version 3).
+const BATCH_SQL: &str =
+    "SELECT j, outcome, fence, detail FROM berth_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+
+/// A batch's ops as `berth_batch` takes them: one array per field, and every claim's
+/// keys one after another in `keys` (`nkeys` of each).
+struct BatchArgs<'a> {
+    host: &'a str,
+    kind: Vec<&'static str>,
+    run: Vec<&'a str>,
+    gen: Vec<i64>,
+    scope: Vec<Option<&'a str>>,
+    harness: Vec<Option<&'a str>>,
+    limit: Vec<i32>,
+    nkeys: Vec<i32>,
+    keys: Vec<String>,
+}
+
+impl<'a> BatchArgs<'a> {
+    fn new(host: &'a str) -> BatchArgs<'a> {
+        BatchArgs {
+            host,
+            kind: Vec::new(),
+            run: Vec::new(),
+            gen: Vec::new(),
+            scope: Vec::new(),
+            harness: Vec::new(),
+            limit: Vec::new(),
+            nkeys: Vec::new(),
+            keys: Vec::new(),
+        }
+    }
+
+    /// Adds `op`, or refuses it by the input rules every store checks.
+    fn push(&mut self, op: &'a FleetOp) -> Result<(), FleetError> {
+        let (kind, mut nkeys) = match op {
+            FleetOp::Claim(_) => ("claim", 0),
+            FleetOp::Refence { .. } => ("refence", 0),
+            FleetOp::End { how, .. } => match how {
+                Ending::Released => ("end", 0),
+                Ending::Lapsed => ("lapse", 0),
+            },
+        };
+        let (mut scope, mut harness, mut limit) = (None, None, 0);
+        if let FleetOp::Claim(c) = op {
+            let keys = check_claim(c)?;
+            super::check_claim_host(c, self.host)?;
+            nkeys = keys.len() as i32;
+            self.keys.extend(keys);
+            if let Some(t) = &c.token {
+                (scope, harness, limit) = (
+                    Some(t.scope.as_str()),
+                    Some(t.harness.as_str()),
+                    t.limit as i32,
+                );
+            }
+        }
+        self.kind.push(kind);
+        self.run.push(op.run_id());
+        self.gen.push(op.gen());
+        self.scope.push(scope);
+        self.harness.push(harness);
+        self.limit.push(limit);
+        self.nkeys.push(nkeys);
+        Ok(())
+    }
 }
 
 fn to_fence(v: i64) -> u64 {
@@ -208,34 +311,71 @@ impl FleetStore for PgFleet {
         })
     }
 
+    // A claim, a re-fence and an ending alone are batches of one: the same statement,
+    // prepared once, and the same lock order as every batch.
     fn claim(&mut self, cl: &Claim) -> Result<ClaimOutcome, FleetError> {
-        let keys = check_claim(cl)?;
-        let (scope, harness, limit) = match &cl.token {
-            Some(t) => (
-                Some(t.scope.as_str()),
-                Some(t.harness.as_str()),
-                t.limit as i32,
-            ),
-            None => (None, None, 0),
-        };
-        let row = self.with(|c| {
-            c.query_one(
-                "SELECT outcome, fence, detail FROM berth_claim($1, $2, $3, $4, $5, $6, $7)",
+        let op = FleetOp::Claim(cl.clone());
+        super::one_claim(self.batch(&cl.host_id, &[op]))
+    }
+
+    fn batch(&mut self, host_id: &str, ops: &[FleetOp]) -> Result<BatchOutcome, FleetError> {
+        if ops.len() > BATCH_OPS_MAX {
+            return Err(FleetError::Invalid(format!(
+                "batch: at most {BATCH_OPS_MAX} ops, got {}",
+                ops.len()
+            )));
+        }
+        // Each op's answer; the input rules' refusals are answered here and not sent.
+        let mut out: Vec<Option<Result<OpOutcome, FleetError>>> = Vec::with_capacity(ops.len());
+        let mut args = BatchArgs::new(host_id);
+        // Which op each sent row answers.
+        let mut sent = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter().enumerate() {
+            match args.push(op) {
+                Ok(()) => {
+                    sent.push(i);
+                    out.push(None);
+                }
+                Err(e) => out.push(Some(Err(e))),
+            }
+        }
+        if sent.is_empty() {
+            return Ok(out.into_iter().flatten().collect());
+        }
+        let a = &args;
+        let rows = self.with_conn(|c| {
+            let st = c.prepared(BATCH_SQL)?;
+            c.client.query(
+                &st,
                 &[
-                    &cl.run_id,
-                    &cl.host_id,
-                    &cl.gen,
-                    &scope,
-                    &harness,
-                    &limit,
-                    &keys,
+                    &host_id, &a.kind, &a.run, &a.gen, &a.scope, &a.harness, &a.limit, &a.nkeys,
+                    &a.keys,
                 ],
             )
         })?;
-        let outcome: String = row.get(0);
-        let fence: i64 = row.get(1);
-        let detail: String = row.get(2);
-        super::outcome(&outcome, to_fence(fence), &detail)
+        for row in rows {
+            let (j, word, fence, detail): (i32, String, i64, String) =
+                (row.get(0), row.get(1), row.get(2), row.get(3));
+            let Some(&i) = usize::try_from(j - 1).ok().and_then(|j| sent.get(j)) else {
+                return Err(FleetError::Unavailable(format!(
+                    "the store answered a batch of {} with op {j}",
+                    sent.len()
+                )));
+            };
+            out[i] = Some(match word.as_str() {
+                "ended" => Ok(OpOutcome::Ended(true)),
+                "none" => Ok(OpOutcome::Ended(false)),
+                _ => super::outcome(&word, to_fence(fence), &detail).map(OpOutcome::Claim),
+            });
+        }
+        let answered = out.iter().filter(|o| o.is_some()).count();
+        match answered == ops.len() {
+            true => Ok(out.into_iter().flatten().collect()),
+            false => Err(FleetError::Unavailable(format!(
+                "the store answered {answered} of a batch's {} ops",
+                ops.len()
+            ))),
+        }
     }
 
     fn refence(
@@ -244,22 +384,8 @@ impl FleetStore for PgFleet {
         host_id: &str,
         gen: i64,
     ) -> Result<ClaimOutcome, FleetError> {
-        let row = self.with(|c| {
-            c.query_opt(
-                "UPDATE berth_runs r SET fence = nextval('berth_fence')
-                  WHERE r.run_id = $1 AND r.host_id = $2 AND r.gen = $3
-                    AND EXISTS (SELECT 1 FROM berth_hosts h
-                                 WHERE h.host_id = $2 AND h.gen = $3 AND h.alive)
-                 RETURNING r.fence",
-                &[&run_id, &host_id, &gen],
-            )
-        })?;
-        Ok(match row {
-            Some(r) => ClaimOutcome::Taken {
-                fence: to_fence(r.get(0)),
-            },
-            None => ClaimOutcome::HostDead,
-        })
+        let run_id = run_id.to_owned();
+        super::one_claim(self.batch(host_id, &[FleetOp::Refence { run_id, gen }]))
     }
 
     fn end(
@@ -269,14 +395,11 @@ impl FleetStore for PgFleet {
         gen: i64,
         how: Ending,
     ) -> Result<bool, FleetError> {
-        let lapsed = how == Ending::Lapsed;
-        self.with(|c| {
-            let row = c.query_one(
-                "SELECT berth_end($1, $2, $3, $4)",
-                &[&run_id, &host_id, &gen, &lapsed],
-            )?;
-            Ok(row.get(0))
-        })
+        let run_id = run_id.to_owned();
+        match super::one(self.batch(host_id, &[FleetOp::End { run_id, gen, how }]))? {
+            OpOutcome::Ended(ended) => Ok(ended),
+            other => Err(super::answered_wrong(&other)),
+        }
     }
 
     fn thread_owner(

@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex};
 
 use berth_core::RunState;
 use berth_store::fleet::{
-    Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetStore, HostInfo, HostRow, MemFleet,
-    ThreadOwner, TokenRow,
+    BatchOutcome, Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetOp, FleetStore,
+    HostInfo, HostRow, MemFleet, ThreadOwner, TokenRow,
 };
 
 use super::Sim;
@@ -79,6 +79,11 @@ impl FleetStore for Reach {
     fn claim(&mut self, c: &Claim) -> Result<ClaimOutcome, FleetError> {
         self.up()?;
         self.store.claim(c)
+    }
+    // All or nothing, as one transaction is: a cut link carries out none of it.
+    fn batch(&mut self, host_id: &str, ops: &[FleetOp]) -> Result<BatchOutcome, FleetError> {
+        self.up()?;
+        self.store.batch(host_id, ops)
     }
     fn refence(
         &mut self,
@@ -255,7 +260,7 @@ impl Sim {
     /// cover up by stopping while they wait.
     pub(super) fn settle_fleet(&mut self) {
         while self.fleet.is_some() {
-            while self.fleet.as_mut().is_some_and(|f| f.link.one_job()) {}
+            while self.fleet.as_mut().is_some_and(|f| f.link.all_jobs()) {}
             self.deliver_reports();
             let f = self.fleet_mut();
             if f.link.missed_ends() > 0 {
@@ -290,7 +295,7 @@ impl Sim {
         let now = self.now;
         let f = self.fleet_mut();
         f.clock.store(now, Ordering::Relaxed);
-        while f.link.one_job() {}
+        f.link.all_jobs();
         f.link.beat();
         if !f.peer.silent {
             let mut s = f.store.clone();
@@ -321,10 +326,11 @@ impl Sim {
                 "fleet: link back".into()
             }
             0..=3 => {
-                let n = self.rng.range(1, 3);
-                let done = (0..n).filter(|_| self.fleet_mut().link.one_job()).count();
+                // One batch of a few (issue 38 Build 1: what gathered since the last).
+                let n = self.rng.range(1, 4) as usize;
+                let done = self.fleet_mut().link.jobs(n);
                 self.deliver_reports();
-                format!("fleet: {done} jobs carried out")
+                format!("fleet: a batch of {done} jobs carried out")
             }
             4 | 5 => {
                 self.fleet_beat();
