@@ -138,13 +138,15 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
     // Whether the server syncs its commits (pg_virtualenv turns fsync off unless told).
     let fsync = berth_store::fleet::testing::pg_setting("fsync").unwrap_or_else(|e| e);
     println!(
-        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
+        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_ledger_commits_per_lifecycle\":{:.2},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"single_host_ledger_commits_per_lifecycle\":{:.2},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
         rate(&plain),
         pct(&plain.grant_ms, 0.5),
         pct(&plain.grant_ms, 0.99),
+        plain.commits as f64 / plain.lifecycles.max(1) as f64,
         rate(&token),
         pct(&token.grant_ms, 0.99),
         rate(&single),
+        single.commits as f64 / single.lifecycles.max(1) as f64,
         plain.errors + token.errors + single.errors,
     );
 }

@@ -117,7 +117,7 @@ fn three_hosts_share_one_budget_limit_and_one_fence_sequence() {
                 for i in 0..10 {
                     let run = format!("r{t}-{i}");
                     let r = acquire(&d, &run, budget(5));
-                    assert!(r.status == 200 || r.status == 202, "{run}: {:?}", r.body);
+                    assert!((200..=202).contains(&r.status), "{run}: {:?}", r.body);
                     let fence = granted(&d, &run);
                     let held = pg
                         .tokens("fleet-exp")
@@ -668,7 +668,9 @@ fn exchange(s: &mut TcpStream, token: &str, method: &str, path: &str, body: &str
 /// Issue 38 (Build 2): on a fleet host every acquire waited for its claim as a queued
 /// long poll, and a parked long poll's answer closes its connection, so every client
 /// made a new connection per run. An acquire that can be claimed now is answered when
-/// its claim commits, on its kept-alive connection.
+/// its claim commits, on its kept-alive connection, and without being queued first
+/// (the queued record was a ledger commit of its own: now the acquire's one commit is
+/// its grant's).
 #[test]
 fn regression_a_fleet_acquire_is_answered_on_its_kept_alive_connection() {
     let db = database();
@@ -677,8 +679,12 @@ fn regression_a_fleet_acquire_is_answered_on_its_kept_alive_connection() {
     for i in 0..3 {
         let body = json!({"run_id": format!("kept-{i}"), "project": format!("p{i}"), "wait_s": 30,
                           "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
+        let before = ledger_commits(&d);
         let (status, head) = exchange(&mut s, &d.token, "POST", "/v1/runs", &body.to_string());
         assert_eq!(status, 201, "{head}");
+        let commits = ledger_commits(&d) - before;
+        eprintln!("kept-{i}: {commits} commits");
+        assert_eq!(commits, 1, "kept-{i}: ledger commits of its acquire");
         assert!(
             !head.contains("connection: close"),
             "closed after the grant: {head}"
@@ -686,6 +692,20 @@ fn regression_a_fleet_acquire_is_answered_on_its_kept_alive_connection() {
         let v = d.get(&format!("/v1/runs/kept-{i}")).body;
         assert_eq!(v["state"], "granted", "{v}");
     }
+}
+
+/// Ledger transactions committed so far (`/metrics`).
+fn ledger_commits(d: &Daemon) -> u64 {
+    let text = d
+        .get("/metrics")
+        .body
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    (text.lines())
+        .find_map(|l| l.strip_prefix("berth_ledger_commit_seconds_count "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no commit count in {text}"))
 }
 
 /// Issue 38 item 5, inside the bound: a `wait_s = 0` acquire whose caller hung up

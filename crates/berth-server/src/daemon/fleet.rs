@@ -15,11 +15,12 @@ use super::extra::Extra;
 use super::{Daemon, Error, Host, Reply, RunInfo};
 use crate::fleet::{ClaimResult, Handle, Job, Report};
 
-/// `wait_s = 0` acquires waiting for their fleet-wide claim at most; beyond it new ones
-/// are refused as if the store were away (each holds a caller's connection).
+/// New runs' acquires waiting for their fleet-wide claim at most; beyond it a new
+/// `wait_s = 0` one is refused as if the store were away (each holds a caller's
+/// connection), and one that may wait is queued first, as before issue 38 Build 2.
 const PRECLAIMS_MAX: usize = 4_096;
 
-/// A `wait_s = 0` acquire waiting for its fleet-wide claim before its one try.
+/// A new run's acquire waiting for its fleet-wide claim before the engine tries it.
 pub(super) struct Preclaim {
     req: berth_core::Request,
     extra: Extra,
@@ -113,11 +114,6 @@ impl FleetState {
         let stale = self.beat_ms > 0
             && now.saturating_sub(self.beat_ok_ms) > STALE_BEATS.saturating_mul(self.beat_ms);
         self.link.is_some() && (!self.available || self.gen == 0 || stale)
-    }
-
-    /// A `wait_s = 0` acquire of this run is waiting for its claim.
-    pub(super) fn preclaiming(&self, run_id: &str) -> bool {
-        self.preclaims.contains_key(run_id)
     }
 
     /// The endings decided by the step being committed (sent once it is durable).
@@ -226,7 +222,11 @@ impl<H: Host> Daemon<H> {
         }));
     }
 
-    /// F1: a `wait_s = 0` acquire takes its fleet-wide claim before its one try.
+    /// F1: a new run's acquire takes its fleet-wide claim before the engine tries it
+    /// (issue 38 Build 2): a `wait_s = 0` one before its one try, and one that may wait
+    /// so that it is granted as the claim is answered, without a queued record and its
+    /// commit first (a wait of its own only if the claim is refused, or the run does not
+    /// fit).
     pub(super) fn preclaim(
         &mut self,
         req: berth_core::Request,
@@ -239,11 +239,20 @@ impl<H: Host> Daemon<H> {
         };
         let gen = self.fleet.gen;
         let run_id = req.run_id.clone();
-        if self.fleet.preclaims.contains_key(&run_id) {
+        if let Some(p) = self.fleet.preclaims.get_mut(&run_id) {
+            // The retry of a caller that went away while its claim was on its way (a
+            // reconnect) takes its place; two live callers of one new run is a conflict.
+            if p.reply.is_closed() {
+                (p.reply, p.attach) = (reply, attach);
+                return;
+            }
             let e = berth_core::Error::Conflict { run_id };
             return self.answer(reply, Err(e.into()));
         }
         if gen == 0 || self.fleet.preclaims.len() >= PRECLAIMS_MAX {
+            if req.wait_ms > 0 {
+                return self.admit(Command::Acquire(req), run_id, true, extra, attach, reply);
+            }
             return self.answer(reply, Err(Error::FleetUnavailable));
         }
         // The harness's limit: the request's policy, or the one its scope froze here.
@@ -316,8 +325,21 @@ impl<H: Host> Daemon<H> {
             Ok(ClaimOutcome::HostDead) | Err(_) => {
                 return self.answer(p.reply, Err(Error::FleetUnavailable));
             }
-            // Refused (full, held, taken elsewhere): its one try fails with the reason.
-            Ok(_) => Command::Acquire(p.req),
+            // Refused (full, held, taken elsewhere): its one try fails with the reason,
+            // or it waits as any run whose claim was refused, its reason naming the
+            // key's holder.
+            Ok(refused) => {
+                if let ClaimOutcome::KeyHeld {
+                    key,
+                    run_id: holder,
+                    host_id,
+                } = refused
+                {
+                    let why = key_held(&key, &holder, &host_id);
+                    self.fleet.why.insert(id.clone(), why);
+                }
+                Command::Acquire(p.req)
+            }
         };
         self.admit(cmd, id.clone(), true, p.extra, p.attach, p.reply);
         // Refused by the engine: what the fleet gave it goes back.
@@ -645,7 +667,7 @@ impl<H: Host> Daemon<H> {
             if let Some(p) = self.fleet.preclaims.remove(&id) {
                 tracing::warn!(
                     run_id = id,
-                    "fleet: the store did not answer a wait_s=0 acquire's claim in time: 503"
+                    "fleet: the store did not answer a new run's claim in time: 503"
                 );
                 self.answer(p.reply, Err(Error::FleetUnavailable));
             }

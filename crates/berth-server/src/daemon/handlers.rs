@@ -229,10 +229,9 @@ impl<H: Host> Daemon<H> {
         if let Some(e) = self.acquire_refusal(&id, &extra, is_new) {
             return self.commit_and_answer(BTreeSet::new(), reply, Err(e));
         }
-        // F1: a `wait_s = 0` run on a fleet host is tried once, at its arrival: its
-        // fleet-wide claim is taken first, so that one try can grant it.
-        if is_new && self.fleet.link.is_some() && (req.wait_ms == 0 || self.fleet.preclaiming(&id))
-        {
+        // F1: a new run on a fleet host takes its fleet-wide claim first, so that the
+        // engine's first try (a `wait_s = 0` run's only one) can grant it.
+        if is_new && self.fleet.link.is_some() {
             return self.preclaim(req, extra, attach, reply);
         }
         self.admit(Command::Acquire(req), id, is_new, extra, attach, reply)

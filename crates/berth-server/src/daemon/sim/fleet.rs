@@ -501,7 +501,9 @@ fn a_run_ended_before_its_host_registered_again_ends_its_fleet_claim() {
         wait_ms: 60_000,
         budget: None,
     };
-    let queued = sim.ask(|reply| Msg::Acquire {
+    // Its answer waits for its claim (issue 38 Build 2): the connection stays open.
+    let (reply, mut answer) = tokio::sync::oneshot::channel();
+    sim.send(Msg::Acquire {
         req,
         worktree: None,
         labels: Default::default(),
@@ -514,8 +516,12 @@ fn a_run_ended_before_its_host_registered_again_ends_its_fleet_claim() {
         by: None,
         reply,
     });
-    assert_eq!(queued.map(|i| i.view.state), Ok(RunState::Queued));
+    assert!(answer.try_recv().is_err(), "answered before its claim");
     sim.settle_fleet();
+    let granted = answer
+        .try_recv()
+        .expect("answered once its claim came back");
+    assert_eq!(granted.map(|i| i.view.state), Ok(RunState::Granted));
     let fence = sim.d().engine.fence_of("x").expect("granted on its claim");
     let mut store = sim.fleet_mut().store.clone();
     assert_eq!(store.fence("x").unwrap().map(|f| f.fence), Some(fence));

@@ -89,7 +89,18 @@ struct Sim {
     crashed: Option<String>,
     /// Fleet mode (every fourth seed): the fleet store, this host's link and the peer.
     fleet: Option<fleet::FleetSim>,
+    /// Fleet seeds: acquires of new runs whose answer waits for their claim (issue 38
+    /// Build 2), with whether their client stays attached: answered in a later step.
+    awaiting: Vec<Awaiting>,
 }
+
+/// An acquire's connection waiting for its answer: the run, whether it attaches if it
+/// has to wait, and the answer's channel.
+type Awaiting = (
+    String,
+    bool,
+    tokio::sync::oneshot::Receiver<Result<RunInfo, Error>>,
+);
 
 fn config(fleet: bool) -> berth_core::Config {
     let mut cfg = berth_core::Config::for_host(4, 8 << 30, 100 << 30);
@@ -127,6 +138,7 @@ impl Sim {
             crashed: None,
             fleet: (seed % FLEET_SEED_EVERY == FLEET_SEED_EVERY - 1)
                 .then(|| fleet::FleetSim::new(1_000_000)),
+            awaiting: Vec::new(),
         };
         sim.start();
         sim
@@ -221,6 +233,7 @@ impl Sim {
         shell.crash(self.daemon.take().expect("started"));
         self.machine.lock().unwrap().orders.clear();
         self.attachments.clear();
+        self.awaiting.clear();
         self.start();
     }
 
@@ -263,6 +276,29 @@ impl Sim {
             Err(_) if self.fleet.is_some() => Err(Error::FleetUnavailable),
             Err(e) => panic!("not answered once durable: {e}"),
         }
+    }
+
+    /// Fleet seeds: the acquires answered since the last step (their claims came
+    /// back), for the trace; an attached one that has to wait holds its place from now.
+    fn answers(&mut self) -> String {
+        let mut line = String::new();
+        let mut still = Vec::new();
+        for (id, attach, mut rx) in std::mem::take(&mut self.awaiting) {
+            let res = match rx.try_recv() {
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => {
+                    still.push((id, attach, rx));
+                    continue;
+                }
+                Ok(res) => res,
+                Err(_) => Err(Error::ShuttingDown),
+            };
+            if attach && matches!(&res, Ok(i) if i.view.state == RunState::Queued) {
+                self.attachments.push(id.clone());
+            }
+            line.push_str(&format!("; answered acquire {id} -> {}", outcome(&res)));
+        }
+        self.awaiting = still;
+        line
     }
 
     fn pick_run(&mut self) -> String {
@@ -325,7 +361,8 @@ impl Sim {
             100..=103 => self.crash_during(),
             _ => self.other(),
         };
-        self.trace.push(format!("{i} {line}"));
+        let answered = self.answers();
+        self.trace.push(format!("{i} {line}{answered}"));
 
         let checked = (self.check())
             .and_then(|()| self.check_detached())
@@ -387,7 +424,8 @@ impl Sim {
         let detach =
             req.wait_ms > 0 && ((n % 4 == 1 && self.rng.chance(0.7)) || self.rng.chance(0.1));
         let attach = req.wait_ms > 0 && !detach;
-        let res = self.ask(|reply| Msg::Acquire {
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        self.send(Msg::Acquire {
             req,
             worktree: None,
             labels: BTreeMap::new(),
@@ -398,8 +436,19 @@ impl Sim {
             thread: None,
             lease_only: false,
             by: None,
-            reply,
+            reply: tx,
         });
+        let res = match rx.try_recv() {
+            Ok(answer) => answer,
+            Err(_) if self.crashed.is_some() => Err(Error::ShuttingDown),
+            // Fleet seeds: a new run's answer waits for its claim; its connection
+            // stays open for it (a later step's `answers`).
+            Err(_) if self.fleet.is_some() => {
+                self.awaiting.push((id.clone(), attach, rx));
+                return format!("acquire {id} -> awaiting its claim");
+            }
+            Err(e) => panic!("not answered once durable: {e}"),
+        };
         // The connection holds its place only if it had to wait (the guard is armed
         // only then).
         let waits = matches!(&res, Ok(i) if i.view.state == RunState::Queued);
@@ -647,6 +696,7 @@ impl Sim {
         self.machine.lock().unwrap().orders.clear();
         // Clients' connections die with the daemon.
         self.attachments.clear();
+        self.awaiting.clear();
         self.start();
         let after = runs(self.d());
         // Every live run comes back as it was; of the ended ones, the ledger may
