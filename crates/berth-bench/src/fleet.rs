@@ -10,7 +10,7 @@ use crate::http::{config, drive, pct, Outcome};
 
 /// A fleet run's figures, and how many claims and endings each round trip to the
 /// store carried on average (issue 38 Build 1), from the hosts' `/metrics`.
-fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> (Outcome, f64) {
+fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> (Outcome, f64, Vec<f64>) {
     rustix::fs::sync();
     let db = berth_store::fleet::testing::pg_fresh_database("bench").expect("a PostgreSQL server");
     let dirs: Vec<_> = (0..hosts).map(|_| tempfile::tempdir().unwrap()).collect();
@@ -50,10 +50,68 @@ fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> (Outco
         let (o, t) = batch_ops(url, auth);
         (ops, trips) = (ops + o, trips + t);
     }
+    let wakes = match (budget, &targets[..]) {
+        (false, [a, b, ..]) => wake_ms(a, b, WAKE_TRIALS),
+        _ => Vec::new(),
+    };
     for r in running {
         rt.block_on(r.stop()).unwrap();
     }
-    (out, ops / trips.max(1.0))
+    (out, ops / trips.max(1.0), wakes)
+}
+
+/// Trials of the cross-host wake-up (issue 38 asks for at least 100).
+const WAKE_TRIALS: usize = 100;
+
+/// Issue 38's wake-up: a waiter on host `b` for a fleet-wide key that a run on host `a`
+/// holds, granted once `a` releases it (the ending at the store, PostgreSQL's NOTIFY,
+/// `b`'s listener, its claim and its grant). Each trial's time runs from the release
+/// request to `b`'s long poll answering the grant. In milliseconds, in trial order.
+fn wake_ms(a: &(String, String), b: &(String, String), trials: usize) -> Vec<f64> {
+    use serde_json::{json, Value};
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let call = |(url, auth): &(String, String), path: &str, body: Option<Value>| -> Value {
+        let url = format!("{url}{path}");
+        let resp = match body {
+            Some(b) => agent.post(url).header("Authorization", auth).send_json(b),
+            None => agent.get(url).header("Authorization", auth).call(),
+        };
+        let text = resp.expect("an answer").body_mut().read_to_string().unwrap();
+        serde_json::from_str(&text).unwrap_or(Value::Null)
+    };
+    let acquire = |host, run: &str, wait_s: u64| {
+        let body = json!({"run_id": run, "project": format!("wake-{run}"), "wait_s": wait_s,
+            "detach": true, "singletons": ["fleet:bench-wake"],
+            "resources": {"slots": 1, "memory": 1 << 20, "cpu_millis": 1, "disk": 0}});
+        call(host, "/v1/runs", Some(body))
+    };
+    let fence = |v: &Value| v["fence"].as_u64().unwrap_or_else(|| panic!("no fence: {v}"));
+    let mut out = Vec::with_capacity(trials);
+    for i in 0..trials {
+        let (holder, waiter) = (format!("wake-a-{i}"), format!("wake-b-{i}"));
+        let held = fence(&acquire(a, &holder, 30));
+        let queued = acquire(b, &waiter, 30);
+        assert_eq!(queued["state"], "queued", "{queued}");
+        let started = std::time::Instant::now();
+        let release = |host, run: &str, fence: u64| {
+            call(host, &format!("/v1/runs/{run}/release"), Some(json!({ "fence": fence })))
+        };
+        release(a, &holder, held);
+        let granted = loop {
+            let now = call(b, &format!("/v1/runs/{waiter}?wait_s=5"), None);
+            match now["state"].as_str() {
+                Some("granted") => break fence(&now),
+                Some("queued") if started.elapsed().as_secs() < 30 => continue,
+                _ => panic!("{waiter} was not granted: {now}"),
+            }
+        };
+        out.push(started.elapsed().as_secs_f64() * 1e3);
+        release(b, &waiter, granted);
+    }
+    out
 }
 
 /// A host's `berth_fleet_batch_ops` histogram: its sum (ops carried out) and count
@@ -127,8 +185,9 @@ fn pgbench(clients: usize, seconds: u64) -> Result<f64, String> {
 }
 
 pub fn main(hosts: usize, clients: usize, seconds: u64) {
-    let (plain, per_trip) = fleet_run(hosts, clients, seconds, false);
-    let (token, _) = fleet_run(hosts, clients, seconds, true);
+    let (plain, per_trip, mut wakes) = fleet_run(hosts, clients, seconds, false);
+    let (token, _, _) = fleet_run(hosts, clients, seconds, true);
+    wakes.sort_by(f64::total_cmp);
     let single = crate::http::run(clients, 0, seconds, true);
     let pg = pgbench(clients, seconds).unwrap_or_else(|e| {
         eprintln!("pgbench: {e}");
@@ -138,11 +197,14 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
     // Whether the server syncs its commits (pg_virtualenv turns fsync off unless told).
     let fsync = berth_store::fleet::testing::pg_setting("fsync").unwrap_or_else(|e| e);
     println!(
-        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_ledger_commits_per_lifecycle\":{:.2},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"single_host_ledger_commits_per_lifecycle\":{:.2},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
+        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_ledger_commits_per_lifecycle\":{:.2},\"fleet_wake_trials\":{},\"fleet_wake_p50_ms\":{:.3},\"fleet_wake_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"single_host_ledger_commits_per_lifecycle\":{:.2},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
         rate(&plain),
         pct(&plain.grant_ms, 0.5),
         pct(&plain.grant_ms, 0.99),
         plain.commits as f64 / plain.lifecycles.max(1) as f64,
+        wakes.len(),
+        pct(&wakes, 0.5),
+        pct(&wakes, 0.99),
         rate(&token),
         pct(&token.grant_ms, 0.99),
         rate(&single),
