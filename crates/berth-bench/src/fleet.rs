@@ -79,7 +79,11 @@ fn wake_ms(a: &(String, String), b: &(String, String), trials: usize) -> Vec<f64
             Some(b) => agent.post(url).header("Authorization", auth).send_json(b),
             None => agent.get(url).header("Authorization", auth).call(),
         };
-        let text = resp.expect("an answer").body_mut().read_to_string().unwrap();
+        let text = resp
+            .expect("an answer")
+            .body_mut()
+            .read_to_string()
+            .unwrap();
         serde_json::from_str(&text).unwrap_or(Value::Null)
     };
     let acquire = |host, run: &str, wait_s: u64| {
@@ -88,7 +92,11 @@ fn wake_ms(a: &(String, String), b: &(String, String), trials: usize) -> Vec<f64
             "resources": {"slots": 1, "memory": 1 << 20, "cpu_millis": 1, "disk": 0}});
         call(host, "/v1/runs", Some(body))
     };
-    let fence = |v: &Value| v["fence"].as_u64().unwrap_or_else(|| panic!("no fence: {v}"));
+    let fence = |v: &Value| {
+        v["fence"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no fence: {v}"))
+    };
     let mut out = Vec::with_capacity(trials);
     for i in 0..trials {
         let (holder, waiter) = (format!("wake-a-{i}"), format!("wake-b-{i}"));
@@ -97,7 +105,11 @@ fn wake_ms(a: &(String, String), b: &(String, String), trials: usize) -> Vec<f64
         assert_eq!(queued["state"], "queued", "{queued}");
         let started = std::time::Instant::now();
         let release = |host, run: &str, fence: u64| {
-            call(host, &format!("/v1/runs/{run}/release"), Some(json!({ "fence": fence })))
+            call(
+                host,
+                &format!("/v1/runs/{run}/release"),
+                Some(json!({ "fence": fence })),
+            )
         };
         release(a, &holder, held);
         let granted = loop {

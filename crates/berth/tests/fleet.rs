@@ -16,71 +16,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use berth_store::fleet::{FleetStore, PgFleet};
+use common::fleet::{acquire, database, granted, host, release, ROOMY};
 use common::Daemon;
 use serde_json::{json, Value};
-
-const ROOMY: &[&str] = &["--slots-max", "64", "--cpu-total", "64"];
-
-fn database() -> String {
-    berth_store::fleet::testing::pg_fresh_database("fleet").unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// A fleet host: fast heartbeats, a lapse of `ttl_max + margin`, and a stop grace
-/// short enough for that lapse (the self-fence leaves it before the lapse).
-fn host(store: &str, id: &str, ttl_max: &str, margin: &str) -> Daemon {
-    let mut args: Vec<&str> = ROOMY.to_vec();
-    args.extend([
-        "--stop-grace",
-        "1s",
-        "--store",
-        store,
-        "--host-id",
-        id,
-        "--fleet-beat",
-        "100ms",
-        "--ttl-max",
-        ttl_max,
-        "--fleet-margin",
-        margin,
-    ]);
-    Daemon::start(&args)
-}
-
-fn acquire(d: &Daemon, run: &str, extra: Value) -> common::Resp {
-    let mut body = json!({"run_id": run, "project": format!("p-{run}"), "detach": true,
-                          "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
-    for (k, v) in extra.as_object().unwrap() {
-        body[k] = v.clone();
-    }
-    d.post("/v1/runs", &body.to_string())
-}
-
-/// Waits until the run is granted; its fence. (A long poll waits for a change: it is
-/// asked only while the run is queued, and briefly, since the grant may come between
-/// the look and the poll.)
-fn granted(d: &Daemon, run: &str) -> u64 {
-    let end = Instant::now() + Duration::from_secs(60);
-    let mut path = format!("/v1/runs/{run}");
-    while Instant::now() < end {
-        let r = d.get(&path);
-        path = format!("/v1/runs/{run}?wait_s=1");
-        assert_eq!(r.status, 200, "{run}: {:?}", r.body);
-        match r.body["state"].as_str() {
-            Some("granted") => return r.body["fence"].as_u64().unwrap(),
-            Some("queued") => continue,
-            other => panic!("{run} ended {other:?}: {}", r.body),
-        }
-    }
-    panic!("{run} was not granted within 60 s");
-}
-
-fn release(d: &Daemon, run: &str, fence: u64) {
-    let r = d.post(
-        &format!("/v1/runs/{run}/release"),
-        &json!({ "fence": fence }).to_string(),
-    );
-    assert_eq!(r.status, 200, "release {run}: {:?}", r.body);
-}
 
 fn fence_check(d: &Daemon, run: &str, fence: u64) -> Value {
     let r = d.get(&format!("/v1/fences/check?run_id={run}&fence={fence}"));
@@ -777,6 +715,8 @@ struct Relay {
     /// Frozen: connections stay open and accepted, nothing is passed on (the peer's
     /// kernel still acknowledges what is sent).
     frozen: Arc<AtomicBool>,
+    /// Deaf: what the client sends is passed on, what the database answers is held.
+    deaf: Arc<AtomicBool>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
 }
 
@@ -786,8 +726,10 @@ impl Relay {
         let port = l.local_addr().unwrap().port();
         let cut = Arc::new(AtomicBool::new(false));
         let frozen = Arc::new(AtomicBool::new(false));
+        let deaf = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let (cut2, conns2, frozen2) = (cut.clone(), conns.clone(), frozen.clone());
+        let deaf2 = deaf.clone();
         std::thread::spawn(move || {
             for s in l.incoming().flatten() {
                 if cut2.load(Ordering::SeqCst) {
@@ -801,14 +743,18 @@ impl Relay {
                     .lock()
                     .unwrap()
                     .extend([s.try_clone().unwrap(), up.try_clone().unwrap()]);
-                for (mut from, mut to) in
-                    [(s.try_clone().unwrap(), up.try_clone().unwrap()), (up, s)]
+                let answers = [false, true];
+                for (answer, (mut from, mut to)) in answers
+                    .into_iter()
+                    .zip([(s.try_clone().unwrap(), up.try_clone().unwrap()), (up, s)])
                 {
-                    let frozen = frozen2.clone();
+                    let (frozen, deaf) = (frozen2.clone(), deaf2.clone());
                     std::thread::spawn(move || {
                         let mut buf = [0u8; 16384];
                         while let Ok(n) = from.read(&mut buf) {
-                            while frozen.load(Ordering::SeqCst) {
+                            while frozen.load(Ordering::SeqCst)
+                                || (answer && deaf.load(Ordering::SeqCst))
+                            {
                                 std::thread::sleep(Duration::from_millis(10));
                             }
                             if n == 0 || to.write_all(&buf[..n]).is_err() {
@@ -824,12 +770,17 @@ impl Relay {
             port,
             cut,
             frozen,
+            deaf,
             conns,
         }
     }
 
     fn freeze(&self, frozen: bool) {
         self.frozen.store(frozen, Ordering::SeqCst);
+    }
+
+    fn deafen(&self, deaf: bool) {
+        self.deaf.store(deaf, Ordering::SeqCst);
     }
 
     fn cut(&self) {
@@ -1149,4 +1100,77 @@ fn malformed_fleet_flags_refuse_to_start_and_write_nothing() {
         .unwrap()
         .get(0);
     assert_eq!(tables, 0, "a refused start wrote to the fleet's database");
+}
+
+/// Issue 38 (found by the PostgreSQL restart test): a new run's claim reached the
+/// database and committed, its answer was lost with the connection, and its caller got
+/// `503`. Nothing ended that claim: its key stayed held, for a run nobody had, until
+/// the host registered again. Now a claim whose answer was lost goes back once the
+/// store answers again: another host takes the key.
+#[test]
+fn regression_a_claim_whose_answer_was_lost_does_not_keep_its_key() {
+    let db = database();
+    let (relay, relayed) = through_relay(&db);
+    let d = host(&relayed, "d", "60s", "5s");
+    // The claim worker connected (its batch prepared with its connection): then a
+    // claim is one round trip, whose answer the relay can hold.
+    let mut n = 0;
+    d.wait_until("the claim worker connected", |d| {
+        let warm: Vec<_> = (0..8)
+            .map(|_| {
+                n += 1;
+                let (port, token, run) = (d.port, d.token.clone(), format!("warm-{n}"));
+                std::thread::spawn(move || {
+                    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+                    let body = json!({"run_id": run, "project": run, "wait_s": 0,
+                        "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
+                    (
+                        run,
+                        exchange(&mut s, &token, "POST", "/v1/runs", &body.to_string()),
+                    )
+                })
+            })
+            .collect();
+        for w in warm {
+            let (run, (status, head)) = w.join().unwrap();
+            let v = d.get(&format!("/v1/runs/{run}")).body;
+            assert_eq!(status, 201, "{head}{v}");
+        }
+        // The heartbeat's, the listener's and the claim worker's.
+        berth_store::fleet::testing::pg_connections(&db, "berth").unwrap() >= 3
+    });
+    let mut pg = PgFleet::open(&db).unwrap();
+    relay.deafen(true);
+    let lost = std::thread::spawn({
+        let (port, token) = (d.port, d.token.clone());
+        move || {
+            let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+            let body = json!({"run_id": "lost", "project": "p-lost", "wait_s": 0,
+                "singletons": ["fleet:lost-db"],
+                "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
+            exchange(&mut s, &token, "POST", "/v1/runs", &body.to_string())
+        }
+    });
+    // The claim is written (the database holds the key) while its answer is held.
+    let end = Instant::now() + Duration::from_secs(20);
+    while pg.fence("lost").unwrap().is_none() {
+        assert!(Instant::now() < end, "the claim never reached the database");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    relay.cut();
+    let (status, head) = lost.join().unwrap();
+    assert_eq!(status, 503, "{head}");
+    relay.deafen(false);
+    relay.restore();
+    let e = host(&db, "e", "60s", "5s");
+    e.wait_until("another host takes the key", |e| {
+        n += 1;
+        let run = format!("next-{n}");
+        let r = acquire(
+            e,
+            &run,
+            json!({"singletons": ["fleet:lost-db"], "wait_s": 0}),
+        );
+        r.body["state"] == "granted"
+    });
 }

@@ -77,6 +77,11 @@ pub(super) struct FleetState {
     wakes: BTreeMap<String, u64>,
     /// Runs whose fleet-wide claim is held: (generation, holds a token or key).
     held: BTreeMap<String, (i64, bool)>,
+    /// Runs whose claim's answer was lost (the connection broke after the statement was
+    /// sent): the store may hold it, by this generation. Asked again, it is answered
+    /// again (a claim retried by its generation gets its fence back); a run that ends
+    /// first has it ended, which is harmless if it was never written.
+    unsure: BTreeMap<String, i64>,
     /// Refused claims waiting for a wake-up, by what refused them: `token SCOPE/HARNESS`,
     /// `key NAME` (the payloads the store notifies), or `retry`.
     waiting: BTreeMap<String, VecDeque<String>>,
@@ -87,7 +92,7 @@ pub(super) struct FleetState {
     pub(super) why: BTreeMap<String, String>,
     /// Endings to hand to the fleet thread after the commit that ended the run.
     pending: Vec<Job>,
-    /// `wait_s = 0` acquires whose claim was sent, by run id.
+    /// New runs' acquires whose claim was sent, by run id.
     preclaims: BTreeMap<String, Preclaim>,
     next_recheck_ms: u64,
     next_load_ms: u64,
@@ -119,6 +124,14 @@ impl FleetState {
     /// The endings decided by the step being committed (sent once it is durable).
     pub(super) fn take_pending(&mut self) -> Vec<Job> {
         std::mem::take(&mut self.pending)
+    }
+
+    /// A claim's answer lost (the store may hold it, `unsure`) or come.
+    fn note_answer(&mut self, run_id: &str, gen: i64, result: &ClaimResult) {
+        match result {
+            Err(FleetError::Unavailable(_)) => self.unsure.insert(run_id.into(), gen),
+            _ => self.unsure.remove(run_id),
+        };
     }
 
     fn park(&mut self, channel: String, run_id: String) {
@@ -322,6 +335,14 @@ impl<H: Host> Daemon<H> {
                 self.fleet.held.insert(id.clone(), (gen, wide));
                 Command::AcquirePermitted { req: p.req, fence }
             }
+            // Its answer lost, the claim may have been written: it goes back (issue 38,
+            // found by the PostgreSQL restart test: the caller got 503 and asked under
+            // another id, and the key stayed held for a run nobody had).
+            Err(FleetError::Unavailable(_)) => {
+                self.lost_claim_goes_back(&id, gen);
+                self.commit(BTreeSet::new(), |_| {});
+                return self.answer(p.reply, Err(Error::FleetUnavailable));
+            }
             Ok(ClaimOutcome::HostDead) | Err(_) => {
                 return self.answer(p.reply, Err(Error::FleetUnavailable));
             }
@@ -357,10 +378,9 @@ impl<H: Host> Daemon<H> {
         }
         let sent = self.fleet.asking.remove(&run_id).unwrap_or_default();
         self.fleet.why.remove(&run_id);
-        let queued = self
-            .engine
-            .fleet_needs(&run_id)
-            .is_some_and(|n| n.state == RunState::Queued);
+        self.fleet.note_answer(&run_id, gen, &result);
+        let queued =
+            (self.engine.fleet_needs(&run_id)).is_some_and(|n| n.state == RunState::Queued);
         let mut touched = BTreeSet::new();
         match result {
             Ok(ClaimOutcome::Taken { fence }) if queued => {
@@ -381,6 +401,13 @@ impl<H: Host> Daemon<H> {
             Ok(ClaimOutcome::Taken { .. }) => {
                 self.fleet.held.insert(run_id.clone(), (gen, false));
                 self.end_claim(&run_id, Ending::Released);
+            }
+            // It ended meanwhile, its claim maybe written: that goes back too.
+            Err(FleetError::Unavailable(_)) if !queued => {
+                let live = (self.engine.view_of(&run_id)).is_some_and(|v| !v.state.is_terminal());
+                if !live && !self.fleet.held.contains_key(&run_id) {
+                    self.lost_claim_goes_back(&run_id, gen);
+                }
             }
             _ if !queued => {}
             Ok(ClaimOutcome::BudgetFull { .. }) => {
@@ -409,6 +436,14 @@ impl<H: Host> Daemon<H> {
         if !touched.is_empty() || !self.fleet.pending.is_empty() {
             self.commit(touched, |_| {});
         }
+    }
+
+    /// A claim whose answer was lost, of a run that does not wait for it (any more):
+    /// the store may hold it, so it is ended (harmless if it was never written).
+    fn lost_claim_goes_back(&mut self, run_id: &str, gen: i64) {
+        self.fleet.unsure.remove(run_id);
+        self.fleet.held.entry(run_id.into()).or_insert((gen, false));
+        self.end_claim(run_id, Ending::Released);
     }
 
     /// Nothing but an operator can change these (a lapsed token of its owner, a limit
@@ -491,6 +526,9 @@ impl<H: Host> Daemon<H> {
     /// A run ended: its fleet-wide claim ends with it (after this step's commit).
     pub(super) fn on_fleet_ended(&mut self, run_id: &str, state: RunState) {
         self.fleet.why.remove(run_id);
+        if let Some(gen) = self.fleet.unsure.remove(run_id) {
+            self.fleet.held.entry(run_id.into()).or_insert((gen, false));
+        }
         if !self.fleet.held.contains_key(run_id) {
             return;
         }

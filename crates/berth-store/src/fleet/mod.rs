@@ -512,6 +512,51 @@ pub mod testing {
         Ok(row.get(0))
     }
 
+    /// Restarts the test server (`pg_ctlcluster … restart -m fast`, the cluster found
+    /// by `PGPORT` among `pg_lsclusters`' lines): every connection is cut, and what
+    /// was committed must be there after it. Only pg_virtualenv's throwaway cluster
+    /// (`regress`): a server of the caller's own is never restarted by a test.
+    pub fn pg_restart() -> Result<(), String> {
+        let port = std::env::var("PGPORT").map_err(|_| "no PGPORT".to_string())?;
+        let out = std::process::Command::new("pg_lsclusters")
+            .arg("-h")
+            .output()
+            .map_err(|e| format!("pg_lsclusters: {e}"))?;
+        let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (version, cluster) = (listed.lines())
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.len() > 2 && f[2] == port)
+            .map(|f| (f[0].to_string(), f[1].to_string()))
+            .ok_or_else(|| format!("no cluster on port {port} in: {listed}"))?;
+        if cluster != "regress" {
+            return Err(format!(
+                "the server on port {port} is cluster {version}/{cluster}, not pg_virtualenv's throwaway one: not restarting it (run the tests with scripts/test.sh)"
+            ));
+        }
+        let st = std::process::Command::new("pg_ctlcluster")
+            .args([&version, &cluster, "restart", "-m", "fast"])
+            .status()
+            .map_err(|e| format!("pg_ctlcluster: {e}"))?;
+        match st.success() {
+            true => Ok(()),
+            false => Err(format!("pg_ctlcluster {version} {cluster} restart: {st}")),
+        }
+    }
+
+    /// Connections to the database `db` names whose application name is `app`.
+    pub fn pg_connections(db: &str, app: &str) -> Result<i64, String> {
+        let mut c =
+            postgres::Client::connect(db, postgres::NoTls).map_err(|e| format!("connect: {e}"))?;
+        let row = c
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                  WHERE datname = current_database() AND application_name = $1",
+                &[&app],
+            )
+            .map_err(|e| e.to_string())?;
+        Ok(row.get(0))
+    }
+
     /// Runs `sql` (several statements) on the database `db` names.
     pub fn pg_execute(db: &str, sql: &str) -> Result<(), String> {
         let mut c =

@@ -109,10 +109,14 @@ impl PgFleet {
                 migrate(&mut c)?;
                 self.migrated = true;
             }
-            self.client = Some(Conn {
+            let mut conn = Conn {
                 client: c,
                 prepared: Vec::new(),
-            });
+            };
+            // Prepared with the connection: a batch is then one round trip from the
+            // first (and a connection that answers its handshake answers a batch).
+            conn.prepared(BATCH_SQL).map_err(unavailable)?;
+            self.client = Some(conn);
         }
         Ok(self.client.as_mut().expect("connected above"))
     }

@@ -2,6 +2,8 @@
 //! temporary state dir and small fixed totals, and talks to it over HTTP.
 #![allow(dead_code)]
 
+pub mod fleet;
+
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
