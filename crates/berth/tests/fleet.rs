@@ -1042,8 +1042,11 @@ fn berth_fleet_lists_the_live_hosts() {
 fn malformed_fleet_flags_refuse_to_start_and_write_nothing() {
     let db = database();
     let d = Daemon::unstarted(&[]);
-    let cases: [(&[&str], &str); 5] = [
+    let bad_tls = format!("{db} sslmode=sometimes");
+    let cases: [(&[&str], &str); 6] = [
         (&["--store", "postgres://[::1", "--host-id", "ok"], "store"),
+        // Issue 38 Build 5: a TLS mode libpq does not know.
+        (&["--store", &bad_tls, "--host-id", "ok"], "sslmode"),
         (
             &["--store", &db, "--host-id", "bad host/../id"],
             "--host-id",

@@ -20,6 +20,7 @@ pub mod conformance;
 mod mem;
 mod pg;
 mod sqlite;
+mod tls;
 
 pub use mem::MemFleet;
 pub use pg::{PgFleet, PgListener};
@@ -555,6 +556,21 @@ pub mod testing {
             )
             .map_err(|e| e.to_string())?;
         Ok(row.get(0))
+    }
+
+    /// Whether each connection to the database `db` names whose application name is
+    /// `app` is encrypted (`pg_stat_ssl`).
+    pub fn pg_encrypted(db: &str, app: &str) -> Result<Vec<bool>, String> {
+        let mut c =
+            postgres::Client::connect(db, postgres::NoTls).map_err(|e| format!("connect: {e}"))?;
+        let rows = c
+            .query(
+                "SELECT s.ssl FROM pg_stat_ssl s JOIN pg_stat_activity a ON a.pid = s.pid
+                  WHERE a.datname = current_database() AND a.application_name = $1",
+                &[&app],
+            )
+            .map_err(|e| e.to_string())?;
+        Ok(rows.iter().map(|r| r.get(0)).collect())
     }
 
     /// Runs `sql` (several statements) on the database `db` names.

@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use postgres::fallible_iterator::FallibleIterator;
-use postgres::{Client, NoTls, Statement};
+use postgres::{Client, Statement};
+
+use super::tls::Tls;
 
 use super::{
     check_claim, check_load, fence_floor, BatchOutcome, Claim, ClaimOutcome, Ending, FleetError,
@@ -35,6 +37,7 @@ const TCP_USER_TIMEOUT_MS: u64 = 5_000;
 
 pub struct PgFleet {
     config: postgres::Config,
+    tls: Tls,
     client: Option<Conn>,
     /// The schema was checked (and migrated) on a connection of this store.
     migrated: bool,
@@ -59,8 +62,16 @@ impl Conn {
     }
 }
 
+/// The error and what caused it (a TLS handshake's error says only that, its cause
+/// which certificate check failed).
 fn unavailable(e: postgres::Error) -> FleetError {
-    FleetError::Unavailable(e.to_string())
+    let mut text = e.to_string();
+    let mut cause = std::error::Error::source(&e);
+    while let Some(c) = cause {
+        text.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    FleetError::Unavailable(text)
 }
 
 impl PgFleet {
@@ -75,9 +86,7 @@ impl PgFleet {
     /// start while the database is away, and for callers inside an async runtime (the
     /// blocking client runs its own).
     pub fn lazy(url: &str) -> Result<PgFleet, FleetError> {
-        let mut config: postgres::Config = url
-            .parse()
-            .map_err(|e| FleetError::Invalid(format!("store: not a PostgreSQL URL: {e}")))?;
+        let (mut config, tls) = super::tls::parse(url)?;
         config
             .connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS))
             .tcp_user_timeout(Duration::from_millis(TCP_USER_TIMEOUT_MS))
@@ -86,6 +95,7 @@ impl PgFleet {
             .application_name("berth");
         Ok(PgFleet {
             config,
+            tls,
             client: None,
             migrated: false,
         })
@@ -95,6 +105,7 @@ impl PgFleet {
     pub fn listener(&self) -> PgListener {
         PgListener {
             config: self.config.clone(),
+            tls: self.tls.clone(),
             client: None,
         }
     }
@@ -104,7 +115,7 @@ impl PgFleet {
     fn client(&mut self) -> Result<&mut Conn, FleetError> {
         if self.client.as_ref().is_none_or(|c| c.client.is_closed()) {
             self.client = None;
-            let mut c = self.config.connect(NoTls).map_err(unavailable)?;
+            let mut c = self.tls.connect(&self.config).map_err(unavailable)?;
             if !self.migrated {
                 migrate(&mut c)?;
                 self.migrated = true;
@@ -537,6 +548,7 @@ impl FleetStore for PgFleet {
 /// periodic re-check is for.
 pub struct PgListener {
     config: postgres::Config,
+    tls: Tls,
     client: Option<Client>,
 }
 
@@ -544,7 +556,7 @@ impl PgListener {
     /// Payloads received within `timeout` (empty if none came).
     pub fn wait(&mut self, timeout: Duration) -> Result<Vec<String>, FleetError> {
         if self.client.as_ref().is_none_or(|c| c.is_closed()) {
-            let mut c = self.config.connect(NoTls).map_err(unavailable)?;
+            let mut c = self.tls.connect(&self.config).map_err(unavailable)?;
             c.batch_execute(&format!("LISTEN {}", super::CHANNEL))
                 .map_err(unavailable)?;
             self.client = Some(c);
