@@ -115,6 +115,12 @@ impl FleetState {
     /// New fleet-wide claims are refused while the store is away (`503`): it failed,
     /// the host is not registered, or no heartbeat was accepted for `STALE_BEATS`
     /// heartbeats (a frozen link fails nothing; it only never answers).
+    /// The host's own fence (F2) stopped this run: its stop is under way.
+    #[cfg(test)]
+    pub(super) fn fenced(&self, run_id: &str) -> bool {
+        self.fenced.contains(run_id)
+    }
+
     pub(super) fn unavailable(&self, now: u64) -> bool {
         let stale = self.beat_ms > 0
             && now.saturating_sub(self.beat_ok_ms) > STALE_BEATS.saturating_mul(self.beat_ms);
@@ -162,9 +168,23 @@ impl<H: Host> Daemon<H> {
                 gen,
                 beat_ok_ms,
             } => {
+                // Its generation lost (declared dead while it could not beat: a
+                // pause, a partition): the claims it held are gone, its keys another
+                // host's to take. Its runs that hold them stop now, not at the next
+                // registration (found by the daemon simulator's pause, issue 38
+                // Build 6: the self-fence looks only at a live generation, and a run
+                // here held a key the peer had taken).
+                let lost = self.fleet.gen > 0 && gen == 0;
                 self.fleet.available = available;
                 self.fleet.gen = gen;
                 self.fleet.beat_ok_ms = beat_ok_ms;
+                if lost {
+                    let mut touched = BTreeSet::new();
+                    self.fence_wide_runs(&mut touched);
+                    if !touched.is_empty() || !self.fleet.pending.is_empty() {
+                        self.commit(touched, |_| {});
+                    }
+                }
             }
         }
     }
@@ -657,6 +677,19 @@ impl<H: Host> Daemon<H> {
         }
     }
 
+    /// F2: the runs holding fleet-wide tokens or keys stop (their claims are, or may
+    /// soon be, another host's to take).
+    fn fence_wide_runs(&mut self, touched: &mut BTreeSet<String>) {
+        let fence: Vec<String> = (self.fleet.held.iter())
+            .filter(|(r, (_, wide))| *wide && !self.fleet.fenced.contains(*r))
+            .map(|(r, _)| r.clone())
+            .collect();
+        for run_id in fence {
+            self.fleet.fenced.insert(run_id.clone());
+            self.stop_for_fleet(&run_id, touched);
+        }
+    }
+
     /// At every tick: the host's own fence (F2), the fallback re-check (F3) and the
     /// load the next heartbeat writes (F4).
     pub(super) fn fleet_tick(&mut self, touched: &mut BTreeSet<String>) {
@@ -666,17 +699,7 @@ impl<H: Host> Daemon<H> {
         self.expire_preclaims();
         let beat_ok = self.fleet.beat_ok_ms;
         if self.fleet.gen > 0 && self.now.saturating_sub(beat_ok) > self.fleet.self_fence_ms {
-            let fence: Vec<String> = self
-                .fleet
-                .held
-                .iter()
-                .filter(|(r, (_, wide))| *wide && !self.fleet.fenced.contains(*r))
-                .map(|(r, _)| r.clone())
-                .collect();
-            for run_id in fence {
-                self.fleet.fenced.insert(run_id.clone());
-                self.stop_for_fleet(&run_id, touched);
-            }
+            self.fence_wide_runs(touched);
         }
         if self.now >= self.fleet.next_recheck_ms {
             self.fleet.next_recheck_ms = self.now + self.fleet.recheck_ms;

@@ -319,7 +319,9 @@ impl Sim {
         let now = self.now;
         self.fleet_mut().clock.store(now, Ordering::Relaxed);
         let cut = self.fleet_mut().down.load(Ordering::Relaxed);
-        let line = match self.rng.range(0, 9) {
+        let line = match self.rng.range(0, 10) {
+            // Now and then the whole host pauses past the lapse (issue 38 Build 6).
+            10 if !cut => self.pause(),
             // A cut link comes back within a few fleet steps.
             0..=3 if cut => {
                 self.fleet_mut().link_up();
@@ -348,6 +350,68 @@ impl Sim {
         line
     }
 
+    /// Issue 38 Build 6: this host pauses (SIGSTOP: no tick, no heartbeat, no job)
+    /// past the lapse while the peer beats on, declares it dead and takes the key its
+    /// runs held; then it resumes, looking at the clock before its fleet thread beats,
+    /// or after (either may run first). `check_fleet` then finds no run of this host
+    /// granted with a fleet-wide claim but one its own fence is stopping.
+    fn pause(&mut self) -> String {
+        let ms = LAPSE_MS + self.rng.range(1, 10) * BEAT_MS;
+        let end = self.now + ms;
+        let mut declared = Vec::new();
+        while self.now < end {
+            self.now = end.min(self.now + BEAT_MS);
+            let now = self.now;
+            let f = self.fleet_mut();
+            f.clock.store(now, Ordering::Relaxed);
+            if f.peer.silent {
+                continue;
+            }
+            let mut s = f.store.clone();
+            if let Ok(true) = s.heartbeat(PEER, f.peer.gen, "{}") {
+                declared.extend(s.declare_dead(PEER, LAPSE_MS as i64).unwrap_or_default());
+            }
+        }
+        let peer = &self.fleet_mut().peer;
+        let took = match (peer.silent, peer.holds.is_some()) {
+            (true, _) => "silent".to_string(),
+            (_, true) => "already held".to_string(),
+            _ => self.peer_claims(),
+        };
+        let beat_first = self.rng.chance(0.5);
+        if beat_first {
+            self.fleet_beat();
+        }
+        self.tick();
+        if !beat_first {
+            self.fleet_beat();
+        }
+        format!(
+            "fleet: paused {ms}ms, declared {declared:?}, peer {took}, beat first: {beat_first}"
+        )
+    }
+
+    /// The peer claims the key for a new run of its own.
+    fn peer_claims(&mut self) -> String {
+        let f = self.fleet_mut();
+        let mut s = f.store.clone();
+        f.peer.runs += 1;
+        let run_id = format!("peer-{}", f.peer.runs);
+        let c = Claim {
+            run_id: run_id.clone(),
+            host_id: PEER.into(),
+            gen: f.peer.gen,
+            token: None,
+            keys: vec![KEY.into()],
+        };
+        let got = s.claim(&c);
+        let line = format!("claim {KEY} -> {got:?}");
+        if let Ok(ClaimOutcome::Taken { fence }) = got {
+            f.peer.holds = Some((run_id, fence));
+        }
+        line
+    }
+
     /// The peer takes the key (if it can), lets it go, or falls silent or speaks again.
     fn peer_turn(&mut self) -> String {
         let roll = self.rng.range(0, 3);
@@ -361,23 +425,7 @@ impl Sim {
                 let ended = fenced.map(|r| s.end(&r, PEER, f.peer.gen, Ending::Released));
                 format!("peer: beats, its fenced run's claim ended: {ended:?}")
             }
-            (0 | 1, None) => {
-                f.peer.runs += 1;
-                let run_id = format!("peer-{}", f.peer.runs);
-                let c = Claim {
-                    run_id: run_id.clone(),
-                    host_id: PEER.into(),
-                    gen: f.peer.gen,
-                    token: None,
-                    keys: vec![KEY.into()],
-                };
-                let got = s.claim(&c);
-                let line = format!("peer: claim {KEY} -> {got:?}");
-                if let Ok(ClaimOutcome::Taken { fence }) = got {
-                    f.peer.holds = Some((run_id, fence));
-                }
-                line
-            }
+            (0 | 1, None) => format!("peer: {}", self.peer_claims()),
             (0 | 1, Some((run_id, fence))) => {
                 let ended = s.end(&run_id, PEER, f.peer.gen, Ending::Released);
                 // A release wakes the key's waiters (F3), as the store's NOTIFY does.
@@ -431,6 +479,12 @@ impl Sim {
                 continue;
             };
             let wide = d.engine.fleet_needs(id).is_some_and(|n| !n.keys.is_empty());
+            // Its own fence is stopping it (after a pause past the lapse, its claim
+            // may be gone and the key another's: `berth run`'s own fence, issue 38
+            // item 3, stopped CMD by then; the simulator does not model that side).
+            if d.fleet.fenced(id) {
+                continue;
+            }
             let row = s.fence(id).map_err(|e| format!("fleet store: {e}"))?;
             match row {
                 Some(r) if r.host_id == HOST && Some(r.fence) == v.fence => {}
@@ -483,9 +537,8 @@ impl Sim {
 /// fleet-wide claim for good (the daemon had no record that it held one): its key
 /// was never freed. A registration that keeps the host's claims now ends those whose
 /// runs ended here.
-#[test]
-fn a_run_ended_before_its_host_registered_again_ends_its_fleet_claim() {
-    let mut sim = Sim::new(FLEET_SEED);
+/// A run `x` holding the fleet-wide key, granted on its claim; its fence.
+fn granted_with_the_key(sim: &mut Sim) -> u64 {
     let req = berth_core::Request {
         run_id: "x".into(),
         project: "x".into(),
@@ -522,7 +575,13 @@ fn a_run_ended_before_its_host_registered_again_ends_its_fleet_claim() {
         .try_recv()
         .expect("answered once its claim came back");
     assert_eq!(granted.map(|i| i.view.state), Ok(RunState::Granted));
-    let fence = sim.d().engine.fence_of("x").expect("granted on its claim");
+    sim.d().engine.fence_of("x").expect("granted on its claim")
+}
+
+#[test]
+fn a_run_ended_before_its_host_registered_again_ends_its_fleet_claim() {
+    let mut sim = Sim::new(FLEET_SEED);
+    let fence = granted_with_the_key(&mut sim);
     let mut store = sim.fleet_mut().store.clone();
     assert_eq!(store.fence("x").unwrap().map(|f| f.fence), Some(fence));
     // A restart while the store cannot be reached; the run ends before the host is
@@ -547,5 +606,39 @@ fn a_run_ended_before_its_host_registered_again_ends_its_fleet_claim() {
         store.fence("x").unwrap(),
         None,
         "the ended run's claim is left"
+    );
+}
+
+/// Issue 38 Build 6 (found by the simulator's pause): a host paused past the lapse,
+/// declared dead meanwhile and its key taken by the peer, heard so at its first
+/// heartbeat after (the store answered that its generation is gone), and its run
+/// holding the key went on: the self-fence looks only at a live generation, and the
+/// registration that stops such runs came a heartbeat later, or never while the store
+/// could not be reached again. It stops them as soon as it hears.
+#[test]
+fn regression_a_host_told_it_was_declared_dead_stops_its_key_holders_at_once() {
+    let mut sim = Sim::new(FLEET_SEED);
+    granted_with_the_key(&mut sim);
+    // Paused past the lapse: the peer beats, declares this host dead, takes the key.
+    sim.now += LAPSE_MS + 2 * BEAT_MS;
+    let now = sim.now;
+    let f = sim.fleet_mut();
+    f.clock.store(now, Ordering::Relaxed);
+    let mut s = f.store.clone();
+    assert!(s.heartbeat(PEER, f.peer.gen, "{}").unwrap());
+    let declared = s.declare_dead(PEER, LAPSE_MS as i64).unwrap();
+    assert_eq!(declared.len(), 1, "{declared:?}");
+    assert!(matches!(sim.peer_claims().as_str(), l if l.contains("Taken")));
+    // It resumes: its heartbeat is answered "declared dead", then the link is cut
+    // before it can register again.
+    sim.fleet_mut().link.beat();
+    sim.fleet_mut().down.store(true, Ordering::Relaxed);
+    sim.deliver_reports();
+    sim.tick();
+    let state = sim.d().engine.view_of("x").map(|v| v.state);
+    assert_ne!(
+        state,
+        Some(RunState::Granted),
+        "x still holds the key the peer took"
     );
 }

@@ -148,8 +148,14 @@ impl Sim {
         self.daemon.as_mut().expect("started")
     }
 
-    /// Starts (or restarts) the daemon from the ledger.
+    /// Starts (or restarts) the daemon from the ledger, and joins the fleet.
     fn start(&mut self) {
+        self.restore();
+        self.join_fleet();
+    }
+
+    /// Starts the daemon from the ledger, before it joins the fleet.
+    fn restore(&mut self) {
         let store = self.store.clone();
         let how = Restore {
             cfg: config(self.fleet.is_some()),
@@ -162,7 +168,6 @@ impl Sim {
         let (d, shell) = Daemon::start_for_test(self.now, how, Box::new(store), "http://sim", host);
         self.daemon = Some(d);
         self.shell = Some(shell);
-        self.join_fleet();
     }
 
     /// One message, its effects carried out and durable.
@@ -697,8 +702,11 @@ impl Sim {
         // Clients' connections die with the daemon.
         self.attachments.clear();
         self.awaiting.clear();
-        self.start();
+        // Judged as the ledger restored it: the registration that follows may end the
+        // runs of a generation declared dead meanwhile (F2), as any registration does.
+        self.restore();
         let after = runs(self.d());
+        self.join_fleet();
         // Every live run comes back as it was; of the ended ones, the ledger may
         // return a different few of the newest (by end, not by forgetting order).
         let same = |a: &BTreeMap<String, RunRow>, b: &BTreeMap<String, RunRow>| {
