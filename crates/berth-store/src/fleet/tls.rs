@@ -83,18 +83,19 @@ fn client_config(check: Check, root: Option<String>) -> Result<rustls::ClientCon
     let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(|e| FleetError::Invalid(format!("store: TLS: {e}")))?;
-    let verifier: Arc<dyn ServerCertVerifier> = match check {
-        Check::Nothing => Arc::new(Unchecked(provider)),
+    let chain = match check {
+        Check::Nothing => None,
         _ => {
             let roots = Arc::new(roots(root)?);
-            let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider)
+            let webpki = WebPkiServerVerifier::builder_with_provider(roots, provider.clone())
                 .build()
                 .map_err(|e| FleetError::Invalid(format!("store: sslrootcert: {e}")))?;
-            match check {
-                Check::Chain => Arc::new(ChainOnly(webpki)),
-                _ => webpki,
-            }
+            Some(webpki)
         }
+    };
+    let verifier: Arc<dyn ServerCertVerifier> = match (check, chain) {
+        (Check::ChainAndName, Some(webpki)) => webpki,
+        (_, chain) => Arc::new(Lenient { provider, chain }),
     };
     Ok(builder
         .dangerous()
@@ -128,63 +129,17 @@ fn roots(root: Option<String>) -> Result<RootCertStore, FleetError> {
     }
 }
 
-/// `prefer` and `require`: encrypted, whoever the certificate names (libpq's
-/// behaviour without a root certificate). The handshake's signatures are still
-/// checked against the certificate the server presented.
+/// `prefer` and `require` (no `chain`): encrypted, whoever the certificate names
+/// (libpq's behaviour without a root certificate); `verify-ca`: the chain must lead to
+/// a root, the name in the certificate is not looked at. The handshake's signatures
+/// are checked against the certificate the server presented either way.
 #[derive(Debug)]
-struct Unchecked(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for Unchecked {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
+struct Lenient {
+    provider: Arc<CryptoProvider>,
+    chain: Option<Arc<WebPkiServerVerifier>>,
 }
 
-/// `verify-ca`: the chain must lead to a root; the name in the certificate is not
-/// looked at.
-#[derive(Debug)]
-struct ChainOnly(Arc<WebPkiServerVerifier>);
-
-impl ServerCertVerifier for ChainOnly {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -193,10 +148,10 @@ impl ServerCertVerifier for ChainOnly {
         ocsp: &[u8],
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
-        let verified = self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now);
-        match verified {
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
             Err(rustls::Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -210,7 +165,8 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        verify_tls12_signature(message, cert, dss, algorithms)
     }
 
     fn verify_tls13_signature(
@@ -219,11 +175,14 @@ impl ServerCertVerifier for ChainOnly {
         cert: &CertificateDer<'_>,
         dss: &DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        verify_tls13_signature(message, cert, dss, algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.supported_verify_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
