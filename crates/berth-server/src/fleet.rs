@@ -54,7 +54,7 @@ pub struct FleetConfig {
 pub const FLEET_TTL_MS_MAX_DEFAULT: u64 = 600_000;
 
 /// How long a question to the fleet store (`GET /v1/fleet`, a fence check, a
-/// reconcile) and a `wait_s = 0` acquire's claim wait for the store at most before the
+/// reconcile) and a new run's claim wait for the store at most before the
 /// caller gets `503 store_unavailable` (issue 38 item 4). The store's own calls have no
 /// deadline of their own yet: this bounds what a caller waits, not what a thread waits.
 pub const ANSWER_WAIT_MS: u64 = 5_000;

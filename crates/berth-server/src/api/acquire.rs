@@ -64,9 +64,10 @@ pub(super) async fn acquire_inner(
         return Ok((StatusCode::ACCEPTED, Json(run_out(&first))).into_response());
     }
     if queued && !stream && waits_for_claim(&first) {
-        // Issue 38 (Build 2): on a fleet host a run that fits here waits for its
-        // fleet-wide claim, one round trip to the store: answered on this connection
-        // when the claim commits. Parked, its answer would close the connection.
+        // Issue 38 (Build 2): on a fleet host a new run's claim is taken before the
+        // daemon answers; a run queued for its claim alone (asked again after a
+        // re-fence, or queued first while the host was unregistered) is answered on
+        // this connection when the claim commits. Parked, its answer would close it.
         if let Some(now) = Box::pin(claim_answer(&api, &first)).await {
             (first, queued) = (now, false);
         }

@@ -331,8 +331,9 @@ impl<H: Host> Daemon<H> {
         self.fleet.preclaims.insert(run_id, p);
     }
 
-    /// The answer to a `wait_s = 0` acquire's claim: its one try, with the claim or
-    /// without it (then it expires at once, as any run that cannot be granted on arrival).
+    /// The answer to a new run's claim: the engine's try, with the claim or without
+    /// it (then a `wait_s = 0` run expires at once, as any run that cannot be granted
+    /// on arrival, and one that may wait queues).
     fn preclaimed(&mut self, p: Preclaim, gen: i64, result: ClaimResult) {
         let id = p.req.run_id.clone();
         // Issue 38 item 5: its caller is gone (it gave up while the store stalled):
@@ -715,7 +716,7 @@ impl<H: Host> Daemon<H> {
         }
     }
 
-    /// Issue 38 items 4 and 5: a `wait_s = 0` acquire whose claim the store has not
+    /// Issue 38 items 4 and 5: a new run's acquire whose claim the store has not
     /// answered within `ANSWER_WAIT_MS` is answered 503 and forgotten: its claim's
     /// answer, when it comes, finds no waiting run and gives back what was taken.
     fn expire_preclaims(&mut self) {
