@@ -276,12 +276,7 @@ pub trait FleetStore: Send {
     /// twice: a claim retried by its generation gets its fence back). This default
     /// makes the calls one by one.
     fn batch(&mut self, host_id: &str, ops: &[FleetOp]) -> Result<BatchOutcome, FleetError> {
-        if ops.len() > BATCH_OPS_MAX {
-            return Err(FleetError::Invalid(format!(
-                "batch: at most {BATCH_OPS_MAX} ops, got {}",
-                ops.len()
-            )));
-        }
+        check_batch(ops)?;
         let mut out = Vec::with_capacity(ops.len());
         for op in ops {
             let r = match op {
@@ -335,6 +330,17 @@ pub(crate) fn check_claim(c: &Claim) -> Result<Vec<String>, FleetError> {
     keys.sort();
     keys.dedup();
     Ok(keys)
+}
+
+/// A batch carries at most [`BATCH_OPS_MAX`] ops; more is refused whole.
+pub(crate) fn check_batch(ops: &[FleetOp]) -> Result<(), FleetError> {
+    match ops.len() <= BATCH_OPS_MAX {
+        true => Ok(()),
+        false => Err(FleetError::Invalid(format!(
+            "batch: at most {BATCH_OPS_MAX} ops, got {}",
+            ops.len()
+        ))),
+    }
 }
 
 /// A batch is one host's: a claim in it for another host is refused.

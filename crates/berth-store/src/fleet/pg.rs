@@ -13,7 +13,7 @@ use super::tls::Tls;
 use super::{
     check_claim, check_load, fence_floor, BatchOutcome, Claim, ClaimOutcome, Ending, FleetError,
     FleetFence, FleetOp, FleetStore, HostInfo, HostRow, OpOutcome, ThreadOwner, TokenRow,
-    BATCH_OPS_MAX, HOSTS_MAX,
+    HOSTS_MAX,
 };
 
 /// Migrations by version, applied in order under an advisory lock so that several
@@ -334,12 +334,7 @@ impl FleetStore for PgFleet {
     }
 
     fn batch(&mut self, host_id: &str, ops: &[FleetOp]) -> Result<BatchOutcome, FleetError> {
-        if ops.len() > BATCH_OPS_MAX {
-            return Err(FleetError::Invalid(format!(
-                "batch: at most {BATCH_OPS_MAX} ops, got {}",
-                ops.len()
-            )));
-        }
+        super::check_batch(ops)?;
         // Each op's answer; the input rules' refusals are answered here and not sent.
         let mut out: Vec<Option<Result<OpOutcome, FleetError>>> = Vec::with_capacity(ops.len());
         let mut args = BatchArgs::new(host_id);
