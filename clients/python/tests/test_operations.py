@@ -73,6 +73,8 @@ async def scenario(client, call, first):
     assert isinstance(await op("reap"), models.ReapReport)
     assert (await op("idle")).idle is False
     assert (await op("fleet")).code == "fleet_mode_off"
+    assert (await op("start_fleet_drain", "test")).code == "fleet_mode_off"
+    assert (await op("end_fleet_drain")).code == "fleet_mode_off"
     assert "<html" in (await op("dashboard")).lower()
     assert (await op("openapi"))["openapi"] == "3.1.0"
     made = await op("create_token", "read", expires_s=60)

@@ -523,6 +523,16 @@ export class BerthClient {
     return this.#call<Drain>("DELETE", "/v1/drain", undefined, opts);
   }
 
+  /** `POST /v1/fleet/drain {reason?}`: fleet mode, every host admits nothing new until `endFleetDrain`. */
+  async startFleetDrain(req: DrainRequest = {}, opts: CallOptions = {}): Promise<Drain> {
+    return this.#call<Drain>("POST", "/v1/fleet/drain", req, opts);
+  }
+
+  /** `DELETE /v1/fleet/drain`: ends the fleet's drain. */
+  async endFleetDrain(opts: CallOptions = {}): Promise<Drain> {
+    return this.#call<Drain>("DELETE", "/v1/fleet/drain", undefined, opts);
+  }
+
   // ---- experiment scopes and their tokens (B1–B6) ----------------------------------
 
   /** `GET /v1/scopes`: every scope's control, generation and tokens per harness. */
@@ -668,6 +678,8 @@ export const OPERATIONS = {
   getDrain: "getDrain",
   startDrain: "startDrain",
   endDrain: "endDrain",
+  startFleetDrain: "startFleetDrain",
+  endFleetDrain: "endFleetDrain",
   getIdle: "getIdle",
   listScopes: "listScopes",
   getScope: "getScope",

@@ -435,6 +435,24 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/fleet/drain": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Fleet mode: drain every host of the fleet (G4 fleet-wide) */
+        post: operations["startFleetDrain"];
+        /** Fleet mode: end the fleet's drain */
+        delete: operations["endFleetDrain"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/scopes": {
         parameters: {
             query?: never;
@@ -667,10 +685,14 @@ export interface components {
             request_id: string;
             mode: string;
         };
-        /** @description `GET /v1/drain`: the drain in force (if any) and what it waits for. */
+        /**
+         * @description `GET /v1/drain`: the drains in force (the host's own, the fleet's) and what they
+         *     wait for. `draining` is true while either is.
+         */
         Drain: {
             draining: boolean;
             drain?: null | components["schemas"]["DrainRecord"];
+            fleet_drain: null | components["schemas"]["FleetDrainRecord"];
             waiting_for: components["schemas"]["Busy"][];
         };
         /** @description Who started a drain, when and why (G4). */
@@ -732,6 +754,16 @@ export interface components {
             /** Format: int64 */
             queue_depth: number;
             dead: components["schemas"]["FleetHost"][];
+        };
+        /**
+         * @description A drain every host of the fleet honours: who started it, when, why, and on which
+         *     host.
+         */
+        FleetDrainRecord: {
+            by: string;
+            at: string;
+            reason: string;
+            host: string;
         };
         /** @description A host of the fleet as its last heartbeat described it (F4). */
         FleetHost: {
@@ -856,6 +888,16 @@ export interface components {
         JournalFence: {
             /** Format: int64 */
             fence?: number | null;
+        };
+        /**
+         * @description `fleet_drain_started` (issue 38 Build 3): the fleet's drain, as this host learnt
+         *     it: who started it, when, on which host and why.
+         */
+        JournalFleetDrain: {
+            at: string;
+            by: string;
+            host: string;
+            reason: string;
         };
         /** @description `granted`: the fence, when the lease expires, the keys it holds. */
         JournalGranted: {
@@ -1554,6 +1596,8 @@ export interface components {
             /** @description RFC 3339; `null`: until revoked. */
             expires_at: string | null;
             expired: boolean;
+            /** @description A fleet token: honoured by every host of the fleet, revoked on any. */
+            fleet?: boolean;
         };
         /** @description `GET /v1/tokens`. */
         TokenList: {
@@ -4116,6 +4160,163 @@ export interface operations {
                      *         "code": "unauthorized",
                      *         "details": {},
                      *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: {"error": {code, message, details}} */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    startFleetDrain: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                /**
+                 * @example {
+                 *       "reason": "kernel upgrade at 18:00"
+                 *     }
+                 */
+                "application/json": components["schemas"]["DrainRequest"];
+            };
+        };
+        responses: {
+            /** @description success */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Drain"];
+                };
+            };
+            /** @description refused: invalid */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "invalid",
+                     *         "details": {},
+                     *         "message": "ttl_s: must be at most 86400 (the daemon's --ttl-max)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: {"error": {code, message, details}} */
+            default: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    endFleetDrain: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description success */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Drain"];
+                };
+            };
+            /** @description refused: unauthorized */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "unauthorized",
+                     *         "details": {},
+                     *         "message": "a bearer token is required (Authorization: Bearer <token>)"
+                     *       }
+                     *     }
+                     */
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description refused: forbidden */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    /**
+                     * @example {
+                     *       "error": {
+                     *         "code": "forbidden",
+                     *         "details": {},
+                     *         "message": "this call needs the operator scope; the token has read"
                      *       }
                      *     }
                      */

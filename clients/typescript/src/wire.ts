@@ -110,6 +110,7 @@ export type JournalEntry = Schemas["JournalEntry"];
 export type JournalBudgetToken = Schemas["JournalBudgetToken"];
 export type JournalDegraded = Schemas["JournalDegraded"];
 export type JournalDrain = Schemas["JournalDrain"];
+export type JournalFleetDrain = Schemas["JournalFleetDrain"];
 export type JournalEmpty = Schemas["JournalEmpty"];
 export type JournalEnded = Schemas["JournalEnded"];
 export type JournalFence = Schemas["JournalFence"];
@@ -147,6 +148,8 @@ export interface JournalData {
   ended: JournalEnded;
   evidence_invalidated: JournalEmpty;
   expired: JournalFence;
+  fleet_drain_ended: JournalEmpty;
+  fleet_drain_started: JournalFleetDrain;
   granted: JournalGranted;
   key_mode_changed: JournalKey;
   oom_killed: JournalOom;
@@ -186,6 +189,8 @@ export const JOURNAL_KINDS: readonly (keyof JournalData)[] = [
   "ended",
   "evidence_invalidated",
   "expired",
+  "fleet_drain_ended",
+  "fleet_drain_started",
   "granted",
   "key_mode_changed",
   "oom_killed",
@@ -228,6 +233,7 @@ export type Thread = Schemas["Thread"];
 export type ThreadList = Schemas["ThreadList"];
 export type DrainRequest = Schemas["DrainRequest"];
 export type DrainRecord = Schemas["DrainRecord"];
+export type FleetDrainRecord = Schemas["FleetDrainRecord"];
 /** Something in flight: a live run or a live registration. */
 export type Busy = Schemas["Busy"];
 export type Drain = Schemas["Drain"];

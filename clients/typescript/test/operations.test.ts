@@ -53,7 +53,11 @@ async function documented(): Promise<Operation[]> {
 
 /** Operations this daemon can only refuse, and the refusal that proves the route was
  *  reached: fleet mode needs a PostgreSQL store (`--store`), which `npm test` has not. */
-const REFUSED_HERE: Partial<Record<OperationId, string>> = { getFleet: "fleet_mode_off" };
+const REFUSED_HERE: Partial<Record<OperationId, string>> = {
+  getFleet: "fleet_mode_off",
+  startFleetDrain: "fleet_mode_off",
+  endFleetDrain: "fleet_mode_off",
+};
 
 const MiB = 1024 * 1024;
 const SMALL: AcquireRequest["resources"] = { memory: 64 * MiB, cpu_millis: 100, disk: MiB };
@@ -346,6 +350,8 @@ test("every operation, called through its method, is answered by a real daemon",
   }
 
   await refused(client.fleet(), 404, REFUSED_HERE.getFleet ?? "");
+  await refused(client.startFleetDrain({ reason: "ts" }), 404, REFUSED_HERE.startFleetDrain ?? "");
+  await refused(client.endFleetDrain(), 404, REFUSED_HERE.endFleetDrain ?? "");
 });
 
 test("the daemon test called every operationId of docs/openapi.json, each answered", async () => {

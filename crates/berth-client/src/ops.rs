@@ -138,6 +138,17 @@ impl Client {
         self.delete("/v1/drain").await
     }
 
+    /// `POST /v1/fleet/drain` (`startFleetDrain`): fleet mode, every host of the fleet
+    /// admits nothing new.
+    pub async fn start_fleet_drain(&self, reason: Option<String>) -> Result<Drain, Error> {
+        self.post("/v1/fleet/drain", &DrainRequest { reason }).await
+    }
+
+    /// `DELETE /v1/fleet/drain` (`endFleetDrain`).
+    pub async fn end_fleet_drain(&self) -> Result<Drain, Error> {
+        self.delete("/v1/fleet/drain").await
+    }
+
     /// `GET /metrics` (`getMetrics`): OpenMetrics text.
     pub async fn metrics(&self) -> Result<String, Error> {
         self.text("/metrics", "application/openmetrics-text").await

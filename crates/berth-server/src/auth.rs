@@ -38,17 +38,25 @@ pub struct Grant {
     /// Unix milliseconds (wall clock: a token outlives restarts and reboots) after
     /// which the token is refused; `None`: until revoked.
     pub expires_ms: Option<u64>,
+    /// A fleet token (issue 38 Build 3): kept in the fleet store and honoured by every
+    /// host, which mirrors it into its ledger; revoked on any host, gone from all.
+    pub fleet: bool,
 }
 
 impl Grant {
     /// The ledger keeps a grant as text: `scope`, then `;uid=N` and `;expires=MS` when
-    /// set (the store knows nothing of its shape).
+    /// set, and `;fleet` for a fleet token (the store knows nothing of its shape).
     pub fn parse(s: &str) -> Option<Grant> {
+        let (s, fleet) = match s.strip_suffix(";fleet") {
+            Some(rest) => (rest, true),
+            None => (s, false),
+        };
         let mut parts = s.split(';');
         let mut g = Grant {
             scope: Scope::parse(parts.next()?)?,
             uid: None,
             expires_ms: None,
+            fleet,
         };
         for part in parts {
             // Each at most once, in this order: one text per grant.
@@ -70,6 +78,9 @@ impl Grant {
         }
         if let Some(ms) = self.expires_ms {
             s.push_str(&format!(";expires={ms}"));
+        }
+        if self.fleet {
+            s.push_str(";fleet");
         }
         s
     }
@@ -146,6 +157,7 @@ mod tests {
             scope,
             uid,
             expires_ms: None,
+            fleet: false,
         };
         let tokens = vec![
             (hash_token(&t), g(Scope::Operator, Some(1000))),
@@ -165,6 +177,8 @@ mod tests {
             "admin;uid=0",
             "read;expires=1796084403123",
             "operator;uid=65534;expires=1",
+            "admin;fleet",
+            "operator;uid=1000;expires=5;fleet",
         ] {
             assert_eq!(Grant::parse(s).unwrap().stored(), s);
         }
@@ -176,6 +190,9 @@ mod tests {
             "operator;expires=1;uid=2",
             "read;expires=1;expires=2",
             "read;expires=soon",
+            "read;fleet;fleet",
+            "fleet",
+            "read;fleet;uid=1",
         ] {
             assert_eq!(Grant::parse(bad), None, "{bad}");
         }

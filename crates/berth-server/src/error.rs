@@ -186,8 +186,12 @@ pub enum Error {
     Internal(String),
     /// G0–G3: a thread's rules said no.
     Thread(berth_core::threads::ThreadError),
-    /// G4: the host drains; nothing new is admitted. Carries the drain's record.
-    Draining(berth_store::DrainRecord),
+    /// G4: the host drains; nothing new is admitted. Carries the drain's record, and
+    /// for the fleet's drain (issue 38 Build 3) the host it was started on.
+    Draining {
+        drain: berth_store::DrainRecord,
+        fleet_host: Option<String>,
+    },
     /// F1: fleet mode, and the fleet store cannot be reached: no new fleet-wide claim.
     FleetUnavailable,
     /// The daemon's task has stopped: berth is shutting down.
@@ -234,15 +238,24 @@ impl From<Error> for ApiError {
             Error::Internal(what) => internal(what),
             Error::Thread(e) => thread_refused(e),
             // G4: with who started the drain, when and why.
-            Error::Draining(d) => ApiError::new(
-                503,
-                "draining",
-                format!(
-                    "the host is draining since {} ({}): no new runs or registrations",
-                    d.at, d.reason
-                ),
-            )
-            .with(json!({"drain": {"by": d.by, "at": d.at, "reason": d.reason}})),
+            Error::Draining {
+                drain: d,
+                fleet_host,
+            } => {
+                let (who, fleet) = match &fleet_host {
+                    Some(h) => (format!("the fleet is draining (started on {h})"), true),
+                    None => ("the host is draining".to_string(), false),
+                };
+                ApiError::new(
+                    503,
+                    "draining",
+                    format!(
+                        "{who} since {} ({}): no new runs or registrations",
+                        d.at, d.reason
+                    ),
+                )
+                .with(json!({"drain": {"by": d.by, "at": d.at, "reason": d.reason, "fleet": fleet, "host": fleet_host}}))
+            }
             Error::FleetUnavailable => fleet_unavailable("the fleet store cannot be reached"),
             Error::NotOwner { what, id, uid } => not_owner(what, &id, uid),
             Error::ShuttingDown => ApiError::new(503, "shutting_down", "berth is shutting down"),

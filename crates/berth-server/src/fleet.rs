@@ -14,7 +14,8 @@ use std::time::Duration;
 pub use berth_store::fleet::FleetOp as Job;
 pub use berth_store::fleet::HostInfo;
 use berth_store::fleet::{
-    ClaimOutcome, Ending, FleetError, FleetStore, HostRow, OpOutcome, BATCH_OPS_MAX,
+    ClaimOutcome, Ending, FleetError, FleetStore, HostRow, OpOutcome, Shared, BATCH_OPS_MAX,
+    SHARED_PAYLOAD,
 };
 use tokio::sync::oneshot;
 
@@ -176,12 +177,19 @@ pub const QUESTIONS_MAX: usize = 256;
 pub struct Handle {
     tx: std::sync::mpsc::Sender<Job>,
     questions: std::sync::mpsc::SyncSender<Question>,
+    /// Wakes the heartbeat thread to read the fleet's tokens and drain now.
+    nudge: std::sync::mpsc::Sender<()>,
     pub status: Arc<Status>,
 }
 
 impl Handle {
     pub fn send(&self, job: Job) {
         let _ = self.tx.send(job);
+    }
+
+    /// Has the fleet's tokens and drain read again now rather than at the next beat.
+    pub fn nudge(&self) {
+        let _ = self.nudge.send(());
     }
 
     /// Ask the store something from async code (the answer comes from the fleet
@@ -271,9 +279,10 @@ pub fn spawn(
     inbox: Tell<Report>,
     batched: BatchObserver,
 ) -> Result<Handle, FleetError> {
+    let (nudge, nudged) = std::sync::mpsc::channel();
     if !cfg.url.starts_with("sqlite:") {
         let listener = berth_store::fleet::PgFleet::lazy(&cfg.url)?.listener();
-        spawn_listener(listener, inbox.clone());
+        spawn_listener(listener, inbox.clone(), nudge.clone());
     }
     let (questions, asked) = std::sync::mpsc::sync_channel::<Question>(QUESTIONS_MAX);
     check_id_at_start(&cfg)?;
@@ -310,7 +319,7 @@ pub fn spawn(
         store: open(&common.cfg.url)?,
         common,
     };
-    thread("berth-fleet", move || w.run(first_tx))?;
+    thread("berth-fleet", move || w.run(first_tx, nudged))?;
     // The host registers before it serves, so its first requests find it in the
     // fleet; a database that does not answer in time leaves it serving unregistered
     // (new runs refused with 503) while the thread keeps trying.
@@ -318,6 +327,7 @@ pub fn spawn(
     Ok(Handle {
         tx,
         questions,
+        nudge,
         status,
     })
 }
@@ -333,11 +343,22 @@ fn thread(name: &str, f: impl FnOnce() + Send + 'static) -> Result<(), FleetErro
 /// How long a starting host waits for its first registration before it serves anyway.
 const FIRST_REGISTRATION_WAIT_MS: u64 = 5_000;
 
-fn spawn_listener(mut l: berth_store::fleet::PgListener, inbox: Tell<Report>) {
+fn spawn_listener(
+    mut l: berth_store::fleet::PgListener,
+    inbox: Tell<Report>,
+    nudge: std::sync::mpsc::Sender<()>,
+) {
     let _ = thread("berth-fleet-listen", move || loop {
         match l.wait(Duration::from_millis(LISTEN_WAIT_MS)) {
-            Ok(payloads) if !payloads.is_empty() => {
-                if !inbox.send(Report::Wake { payloads }) {
+            Ok(mut payloads) if !payloads.is_empty() => {
+                // Another host changed the fleet's tokens or drain: the heartbeat
+                // thread reads them now (its connection; this one only listens).
+                let before = payloads.len();
+                payloads.retain(|p| p != SHARED_PAYLOAD);
+                if payloads.len() != before {
+                    let _ = nudge.send(());
+                }
+                if !payloads.is_empty() && !inbox.send(Report::Wake { payloads }) {
                     return;
                 }
             }
@@ -368,6 +389,9 @@ struct Common {
     ousted: AtomicBool,
     clock: Clock,
     batched: BatchObserver,
+    /// The version of the fleet's tokens and drain last told to the daemon (-1: none
+    /// yet).
+    shared_version: AtomicI64,
 }
 
 impl Common {
@@ -389,6 +413,7 @@ impl Common {
             ousted: AtomicBool::new(false),
             clock,
             batched,
+            shared_version: AtomicI64::new(-1),
         })
     }
 
@@ -435,13 +460,45 @@ struct Worker {
 }
 
 impl Worker {
-    fn run(mut self, first: std::sync::mpsc::Sender<()>) {
-        let alive = self.beat();
+    /// Beats every `beat_ms`; between beats, a nudge (another host announced a change
+    /// of the fleet's tokens or drain) reads them at once.
+    fn run(mut self, first: std::sync::mpsc::Sender<()>, nudged: std::sync::mpsc::Receiver<()>) {
+        use std::sync::mpsc::RecvTimeoutError;
+        let period = Duration::from_millis(self.common.cfg.beat_ms);
+        let mut alive = self.beat();
         let _ = first.send(());
-        while alive && {
-            std::thread::sleep(Duration::from_millis(self.common.cfg.beat_ms));
-            self.beat()
-        } {}
+        let mut next = std::time::Instant::now() + period;
+        while alive {
+            let left = next.saturating_duration_since(std::time::Instant::now());
+            match nudged.recv_timeout(left) {
+                Ok(()) => {
+                    while nudged.try_recv().is_ok() {}
+                    alive = self.sync_shared();
+                }
+                Err(e) => {
+                    if e == RecvTimeoutError::Disconnected {
+                        std::thread::sleep(left);
+                    }
+                    alive = self.beat();
+                    next = std::time::Instant::now() + period;
+                }
+            }
+        }
+    }
+
+    /// Reads the fleet's tokens and drain if they changed since the version last told,
+    /// and tells the daemon. False once the daemon is gone.
+    fn sync_shared(&mut self) -> bool {
+        let c = self.common.clone();
+        let r = self.store.shared(c.shared_version.load(Ordering::Relaxed));
+        c.seen(&r);
+        match r {
+            Ok(Some(sh)) => {
+                c.shared_version.store(sh.version, Ordering::Relaxed);
+                c.inbox.send(Report::Shared(sh))
+            }
+            _ => c.inbox.alive(),
+        }
     }
 
     /// Carries out `jobs` (at most `BATCH_OPS_MAX`) as one batch and reports each
@@ -520,7 +577,9 @@ impl Worker {
                 resumed,
                 claims,
             };
-            return c.tell_status() && c.inbox.send(report);
+            // The fleet's tokens and drain before the first claim: a host that starts
+            // during a fleet drain admits nothing new.
+            return c.tell_status() && self.sync_shared() && c.inbox.send(report);
         }
         c.inbox.alive()
     }
@@ -549,7 +608,7 @@ impl Worker {
             Ok(false) => {
                 self.lost_generation(host, gen);
                 c.status.gen.store(0, Ordering::Relaxed);
-                return c.tell_status();
+                return c.tell_status() && self.sync_shared();
             }
             Err(_) => return c.inbox.alive(),
         }
@@ -563,7 +622,7 @@ impl Worker {
                 return false;
             }
         }
-        true
+        self.sync_shared()
     }
 
     /// This host's generation is gone. Declared dead while away (F2): nothing it held
@@ -640,9 +699,11 @@ impl SimLink {
         let (tx, jobs) = std::sync::mpsc::channel();
         // No questions: the simulator asks the store itself.
         let (questions, _) = std::sync::mpsc::sync_channel(1);
+        let (nudge, _) = std::sync::mpsc::channel();
         let handle = Handle {
             tx,
             questions,
+            nudge,
             status,
         };
         let worker = Worker { store, common };
@@ -728,6 +789,9 @@ pub enum Report {
         gen: i64,
         beat_ok_ms: u64,
     },
+    /// Issue 38 Build 3: the fleet's bearer tokens and drain changed (or were read for
+    /// the first time): the daemon mirrors them.
+    Shared(Shared),
 }
 
 #[cfg(test)]

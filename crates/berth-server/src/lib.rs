@@ -505,6 +505,7 @@ fn known_tokens(
             scope: auth::Scope::Admin,
             uid: None,
             expires_ms: None,
+            fleet: false,
         };
         store.write(&[&berth_store::Batch {
             mutations: vec![berth_store::Mutation::Token {

@@ -482,13 +482,24 @@ fn print_drain(c: &Client) {
     let Ok(d) = r.parse::<berth_client::wire::Drain>() else {
         return;
     };
+    let ids: Vec<&str> = d.waiting_for.iter().map(|b| b.id.as_str()).collect();
     if let Some(rec) = &d.drain {
-        let ids: Vec<&str> = d.waiting_for.iter().map(|b| b.id.as_str()).collect();
         println!(
             "  draining since {} by {} ({}); waiting for {}: {}",
             rec.at,
             rec.by,
             rec.reason,
+            ids.len(),
+            ids.join(", ")
+        );
+    }
+    if let Some(f) = &d.fleet_drain {
+        println!(
+            "  the fleet is draining since {} by {} on {} ({}); waiting for {}: {}",
+            f.at,
+            f.by,
+            f.host,
+            f.reason,
             ids.len(),
             ids.join(", ")
         );

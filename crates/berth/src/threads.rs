@@ -31,6 +31,10 @@ pub struct DrainArgs {
     /// End the drain.
     #[arg(long, conflicts_with_all = ["start", "reason", "wait"])]
     pub off: bool,
+    /// Fleet mode: --start and --off act on the fleet's drain, which every host of the
+    /// fleet honours, rather than this host's.
+    #[arg(long)]
+    pub fleet: bool,
     #[command(flatten)]
     pub conn: ConnArgs,
 }
@@ -95,12 +99,20 @@ fn busy_lines(w: &[Busy]) -> String {
 }
 
 fn drain_text(d: &Drain) -> String {
-    let head = match &d.drain {
+    let mut head = match &d.drain {
         Some(r) => format!("draining since {} by {}: {}", r.at, r.by, r.reason),
+        None if d.fleet_drain.is_some() => String::new(),
         None => "not draining".into(),
     };
+    if let Some(f) = &d.fleet_drain {
+        let sep = if head.is_empty() { "" } else { "; " };
+        head = format!(
+            "{head}{sep}the fleet is draining since {} by {} on {}: {}",
+            f.at, f.by, f.host, f.reason
+        );
+    }
     let n = d.waiting_for.len();
-    match (n, d.drain.is_some()) {
+    match (n, d.draining) {
         (0, _) => format!("{head}; nothing in flight"),
         (n, true) => format!("{head}; waiting for {n}:\n{}", busy_lines(&d.waiting_for)),
         // Without a drain nothing waits for them: they are only in flight.
@@ -110,11 +122,15 @@ fn drain_text(d: &Drain) -> String {
 
 pub fn drain_main(a: DrainArgs) -> anyhow::Result<u8> {
     let c = Client::new(&a.conn)?;
+    let path = match a.fleet {
+        true => "/v1/fleet/drain",
+        false => "/v1/drain",
+    };
     let r = if a.off {
-        c.call::<()>("DELETE", "/v1/drain", None)
+        c.call::<()>("DELETE", path, None)
     } else if a.start {
         let body = DrainRequest { reason: a.reason };
-        c.call("POST", "/v1/drain", Some(&body))
+        c.call("POST", path, Some(&body))
     } else {
         c.call::<()>("GET", "/v1/drain", None)
     };

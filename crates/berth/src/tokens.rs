@@ -43,10 +43,14 @@ pub enum TokenCmd {
     },
 }
 
-fn row(t: &TokenInfo) -> [String; 4] {
+fn row(t: &TokenInfo) -> [String; 5] {
     [
         t.id.clone(),
         t.scope.clone(),
+        match t.fleet {
+            true => "fleet".into(),
+            false => "this host".into(),
+        },
         t.uid.map_or("berth's".into(), |u| u.to_string()),
         match (&t.expires_at, t.expired) {
             (Some(at), true) => format!("expired {at}"),
@@ -56,7 +60,7 @@ fn row(t: &TokenInfo) -> [String; 4] {
     ]
 }
 
-const HEADER: [&str; 4] = ["id", "scope", "uid", "expires"];
+const HEADER: [&str; 5] = ["id", "scope", "honoured by", "uid", "expires"];
 
 pub fn token_main(a: TokenArgs) -> anyhow::Result<u8> {
     match a.cmd {
@@ -96,7 +100,7 @@ pub fn token_main(a: TokenArgs) -> anyhow::Result<u8> {
                 Err(e) => return Ok(c.unreachable(&e)),
             };
             print_reply(&r, conn.json, |l: &TokenList| {
-                let rows: Vec<[String; 4]> = l.tokens.iter().map(row).collect();
+                let rows: Vec<[String; 5]> = l.tokens.iter().map(row).collect();
                 crate::show::table(HEADER, &rows)
             })
         }

@@ -211,6 +211,12 @@ async fn call_every_operation(berth: &Client) {
     berth.status().await.unwrap();
     let fleet = berth.fleet().await.unwrap_err();
     assert_eq!(fleet.code(), Some("fleet_mode_off"), "{fleet}");
+    for refused in [
+        berth.start_fleet_drain(None).await.unwrap_err(),
+        berth.end_fleet_drain().await.unwrap_err(),
+    ] {
+        assert_eq!(refused.code(), Some("fleet_mode_off"), "{refused}");
+    }
     berth.idle().await.unwrap();
     berth.reap().await.unwrap();
     let token = TokenRequest {

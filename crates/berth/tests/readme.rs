@@ -44,6 +44,7 @@ const BLOCKS: &[(&str, Verdict)] = &[
     ("curl -s -H \"Authorization: Bearer $TOKEN\" $B/v1/scopes/exp-7/reservations", Here),
     ("berth serve --store postgres://berth@db.internal/berth", Not("needs a PostgreSQL at db.internal; fleet.rs starts hosts with these flags on pg_virtualenv's server")),
     ("berth serve --store 'postgres://berth@db.internal/berth?sslmode=verify-full", Not("needs a PostgreSQL at db.internal with a certificate of its CA; fleet_conformance.rs connects with each sslmode to pg_virtualenv's server")),
+    ("berth token create --scope admin          # on build-1", Not("needs two fleet hosts; fleet_shared.rs makes a token on one host and uses and revokes it on the other")),
     ("cargo run --release -p berth-bench -- core", Not("the benchmarks: minutes each, out of the default test run by design")),
     ("crates/berth-core", Not("a listing of the layout")),
 ];

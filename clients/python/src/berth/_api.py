@@ -356,6 +356,18 @@ class Operations:
         """`DELETE /v1/drain`: admit again."""
         return Call("DELETE", "/v1/drain", _model(m.Drain))
 
+    @operation("startFleetDrain")
+    def start_fleet_drain(self, reason: Optional[str] = None) -> Call[m.Drain]:
+        """`POST /v1/fleet/drain`: fleet mode, every host admits nothing new until
+        `end_fleet_drain`."""
+        return Call("POST", "/v1/fleet/drain", _model(m.Drain),
+                    body=_body(m.DrainRequest, {"reason": reason}))
+
+    @operation("endFleetDrain")
+    def end_fleet_drain(self) -> Call[m.Drain]:
+        """`DELETE /v1/fleet/drain`: the fleet admits again."""
+        return Call("DELETE", "/v1/fleet/drain", _model(m.Drain))
+
     # ---- tokens ------------------------------------------------------------------------
     @operation("listTokens")
     def tokens(self) -> Call[List[m.TokenInfo]]:

@@ -33,6 +33,7 @@ __all__ = [
     "Evidence",
     "FenceCheck",
     "Fleet",
+    "FleetDrainRecord",
     "FleetHost",
     "FleetLoad",
     "FleetResource",
@@ -45,6 +46,7 @@ __all__ = [
     "JournalEnded",
     "JournalEntry",
     "JournalFence",
+    "JournalFleetDrain",
     "JournalGranted",
     "JournalKey",
     "JournalKeyName",
@@ -261,9 +263,13 @@ class ControlRequest(Model):
 
 @dataclass
 class Drain(Model):
-    """`GET /v1/drain`: the drain in force (if any) and what it waits for."""
+    """`GET /v1/drain`: the drains in force (the host's own, the fleet's) and what they
+    wait for. `draining` is true while either is.
+    """
 
     draining: bool
+    #: The fleet's drain (fleet mode), as this host last read it.
+    fleet_drain: Optional[FleetDrainRecord]
     waiting_for: List[Busy]
     drain: Optional[DrainRecord] = None
 
@@ -340,6 +346,18 @@ class Fleet(Model):
     totals: Dict[str, FleetResource]
     queue_depth: int
     dead: List[FleetHost]
+
+
+@dataclass
+class FleetDrainRecord(Model):
+    """A drain every host of the fleet honours: who started it, when, why, and on which
+    host.
+    """
+
+    by: str
+    at: str
+    reason: str
+    host: str
 
 
 @dataclass
@@ -470,6 +488,18 @@ class JournalFence(Model):
     """`released` and `expired`: the fence the run held."""
 
     fence: Optional[int] = None
+
+
+@dataclass
+class JournalFleetDrain(Model):
+    """`fleet_drain_started` (issue 38 Build 3): the fleet's drain, as this host learnt
+    it: who started it, when, on which host and why.
+    """
+
+    at: str
+    by: str
+    host: str
+    reason: str
 
 
 @dataclass
@@ -1227,6 +1257,8 @@ class TokenInfo(Model):
     #: RFC 3339; `null`: until revoked.
     expires_at: Optional[str]
     expired: bool
+    #: A fleet token: honoured by every host of the fleet, revoked on any.
+    fleet: Optional[bool] = None
 
 
 @dataclass

@@ -289,6 +289,16 @@ pub struct JournalDrain {
     pub reason: String,
 }
 
+/// `fleet_drain_started` (issue 38 Build 3): the fleet's drain, as this host learnt
+/// it: who started it, when, on which host and why.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct JournalFleetDrain {
+    pub at: String,
+    pub by: String,
+    pub host: String,
+    pub reason: String,
+}
+
 /// `scope_control` (B4): an accepted pause, stop or resume.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct JournalScopeControl<'a> {
@@ -437,6 +447,8 @@ journal_kinds! {
     ThreadWorkspaceCreated(JournalThreadWorkspace<'a>) = "thread_workspace_created",
     DrainStarted(JournalDrain) = "drain_started",
     DrainEnded(JournalEmpty) = "drain_ended",
+    FleetDrainStarted(JournalFleetDrain) = "fleet_drain_started",
+    FleetDrainEnded(JournalEmpty) = "fleet_drain_ended",
 }
 
 #[cfg(test)]
@@ -590,6 +602,13 @@ mod tests {
                 reason: "r".into(),
             }),
             Journal::DrainEnded(JournalEmpty {}),
+            Journal::FleetDrainStarted(JournalFleetDrain {
+                at: "2026-12-01T00:00:00.000Z".into(),
+                by: "uid 0".into(),
+                host: "build-1".into(),
+                reason: "r".into(),
+            }),
+            Journal::FleetDrainEnded(JournalEmpty {}),
         ]
     }
 

@@ -560,6 +560,9 @@ pub struct TokenInfo {
     #[schema(required = true)]
     pub expires_at: Option<String>,
     pub expired: bool,
+    /// A fleet token: honoured by every host of the fleet, revoked on any.
+    #[serde(default)]
+    pub fleet: bool,
 }
 
 /// `GET /v1/tokens`.
@@ -764,11 +767,26 @@ pub struct Busy {
     pub owner: Option<ThreadOwner>,
 }
 
-/// `GET /v1/drain`: the drain in force (if any) and what it waits for.
+/// A drain every host of the fleet honours: who started it, when, why, and on which
+/// host.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
+pub struct FleetDrainRecord {
+    pub by: String,
+    pub at: String,
+    pub reason: String,
+    pub host: String,
+}
+
+/// `GET /v1/drain`: the drains in force (the host's own, the fleet's) and what they
+/// wait for. `draining` is true while either is.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize, ToSchema)]
 pub struct Drain {
     pub draining: bool,
     pub drain: Option<DrainRecord>,
+    /// The fleet's drain (fleet mode), as this host last read it.
+    #[serde(default)]
+    #[schema(required = true)]
+    pub fleet_drain: Option<FleetDrainRecord>,
     pub waiting_for: Vec<Busy>,
 }
 

@@ -4,15 +4,17 @@
 use std::collections::BTreeMap;
 
 use axum::extract::State as AxState;
+use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_client::wire;
 use berth_core::threads::{Owner, ThreadError};
-use berth_store::fleet::{FleetError, HostRow, ThreadOwner};
+use berth_store::fleet::{FleetDrain, FleetError, HostRow, ThreadOwner};
 
-use super::Api;
+use super::{ask, Api, Caller};
+use crate::daemon::{FleetChange, Msg};
 use crate::error::{fleet_unavailable, ApiError};
 
-fn refused(e: FleetError) -> ApiError {
+pub(super) fn refused(e: FleetError) -> ApiError {
     match e {
         FleetError::Invalid(m) => ApiError::new(400, "invalid_request", m),
         e => fleet_unavailable(e),
@@ -36,15 +38,60 @@ fn host_view(h: HostRow) -> wire::FleetHost {
     }
 }
 
-/// F4: every live host's capacity, the live hosts' sums, and the dead hosts.
-pub async fn fleet(AxState(api): AxState<Api>) -> Result<Json<wire::Fleet>, ApiError> {
-    let Some(link) = &api.fleet else {
-        return Err(ApiError::new(
+/// The fleet link, or `404 fleet_mode_off`.
+pub(super) fn link(api: &Api) -> Result<&crate::fleet::Handle, ApiError> {
+    api.fleet.as_ref().ok_or_else(|| {
+        ApiError::new(
             404,
             "fleet_mode_off",
             "this host is not in fleet mode (start it with berth serve --store postgres://…)",
-        ));
+        )
+    })
+}
+
+/// Issue 38 Build 3: the fleet's drain started (the first record stays) or ended,
+/// in the fleet store, then mirrored here before the answer; every other host reads
+/// it when this one announces it, at its next heartbeat at the latest.
+async fn set_drain(api: &Api, d: Option<FleetDrain>) -> Result<Response, ApiError> {
+    let link = link(api)?;
+    let (now, version) = link
+        .ask(move |s| s.set_drain(d.as_ref()))
+        .await
+        .map_err(refused)?;
+    let change = FleetChange::Drain(now);
+    let d = ask(api, |reply| Msg::FleetChanged {
+        change,
+        version,
+        reply,
+    })
+    .await?;
+    Ok(Json(d).into_response())
+}
+
+pub async fn drain_start(
+    AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
+    body: axum::body::Body,
+) -> Result<Response, ApiError> {
+    let (by, reason) = super::threads::drain_request(&caller, body).await?;
+    let host_id = link(&api)?.status.host_id();
+    let at = crate::clock::rfc3339(crate::clock::wall_ms());
+    let d = FleetDrain {
+        by,
+        at,
+        reason,
+        host_id,
     };
+    set_drain(&api, Some(d)).await
+}
+
+pub async fn drain_end(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
+    set_drain(&api, None).await
+}
+
+/// F4: every live host's capacity, the live hosts' sums, and the dead hosts.
+pub async fn fleet(AxState(api): AxState<Api>) -> Result<Json<wire::Fleet>, ApiError> {
+    let link = link(&api)?;
     let rows = link.ask(|s| s.hosts()).await.map_err(refused)?;
     let (mut hosts, mut dead) = (Vec::new(), Vec::new());
     let mut totals: BTreeMap<String, wire::FleetResource> = BTreeMap::new();

@@ -153,6 +153,17 @@ pub async fn drain_start(
     axum::Extension(caller): axum::Extension<Caller>,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let (by, reason) = drain_request(&caller, body).await?;
+    let start = Some((by, reason));
+    let d = ask(&api, |reply| Msg::Drain { start, reply }).await?;
+    Ok(Json(d).into_response())
+}
+
+/// A drain's request (the host's or the fleet's): who starts it, and why.
+pub(super) async fn drain_request(
+    caller: &Caller,
+    body: Body,
+) -> Result<(String, String), ApiError> {
     let b: wire::DrainRequest = json_body(body, true).await?;
     let reason = b.reason.unwrap_or_default();
     if reason.len() > DRAIN_REASON_MAX || reason.contains(['\n', '\r', '\t']) {
@@ -162,9 +173,7 @@ pub async fn drain_start(
         ));
     }
     let by = format!("uid {} ({} token)", caller.uid, caller.scope.as_str());
-    let start = Some((by, reason));
-    let d = ask(&api, |reply| Msg::Drain { start, reply }).await?;
-    Ok(Json(d).into_response())
+    Ok((by, reason))
 }
 
 pub async fn drain_end(AxState(api): AxState<Api>) -> Result<Response, ApiError> {

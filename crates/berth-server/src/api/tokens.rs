@@ -12,7 +12,9 @@ use berth_client::wire::{TokenCreated, TokenInfo, TokenList, TokenRequest};
 use super::ParamPath as Path;
 use super::{ask, json_body, Api, ApiError, Body, Caller};
 use crate::auth::{self, Grant, Scope};
-use crate::daemon::Msg;
+use crate::daemon::{FleetChange, Msg};
+use crate::error::internal;
+use berth_store::fleet::FleetToken;
 
 /// The longest a token may be made for: ten years, in seconds.
 pub const TOKEN_EXPIRES_S_MAX: u64 = 10 * 365 * 86_400;
@@ -24,7 +26,69 @@ fn info(hash: &str, g: &Grant, now_ms: u64) -> TokenInfo {
         uid: g.uid,
         expires_at: g.expires_ms.map(crate::clock::rfc3339),
         expired: g.expired(now_ms),
+        fleet: g.fleet,
     }
+}
+
+/// Issue 38 Build 3: in fleet mode a token is the fleet's. Its hash goes to the fleet
+/// store first (a store that cannot be reached makes none: `503`), then into this
+/// host's table and ledger; other hosts honour it once they read it (announced at
+/// once, at their next heartbeat at the latest).
+async fn make_fleet_token(api: &Api, grant: Grant) -> Result<String, ApiError> {
+    let link = super::fleet::link(api)?;
+    let token = tokio::task::spawn_blocking(auth::new_token)
+        .await
+        .map_err(|e| internal(format!("token: {e}")))?
+        .map_err(|e| internal(format!("token: {e}")))?;
+    let grant = Grant {
+        fleet: true,
+        ..grant
+    };
+    let hash = auth::hash_token(&token);
+    let row = FleetToken {
+        hash: hash.clone(),
+        grant: grant.stored(),
+        host_id: link.status.host_id(),
+    };
+    let version = link
+        .ask(move |s| s.put_token(&row))
+        .await
+        .map_err(super::fleet::refused)?;
+    let change = FleetChange::TokenMade { hash, grant };
+    ask(api, |reply| Msg::FleetChanged {
+        change,
+        version,
+        reply,
+    })
+    .await?;
+    Ok(token)
+}
+
+/// Issue 38 Build 3: a fleet token (or one this host does not know, which may be a
+/// fleet token it has not read yet) is revoked in the fleet store, then here; the
+/// other hosts drop it when they read the change.
+async fn revoke_fleet_token(
+    api: &Api,
+    link: &crate::fleet::Handle,
+    id: &str,
+    mirrored: Option<(String, Grant)>,
+) -> Result<Option<(String, Grant)>, ApiError> {
+    let asked = id.to_string();
+    let (gone, version) = link
+        .ask(move |s| s.revoke_token(&asked))
+        .await
+        .map_err(super::fleet::refused)?;
+    let first = (gone.first()).and_then(|t| Some((t.hash.clone(), Grant::parse(&t.grant)?)));
+    let mut hashes: Vec<String> = gone.into_iter().map(|t| t.hash).collect();
+    hashes.extend(mirrored.iter().map(|(h, _)| h.clone()));
+    let change = FleetChange::TokensRevoked { hashes };
+    ask(api, |reply| Msg::FleetChanged {
+        change,
+        version,
+        reply,
+    })
+    .await?;
+    Ok(mirrored.or(first))
 }
 
 pub(super) async fn create_token(
@@ -61,8 +125,12 @@ pub(super) async fn create_token(
         scope,
         uid: b.uid,
         expires_ms,
+        fleet: false,
     };
-    let token = ask(&api, |reply| Msg::CreateToken { grant, reply }).await?;
+    let token = match api.fleet.is_some() {
+        true => make_fleet_token(&api, grant).await?,
+        false => ask(&api, |reply| Msg::CreateToken { grant, reply }).await?,
+    };
     Ok((
         StatusCode::CREATED,
         Json(TokenCreated {
@@ -109,11 +177,22 @@ pub(super) async fn revoke_token(
             "that is the token this request is made with; revoke it with another admin token",
         ));
     }
-    let revoked = ask(&api, |reply| Msg::RevokeToken {
-        id: id.clone(),
-        reply,
-    })
-    .await?;
+    let known = (api.shared.tokens.read().unwrap_or_else(|e| e.into_inner()))
+        .iter()
+        .find(|(h, _)| auth::token_id(h) == id)
+        .cloned();
+    let revoked = match (&api.fleet, known) {
+        (Some(link), known) if known.as_ref().is_none_or(|(_, g)| g.fleet) => {
+            revoke_fleet_token(&api, link, &id, known).await?
+        }
+        _ => {
+            ask(&api, |reply| Msg::RevokeToken {
+                id: id.clone(),
+                reply,
+            })
+            .await?
+        }
+    };
     match revoked {
         Some((hash, g)) => Ok(Json(info(&hash, &g, crate::clock::wall_ms())).into_response()),
         None => Err(

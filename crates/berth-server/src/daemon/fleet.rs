@@ -109,6 +109,8 @@ pub(super) struct FleetState {
     host_id: String,
     /// The heartbeat period (0: not known, no staleness is judged).
     pub(super) beat_ms: u64,
+    /// The version of the fleet's tokens and drain mirrored here (issue 38 Build 3).
+    pub(super) shared_version: i64,
 }
 
 impl FleetState {
@@ -160,6 +162,7 @@ impl<H: Host> Daemon<H> {
                 resumed,
                 claims,
             } => self.on_fleet_generation(gen, resumed, claims),
+            Report::Shared(sh) => self.on_fleet_shared(sh),
             Report::Declared { host_id, gen } => {
                 tracing::debug!(host_id, gen, "fleet: declared dead by this host");
             }

@@ -80,6 +80,11 @@ impl<H: Host> Daemon<H> {
             Msg::Stopped { run_id, report } => self.on_stopped(run_id, report),
             Msg::CreateToken { grant, reply } => self.on_create_token(grant, reply),
             Msg::RevokeToken { id, reply } => self.on_revoke_token(&id, reply),
+            Msg::FleetChanged {
+                change,
+                version,
+                reply,
+            } => self.on_fleet_changed(change, version, reply),
             msg @ (Msg::RuntimePlan { .. }
             | Msg::RuntimeReady { .. }
             | Msg::RuntimeFailed { .. }
@@ -206,13 +211,15 @@ impl<H: Host> Daemon<H> {
         }
         // G4: no new run while the host drains (a retry of a queued or granted one is
         // not new: it re-attaches).
-        match (is_new, &self.th.drain) {
-            (true, Some(d)) => Some(Error::Draining(d.clone())),
-            // F1: a new run's id and fence are fleet-wide claims; none is taken (or
-            // granted unrecorded) while the fleet store is away.
-            (true, None) if self.fleet.unavailable(self.now) => Some(Error::FleetUnavailable),
-            _ => None,
+        if !is_new {
+            return None;
         }
+        // F1: a new run's id and fence are fleet-wide claims; none is taken (or granted
+        // unrecorded) while the fleet store is away.
+        self.draining().or_else(|| {
+            let away = self.fleet.unavailable(self.now);
+            away.then_some(Error::FleetUnavailable)
+        })
     }
 
     /// `extra` is what the acquire carries besides the engine's request (its queue
@@ -730,7 +737,7 @@ fn refused(api: &crate::error::ApiError) -> wire::Journal<'static> {
 }
 
 /// A token as the journal says it: its id, scope and user, never its secret or hash.
-fn journal_token<'a>(id: &'a str, grant: &Grant) -> wire::JournalToken<'a> {
+pub(super) fn journal_token<'a>(id: &'a str, grant: &Grant) -> wire::JournalToken<'a> {
     wire::JournalToken {
         id: id.into(),
         scope: grant.scope.as_str().into(),

@@ -17,6 +17,7 @@ mod commit;
 mod events;
 mod extra;
 mod fleet;
+mod fleet_shared;
 mod freeze;
 mod handlers;
 mod host;
@@ -56,6 +57,7 @@ use extra::{proc_id, Extra};
 use ports::PortBroker;
 
 pub use ask::{ask, register_off_task};
+pub use fleet_shared::FleetChange;
 pub use host::{
     Claimed, Enforcement, Host, ListenWatch, RealHost, StopOrder, StopSink, Supervision,
 };

@@ -72,6 +72,13 @@ pub enum Msg {
         grant: Grant,
         reply: Reply<String>,
     },
+    /// Issue 38 Build 3: this host changed the fleet's tokens or drain, and the fleet
+    /// store committed it at `version`: mirrored at once, then answered.
+    FleetChanged {
+        change: super::fleet_shared::FleetChange,
+        version: i64,
+        reply: Reply<berth_client::wire::Drain>,
+    },
     /// S9: the token whose id (first 16 hex digits of its hash) this is is refused from
     /// now on; the hash and grant revoked, `None` when no token has that id.
     RevokeToken {
@@ -199,7 +206,7 @@ macro_rules! msg_names {
 
 msg_names! {
     Acquire {..}, Command {..}, Get {..}, List {..}, Status {..}, FenceCheck {..},
-    Detach {..}, Subscribe {..}, CreateToken {..}, RevokeToken {..},
+    Detach {..}, Subscribe {..}, CreateToken {..}, RevokeToken {..}, FleetChanged {..},
     RegisterProcess {..}, RegistrationPlan {..}, Stopped {..}, Reap {..},
     ReapStatus {..}, RuntimePlan {..}, RuntimeReady {..}, RuntimeFailed {..},
     ListenerViolation {..}, Thread {..}, ThreadList {..}, Drain {..}, DrainGet {..},

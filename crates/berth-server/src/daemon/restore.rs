@@ -151,6 +151,7 @@ fn restored_threads(
         threads,
         ws,
         drain,
+        fleet_drain: None,
         sweep_due: 0,
         pressure_refused: BTreeSet::new(),
         owner_uids,

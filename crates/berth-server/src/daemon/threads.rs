@@ -21,8 +21,10 @@ pub(super) struct ThreadState {
     pub(super) threads: berth_core::threads::Threads,
     /// Their workspaces, by key.
     pub(super) ws: std::collections::HashMap<String, berth_store::WorkspaceIdentity>,
-    /// G4: the drain in force.
+    /// G4: the host's drain in force.
     pub(super) drain: Option<DrainRecord>,
+    /// The fleet's drain in force (issue 38 Build 3), as the fleet store last said.
+    pub(super) fleet_drain: Option<berth_store::fleet::FleetDrain>,
     /// When the idle sweep looks next (`THREAD_SWEEP_MS`).
     pub(super) sweep_due: u64,
     /// Threads whose disk-pressure eviction was refused (and journaled) in this spell.
@@ -172,15 +174,13 @@ impl<H: Host> Daemon<H> {
         owner: Owner,
         budget_ms: u64,
     ) -> Result<Changed, Error> {
-        let draining = self.th.drain.is_some();
+        let drain = self.draining();
         match self
             .th
             .threads
-            .attach(self.now, &key, owner.clone(), budget_ms, draining)
+            .attach(self.now, &key, owner.clone(), budget_ms, drain.is_some())
         {
-            Err(ThreadError::Draining) if self.th.drain.is_some() => {
-                Err(Error::Draining(self.th.drain.clone().expect("draining")))
-            }
+            Err(ThreadError::Draining) if drain.is_some() => Err(drain.expect("draining")),
             Err(e) => Err(Error::Thread(e)),
             Ok(Attached::Unchanged) => Ok(Changed::Not(key)),
             Ok(Attached::Registered) => {
@@ -461,14 +461,14 @@ impl<H: Host> Daemon<H> {
                 self.pending_mutations
                     .push(Mutation::Drain(Some(d.clone())));
                 self.th.drain = Some(d);
-                let _ = self.apply(berth_core::Command::Drain { on: true }, &mut touched);
+                self.drain_engine(&mut touched);
             }
             (None, true) => {
                 let data = wire::Journal::DrainEnded(wire::JournalEmpty {});
                 self.journal_entry(None, None, data);
                 self.pending_mutations.push(Mutation::Drain(None));
                 self.th.drain = None;
-                let _ = self.apply(berth_core::Command::Drain { on: false }, &mut touched);
+                self.drain_engine(&mut touched);
             }
             _ => {}
         }
@@ -492,10 +492,17 @@ impl<H: Host> Daemon<H> {
         );
     }
 
-    fn drain_out(&self) -> wire::Drain {
+    pub(super) fn drain_out(&self) -> wire::Drain {
+        let fleet = self.th.fleet_drain.as_ref();
         wire::Drain {
-            draining: self.th.drain.is_some(),
+            draining: self.th.drain.is_some() || fleet.is_some(),
             drain: self.th.drain.as_ref().map(drain_wire),
+            fleet_drain: fleet.map(|f| wire::FleetDrainRecord {
+                by: f.by.clone(),
+                at: f.at.clone(),
+                reason: f.reason.clone(),
+                host: f.host_id.clone(),
+            }),
             waiting_for: self.busy(),
         }
     }

@@ -5,8 +5,8 @@
 use std::collections::BTreeSet;
 
 use super::{
-    Claim, ClaimOutcome, Ending, FleetError, FleetOp, FleetStore, HostInfo, OpOutcome, ThreadOwner,
-    TokenClaim, BATCH_OPS_MAX,
+    Claim, ClaimOutcome, Ending, FleetDrain, FleetError, FleetOp, FleetStore, FleetToken, HostInfo,
+    OpOutcome, ThreadOwner, TokenClaim, BATCH_OPS_MAX,
 };
 
 pub type Open<'a> = &'a (dyn Fn() -> Box<dyn FleetStore> + Sync);
@@ -61,6 +61,10 @@ pub const CHECKS: &[(&str, Check)] = &[
     (
         "crossing_batches_never_deadlock",
         crossing_batches_never_deadlock,
+    ),
+    (
+        "tokens_and_the_drain_are_shared",
+        tokens_and_the_drain_are_shared,
     ),
 ];
 
@@ -652,4 +656,88 @@ fn crossing_batches_never_deadlock(open: Open) {
     // Everything ended: every key is free again.
     let c = claim("last", "a", gens[0], None, &["x", "y", "z"]);
     fence(s.claim(&c).unwrap());
+}
+
+/// Issue 38 Build 3: a token or drain one host writes, every other host reads; the
+/// version moves only when something changed; bad input changes nothing.
+fn tokens_and_the_drain_are_shared(open: Open) {
+    let (mut a, mut b) = (open(), open());
+    let first = a.shared(-1).unwrap().expect("the first read answers");
+    assert_eq!((first.drain.clone(), first.tokens.len()), (None, 0));
+    assert_eq!(b.shared(first.version).unwrap(), None, "nothing changed");
+    let tok = |i: u8, host: &str| FleetToken {
+        hash: format!("{i:02x}").repeat(32),
+        grant: "operator;uid=1000".into(),
+        host_id: host.into(),
+    };
+    let made = a.put_token(&tok(1, "a")).unwrap();
+    let after = b
+        .shared(first.version)
+        .unwrap()
+        .expect("a new token is a change");
+    assert!(after.version > first.version);
+    assert_eq!(
+        made, after.version,
+        "put_token answers the version that has it"
+    );
+    assert_eq!(after.tokens, vec![tok(1, "a")]);
+    // The same hash again (a retry) changes nothing.
+    assert_eq!(a.put_token(&tok(1, "a")).unwrap(), after.version);
+    assert_eq!(b.shared(after.version).unwrap(), None);
+    // Bad input: refused, and nothing changed.
+    let mut bad = tok(2, "a");
+    bad.hash = "ABC".into();
+    assert!(matches!(a.put_token(&bad), Err(FleetError::Invalid(_))));
+    bad = tok(2, "a");
+    bad.grant = "x".repeat(crate::fleet::GRANT_BYTES_MAX + 1);
+    assert!(matches!(a.put_token(&bad), Err(FleetError::Invalid(_))));
+    assert!(matches!(b.revoke_token("xyz"), Err(FleetError::Invalid(_))));
+    assert_eq!(b.shared(after.version).unwrap(), None);
+    b.put_token(&tok(2, "b")).unwrap();
+    // Revoked by id on another host than the one that made it.
+    let (gone, revoked) = b.revoke_token(&tok(1, "a").hash[..16]).unwrap();
+    assert_eq!(gone, vec![tok(1, "a")]);
+    let again = b.revoke_token(&tok(1, "a").hash[..16]).unwrap();
+    assert_eq!(again, (vec![], revoked));
+    let now = a.shared(after.version).unwrap().expect("changed");
+    assert_eq!(now.version, revoked);
+    assert_eq!(now.tokens, vec![tok(2, "b")]);
+    // The drain: the first record stays; ending it is seen everywhere.
+    let drain = |by: &str| FleetDrain {
+        by: by.into(),
+        at: "2026-12-05T00:00:00Z".into(),
+        reason: "upgrade".into(),
+        host_id: "a".into(),
+    };
+    let (on, started) = a.set_drain(Some(&drain("ops"))).unwrap();
+    assert_eq!(on, Some(drain("ops")));
+    let second = b.set_drain(Some(&drain("other"))).unwrap();
+    assert_eq!(
+        second,
+        (Some(drain("ops")), started),
+        "the first record stays"
+    );
+    let drained = b.shared(now.version).unwrap().expect("changed");
+    assert_eq!(drained.version, started);
+    assert_eq!(drained.drain, Some(drain("ops")));
+    let mut long = drain("ops");
+    long.reason = "x".repeat(crate::fleet::DRAIN_REASON_BYTES_MAX + 1);
+    assert!(matches!(
+        b.set_drain(Some(&long)),
+        Err(FleetError::Invalid(_))
+    ));
+    assert_eq!(
+        b.shared(drained.version).unwrap(),
+        None,
+        "a refusal changed it"
+    );
+    assert_eq!(b.set_drain(None).unwrap().0, None);
+    let ended = a.shared(drained.version).unwrap().expect("changed");
+    assert_eq!((ended.drain, ended.tokens), (None, vec![tok(2, "b")]));
+    assert_eq!(a.set_drain(None).unwrap(), (None, ended.version));
+    assert_eq!(
+        a.shared(ended.version).unwrap(),
+        None,
+        "ending no drain changed it"
+    );
 }

@@ -13,6 +13,10 @@ use super::{
     check_claim, check_load, fence_floor, owner_fence, Claim, ClaimOutcome, Ending, FleetError,
     FleetFence, FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
+use super::{
+    check_drain, check_token, check_token_id, too_many_tokens, FleetDrain, FleetToken, Shared,
+    FLEET_TOKENS_MAX,
+};
 
 /// A new host's load until its first heartbeat (the tables' column default).
 const EMPTY_LOAD: &str = "{}";
@@ -160,6 +164,11 @@ struct State {
     tokens: BTreeMap<(String, String), Token>,
     keys: BTreeMap<String, Key>,
     threads: BTreeMap<String, Thread>,
+    /// Issue 38 Build 3: the fleet's bearer tokens by hash, its drain, and the
+    /// version every change of either raises.
+    bearer: BTreeMap<String, FleetToken>,
+    drain: Option<FleetDrain>,
+    shared_version: i64,
 }
 
 impl State {
@@ -512,6 +521,66 @@ impl FleetStore for MemFleet {
             .map(|(id, r)| (id.clone(), r.by.gen))
             .collect())
     }
+
+    fn put_token(&mut self, t: &FleetToken) -> Result<i64, FleetError> {
+        check_token(t)?;
+        let (mut st, _) = self.open();
+        if st.bearer.contains_key(&t.hash) {
+            return Ok(st.shared_version);
+        }
+        if st.bearer.len() >= FLEET_TOKENS_MAX {
+            return Err(too_many_tokens());
+        }
+        st.bearer.insert(t.hash.clone(), t.clone());
+        st.shared_version += 1;
+        Ok(st.shared_version)
+    }
+
+    fn revoke_token(&mut self, id: &str) -> Result<(Vec<FleetToken>, i64), FleetError> {
+        check_token_id(id)?;
+        let (mut st, _) = self.open();
+        let gone: Vec<FleetToken> = (st.bearer.values())
+            .filter(|t| t.hash.starts_with(id))
+            .cloned()
+            .collect();
+        for t in &gone {
+            st.bearer.remove(&t.hash);
+        }
+        if !gone.is_empty() {
+            st.shared_version += 1;
+        }
+        Ok((gone, st.shared_version))
+    }
+
+    fn set_drain(
+        &mut self,
+        d: Option<&FleetDrain>,
+    ) -> Result<(Option<FleetDrain>, i64), FleetError> {
+        if let Some(d) = d {
+            check_drain(d)?;
+        }
+        let (mut st, _) = self.open();
+        let changed = match d {
+            Some(d) if st.drain.is_none() => Some(d.clone()),
+            None if st.drain.is_some() => None,
+            _ => return Ok((st.drain.clone(), st.shared_version)),
+        };
+        st.drain = changed;
+        st.shared_version += 1;
+        Ok((st.drain.clone(), st.shared_version))
+    }
+
+    fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError> {
+        let (st, _) = self.open();
+        if st.shared_version == since {
+            return Ok(None);
+        }
+        Ok(Some(Shared {
+            version: st.shared_version,
+            drain: st.drain.clone(),
+            tokens: st.bearer.values().cloned().collect(),
+        }))
+    }
 }
 
 #[cfg(test)]
@@ -727,6 +796,32 @@ mod tests {
     }
 
     /// The same random operations on MemFleet and on SqliteFleet get the same answers.
+    /// Issue 38 Build 3: the fleet keeps at most `FLEET_TOKENS_MAX` bearer tokens, on
+    /// both stores; one past it is refused and changes nothing, a retry of one kept is
+    /// not refused.
+    #[test]
+    fn the_fleet_token_bound_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fleet.db").to_string_lossy().into_owned();
+        let sql: Box<dyn FleetStore> = Box::new(SqliteFleet::open(&path).unwrap());
+        for mut s in [sql, Box::new(MemFleet::new()) as Box<dyn FleetStore>] {
+            let tok = |i: usize| FleetToken {
+                hash: format!("{i:064x}"),
+                grant: "read".into(),
+                host_id: "a".into(),
+            };
+            for i in 0..FLEET_TOKENS_MAX {
+                s.put_token(&tok(i)).unwrap();
+            }
+            let full = s.shared(-1).unwrap().unwrap();
+            assert_eq!(full.tokens.len(), FLEET_TOKENS_MAX);
+            let refused = s.put_token(&tok(FLEET_TOKENS_MAX));
+            assert!(matches!(refused, Err(FleetError::Invalid(ref e)) if e.contains("at most")));
+            assert_eq!(s.put_token(&tok(7)).unwrap(), full.version);
+            assert_eq!(s.shared(full.version).unwrap(), None);
+        }
+    }
+
     #[test]
     fn mem_answers_as_sqlite_does() {
         const SEEDS: u64 = 4;

@@ -19,11 +19,17 @@
 pub mod conformance;
 mod mem;
 mod pg;
+mod shared;
 mod sqlite;
 mod tls;
 
 pub use mem::MemFleet;
 pub use pg::{PgFleet, PgListener};
+pub(crate) use shared::{check_drain, check_token, check_token_id, too_many_tokens};
+pub use shared::{
+    FleetDrain, FleetToken, Shared, DRAIN_FIELD_BYTES_MAX, DRAIN_REASON_BYTES_MAX,
+    FLEET_TOKENS_MAX, GRANT_BYTES_MAX, SHARED_PAYLOAD,
+};
 pub use sqlite::SqliteFleet;
 
 /// Limits on what a fleet caller may send, checked before any SQL runs (the engine
@@ -301,6 +307,25 @@ pub trait FleetStore: Send {
     /// [`CLAIMS_OF_MAX`]: a host that registers again ends those whose runs ended while
     /// their endings could not reach the store (a restart, a crash).
     fn claims_of(&mut self, host_id: &str) -> Result<Vec<(String, i64)>, FleetError>;
+    /// Issue 38 Build 3: keeps a bearer token for the whole fleet (its hash, never its
+    /// secret). The same hash again changes nothing; a token past
+    /// [`FLEET_TOKENS_MAX`] is refused (`Invalid`). Announces the change. Returns the
+    /// shared version that includes it.
+    fn put_token(&mut self, t: &FleetToken) -> Result<i64, FleetError>;
+    /// Revokes the fleet's tokens whose id (the first 16 hex digits of the hash) is
+    /// `id`, and returns them (none: nothing changed) and the shared version after.
+    /// Announces the change.
+    fn revoke_token(&mut self, id: &str) -> Result<(Vec<FleetToken>, i64), FleetError>;
+    /// Starts (`Some`) or ends (`None`) the fleet-wide drain and returns the drain in
+    /// force afterwards and the shared version. Starting while one is in force keeps
+    /// the first record (as a host drain does). Announces a change.
+    fn set_drain(
+        &mut self,
+        d: Option<&FleetDrain>,
+    ) -> Result<(Option<FleetDrain>, i64), FleetError>;
+    /// The fleet's tokens and drain, or `None` if nothing changed since `since` (the
+    /// version the caller last read; `-1` before its first read).
+    fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError>;
 }
 
 /// Claims `claims_of` lists at most: more than any host holds (its runs are bounded

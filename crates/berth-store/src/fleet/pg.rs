@@ -15,6 +15,10 @@ use super::{
     FleetFence, FleetOp, FleetStore, HostInfo, HostRow, OpOutcome, ThreadOwner, TokenRow,
     HOSTS_MAX,
 };
+use super::{
+    check_drain, check_token, check_token_id, too_many_tokens, FleetDrain, FleetToken, Shared,
+    FLEET_TOKENS_MAX, SHARED_PAYLOAD,
+};
 
 /// Migrations by version, applied in order under an advisory lock so that several
 /// daemons starting at once migrate exactly once (the version is the count applied).
@@ -22,6 +26,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("pg_v1.sql"),
     include_str!("pg_v2.sql"),
     include_str!("pg_v3.sql"),
+    include_str!("pg_v4.sql"),
 ];
 /// The advisory lock id of the migration ("berth" in ASCII, as a number).
 const MIGRATION_LOCK: i64 = 0x0062_6572_7468;
@@ -535,6 +540,156 @@ impl FleetStore for PgFleet {
             Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
         })
     }
+
+    fn put_token(&mut self, t: &FleetToken) -> Result<i64, FleetError> {
+        check_token(t)?;
+        let max = i64::try_from(FLEET_TOKENS_MAX).unwrap_or(i64::MAX);
+        let room = self.with(|c| {
+            // The shared row's lock orders every change of the set (the count stays
+            // within the bound however many hosts add at once).
+            let mut tx = c.transaction()?;
+            tx.execute("SELECT 1 FROM berth_shared WHERE id = 1 FOR UPDATE", &[])?;
+            let row = tx.query_one(
+                "SELECT EXISTS (SELECT 1 FROM berth_bearer WHERE hash = $1),
+                        (SELECT count(*) FROM berth_bearer)",
+                &[&t.hash],
+            )?;
+            let (known, n): (bool, i64) = (row.get(0), row.get(1));
+            if !known && n < max {
+                tx.execute(
+                    "INSERT INTO berth_bearer (hash, grant_text, host_id) VALUES ($1, $2, $3)",
+                    &[&t.hash, &t.grant, &t.host_id],
+                )?;
+                changed(&mut tx)?;
+            }
+            let (version, _) = read_shared(&mut tx)?;
+            tx.commit()?;
+            Ok((known || n < max, version))
+        })?;
+        room.0.then_some(room.1).ok_or_else(too_many_tokens)
+    }
+
+    fn revoke_token(&mut self, id: &str) -> Result<(Vec<FleetToken>, i64), FleetError> {
+        check_token_id(id)?;
+        self.with(|c| {
+            let mut tx = c.transaction()?;
+            tx.execute("SELECT 1 FROM berth_shared WHERE id = 1 FOR UPDATE", &[])?;
+            let rows = tx.query(
+                "DELETE FROM berth_bearer WHERE substr(hash, 1, 16) = $1
+                  RETURNING hash, grant_text, host_id",
+                &[&id],
+            )?;
+            let gone: Vec<FleetToken> = rows.iter().map(token_row).collect();
+            if !gone.is_empty() {
+                changed(&mut tx)?;
+            }
+            let (version, _) = read_shared(&mut tx)?;
+            tx.commit()?;
+            Ok((gone, version))
+        })
+    }
+
+    fn set_drain(
+        &mut self,
+        d: Option<&FleetDrain>,
+    ) -> Result<(Option<FleetDrain>, i64), FleetError> {
+        if let Some(d) = d {
+            check_drain(d)?;
+        }
+        self.with(|c| {
+            let mut tx = c.transaction()?;
+            let n = match d {
+                Some(d) => tx.execute(
+                    "UPDATE berth_shared SET version = version + 1, drain_by = $1,
+                       drain_at = $2, drain_reason = $3, drain_host = $4
+                     WHERE id = 1 AND drain_by IS NULL",
+                    &[&d.by, &d.at, &d.reason, &d.host_id],
+                )?,
+                None => tx.execute(
+                    "UPDATE berth_shared SET version = version + 1, drain_by = NULL,
+                       drain_at = NULL, drain_reason = NULL, drain_host = NULL
+                     WHERE id = 1 AND drain_by IS NOT NULL",
+                    &[],
+                )?,
+            };
+            if n > 0 {
+                notify_shared(&mut tx)?;
+            }
+            let (version, drain) = read_shared(&mut tx)?;
+            tx.commit()?;
+            Ok((drain, version))
+        })
+    }
+
+    fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError> {
+        self.with(|c| {
+            // One snapshot for the version and the set it names.
+            let mut tx = c
+                .build_transaction()
+                .isolation_level(postgres::IsolationLevel::RepeatableRead)
+                .read_only(true)
+                .start()?;
+            let (version, drain) = read_shared(&mut tx)?;
+            if version == since {
+                tx.commit()?;
+                return Ok(None);
+            }
+            let rows = tx.query(
+                "SELECT hash, grant_text, host_id FROM berth_bearer ORDER BY hash COLLATE \"C\"",
+                &[],
+            )?;
+            let tokens = rows.iter().map(token_row).collect();
+            tx.commit()?;
+            Ok(Some(Shared {
+                version,
+                drain,
+                tokens,
+            }))
+        })
+    }
+}
+
+fn token_row(r: &postgres::Row) -> FleetToken {
+    FleetToken {
+        hash: r.get(0),
+        grant: r.get(1),
+        host_id: r.get(2),
+    }
+}
+
+/// Raises the shared version and announces the change (sent at the commit).
+fn changed(tx: &mut postgres::Transaction) -> Result<(), postgres::Error> {
+    tx.execute(
+        "UPDATE berth_shared SET version = version + 1 WHERE id = 1",
+        &[],
+    )?;
+    notify_shared(tx)
+}
+
+fn notify_shared(tx: &mut postgres::Transaction) -> Result<(), postgres::Error> {
+    tx.execute(
+        "SELECT pg_notify($1, $2)",
+        &[&super::CHANNEL, &SHARED_PAYLOAD],
+    )
+    .map(|_| ())
+}
+
+/// The shared row: its version and the drain in force.
+fn read_shared(
+    tx: &mut postgres::Transaction,
+) -> Result<(i64, Option<FleetDrain>), postgres::Error> {
+    let r = tx.query_one(
+        "SELECT version, drain_by, drain_at, drain_reason, drain_host FROM berth_shared",
+        &[],
+    )?;
+    let by: Option<String> = r.get(1);
+    let drain = by.map(|by| FleetDrain {
+        by,
+        at: r.get(2),
+        reason: r.get(3),
+        host_id: r.get(4),
+    });
+    Ok((r.get(0), drain))
 }
 
 /// F3: the wake-ups other hosts send when a fleet-wide claim frees (a token, a key),

@@ -10,6 +10,10 @@ use super::{
     check_claim, check_load, fence_floor, Claim, ClaimOutcome, Ending, FleetError, FleetFence,
     FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
+use super::{
+    check_drain, check_token, check_token_id, too_many_tokens, FleetDrain, FleetToken, Shared,
+    FLEET_TOKENS_MAX,
+};
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS fence_seq (id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL);
@@ -32,9 +36,17 @@ CREATE TABLE IF NOT EXISTS keys (key TEXT PRIMARY KEY, run_id TEXT NOT NULL,
 CREATE TABLE IF NOT EXISTS threads (thread_key TEXT PRIMARY KEY, owner_gen TEXT NOT NULL,
   owner_fence INTEGER NOT NULL, run_id TEXT NOT NULL, host_id TEXT NOT NULL,
   live INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS bearer (hash TEXT PRIMARY KEY, grant_text TEXT NOT NULL,
+  host_id TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS shared (id INTEGER PRIMARY KEY CHECK (id = 1),
+  version INTEGER NOT NULL, drain_by TEXT, drain_at TEXT, drain_reason TEXT,
+  drain_host TEXT);
+INSERT OR IGNORE INTO shared (id, version) VALUES (1, 0);
 ";
-/// The schema version this build writes (`user_version`).
-const VERSION: i64 = 1;
+/// The schema version this build writes (`user_version`). Version 2 added the fleet's
+/// bearer tokens and drain (issue 38 Build 3): a berth that knows only version 1
+/// would not honour them, so it refuses the file.
+const VERSION: i64 = 2;
 /// The store's clock, in milliseconds (one clock for every host sharing the file).
 const NOW: &str = "CAST(unixepoch('subsec') * 1000 AS INTEGER)";
 
@@ -495,4 +507,119 @@ impl FleetStore for SqliteFleet {
                 .collect()
         })
     }
+
+    fn put_token(&mut self, t: &FleetToken) -> Result<i64, FleetError> {
+        check_token(t)?;
+        let max = i64::try_from(FLEET_TOKENS_MAX).unwrap_or(i64::MAX);
+        let (room, version) = self.tx(|tx| {
+            let n: i64 = tx.query_row("SELECT count(*) FROM bearer", [], |r| r.get(0))?;
+            let known: bool = tx.query_row(
+                "SELECT EXISTS (SELECT 1 FROM bearer WHERE hash = ?1)",
+                [&t.hash],
+                |r| r.get(0),
+            )?;
+            if !known && n < max {
+                tx.execute(
+                    "INSERT INTO bearer VALUES (?1, ?2, ?3)",
+                    params![t.hash, t.grant, t.host_id],
+                )?;
+                tx.execute("UPDATE shared SET version = version + 1", [])?;
+            }
+            Ok((known || n < max, read_shared(tx)?.0))
+        })?;
+        room.then_some(version).ok_or_else(too_many_tokens)
+    }
+
+    fn revoke_token(&mut self, id: &str) -> Result<(Vec<FleetToken>, i64), FleetError> {
+        check_token_id(id)?;
+        self.tx(|tx| {
+            let gone: Vec<FleetToken> = tx
+                .prepare(
+                    "DELETE FROM bearer WHERE substr(hash, 1, 16) = ?1
+                      RETURNING hash, grant_text, host_id",
+                )?
+                .query_map([id], |r| {
+                    Ok(FleetToken {
+                        hash: r.get(0)?,
+                        grant: r.get(1)?,
+                        host_id: r.get(2)?,
+                    })
+                })?
+                .collect::<rusqlite::Result<_>>()?;
+            if !gone.is_empty() {
+                tx.execute("UPDATE shared SET version = version + 1", [])?;
+            }
+            Ok((gone, read_shared(tx)?.0))
+        })
+    }
+
+    fn set_drain(
+        &mut self,
+        d: Option<&FleetDrain>,
+    ) -> Result<(Option<FleetDrain>, i64), FleetError> {
+        if let Some(d) = d {
+            check_drain(d)?;
+        }
+        self.tx(|tx| {
+            match d {
+                Some(d) => tx.execute(
+                    "UPDATE shared SET version = version + 1, drain_by = ?1, drain_at = ?2,
+                       drain_reason = ?3, drain_host = ?4 WHERE drain_by IS NULL",
+                    params![d.by, d.at, d.reason, d.host_id],
+                )?,
+                None => tx.execute(
+                    "UPDATE shared SET version = version + 1, drain_by = NULL, drain_at = NULL,
+                       drain_reason = NULL, drain_host = NULL WHERE drain_by IS NOT NULL",
+                    [],
+                )?,
+            };
+            let (version, drain) = read_shared(tx)?;
+            Ok((drain, version))
+        })
+    }
+
+    fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError> {
+        self.tx(|tx| {
+            let (version, drain) = read_shared(tx)?;
+            if version == since {
+                return Ok(None);
+            }
+            let tokens = tx
+                .prepare("SELECT hash, grant_text, host_id FROM bearer ORDER BY hash")?
+                .query_map([], |r| {
+                    Ok(FleetToken {
+                        hash: r.get(0)?,
+                        grant: r.get(1)?,
+                        host_id: r.get(2)?,
+                    })
+                })?
+                .collect::<rusqlite::Result<_>>()?;
+            Ok(Some(Shared {
+                version,
+                drain,
+                tokens,
+            }))
+        })
+    }
+}
+
+/// The shared row: its version and the drain in force.
+fn read_shared(tx: &Tx) -> rusqlite::Result<(i64, Option<FleetDrain>)> {
+    tx.query_row(
+        "SELECT version, drain_by, drain_at, drain_reason, drain_host FROM shared",
+        [],
+        |r| {
+            let by: Option<String> = r.get(1)?;
+            let drain = match by {
+                Some(by) => Some(FleetDrain {
+                    by,
+                    at: r.get(2)?,
+                    reason: r.get(3)?,
+                    host_id: r.get(4)?,
+                }),
+                None => None,
+            };
+            Ok((r.get(0)?, drain))
+        },
+    )
 }

@@ -298,6 +298,7 @@ fn changes() -> Vec<(Route, MethodRouter<Api>)> {
     .into_iter()
     .chain(public_and_admin())
     .chain(threads_and_drain())
+        .chain(fleet_drain())
     .chain(budgets())
     .collect()
 }
@@ -347,6 +348,36 @@ fn budgets() -> Vec<(Route, MethodRouter<Api>)> {
                 .takes("ControlRequest")
                 .answers(200, Body::Json("ControlReceipt")),
             post(s::control),
+        ),
+    ]
+}
+
+/// Issue 38 Build 3: the fleet's drain (G4 fleet-wide).
+fn fleet_drain() -> Vec<(Route, MethodRouter<Api>)> {
+    use axum::routing::{delete, post};
+    use HttpMethod::{Delete, Post};
+    let o = Some(Scope::Operator);
+    vec![
+        (
+            route(
+                Post,
+                "/v1/fleet/drain",
+                o,
+                "Fleet mode: drain every host of the fleet (G4 fleet-wide)",
+            )
+            .takes("DrainRequest")
+            .answers(200, Body::Json("Drain")),
+            post(super::fleet::drain_start),
+        ),
+        (
+            route(
+                Delete,
+                "/v1/fleet/drain",
+                o,
+                "Fleet mode: end the fleet's drain",
+            )
+            .answers(200, Body::Json("Drain")),
+            delete(super::fleet::drain_end),
         ),
     ]
 }

@@ -62,6 +62,8 @@ pub fn operation_id(method: &HttpMethod, path: &str) -> Option<&'static str> {
         (Get, "/v1/drain") => "getDrain",
         (Post, "/v1/drain") => "startDrain",
         (Delete, "/v1/drain") => "endDrain",
+        (Post, "/v1/fleet/drain") => "startFleetDrain",
+        (Delete, "/v1/fleet/drain") => "endFleetDrain",
         (Get, "/v1/idle") => "getIdle",
         (Get, "/v1/scopes") => "listScopes",
         (Get, "/v1/scopes/{id}") => "getScope",
@@ -289,6 +291,7 @@ pub(super) fn run_and_host_schemas(c: ComponentsBuilder) -> ComponentsBuilder {
         .schema_from::<wire::ThreadList>()
         .schema_from::<wire::DrainRequest>()
         .schema_from::<wire::DrainRecord>()
+        .schema_from::<wire::FleetDrainRecord>()
         .schema_from::<wire::Busy>()
         .schema_from::<wire::Drain>()
         .schema_from::<wire::Idle>()

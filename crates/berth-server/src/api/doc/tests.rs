@@ -145,6 +145,7 @@ async fn every_documented_refusal_is_what_the_route_answers() {
         scope: Scope::Read,
         uid: None,
         expires_ms: None,
+        fleet: false,
     };
     *locked.shared.tokens.write().unwrap() = vec![(crate::auth::hash_token("r"), read)];
     let mut router = super::super::router(locked);

@@ -19,8 +19,8 @@ use std::sync::{Arc, Mutex};
 
 use berth_core::RunState;
 use berth_store::fleet::{
-    BatchOutcome, Claim, ClaimOutcome, Ending, FleetError, FleetFence, FleetOp, FleetStore,
-    HostInfo, HostRow, MemFleet, ThreadOwner, TokenRow,
+    BatchOutcome, Claim, ClaimOutcome, Ending, FleetDrain, FleetError, FleetFence, FleetOp,
+    FleetStore, FleetToken, HostInfo, HostRow, MemFleet, Shared, ThreadOwner, TokenRow,
 };
 
 use super::Sim;
@@ -30,8 +30,8 @@ use crate::fleet::{FleetConfig, Report, SimLink};
 /// A seed the simulator runs in fleet mode.
 const FLEET_SEED: u64 = super::FLEET_SEED_EVERY - 1;
 /// This host's id in the fleet, and the peer's.
-const HOST: &str = "sim";
-const PEER: &str = "peer";
+pub(super) const HOST: &str = "sim";
+pub(super) const PEER: &str = "peer";
 /// The fleet-wide key some runs and the peer take turns on.
 pub(super) const KEY: &str = "db";
 /// Heartbeat period and lapse (F2); the daemon fences itself a quarter of the lapse
@@ -45,9 +45,9 @@ const RECHECK_MS: u64 = 5_000;
 pub(super) const FLEET_TICK_MS_MAX: u64 = LAPSE_MS / 8;
 
 /// The store as this host reaches it: unreachable while `down` is set.
-struct Reach {
-    store: MemFleet,
-    down: Arc<AtomicBool>,
+pub(super) struct Reach {
+    pub(super) store: MemFleet,
+    pub(super) down: Arc<AtomicBool>,
 }
 
 impl Reach {
@@ -137,6 +137,25 @@ impl FleetStore for Reach {
         self.up()?;
         self.store.claims_of(host_id)
     }
+    fn put_token(&mut self, t: &FleetToken) -> Result<i64, FleetError> {
+        self.up()?;
+        self.store.put_token(t)
+    }
+    fn revoke_token(&mut self, id: &str) -> Result<(Vec<FleetToken>, i64), FleetError> {
+        self.up()?;
+        self.store.revoke_token(id)
+    }
+    fn set_drain(
+        &mut self,
+        d: Option<&FleetDrain>,
+    ) -> Result<(Option<FleetDrain>, i64), FleetError> {
+        self.up()?;
+        self.store.set_drain(d)
+    }
+    fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError> {
+        self.up()?;
+        self.store.shared(since)
+    }
 }
 
 /// The second host: it takes the fleet-wide key in turns with this host's runs, and
@@ -154,9 +173,9 @@ struct Peer {
 }
 
 pub(super) struct FleetSim {
-    store: MemFleet,
+    pub(super) store: MemFleet,
     clock: Arc<AtomicU64>,
-    down: Arc<AtomicBool>,
+    pub(super) down: Arc<AtomicBool>,
     link: SimLink,
     reports: Arc<Mutex<VecDeque<Report>>>,
     peer: Peer,
@@ -312,6 +331,7 @@ impl Sim {
             }
         }
         self.deliver_reports();
+        self.check_mirror();
     }
 
     /// One fleet event, picked at random.
@@ -339,6 +359,8 @@ impl Sim {
                 "fleet: heartbeat".into()
             }
             6 | 7 => self.peer_turn(),
+            // The fleet's tokens or drain change (issue 38 Build 3).
+            8 => self.shared_turn(),
             // Cut now and then; back soon (outages are short next to the workload).
             _ => {
                 let f = self.fleet_mut();

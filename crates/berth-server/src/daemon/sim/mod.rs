@@ -36,6 +36,7 @@ mod fleet;
 mod host;
 mod journal;
 mod msgs;
+mod shared;
 
 use host::{Machine, SimHost, FAILURE_STEPS_MAX};
 use journal::JournalModel;

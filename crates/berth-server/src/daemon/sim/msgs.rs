@@ -169,6 +169,7 @@ impl Sim {
             scope: Scope::Operator,
             uid: Some(1000 + self.rng.range(0, 1) as u32),
             expires_ms: None,
+            fleet: false,
         };
         let token = self
             .ask(|reply| Msg::CreateToken { grant, reply })
@@ -190,10 +191,13 @@ impl Sim {
 
     /// S9: a token revoked is refused at once; an unknown id revokes nothing.
     fn revoke_token(&mut self) -> String {
+        // A fleet token is revoked through the fleet store (`shared_turn`), as the
+        // API does.
         let ids: Vec<String> = {
             let tokens = self.d().shared.tokens.read().unwrap();
             tokens
                 .iter()
+                .filter(|(_, g)| !g.fleet)
                 .map(|(h, _)| crate::auth::token_id(h).to_string())
                 .collect()
         };
@@ -390,8 +394,14 @@ impl Sim {
         let start = (!draining).then(|| ("sim".to_string(), "sim".to_string()));
         let res = self.ask(|reply| Msg::Drain { start, reply });
         let d = res.unwrap_or_else(|e| self.wrong(format!("drain: {e:?}")));
-        if d.drain.is_some() == draining || self.d().engine.is_draining() == draining {
-            self.wrong(format!("drain toggled from {draining}: {:?}", d.drain));
+        // The engine drains while the host's drain or the fleet's is in force.
+        let fleet = self.d().th.fleet_drain.is_some();
+        let engine = self.d().engine.is_draining();
+        if d.drain.is_some() == draining || engine != (d.drain.is_some() || fleet) {
+            self.wrong(format!(
+                "drain toggled from {draining}: {:?}, fleet drain {fleet}, engine {engine}",
+                d.drain
+            ));
         }
         format!(
             "drain {} -> {} in flight",
@@ -404,10 +414,11 @@ impl Sim {
         let res = self.ask(|reply| Msg::DrainGet { reply });
         let d = res.unwrap_or_else(|e| self.wrong(format!("drain: {e:?}")));
         let draining = self.d().engine.is_draining();
-        if d.drain.is_some() != draining {
+        let shown = d.drain.is_some() || d.fleet_drain.is_some();
+        if shown != draining || d.draining != draining {
             self.wrong(format!(
-                "drain shown as {:?}, the engine drains: {draining}",
-                d.drain
+                "drain shown as {:?} and {:?}, the engine drains: {draining}",
+                d.drain, d.fleet_drain
             ));
         }
         format!("drain? -> {}", d.drain.is_some())

@@ -1,0 +1,20 @@
+-- berth fleet schema, version 4 (issue 38 Build 3): what every host mirrors rather
+-- than decides. The fleet's bearer tokens (the SHA-256 of each secret, never the
+-- secret; the grant as text the server writes) and the fleet-wide drain, with one
+-- version that every change of either raises, so that a host's heartbeat reads one
+-- row when nothing changed. A change is announced on berth_fleet as 'shared'.
+CREATE TABLE berth_bearer (
+  hash text PRIMARY KEY,
+  grant_text text NOT NULL,
+  host_id text NOT NULL,
+  made_at timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+CREATE TABLE berth_shared (
+  id integer PRIMARY KEY CHECK (id = 1),
+  version bigint NOT NULL,
+  drain_by text,
+  drain_at text,
+  drain_reason text,
+  drain_host text
+);
+INSERT INTO berth_shared (id, version) VALUES (1, 0);

@@ -1,0 +1,194 @@
+//! Black-box tests of what a fleet shares rather than decides (issue 38 Build 3): a
+//! token made on one host is honoured on every host and revoked from all by any, and
+//! survives a restart while the database is away; a fleet drain started on one host
+//! refuses new runs on every host (one that joins during it too) and ends everywhere.
+//! Real daemons on one real PostgreSQL database (pg_virtualenv, as `scripts/test.sh`
+//! runs it).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::fleet::{acquire, database, granted, host};
+use common::Daemon;
+use serde_json::{json, Value};
+
+/// How long another host may take to honour a change: a notification normally makes
+/// it milliseconds; a lost one waits for the next heartbeat (100 ms in these tests).
+const SPREAD: Duration = Duration::from_secs(5);
+
+/// Waits until `f` holds on `d`; how long that took.
+fn within(d: &Daemon, what: &str, mut f: impl FnMut(&Daemon) -> bool) -> Duration {
+    let start = Instant::now();
+    while start.elapsed() < SPREAD {
+        if f(d) {
+            return start.elapsed();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("{what}: not within {SPREAD:?}");
+}
+
+fn status_with(d: &Daemon, token: &str) -> u16 {
+    d.call_as(Some(token), "GET", "/v1/status", None).status
+}
+
+fn make_token(d: &Daemon, body: Value) -> (String, String) {
+    let r = d.post("/v1/tokens", &body.to_string());
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let token = r.body["token"].as_str().unwrap().to_string();
+    (token, r.body["id"].as_str().unwrap().to_string())
+}
+
+/// Issue 38 Build 3: before, a token made on one host was `401` on every other (each
+/// host kept its own tokens), so an operator needed one token per host.
+#[test]
+fn regression_a_token_made_on_one_host_is_honoured_on_every_host_and_revoked_on_any() {
+    let db = database();
+    let a = host(&db, "ta", "60s", "5s");
+    let mut b = host(&db, "tb", "60s", "5s");
+    let (op, op_id) = make_token(&a, json!({"scope": "operator"}));
+    // On its own host at once: mirrored before the answer.
+    assert_eq!(status_with(&a, &op), 200);
+    let took = within(&b, "the token honoured on the other host", |b| {
+        status_with(b, &op) == 200
+    });
+    eprintln!("a new token was honoured on the other host after {took:?}");
+    let listed = b.get("/v1/tokens").body;
+    let row = (listed["tokens"].as_array().unwrap().iter())
+        .find(|t| t["id"] == op_id.as_str())
+        .unwrap_or_else(|| panic!("{listed}"))
+        .clone();
+    assert_eq!(
+        (row["scope"].clone(), row["fleet"].clone()),
+        (json!("operator"), json!(true))
+    );
+    // It acts on the other host as on its own: an operator may acquire there.
+    let body = json!({"run_id": "by-fleet-token", "project": "p", "detach": true,
+                      "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
+    let r = b.call_as(Some(&op), "POST", "/v1/runs", Some(&body.to_string()));
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    // A second token, kept across b's restart below.
+    let (kept, _) = make_token(&a, json!({"scope": "read"}));
+    within(&b, "the second token on the other host", |b| {
+        status_with(b, &kept) == 200
+    });
+    // Revoked on the host that did not make it: refused there at once, and on the
+    // host that made it once it reads the change.
+    let r = b.call("DELETE", &format!("/v1/tokens/{op_id}"), None);
+    assert_eq!(
+        (r.status, r.body["fleet"].clone()),
+        (200, json!(true)),
+        "{:?}",
+        r.body
+    );
+    assert_eq!(status_with(&b, &op), 401);
+    let took = within(&a, "the revoked token refused on the other host", |a| {
+        status_with(a, &op) == 401
+    });
+    eprintln!("a revoked token was refused on the other host after {took:?}");
+    let r = a.call("DELETE", &format!("/v1/tokens/{op_id}"), None);
+    assert_eq!((r.status, r.code()), (404, "not_found"), "{:?}", r.body);
+    // A host's own admin token stays its own.
+    assert_eq!(status_with(&b, &a.token.clone()), 401);
+    // b restarts with the database away: the fleet's tokens are in its ledger, so
+    // the runs on it can still renew with them.
+    b.kill9();
+    let at = b.args.iter().position(|x| x == "--store").unwrap() + 1;
+    b.args[at] = "postgres://berth@127.0.0.1:1/none?sslmode=disable".into();
+    b.spawn();
+    assert_eq!(status_with(&b, &kept), 200);
+    assert_eq!(status_with(&b, &op), 401);
+}
+
+fn new_run(d: &Daemon, run: &str) -> common::Resp {
+    acquire(d, run, json!({"wait_s": 0}))
+}
+
+fn refused_by_the_fleet_drain(r: &common::Resp, started_on: &str) -> bool {
+    r.status == 503
+        && r.code() == "draining"
+        && r.body["error"]["details"]["drain"]["fleet"] == true
+        && r.body["error"]["details"]["drain"]["host"] == started_on
+}
+
+/// Issue 38 Build 3 (G4 fleet-wide): before, a drain was one host's; new runs went on
+/// being admitted on every other host.
+#[test]
+fn regression_a_fleet_drain_started_on_one_host_refuses_new_runs_on_every_host() {
+    let db = database();
+    let a = host(&db, "da", "60s", "5s");
+    let b = host(&db, "db", "60s", "5s");
+    let r = new_run(&b, "before");
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let fence = granted(&b, "before");
+    let out = (a
+        .cli()
+        .args(["drain", "--fleet", "--start", "--reason", "upgrade"]))
+    .output()
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        text.contains("the fleet is draining") && text.contains("upgrade"),
+        "{text}"
+    );
+    // Refused on the host that started it at once, and on the other soon.
+    let r = new_run(&a, "on-a");
+    assert!(refused_by_the_fleet_drain(&r, "da"), "{:?}", r.body);
+    let mut n = 0;
+    let took = within(&b, "the fleet drain honoured on the other host", |b| {
+        n += 1;
+        refused_by_the_fleet_drain(&new_run(b, &format!("on-b-{n}")), "da")
+    });
+    eprintln!("the fleet drain was honoured on the other host after {took:?}");
+    // A host joining during the drain admits nothing new, from its first request.
+    let c = host(&db, "dc", "60s", "5s");
+    let r = new_run(&c, "on-c");
+    assert!(refused_by_the_fleet_drain(&r, "da"), "{:?}", r.body);
+    // Runs already in flight go on, and the drain shows what it waits for.
+    let r = b.post(
+        "/v1/runs/before/renew",
+        &json!({"fence": fence}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let d = b.get("/v1/drain").body;
+    assert_eq!(
+        (d["draining"].clone(), d["drain"].clone()),
+        (json!(true), Value::Null),
+        "{d}"
+    );
+    assert_eq!(d["fleet_drain"]["reason"], "upgrade", "{d}");
+    assert_eq!(d["waiting_for"][0]["id"], "before", "{d}");
+    // Ended on another host than the one that started it: admitted everywhere again.
+    let r = b.call("DELETE", "/v1/fleet/drain", None);
+    assert_eq!(
+        (r.status, r.body["draining"].clone()),
+        (200, json!(false)),
+        "{:?}",
+        r.body
+    );
+    let mut n = 0;
+    within(&a, "the fleet drain ended on the other host", |a| {
+        n += 1;
+        new_run(a, &format!("after-{n}")).status == 201
+    });
+    // A host's own drain is not the fleet's: ending the fleet's leaves it.
+    let r = c.post("/v1/drain", &json!({"reason": "host"}).to_string());
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let r = new_run(&c, "c-host-drained");
+    assert_eq!((r.status, r.code()), (503, "draining"), "{:?}", r.body);
+    assert_eq!(
+        r.body["error"]["details"]["drain"]["fleet"], false,
+        "{:?}",
+        r.body
+    );
+    // Without fleet mode there is no fleet drain.
+    let plain = Daemon::start(&[]);
+    let r = plain.post("/v1/fleet/drain", "{}");
+    assert_eq!((r.status, r.code()), (404, "fleet_mode_off"));
+}
