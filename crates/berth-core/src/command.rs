@@ -145,6 +145,13 @@ pub enum Command {
     },
     /// S10: an operator forgets an idle scope (refused while anything holds it).
     DeleteScope { scope: String },
+    /// B4 fleet-wide (issue 38 Build 3): a control the fleet store decided. The scope
+    /// takes it if it is newer than its generation; a scope not used here yet takes it
+    /// when it is.
+    FleetControl {
+        scope: String,
+        receipt: crate::scopes::Receipt,
+    },
     /// F1: the fleet store holds this queued run's fleet-wide claim; `fence` is the one
     /// the fleet's sequence gave it, and the run's grant will carry it.
     Permit { run_id: String, fence: Fence },

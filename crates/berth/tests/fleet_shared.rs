@@ -192,3 +192,84 @@ fn regression_a_fleet_drain_started_on_one_host_refuses_new_runs_on_every_host()
     let r = plain.post("/v1/fleet/drain", "{}");
     assert_eq!((r.status, r.code()), (404, "fleet_mode_off"));
 }
+
+fn budget_run(d: &Daemon, run: &str) -> common::Resp {
+    let b = json!({"scope": "exp", "harness": "claude", "per_harness": {"claude": 8}});
+    acquire(d, run, json!({"budget": b, "wait_s": 60}))
+}
+
+fn control(d: &Daemon, id: &str, mode: &str) -> common::Resp {
+    let body = json!({"request_id": id, "mode": mode});
+    d.post("/v1/scopes/exp/control", &body.to_string())
+}
+
+/// Issue 38 Build 3 (B4/B5 fleet-wide): before, a scope paused on one host went on
+/// granting tokens on every other; a control request is now decided once for the
+/// fleet (a retry on another host gets the same receipt, another mode is a conflict)
+/// and every host holds its waiters with `scope.paused`, then admits again, or
+/// refuses for good once the scope stops.
+#[test]
+fn regression_a_scope_paused_on_one_host_admits_no_new_token_on_another() {
+    let db = database();
+    let a = host(&db, "sa", "60s", "5s");
+    let b = host(&db, "sb", "60s", "5s");
+    for (d, run) in [(&a, "a-holder"), (&b, "b-holder")] {
+        let r = budget_run(d, run);
+        assert_eq!(r.status, 201, "{:?}", r.body);
+    }
+    let r = control(&a, "p1", "pause");
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    assert_eq!(
+        (r.body["control"].clone(), r.body["generation"].clone()),
+        (json!("paused"), json!(1))
+    );
+    // On the other host a new run of the scope waits, saying why.
+    let mut n = 0;
+    let took = within(&b, "the pause honoured on the other host", |b| {
+        n += 1;
+        let r = budget_run(b, &format!("b-new-{n}"));
+        assert!(r.status == 201 || r.status == 202, "{:?}", r.body);
+        r.body["reason"]["code"] == "scope.paused"
+    });
+    eprintln!("a pause was honoured on the other host after {took:?}");
+    let waiter = format!("b-new-{n}");
+    let s = b.get("/v1/scopes/exp").body;
+    assert_eq!(
+        (s["control"].clone(), s["generation"].clone()),
+        (json!("paused"), json!(1)),
+        "{s}"
+    );
+    // A retry on the other host: the same receipt; another mode: a conflict.
+    let r = control(&b, "p1", "pause");
+    assert_eq!(
+        (r.status, r.body["generation"].clone()),
+        (200, json!(1)),
+        "{:?}",
+        r.body
+    );
+    let r = control(&b, "p1", "stop");
+    assert_eq!(
+        (r.status, r.code()),
+        (409, "control_conflict"),
+        "{:?}",
+        r.body
+    );
+    // Resumed on the other host: its waiter is granted, and the first host is open.
+    let r = control(&b, "r1", "resume");
+    assert_eq!(r.body["generation"], 2, "{:?}", r.body);
+    granted(&b, &waiter);
+    within(&a, "the resume honoured on the first host", |a| {
+        a.get("/v1/scopes/exp").body["generation"] == 2
+    });
+    // Stopped: for good, on every host.
+    let r = control(&a, "s1", "stop");
+    assert_eq!(r.body["control"], "stopped", "{:?}", r.body);
+    within(&b, "the stop honoured on the other host", |b| {
+        budget_run(b, "b-late").code() == "scope_stopped"
+    });
+    let r = control(&b, "p2", "pause");
+    assert_eq!((r.status, r.code()), (409, "scope_stopped"), "{:?}", r.body);
+    // A host that starts using the scope after the stop refuses it from the first run.
+    let c = host(&db, "sc", "60s", "5s");
+    assert_eq!(budget_run(&c, "c-first").code(), "scope_stopped");
+}

@@ -38,15 +38,16 @@ impl Engine {
             tenant,
         )
         .map_err(Error::from)?;
+        // A scope not used here yet may be stopped fleet-wide already (B4 fleet-wide).
+        let control = (sc.get(&b.scope).map(|s| s.control))
+            .or_else(|| sc.pending(&b.scope).map(|r| r.control));
+        if control == Some(crate::scopes::Control::Stopped) {
+            return Err(Error::from(ScopeError::Stopped {
+                scope: b.scope.clone(),
+            }));
+        }
         let policy = match sc.get(&b.scope) {
-            Some(s) => {
-                if s.control == crate::scopes::Control::Stopped {
-                    return Err(Error::from(ScopeError::Stopped {
-                        scope: b.scope.clone(),
-                    }));
-                }
-                &s.policy
-            }
+            Some(s) => &s.policy,
             None => b.per_harness.as_ref().expect("check_freeze requires it"),
         };
         if !policy.contains_key(&b.harness) {
@@ -90,6 +91,10 @@ impl Engine {
             ev.push(Event::ScopeFrozen {
                 scope: b.scope.clone(),
             });
+            // A fleet control decided before this host used the scope.
+            if let Some(r) = self.scopes.take_pending(&b.scope) {
+                self.fleet_control(&b.scope, r, ev);
+            }
         }
         b.per_harness = None;
         b.manifest = None;
@@ -266,6 +271,26 @@ impl Engine {
         if retry {
             return Ok(None); // the same receipt again: nothing changed
         }
+        self.controlled(scope, receipt, ev);
+        Ok(None)
+    }
+
+    /// B4 fleet-wide: a control the fleet store decided, taken if it is newer than
+    /// what the scope has (or held until the scope is used here).
+    pub(super) fn fleet_control(
+        &mut self,
+        scope: &str,
+        receipt: crate::scopes::Receipt,
+        ev: &mut Vec<Event>,
+    ) {
+        if self.scopes.mirror(scope, receipt.clone()) {
+            self.controlled(scope, receipt, ev);
+        }
+    }
+
+    /// A control taken: its event, and once a scope stops its waiters are refused at
+    /// once (ended `rejected`); the runs holding tokens keep them.
+    fn controlled(&mut self, scope: &str, receipt: crate::scopes::Receipt, ev: &mut Vec<Event>) {
         let stopped = receipt.control == crate::scopes::Control::Stopped;
         ev.push(Event::ScopeControlled {
             scope: scope.to_string(),
@@ -287,7 +312,6 @@ impl Engine {
                 self.end(s, RunState::Rejected, ev);
             }
         }
-        Ok(None)
     }
 
     /// B2: the granted run's token, taken in the step that grants it (A1). Its key may

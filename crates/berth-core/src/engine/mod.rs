@@ -379,6 +379,10 @@ impl Engine {
             } => self.scope_control(now, &scope, &request_id, mode, ev),
             Command::Permit { run_id, fence } => self.permit(&run_id, fence),
             Command::DeleteScope { scope } => self.delete_scope(scope, ev),
+            Command::FleetControl { scope, receipt } => {
+                self.fleet_control(&scope, receipt, ev);
+                Ok(None)
+            }
         }
     }
 

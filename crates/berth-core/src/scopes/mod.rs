@@ -46,7 +46,15 @@ pub struct Scopes {
     total: usize,
     /// Scopes per owning uid (derived; `SCOPES_PER_UID_MAX` bounds each).
     per_uid: BTreeMap<u32, usize>,
+    /// B4 fleet-wide: controls the fleet decided for scopes not used here yet, taken
+    /// when they are (at most `PENDING_CONTROLS_MAX`; not kept across a restart: the
+    /// host reads the fleet's controls again when it registers).
+    pending: BTreeMap<String, Receipt>,
 }
+
+/// Fleet controls of scopes not used here that a host holds at most (the fleet
+/// store's own bound on controlled scopes).
+pub const PENDING_CONTROLS_MAX: usize = 4_096;
 
 impl Scopes {
     pub fn get(&self, id: &str) -> Option<&Scope> {
@@ -466,6 +474,44 @@ impl Scopes {
         Ok(r)
     }
 
+    /// B4 fleet-wide: takes a control the fleet store decided if it is newer than the
+    /// scope's generation; true if it did. A scope not used here yet has it held
+    /// until it is ([`Scopes::take_pending`]).
+    pub fn mirror(&mut self, id: &str, r: Receipt) -> bool {
+        let Some(s) = self.scopes.get_mut(id) else {
+            let newer = self
+                .pending
+                .get(id)
+                .is_none_or(|p| p.generation < r.generation);
+            let room = self.pending.len() < PENDING_CONTROLS_MAX || self.pending.contains_key(id);
+            if newer && room {
+                self.pending.insert(id.into(), r);
+            }
+            return false;
+        };
+        if r.generation <= s.generation {
+            return false;
+        }
+        s.control = r.control;
+        s.generation = r.generation;
+        s.receipts.retain(|x| x.request_id != r.request_id);
+        s.receipts.push(r);
+        if s.receipts.len() > RECEIPTS_MAX {
+            s.receipts.remove(0);
+        }
+        true
+    }
+
+    /// The fleet's control of a scope not used here yet, if it has one.
+    pub fn pending(&self, id: &str) -> Option<&Receipt> {
+        self.pending.get(id)
+    }
+
+    /// The fleet's control of a scope this host just started using, if it had one.
+    pub fn take_pending(&mut self, id: &str) -> Option<Receipt> {
+        self.pending.remove(id)
+    }
+
     /// What must always hold: no harness over its limit, tokens only of the policy's
     /// harnesses, generations equal to the receipts accepted (while none was dropped).
     pub fn check_invariants(&self) -> Result<(), String> {
@@ -510,12 +556,17 @@ impl Scopes {
             {
                 return Err(format!("scope {}: a token of unknown {}", s.id, t.harness));
             }
-            if s.receipts.len() < RECEIPTS_MAX && s.generation != s.receipts.len() as u64 {
+            // Each receipt made a generation, in order, the last one the scope's. (A
+            // fleet host mirrors generations decided elsewhere, so it may hold fewer
+            // receipts than its generation; a host alone holds one per generation
+            // until `RECEIPTS_MAX`.)
+            let gens: Vec<u64> = s.receipts.iter().map(|r| r.generation).collect();
+            let ordered = gens.windows(2).all(|w| w[0] < w[1]);
+            let last_ok = gens.last().is_none_or(|&g| g == s.generation);
+            if !ordered || !last_ok || gens.len() as u64 > s.generation {
                 return Err(format!(
-                    "scope {}: generation {} after {} receipts",
-                    s.id,
-                    s.generation,
-                    s.receipts.len()
+                    "scope {}: generation {} with receipts of generations {gens:?}",
+                    s.id, s.generation
                 ));
             }
             if s.tokens.len() > TOKENS_MAX {

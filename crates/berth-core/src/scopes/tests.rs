@@ -394,3 +394,41 @@ fn finding_6_scopes_are_bounded_per_uid_and_idle_ones_are_forgotten() {
     assert!(s.get("u0").is_none() && s.get("u2").is_some());
     s.check_invariants().unwrap();
 }
+
+/// B4 fleet-wide (issue 38 Build 3): a control the fleet decided is taken only when it
+/// is newer than the scope's generation (a read older than one already taken changes
+/// nothing); one for a scope not used here waits until the scope is; the invariants
+/// hold with generations decided elsewhere.
+#[test]
+fn a_fleet_control_is_taken_only_when_newer() {
+    let mut s = scopes();
+    let receipt = |id: &str, mode, generation, control| Receipt {
+        request_id: id.into(),
+        mode,
+        generation,
+        control,
+        at_ms: 7,
+    };
+    assert!(s.mirror("exp", receipt("q3", Mode::Pause, 3, Control::Paused)));
+    let e = s.get("exp").unwrap();
+    assert_eq!(
+        (e.control, e.generation, e.receipts.len()),
+        (Control::Paused, 3, 1)
+    );
+    assert_eq!(
+        s.can_take("exp", "claude").map_err(|e| e.code()),
+        Err("scope_paused")
+    );
+    assert!(!s.mirror("exp", receipt("q2", Mode::Resume, 2, Control::Open)));
+    assert!(!s.mirror("exp", receipt("q3", Mode::Pause, 3, Control::Paused)));
+    assert_eq!(s.get("exp").unwrap().control, Control::Paused);
+    s.check_invariants().unwrap();
+    assert!(!s.mirror("later", receipt("q9", Mode::Stop, 9, Control::Stopped)));
+    assert!(!s.mirror("later", receipt("q8", Mode::Pause, 8, Control::Paused)));
+    assert!(s.get("later").is_none());
+    let held = s
+        .take_pending("later")
+        .expect("held until the scope is used");
+    assert_eq!((held.generation, held.control), (9, Control::Stopped));
+    assert_eq!(s.take_pending("later"), None);
+}

@@ -5,12 +5,14 @@ use axum::extract::State as AxState;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use berth_client::wire;
-use berth_core::Command;
+use berth_core::scopes::ScopeError;
+use berth_core::{Command, Error as CoreError};
+use berth_store::fleet::{ControlOutcome, ScopeControlRequest};
 
 // Path parameters refused with the error envelope (not axum's plain text).
 use super::ParamPath as Path;
 use super::{ask, json_body, Api, Caller};
-use crate::daemon::{Msg, ScopeAnswer, ScopeOp};
+use crate::daemon::{Error, FleetChange, Msg, ScopeAnswer, ScopeOp};
 use crate::error::ApiError;
 use crate::request;
 
@@ -30,6 +32,7 @@ async fn scope_op(api: &Api, op: ScopeOp) -> Result<Response, ApiError> {
         ScopeAnswer::Reconciled(r) => Json(r).into_response(),
         ScopeAnswer::Receipt(r) => Json(r).into_response(),
         ScopeAnswer::Deleted(s) => Json(s).into_response(),
+        ScopeAnswer::Allowed => axum::http::StatusCode::NO_CONTENT.into_response(),
     })
 }
 
@@ -121,6 +124,14 @@ pub async fn control(
     request::check_scope(&scope)?;
     let b: wire::ControlRequest = json_body(body, false).await?;
     let mode = request::control(&b)?;
+    if api.fleet.is_some() {
+        let r = ScopeControlRequest {
+            scope,
+            request_id: b.request_id,
+            mode,
+        };
+        return control_fleet_wide(&api, r, caller.tenant).await;
+    }
     let cmd = Command::ScopeControl {
         scope,
         request_id: b.request_id,
@@ -128,6 +139,59 @@ pub async fn control(
     };
     let by = caller.tenant;
     scope_op(&api, ScopeOp::Owned { cmd, by }).await
+}
+
+/// B4 fleet-wide (issue 38 Build 3): the fleet store decides the request for every
+/// host; this host mirrors the answer before it is given, the others when they read it
+/// (announced at once; at their next heartbeat at the latest).
+async fn control_fleet_wide(
+    api: &Api,
+    r: ScopeControlRequest,
+    by: crate::daemon::Tenant,
+) -> Result<Response, ApiError> {
+    let link = super::fleet::link(api)?;
+    let (scope, request_id) = (r.scope.clone(), r.request_id.clone());
+    let may = ScopeOp::MayControl {
+        scope: scope.clone(),
+        by,
+    };
+    scope_op(api, may).await?;
+    let host = link.status.host_id();
+    let (outcome, version) = link
+        .ask(move |s| s.control_scope(&r, &host))
+        .await
+        .map_err(super::fleet::refused)?;
+    let refused = |e: ScopeError| ApiError::from(Error::Core(CoreError::from(e)));
+    let receipt = match outcome {
+        ControlOutcome::Accepted(receipt) => receipt,
+        ControlOutcome::Conflict { accepted } => {
+            return Err(refused(ScopeError::ControlConflict {
+                scope,
+                request_id,
+                accepted,
+            }))
+        }
+        ControlOutcome::Stopped => return Err(refused(ScopeError::Stopped { scope })),
+    };
+    let change = FleetChange::Control {
+        scope: scope.clone(),
+        receipt: receipt.clone(),
+    };
+    ask(api, |reply| Msg::FleetChanged {
+        change,
+        version,
+        reply,
+    })
+    .await?;
+    Ok(Json(wire::ControlReceipt {
+        scope,
+        request_id: receipt.request_id,
+        mode: receipt.mode.as_str().into(),
+        generation: receipt.generation,
+        control: receipt.control.as_str().into(),
+        at: crate::clock::rfc3339(crate::clock::wall_ms()),
+    })
+    .into_response())
 }
 
 /// S10: an operator forgets an idle scope (nothing holds it: no run, no token, no

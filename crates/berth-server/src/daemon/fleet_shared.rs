@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use berth_client::wire;
-use berth_store::fleet::{FleetDrain, FleetToken, Shared};
+use berth_store::fleet::{FleetDrain, FleetReceipt, FleetToken, Shared};
 use berth_store::{DrainRecord, Mutation};
 
 use super::{Daemon, Host, Reply};
@@ -24,9 +24,19 @@ use crate::auth::{self, Grant};
 /// A change this host made to the fleet's tokens or drain (committed in the store).
 #[derive(Clone, Debug)]
 pub enum FleetChange {
-    TokenMade { hash: String, grant: Grant },
-    TokensRevoked { hashes: Vec<String> },
+    TokenMade {
+        hash: String,
+        grant: Grant,
+    },
+    TokensRevoked {
+        hashes: Vec<String>,
+    },
     Drain(Option<FleetDrain>),
+    /// B4 fleet-wide: a scope control the store accepted.
+    Control {
+        scope: String,
+        receipt: FleetReceipt,
+    },
 }
 
 fn record_of(d: &FleetDrain) -> DrainRecord {
@@ -56,12 +66,15 @@ impl<H: Host> Daemon<H> {
                 ),
             }
         }
-        let changed = self.mirror_tokens(want, None);
+        self.mirror_tokens(want, None);
         let mut touched = BTreeSet::new();
-        let drained = self.mirror_drain(sh.drain, &mut touched);
-        if changed || drained {
-            self.commit(touched, |_| {});
+        self.mirror_drain(sh.drain, &mut touched);
+        for c in &sh.controls {
+            self.mirror_control(&c.scope, &c.last, &mut touched);
         }
+        // Always: a command to the engine brings its time too (a lease that ran out
+        // meanwhile ends in this step), and a read comes only when the version moved.
+        self.commit(touched, |_| {});
     }
 
     /// This host changed the fleet's tokens or drain (the store answered `version`):
@@ -86,6 +99,9 @@ impl<H: Host> Daemon<H> {
                 self.mirror_tokens(want, Some(&hashes));
             }
             FleetChange::Drain(d) => _ = self.mirror_drain(d, &mut touched),
+            FleetChange::Control { scope, receipt } => {
+                _ = self.mirror_control(&scope, &receipt, &mut touched)
+            }
         }
         let v = Ok(self.drain_out());
         self.commit_and_answer(touched, reply, v);
@@ -164,6 +180,32 @@ impl<H: Host> Daemon<H> {
         self.th.fleet_drain = d;
         self.drain_engine(touched);
         true
+    }
+
+    /// B4 fleet-wide: the engine takes the fleet's control of `scope` if it is newer
+    /// than the scope's (its waiters then wait with `scope.paused`, or are refused once
+    /// it stops). True if it changed anything.
+    fn mirror_control(
+        &mut self,
+        scope: &str,
+        r: &FleetReceipt,
+        touched: &mut BTreeSet<String>,
+    ) -> bool {
+        let generation = |d: &Self| d.engine.scopes().get(scope).map(|s| s.generation);
+        let before = generation(self);
+        let receipt = berth_core::scopes::Receipt {
+            request_id: r.request_id.clone(),
+            mode: r.mode,
+            generation: r.generation,
+            control: r.control,
+            at_ms: self.now,
+        };
+        let cmd = berth_core::Command::FleetControl {
+            scope: scope.into(),
+            receipt,
+        };
+        let _ = self.apply(cmd, touched);
+        generation(self) != before
     }
 
     /// The engine drains while the host's drain or the fleet's is in force.

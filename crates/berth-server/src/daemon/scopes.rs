@@ -39,6 +39,13 @@ pub enum ScopeOp {
         reason: String,
         by: String,
     },
+    /// S9 in fleet mode, before the fleet store decides a control: may `by` control
+    /// the scope? A uid-bound token may control only a scope its user's runs froze on
+    /// this host (its owner is known where it was used).
+    MayControl {
+        scope: String,
+        by: Tenant,
+    },
 }
 
 /// The answer to each [`ScopeOp`], in its own wire type.
@@ -51,6 +58,8 @@ pub enum ScopeAnswer {
     Receipt(wire::ControlReceipt),
     /// S10: the scope as it was when an operator deleted it.
     Deleted(wire::ScopeSummary),
+    /// `MayControl`: yes.
+    Allowed,
 }
 
 fn not_found(scope: &str) -> Error {
@@ -107,6 +116,15 @@ impl<H: Host> Daemon<H> {
                 reason,
                 by,
             } => return self.reconcile(scope, owner, reason, by, reply),
+            ScopeOp::MayControl { scope, by } => {
+                let owner = self.engine.scopes().get(&scope).map(|s| s.owner_uid);
+                let v = match (by, owner) {
+                    (None, _) => Ok(ScopeAnswer::Allowed),
+                    (Some(_), Some(o)) if super::may_act(by, o) => Ok(ScopeAnswer::Allowed),
+                    (Some(uid), _) => Err(self.not_owner("scope", scope, uid)),
+                };
+                return self.commit_and_answer(BTreeSet::new(), reply, v);
+            }
             ScopeOp::Apply(cmd) => cmd,
             ScopeOp::Owned { cmd, by } => match self.check_scope_owner(&cmd, by) {
                 Ok(()) => cmd,

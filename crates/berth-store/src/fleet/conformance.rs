@@ -4,9 +4,11 @@
 
 use std::collections::BTreeSet;
 
+use berth_core::scopes::{Control, Mode};
+
 use super::{
-    Claim, ClaimOutcome, Ending, FleetDrain, FleetError, FleetOp, FleetStore, FleetToken, HostInfo,
-    OpOutcome, ThreadOwner, TokenClaim, BATCH_OPS_MAX,
+    Claim, ClaimOutcome, ControlOutcome, Ending, FleetDrain, FleetError, FleetOp, FleetStore,
+    FleetToken, HostInfo, OpOutcome, ScopeControlRequest, ThreadOwner, TokenClaim, BATCH_OPS_MAX,
 };
 
 pub type Open<'a> = &'a (dyn Fn() -> Box<dyn FleetStore> + Sync);
@@ -65,6 +67,10 @@ pub const CHECKS: &[(&str, Check)] = &[
     (
         "tokens_and_the_drain_are_shared",
         tokens_and_the_drain_are_shared,
+    ),
+    (
+        "a_scope_control_is_decided_once_fleet_wide",
+        a_scope_control_is_decided_once_fleet_wide,
     ),
 ];
 
@@ -740,4 +746,95 @@ fn tokens_and_the_drain_are_shared(open: Open) {
         None,
         "ending no drain changed it"
     );
+}
+
+fn control(scope: &str, id: &str, mode: Mode) -> ScopeControlRequest {
+    ScopeControlRequest {
+        scope: scope.into(),
+        request_id: id.into(),
+        mode,
+    }
+}
+
+/// Issue 38 Build 3 (B4 fleet-wide): a control request is decided once for the whole
+/// fleet by B4's rules, whichever host asks (a retry from another host gets the same
+/// receipt); every host reads the scope's state; racing hosts' requests each get their
+/// own generation.
+fn a_scope_control_is_decided_once_fleet_wide(open: Open) {
+    let (mut a, mut b) = (open(), open());
+    let accepted = |o: ControlOutcome| match o {
+        ControlOutcome::Accepted(r) => r,
+        other => panic!("expected accepted, got {other:?}"),
+    };
+    let (paused, v1) = a
+        .control_scope(&control("exp", "r1", Mode::Pause), "a")
+        .unwrap();
+    let paused = accepted(paused);
+    assert_eq!((paused.generation, paused.control), (1, Control::Paused));
+    let read = b.shared(-1).unwrap().expect("a first read");
+    assert_eq!(read.version, v1);
+    assert_eq!(read.controls.len(), 1, "{read:?}");
+    let c = &read.controls[0];
+    assert_eq!(
+        (c.scope.as_str(), c.control, c.generation),
+        ("exp", Control::Paused, 1)
+    );
+    assert_eq!(c.last, paused);
+    // A retry from another host: the same receipt, nothing changed.
+    let (again, v) = b
+        .control_scope(&control("exp", "r1", Mode::Pause), "b")
+        .unwrap();
+    assert_eq!((accepted(again), v), (paused.clone(), v1));
+    let (conflict, _) = b
+        .control_scope(&control("exp", "r1", Mode::Stop), "b")
+        .unwrap();
+    assert_eq!(
+        conflict,
+        ControlOutcome::Conflict {
+            accepted: Mode::Pause
+        }
+    );
+    let (resumed, _) = b
+        .control_scope(&control("exp", "r2", Mode::Resume), "b")
+        .unwrap();
+    assert_eq!(accepted(resumed).generation, 2);
+    let (stopped, _) = a
+        .control_scope(&control("exp", "r3", Mode::Stop), "a")
+        .unwrap();
+    assert_eq!(accepted(stopped).control, Control::Stopped);
+    for (id, mode) in [("r4", Mode::Pause), ("r5", Mode::Resume)] {
+        let (o, _) = b.control_scope(&control("exp", id, mode), "b").unwrap();
+        assert_eq!(o, ControlOutcome::Stopped, "{id}");
+    }
+    // Bad input: refused, nothing changed.
+    let before = a.shared(-1).unwrap().unwrap();
+    for bad in [
+        control("exp", "", Mode::Pause),
+        control(&"s".repeat(129), "r", Mode::Pause),
+    ] {
+        let r = a.control_scope(&bad, "a");
+        assert!(matches!(r, Err(FleetError::Invalid(_))), "{bad:?}: {r:?}");
+    }
+    assert_eq!(a.shared(before.version).unwrap(), None);
+    // Two hosts racing requests on one scope: each accepted once, generations 1..=40.
+    std::thread::scope(|sc| {
+        for host in ["a", "b"] {
+            sc.spawn(move || {
+                let mut s = open();
+                for i in 0..20 {
+                    let mode = if i % 2 == 0 {
+                        Mode::Pause
+                    } else {
+                        Mode::Resume
+                    };
+                    let r = control("race", &format!("{host}-{i}"), mode);
+                    let (o, _) = s.control_scope(&r, host).unwrap();
+                    accepted(o);
+                }
+            });
+        }
+    });
+    let read = a.shared(-1).unwrap().unwrap();
+    let race = read.controls.iter().find(|c| c.scope == "race").unwrap();
+    assert_eq!(race.generation, 40, "{race:?}");
 }

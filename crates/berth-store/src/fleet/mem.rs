@@ -14,9 +14,11 @@ use super::{
     FleetFence, FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 use super::{
-    check_drain, check_token, check_token_id, too_many_tokens, FleetDrain, FleetToken, Shared,
-    FLEET_TOKENS_MAX,
+    check_control, check_drain, check_token, check_token_id, decide, too_many_scopes,
+    too_many_tokens, ControlOutcome, FleetDrain, FleetReceipt, FleetScopeControl, FleetToken,
+    ScopeControlRequest, Shared, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX,
 };
+use berth_core::scopes::Control;
 
 /// A new host's load until its first heartbeat (the tables' column default).
 const EMPTY_LOAD: &str = "{}";
@@ -169,6 +171,10 @@ struct State {
     bearer: BTreeMap<String, FleetToken>,
     drain: Option<FleetDrain>,
     shared_version: i64,
+    /// Scope → its control and generation (B4 fleet-wide), and its receipts by
+    /// (scope, request id).
+    controls: BTreeMap<String, (Control, u64)>,
+    receipts: BTreeMap<(String, String), FleetReceipt>,
 }
 
 impl State {
@@ -575,11 +581,52 @@ impl FleetStore for MemFleet {
         if st.shared_version == since {
             return Ok(None);
         }
+        let controls = (st.controls.iter())
+            .filter_map(|(scope, &(control, generation))| {
+                let mut of_scope = st.receipts.iter();
+                let (_, last) =
+                    of_scope.find(|((s, _), r)| s == scope && r.generation == generation)?;
+                Some(FleetScopeControl {
+                    scope: scope.clone(),
+                    control,
+                    generation,
+                    last: last.clone(),
+                })
+            })
+            .collect();
         Ok(Some(Shared {
             version: st.shared_version,
             drain: st.drain.clone(),
             tokens: st.bearer.values().cloned().collect(),
+            controls,
         }))
+    }
+
+    fn control_scope(
+        &mut self,
+        r: &ScopeControlRequest,
+        host_id: &str,
+    ) -> Result<(ControlOutcome, i64), FleetError> {
+        check_control(r)?;
+        let (mut st, _) = self.open();
+        let now = st.controls.get(&r.scope).copied();
+        if now.is_none() && st.controls.len() >= FLEET_SCOPES_MAX {
+            return Err(too_many_scopes());
+        }
+        let at = (r.scope.clone(), r.request_id.clone());
+        let earlier = st.receipts.get(&at).cloned();
+        let receipt = match decide(now.unwrap_or((Control::Open, 0)), earlier, r, host_id) {
+            Ok(receipt) => receipt,
+            Err(answer) => return Ok((answer, st.shared_version)),
+        };
+        let g = receipt.generation;
+        st.controls.insert(r.scope.clone(), (receipt.control, g));
+        st.receipts.insert(at, receipt.clone());
+        let old = FLEET_RECEIPTS_MAX as u64;
+        st.receipts
+            .retain(|(s, _), x| s != &r.scope || x.generation + old > g);
+        st.shared_version += 1;
+        Ok((ControlOutcome::Accepted(receipt), st.shared_version))
     }
 }
 

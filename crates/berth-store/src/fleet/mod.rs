@@ -25,10 +25,14 @@ mod tls;
 
 pub use mem::MemFleet;
 pub use pg::{PgFleet, PgListener};
-pub(crate) use shared::{check_drain, check_token, check_token_id, too_many_tokens};
+pub(crate) use shared::{
+    check_control, check_drain, check_token, check_token_id, decide, too_many_scopes,
+    too_many_tokens, word,
+};
 pub use shared::{
-    FleetDrain, FleetToken, Shared, DRAIN_FIELD_BYTES_MAX, DRAIN_REASON_BYTES_MAX,
-    FLEET_TOKENS_MAX, GRANT_BYTES_MAX, SHARED_PAYLOAD,
+    ControlOutcome, FleetDrain, FleetReceipt, FleetScopeControl, FleetToken, ScopeControlRequest,
+    Shared, DRAIN_FIELD_BYTES_MAX, DRAIN_REASON_BYTES_MAX, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX,
+    FLEET_TOKENS_MAX, GRANT_BYTES_MAX, SCOPE_ID_BYTES_MAX, SHARED_PAYLOAD,
 };
 pub use sqlite::SqliteFleet;
 
@@ -323,8 +327,17 @@ pub trait FleetStore: Send {
         &mut self,
         d: Option<&FleetDrain>,
     ) -> Result<(Option<FleetDrain>, i64), FleetError>;
-    /// The fleet's tokens and drain, or `None` if nothing changed since `since` (the
-    /// version the caller last read; `-1` before its first read).
+    /// B4 fleet-wide: a scope's control request, decided once for the whole fleet by
+    /// the rules every host applies (`decide`); an accepted new request raises the
+    /// scope's generation and the shared version, and is announced. Returns the answer
+    /// and the shared version after.
+    fn control_scope(
+        &mut self,
+        r: &ScopeControlRequest,
+        host_id: &str,
+    ) -> Result<(ControlOutcome, i64), FleetError>;
+    /// The fleet's tokens, drain and scope controls, or `None` if nothing changed
+    /// since `since` (the version the caller last read; `-1` before its first read).
     fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError>;
 }
 

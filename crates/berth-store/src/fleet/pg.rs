@@ -16,9 +16,12 @@ use super::{
     HOSTS_MAX,
 };
 use super::{
-    check_drain, check_token, check_token_id, too_many_tokens, FleetDrain, FleetToken, Shared,
-    FLEET_TOKENS_MAX, SHARED_PAYLOAD,
+    check_control, check_drain, check_token, check_token_id, decide, too_many_scopes,
+    too_many_tokens, word, ControlOutcome, FleetDrain, FleetReceipt, FleetScopeControl, FleetToken,
+    ScopeControlRequest, Shared, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX,
+    SHARED_PAYLOAD,
 };
+use berth_core::scopes::Control;
 
 /// Migrations by version, applied in order under an advisory lock so that several
 /// daemons starting at once migrate exactly once (the version is the count applied).
@@ -622,7 +625,7 @@ impl FleetStore for PgFleet {
     }
 
     fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError> {
-        self.with(|c| {
+        let read = self.with(|c| {
             // One snapshot for the version and the set it names.
             let mut tx = c
                 .build_transaction()
@@ -639,14 +642,129 @@ impl FleetStore for PgFleet {
                 &[],
             )?;
             let tokens = rows.iter().map(token_row).collect();
+            let controls = tx.query(
+                "SELECT c.scope, r.request_id, r.mode, r.generation, r.control, r.host_id
+                   FROM berth_scope_control c JOIN berth_scope_receipt r
+                     ON r.scope = c.scope AND r.generation = c.generation
+                  ORDER BY c.scope COLLATE \"C\"",
+                &[],
+            )?;
             tx.commit()?;
-            Ok(Some(Shared {
+            let shared = Shared {
                 version,
                 drain,
                 tokens,
-            }))
-        })
+                controls: Vec::new(),
+            };
+            Ok(Some((shared, controls)))
+        })?;
+        let Some((mut shared, rows)) = read else {
+            return Ok(None);
+        };
+        for r in &rows {
+            let last = receipt_row(r, 1)?;
+            shared.controls.push(FleetScopeControl {
+                scope: r.get(0),
+                control: last.control,
+                generation: last.generation,
+                last,
+            });
+        }
+        Ok(Some(shared))
     }
+
+    fn control_scope(
+        &mut self,
+        r: &ScopeControlRequest,
+        host_id: &str,
+    ) -> Result<(ControlOutcome, i64), FleetError> {
+        check_control(r)?;
+        self.with(|c| {
+            // The shared row's lock orders every control request fleet-wide: the read,
+            // the rules and the write are one decision.
+            let mut tx = c.transaction()?;
+            tx.execute("SELECT 1 FROM berth_shared WHERE id = 1 FOR UPDATE", &[])?;
+            let now = tx.query_opt(
+                "SELECT control, generation FROM berth_scope_control WHERE scope = $1",
+                &[&r.scope],
+            )?;
+            let earlier = tx.query_opt(
+                "SELECT request_id, mode, generation, control, host_id FROM berth_scope_receipt
+                  WHERE scope = $1 AND request_id = $2",
+                &[&r.scope, &r.request_id],
+            )?;
+            let n: i64 = tx
+                .query_one("SELECT count(*) FROM berth_scope_control", &[])?
+                .get(0);
+            let decided = (|| {
+                if now.is_none() && n >= FLEET_SCOPES_MAX as i64 {
+                    return Err(too_many_scopes());
+                }
+                let now = match &now {
+                    Some(row) => (
+                        word::<Control>(row.get(0))?,
+                        u64::try_from(row.get::<_, i64>(1)).unwrap_or(0),
+                    ),
+                    None => (Control::Open, 0),
+                };
+                let earlier = earlier.as_ref().map(|e| receipt_row(e, 0)).transpose()?;
+                Ok(decide(now, earlier, r, host_id))
+            })();
+            let answer = match decided {
+                Err(e) => Err(e),
+                Ok(Err(answer)) => Ok((answer, read_shared(&mut tx)?.0)),
+                Ok(Ok(receipt)) => Ok(write_control(&mut tx, &r.scope, receipt)?),
+            };
+            tx.commit()?;
+            Ok(answer)
+        })?
+    }
+}
+
+/// A receipt read from `row`'s columns from `at` on: request id, mode, generation,
+/// control, host.
+fn receipt_row(row: &postgres::Row, at: usize) -> Result<FleetReceipt, FleetError> {
+    Ok(FleetReceipt {
+        request_id: row.get(at),
+        mode: word(row.get(at + 1))?,
+        generation: u64::try_from(row.get::<_, i64>(at + 2)).unwrap_or(0),
+        control: word(row.get(at + 3))?,
+        host_id: row.get(at + 4),
+    })
+}
+
+/// Writes an accepted control's state and receipt (the receipts too old to keep go),
+/// raises the shared version and announces the change.
+fn write_control(
+    tx: &mut postgres::Transaction,
+    scope: &str,
+    r: FleetReceipt,
+) -> Result<(ControlOutcome, i64), postgres::Error> {
+    let g = i64::try_from(r.generation).unwrap_or(i64::MAX);
+    let keep = FLEET_RECEIPTS_MAX as i64;
+    tx.execute(
+        "INSERT INTO berth_scope_control VALUES ($1, $2, $3)
+         ON CONFLICT (scope) DO UPDATE SET control = $2, generation = $3",
+        &[&scope, &r.control.as_str(), &g],
+    )?;
+    tx.execute(
+        "INSERT INTO berth_scope_receipt VALUES ($1, $2, $3, $4, $5, $6)",
+        &[
+            &scope,
+            &r.request_id,
+            &r.mode.as_str(),
+            &g,
+            &r.control.as_str(),
+            &r.host_id,
+        ],
+    )?;
+    tx.execute(
+        "DELETE FROM berth_scope_receipt WHERE scope = $1 AND generation + $2 <= $3",
+        &[&scope, &keep, &g],
+    )?;
+    changed(tx)?;
+    let (version, _) = read_shared(tx)?;
+    Ok((ControlOutcome::Accepted(r), version))
 }
 
 fn token_row(r: &postgres::Row) -> FleetToken {

@@ -18,3 +18,19 @@ CREATE TABLE berth_shared (
   drain_host text
 );
 INSERT INTO berth_shared (id, version) VALUES (1, 0);
+-- B4 fleet-wide: each scope's control state and generation, and the receipts of the
+-- control requests that made them (a retry by request id gets its receipt back).
+CREATE TABLE berth_scope_control (
+  scope text PRIMARY KEY,
+  control text NOT NULL,
+  generation bigint NOT NULL
+);
+CREATE TABLE berth_scope_receipt (
+  scope text NOT NULL,
+  request_id text NOT NULL,
+  mode text NOT NULL,
+  generation bigint NOT NULL,
+  control text NOT NULL,
+  host_id text NOT NULL,
+  PRIMARY KEY (scope, request_id)
+);

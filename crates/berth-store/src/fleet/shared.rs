@@ -5,6 +5,8 @@
 //! when nothing changed since the version the host last read, so a heartbeat's read
 //! costs one row.
 
+use berth_core::scopes::{Control, Mode};
+
 use super::FleetError;
 
 /// Bearer tokens the fleet keeps at most: operators make a few per team and user; the
@@ -37,13 +39,15 @@ pub struct FleetDrain {
     pub host_id: String,
 }
 
-/// The fleet's tokens (by hash) and its drain, as of `version`, which every change of
-/// either raises.
+/// The fleet's tokens (by hash), its drain and its scopes' controls, as of `version`,
+/// which every change of any raises.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Shared {
     pub version: i64,
     pub drain: Option<FleetDrain>,
     pub tokens: Vec<FleetToken>,
+    /// By scope id.
+    pub controls: Vec<FleetScopeControl>,
 }
 
 /// A token row's rules, checked before any SQL runs: a hash as `hash_token` writes
@@ -100,3 +104,113 @@ pub(crate) fn too_many_tokens() -> FleetError {
 
 /// The payload announcing a change of tokens or drain on [`super::CHANNEL`].
 pub const SHARED_PAYLOAD: &str = "shared";
+
+/// Scopes whose control the fleet remembers at most (a host remembers `SCOPES_MAX`;
+/// a fleet of them, a few times that).
+pub const FLEET_SCOPES_MAX: usize = 4_096;
+/// Receipts the fleet keeps per scope: as a host keeps them (B4; an older retry is
+/// taken as a new request).
+pub const FLEET_RECEIPTS_MAX: usize = berth_core::scopes::RECEIPTS_MAX;
+/// A scope id's length at most (the fleet's budget rows take the same ids).
+pub const SCOPE_ID_BYTES_MAX: usize = 128;
+
+/// B4 fleet-wide: pause, stop or resume a scope on every host, idempotent by request
+/// id.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScopeControlRequest {
+    pub scope: String,
+    pub request_id: String,
+    pub mode: Mode,
+}
+
+/// An accepted control request, as every host reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetReceipt {
+    pub request_id: String,
+    pub mode: Mode,
+    /// The scope's fleet-wide generation this request made.
+    pub generation: u64,
+    /// The state it left the scope in.
+    pub control: Control,
+    /// The host it was asked on.
+    pub host_id: String,
+}
+
+/// How the fleet answered a control request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ControlOutcome {
+    /// Accepted now, or before (a retry gets the same receipt and changes nothing).
+    Accepted(FleetReceipt),
+    /// The request id was accepted with another mode.
+    Conflict { accepted: Mode },
+    /// The scope is stopped, which is terminal: pause and resume are refused.
+    Stopped,
+}
+
+/// A scope's control as the fleet holds it: its state, its generation and the receipt
+/// that made them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetScopeControl {
+    pub scope: String,
+    pub control: Control,
+    pub generation: u64,
+    pub last: FleetReceipt,
+}
+
+pub(crate) fn check_control(r: &ScopeControlRequest) -> Result<(), FleetError> {
+    if r.scope.is_empty() || r.scope.len() > SCOPE_ID_BYTES_MAX {
+        return Err(FleetError::Invalid(format!(
+            "scope: 1 to {SCOPE_ID_BYTES_MAX} bytes"
+        )));
+    }
+    let max = berth_core::scopes::REQUEST_ID_MAX;
+    if r.request_id.is_empty() || r.request_id.len() > max {
+        return Err(FleetError::Invalid(format!("request_id: 1 to {max} bytes")));
+    }
+    Ok(())
+}
+
+/// B4's rules, the same as a host's (`Scopes::control`), for a scope at `now`
+/// (control and generation; `Open`, 0 for one never controlled) whose receipt of the
+/// same request id is `earlier`: the receipt to write, or the answer that writes
+/// nothing.
+pub(crate) fn decide(
+    now: (Control, u64),
+    earlier: Option<FleetReceipt>,
+    r: &ScopeControlRequest,
+    host_id: &str,
+) -> Result<FleetReceipt, ControlOutcome> {
+    if let Some(e) = earlier {
+        return Err(match e.mode == r.mode {
+            true => ControlOutcome::Accepted(e),
+            false => ControlOutcome::Conflict { accepted: e.mode },
+        });
+    }
+    let control = match (now.0, r.mode) {
+        (Control::Stopped, Mode::Pause | Mode::Resume) => return Err(ControlOutcome::Stopped),
+        (_, Mode::Stop) => Control::Stopped,
+        (_, Mode::Pause) => Control::Paused,
+        (_, Mode::Resume) => Control::Open,
+    };
+    Ok(FleetReceipt {
+        request_id: r.request_id.clone(),
+        mode: r.mode,
+        generation: now.1 + 1,
+        control,
+        host_id: host_id.into(),
+    })
+}
+
+/// The refusal of a control for a new scope past [`FLEET_SCOPES_MAX`].
+pub(crate) fn too_many_scopes() -> FleetError {
+    FleetError::Invalid(format!(
+        "scope: the fleet remembers the control of at most {FLEET_SCOPES_MAX} scopes"
+    ))
+}
+
+/// A stored word read back (a row another writer spoiled is the store's fault, not
+/// the caller's: unavailable, named).
+pub(crate) fn word<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, FleetError> {
+    s.parse()
+        .map_err(|e| FleetError::Unavailable(format!("the fleet store holds {e}")))
+}

@@ -11,9 +11,11 @@ use super::{
     FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 use super::{
-    check_drain, check_token, check_token_id, too_many_tokens, FleetDrain, FleetToken, Shared,
-    FLEET_TOKENS_MAX,
+    check_control, check_drain, check_token, check_token_id, decide, too_many_scopes,
+    too_many_tokens, word, ControlOutcome, FleetDrain, FleetReceipt, FleetScopeControl, FleetToken,
+    ScopeControlRequest, Shared, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX,
 };
+use berth_core::scopes::Control;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS fence_seq (id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL);
@@ -42,6 +44,11 @@ CREATE TABLE IF NOT EXISTS shared (id INTEGER PRIMARY KEY CHECK (id = 1),
   version INTEGER NOT NULL, drain_by TEXT, drain_at TEXT, drain_reason TEXT,
   drain_host TEXT);
 INSERT OR IGNORE INTO shared (id, version) VALUES (1, 0);
+CREATE TABLE IF NOT EXISTS scope_control (scope TEXT PRIMARY KEY, control TEXT NOT NULL,
+  generation INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS scope_receipt (scope TEXT NOT NULL, request_id TEXT NOT NULL,
+  mode TEXT NOT NULL, generation INTEGER NOT NULL, control TEXT NOT NULL,
+  host_id TEXT NOT NULL, PRIMARY KEY (scope, request_id));
 ";
 /// The schema version this build writes (`user_version`). Version 2 added the fleet's
 /// bearer tokens and drain (issue 38 Build 3): a berth that knows only version 1
@@ -579,7 +586,7 @@ impl FleetStore for SqliteFleet {
     }
 
     fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError> {
-        self.tx(|tx| {
+        let read = self.tx(|tx| {
             let (version, drain) = read_shared(tx)?;
             if version == since {
                 return Ok(None);
@@ -594,13 +601,134 @@ impl FleetStore for SqliteFleet {
                     })
                 })?
                 .collect::<rusqlite::Result<_>>()?;
-            Ok(Some(Shared {
+            let shared = Shared {
                 version,
                 drain,
                 tokens,
-            }))
-        })
+                controls: Vec::new(),
+            };
+            Ok(Some((shared, read_controls(tx)?)))
+        })?;
+        let Some((mut shared, rows)) = read else {
+            return Ok(None);
+        };
+        for (scope, stored) in rows {
+            let last = receipt_of(stored)?;
+            shared.controls.push(FleetScopeControl {
+                scope,
+                control: last.control,
+                generation: last.generation,
+                last,
+            });
+        }
+        Ok(Some(shared))
     }
+
+    fn control_scope(
+        &mut self,
+        r: &ScopeControlRequest,
+        host_id: &str,
+    ) -> Result<(ControlOutcome, i64), FleetError> {
+        check_control(r)?;
+        // One transaction (`BEGIN IMMEDIATE`): the read, the rules and the write, so two
+        // daemons sharing the file decide one after the other.
+        self.tx(|tx| {
+            let now: Option<(String, i64)> = tx
+                .query_row(
+                    "SELECT control, generation FROM scope_control WHERE scope = ?1",
+                    [&r.scope],
+                    |x| Ok((x.get(0)?, x.get(1)?)),
+                )
+                .optional()?;
+            let earlier: Option<StoredReceipt> = tx
+                .query_row(
+                    "SELECT request_id, mode, generation, control, host_id FROM scope_receipt
+                      WHERE scope = ?1 AND request_id = ?2",
+                    params![r.scope, r.request_id],
+                    stored_receipt,
+                )
+                .optional()?;
+            let n: i64 = tx.query_row("SELECT count(*) FROM scope_control", [], |x| x.get(0))?;
+            let decided = (|| {
+                if now.is_none() && n >= FLEET_SCOPES_MAX as i64 {
+                    return Err(too_many_scopes());
+                }
+                let now = match &now {
+                    Some((c, g)) => (word::<Control>(c)?, u64::try_from(*g).unwrap_or(0)),
+                    None => (Control::Open, 0),
+                };
+                let earlier = earlier.map(receipt_of).transpose()?;
+                Ok(decide(now, earlier, r, host_id))
+            })();
+            match decided {
+                Err(e) => Ok(Err(e)),
+                Ok(Err(answer)) => Ok(Ok((answer, read_shared(tx)?.0))),
+                Ok(Ok(receipt)) => write_control(tx, &r.scope, receipt).map(Ok),
+            }
+        })?
+    }
+}
+
+/// A receipt's row: request id, mode, generation, control, host.
+type StoredReceipt = (String, String, i64, String, String);
+
+fn stored_receipt(x: &rusqlite::Row) -> rusqlite::Result<StoredReceipt> {
+    Ok((x.get(0)?, x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?))
+}
+
+fn receipt_of(s: StoredReceipt) -> Result<FleetReceipt, FleetError> {
+    Ok(FleetReceipt {
+        request_id: s.0,
+        mode: word(&s.1)?,
+        generation: u64::try_from(s.2).unwrap_or(0),
+        control: word(&s.3)?,
+        host_id: s.4,
+    })
+}
+
+/// Writes an accepted control's receipt and state (the receipts too old to keep go),
+/// and raises the shared version.
+fn write_control(tx: &Tx, scope: &str, r: FleetReceipt) -> rusqlite::Result<(ControlOutcome, i64)> {
+    let g = i64::try_from(r.generation).unwrap_or(i64::MAX);
+    let keep = FLEET_RECEIPTS_MAX as i64;
+    tx.execute(
+        "INSERT OR REPLACE INTO scope_control VALUES (?1, ?2, ?3)",
+        params![scope, r.control.as_str(), g],
+    )?;
+    tx.execute(
+        "INSERT INTO scope_receipt VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        params![
+            scope,
+            r.request_id,
+            r.mode.as_str(),
+            g,
+            r.control.as_str(),
+            r.host_id
+        ],
+    )?;
+    tx.execute(
+        "DELETE FROM scope_receipt WHERE scope = ?1 AND generation + ?2 <= ?3",
+        params![scope, keep, g],
+    )?;
+    tx.execute("UPDATE shared SET version = version + 1", [])?;
+    Ok((ControlOutcome::Accepted(r), read_shared(tx)?.0))
+}
+
+/// Every controlled scope with the receipt that made its state.
+fn read_controls(tx: &Tx) -> rusqlite::Result<Vec<(String, StoredReceipt)>> {
+    tx.prepare(
+        "SELECT c.scope, r.request_id, r.mode, r.generation, r.control, r.host_id
+           FROM scope_control c JOIN scope_receipt r
+             ON r.scope = c.scope AND r.generation = c.generation
+          ORDER BY c.scope",
+    )?
+    .query_map([], |x| {
+        Ok((
+            x.get(0)?,
+            (x.get(1)?, x.get(2)?, x.get(3)?, x.get(4)?, x.get(5)?),
+        ))
+    })?
+    .collect()
 }
 
 /// The shared row: its version and the drain in force.

@@ -19,8 +19,9 @@ use std::sync::{Arc, Mutex};
 
 use berth_core::RunState;
 use berth_store::fleet::{
-    BatchOutcome, Claim, ClaimOutcome, Ending, FleetDrain, FleetError, FleetFence, FleetOp,
-    FleetStore, FleetToken, HostInfo, HostRow, MemFleet, Shared, ThreadOwner, TokenRow,
+    BatchOutcome, Claim, ClaimOutcome, ControlOutcome, Ending, FleetDrain, FleetError, FleetFence,
+    FleetOp, FleetStore, FleetToken, HostInfo, HostRow, MemFleet, ScopeControlRequest, Shared,
+    ThreadOwner, TokenRow,
 };
 
 use super::Sim;
@@ -155,6 +156,14 @@ impl FleetStore for Reach {
     fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError> {
         self.up()?;
         self.store.shared(since)
+    }
+    fn control_scope(
+        &mut self,
+        r: &ScopeControlRequest,
+        host_id: &str,
+    ) -> Result<(ControlOutcome, i64), FleetError> {
+        self.up()?;
+        self.store.control_scope(r, host_id)
     }
 }
 

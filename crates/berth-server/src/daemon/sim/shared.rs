@@ -8,7 +8,10 @@
 
 use std::collections::BTreeMap;
 
-use berth_store::fleet::{FleetDrain, FleetStore, FleetToken};
+use berth_core::scopes::Mode;
+use berth_store::fleet::{
+    ControlOutcome, FleetDrain, FleetError, FleetStore, FleetToken, ScopeControlRequest,
+};
 
 use super::fleet::{HOST, PEER};
 use super::Sim;
@@ -16,33 +19,17 @@ use crate::auth::{Grant, Scope};
 use crate::daemon::{FleetChange, Msg};
 
 impl Sim {
-    /// One change of the fleet's tokens or drain, by this host or the peer.
+    /// One change of the fleet's tokens, drain or a scope's control, by this host or
+    /// the peer.
     pub(super) fn shared_turn(&mut self) -> String {
         let by_peer = self.rng.chance(0.5);
         let mut s = self.fleet_store(by_peer);
-        let what = self.rng.range(0, 3);
-        let change = match what {
-            0 => {
-                let n = self.rng.range(0, 1 << 20);
-                let grant = Grant {
-                    scope: Scope::Operator,
-                    uid: None,
-                    expires_ms: None,
-                    fleet: true,
-                };
-                let hash = crate::auth::hash_token(&format!("fleet-{n}"));
-                let row = FleetToken {
-                    hash: hash.clone(),
-                    grant: grant.stored(),
-                    host_id: if by_peer { PEER } else { HOST }.into(),
-                };
-                let v = s.put_token(&row);
-                v.map(|v| (FleetChange::TokenMade { hash, grant }, v))
-            }
+        let host = if by_peer { PEER } else { HOST };
+        let change = match self.rng.range(0, 4) {
+            0 => self.token_made(&mut *s, host),
             1 => {
                 let known = self.fleet_store(true).shared(-1).ok().flatten();
-                let known = known.map(|sh| sh.tokens);
-                let Some(t) = known.and_then(|t| t.first().cloned()) else {
+                let Some(t) = known.and_then(|sh| sh.tokens.first().cloned()) else {
                     return "shared: no fleet token to revoke".into();
                 };
                 let r = s.revoke_token(&t.hash[..16]);
@@ -51,17 +38,21 @@ impl Sim {
                     (FleetChange::TokensRevoked { hashes }, v)
                 })
             }
-            _ => {
-                let on = self.rng.chance(0.5);
-                let d = on.then(|| FleetDrain {
+            2 => {
+                let d = self.rng.chance(0.5).then(|| FleetDrain {
                     by: "uid 0 (admin token)".into(),
                     at: format!("t{}", self.now),
                     reason: "sim".into(),
-                    host_id: if by_peer { PEER } else { HOST }.into(),
+                    host_id: host.into(),
                 });
                 let r = s.set_drain(d.as_ref());
                 r.map(|(now, v)| (FleetChange::Drain(now), v))
             }
+            _ => match self.control(&mut *s, host) {
+                Ok(Some(c)) => Ok(c),
+                Ok(None) => return "shared: a control refused".into(),
+                Err(e) => Err(e),
+            },
         };
         let (change, version) = match (change, by_peer) {
             (Err(e), _) => return format!("shared: refused {e}"),
@@ -83,6 +74,50 @@ impl Sim {
         line
     }
 
+    fn token_made(
+        &mut self,
+        s: &mut dyn FleetStore,
+        host: &str,
+    ) -> Result<(FleetChange, i64), FleetError> {
+        let n = self.rng.range(0, 1 << 20);
+        let grant = Grant {
+            scope: Scope::Operator,
+            uid: None,
+            expires_ms: None,
+            fleet: true,
+        };
+        let hash = crate::auth::hash_token(&format!("fleet-{n}"));
+        let row = FleetToken {
+            hash: hash.clone(),
+            grant: grant.stored(),
+            host_id: host.into(),
+        };
+        let v = s.put_token(&row)?;
+        Ok((FleetChange::TokenMade { hash, grant }, v))
+    }
+
+    /// B4 fleet-wide: a few request ids, so that retries and conflicts come too; `None`
+    /// if the fleet refused it (a conflict, a stopped scope).
+    fn control(
+        &mut self,
+        s: &mut dyn FleetStore,
+        host: &str,
+    ) -> Result<Option<(FleetChange, i64)>, FleetError> {
+        let modes = [Mode::Pause, Mode::Resume, Mode::Stop];
+        let r = ScopeControlRequest {
+            scope: "sim".into(),
+            request_id: format!("q{}", self.rng.range(0, 12)),
+            mode: modes[self.rng.range(0, 2) as usize],
+        };
+        Ok(match s.control_scope(&r, host)? {
+            (ControlOutcome::Accepted(receipt), v) => {
+                let scope = r.scope;
+                Some((FleetChange::Control { scope, receipt }, v))
+            }
+            _ => None,
+        })
+    }
+
     /// A change this host made is in its mirror when the caller is answered.
     fn check_own_change(&mut self, made: FleetChange) {
         let d = self.d();
@@ -91,6 +126,12 @@ impl Sim {
             FleetChange::TokenMade { hash, .. } => known(hash),
             FleetChange::TokensRevoked { hashes } => !hashes.iter().any(|h| known(h)),
             FleetChange::Drain(want) => d.th.fleet_drain == *want,
+            // Taken unless the scope already has a newer one (or is not used here).
+            FleetChange::Control { scope, receipt } => d
+                .engine
+                .scopes()
+                .get(scope)
+                .is_none_or(|s| s.generation >= receipt.generation),
         };
         if !held {
             self.wrong(format!("answered, but the mirror does not have {made:?}"));
@@ -133,6 +174,24 @@ impl Sim {
             .collect();
         let drain = d.th.fleet_drain.clone();
         let draining = d.engine.is_draining();
+        // Every scope used here has the fleet's control.
+        let controls: Vec<String> = (store.controls.iter())
+            .filter_map(|c| {
+                let s = d.engine.scopes().get(&c.scope)?;
+                let same = (s.control, s.generation) == (c.control, c.generation);
+                (!same).then(|| {
+                    format!(
+                        "{}: {:?} g{} vs the fleet's {c:?}",
+                        c.scope, s.control, s.generation
+                    )
+                })
+            })
+            .collect();
+        if !controls.is_empty() {
+            self.wrong(format!(
+                "after a heartbeat a scope's control is not the fleet's: {controls:?}"
+            ));
+        }
         if have != want || drain != store.drain || (drain.is_some() && !draining) {
             self.wrong(format!(
                 "after a heartbeat the mirror is not the store's: tokens {have:?} vs {want:?}, drain {drain:?} vs {:?}, engine draining {draining}",
