@@ -152,6 +152,15 @@ pub enum Command {
         scope: String,
         receipt: crate::scopes::Receipt,
     },
+    /// C3/C4 fleet-wide (issue 38 Build 3): a project's promotion evidence as the fleet
+    /// holds it. Valid: the project takes it unless it has it already (its queued
+    /// foreground runs with that contract become shared claimants, as at a promotion
+    /// here). Not valid: the project drops it if it is the evidence it holds.
+    FleetEvidence {
+        project: String,
+        evidence: Evidence,
+        valid: bool,
+    },
     /// F1: the fleet store holds this queued run's fleet-wide claim; `fence` is the one
     /// the fleet's sequence gave it, and the run's grant will carry it.
     Permit { run_id: String, fence: Fence },
@@ -351,6 +360,8 @@ pub enum Event {
     EvidenceInvalidated {
         project: String,
         by_run: String,
+        /// The evidence dropped (a fleet host tells the fleet which, C4 fleet-wide).
+        evidence: Evidence,
     },
     KeyModeChanged {
         run_id: String,
@@ -457,7 +468,9 @@ impl fmt::Display for Event {
                 evidence.run_id,
                 evidence.ports.join(",")
             ),
-            Event::EvidenceInvalidated { project, by_run } => {
+            Event::EvidenceInvalidated {
+                project, by_run, ..
+            } => {
                 write!(f, "evidence-invalidated {project} by={by_run}")
             }
             Event::KeyModeChanged { run_id, key, mode } => {

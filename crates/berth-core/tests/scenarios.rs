@@ -64,6 +64,25 @@ fn config(kv: &BTreeMap<String, String>) -> Config {
     c
 }
 
+/// `fleet-evidence PROJECT ev=fp[:commit] valid=true|false`.
+fn fleet_evidence(project: String, kv: &BTreeMap<String, String>) -> Command {
+    let c = contract(&format!(
+        "parallel:{}",
+        kv.get("ev").expect("ev=fp[:commit]")
+    ));
+    Command::FleetEvidence {
+        project,
+        evidence: berth_core::Evidence {
+            fingerprint: c.fingerprint,
+            commit: c.commit,
+            ports: vec!["web".into()],
+            at_ms: 0,
+            run_id: "elsewhere".into(),
+        },
+        valid: kv.get("valid").is_none_or(|v| v == "true"),
+    }
+}
+
 fn contract(v: &str) -> ContractInfo {
     // concurrency:fingerprint[:commit]
     let mut parts = v.split(':');
@@ -317,6 +336,9 @@ pub fn run_script(script: &str) -> String {
                     .map(|v| v.split(',').map(str::to_string).collect())
                     .unwrap_or_default(),
             },
+            // `fleet-evidence web ev=fpA:c1 valid=true|false`: evidence the fleet
+            // holds (issue 38 Build 3), proven or found wrong on another host.
+            "fleet-evidence" => fleet_evidence(id(), &kv),
             "runtime-failed" => Command::RuntimeFailed {
                 run_id: id(),
                 fence: fence().expect("fence"),

@@ -222,6 +222,42 @@ impl Handle {
     }
 }
 
+/// What the daemon tells the fleet store without waiting for an answer, once its own
+/// commit is durable (issue 38 Build 3): promotion evidence proven here, or found wrong
+/// here. Carried out on the question thread; one the store misses (it was away) is
+/// logged and lost, and each host keeps its own evidence meanwhile.
+#[derive(Debug)]
+pub enum SharedJob {
+    PutEvidence(berth_store::fleet::FleetEvidence),
+    InvalidateEvidence {
+        project: String,
+        fingerprint: String,
+        commit: Option<String>,
+    },
+}
+
+impl Handle {
+    /// Sends `job` to the store, after the commit that decided it.
+    pub fn share(&self, job: SharedJob) {
+        let q: Question = Box::new(move |s: &mut dyn FleetStore| {
+            let r = match &job {
+                SharedJob::PutEvidence(e) => s.put_evidence(e),
+                SharedJob::InvalidateEvidence {
+                    project,
+                    fingerprint,
+                    commit,
+                } => s.invalidate_evidence(project, fingerprint, commit.as_deref()),
+            };
+            if let Err(e) = r {
+                tracing::warn!(?job, "fleet: the store did not take it: {e}");
+            }
+        });
+        if self.questions.try_send(q).is_err() {
+            tracing::warn!("fleet: {QUESTIONS_MAX} fleet questions are in flight; promotion evidence not shared");
+        }
+    }
+}
+
 /// Opens the store a `--store` URL names. PostgreSQL is connected lazily (by the fleet
 /// thread, at its first heartbeat): a host starts, and serves its own runs, while the
 /// database is away.
@@ -682,6 +718,9 @@ impl Worker {
 pub struct SimLink {
     worker: Worker,
     jobs: std::sync::mpsc::Receiver<Job>,
+    /// What the daemon told the store without waiting (`Handle::share`), carried out
+    /// when the simulator chooses.
+    asked: std::sync::mpsc::Receiver<Question>,
     /// Taken from `jobs` to look at, not carried out yet.
     buffered: std::collections::VecDeque<Job>,
 }
@@ -697,8 +736,8 @@ impl SimLink {
         let common = Common::new(cfg, inbox, clock, Arc::new(|_| {}));
         let status = common.status.clone();
         let (tx, jobs) = std::sync::mpsc::channel();
-        // No questions: the simulator asks the store itself.
-        let (questions, _) = std::sync::mpsc::sync_channel(1);
+        // The simulator asks the store itself; what the daemon tells it waits here.
+        let (questions, asked) = std::sync::mpsc::sync_channel(QUESTIONS_MAX);
         let (nudge, _) = std::sync::mpsc::channel();
         let handle = Handle {
             tx,
@@ -713,6 +752,7 @@ impl SimLink {
             SimLink {
                 worker,
                 jobs,
+                asked,
                 buffered,
             },
         )
@@ -721,6 +761,13 @@ impl SimLink {
     /// One heartbeat (a registration first, if the host has no generation).
     pub fn beat(&mut self) {
         self.worker.beat();
+    }
+
+    /// Carries out what the daemon told the store (its promotion evidence).
+    pub fn told(&mut self) {
+        for q in self.asked.try_iter() {
+            q(&mut *self.worker.store);
+        }
     }
 
     /// Carries out the oldest `n` jobs the daemon sent (fewer if there are not as

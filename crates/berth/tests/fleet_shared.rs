@@ -273,3 +273,103 @@ fn regression_a_scope_paused_on_one_host_admits_no_new_token_on_another() {
     let c = host(&db, "sc", "60s", "5s");
     assert_eq!(budget_run(&c, "c-first").code(), "scope_stopped");
 }
+
+const COMMIT_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+
+/// A parallel project whose one port is a real HTTP server on `$PORT`.
+const WEB: &str = r#"concurrency = "parallel"
+[[port]]
+name = "web"
+launch = { command = "sh", args = ["-c", "exec python3 -m http.server --bind 127.0.0.1 $PORT"] }
+ready = { http = "/", expect_status = 200, timeout_s = 30, interval_ms = 100 }
+"#;
+
+fn shop_run(d: &Daemon, id: &str, wt: &std::path::Path) -> common::Resp {
+    let body = json!({"run_id": id, "project": "shop", "worktree": wt, "wait_s": 60,
+                      "ttl_s": 60, "detach": true,
+                      "resources": {"cpu_millis": 1000, "memory": 256 << 20, "disk": 0}});
+    d.post("/v1/runs", &body.to_string())
+}
+
+fn shop(d: &Daemon) -> Value {
+    let s = d.get("/v1/status").body;
+    (s["projects"].as_array().unwrap().iter())
+        .find(|p| p["project"] == "shop")
+        .cloned()
+        .unwrap_or(Value::Null)
+}
+
+fn fleet_host_with_ports(db: &str, id: &str, offset: u16) -> Daemon {
+    let (lo, hi) = common::run_ports(offset, 10);
+    let mut args: Vec<String> = ["--slots-max", "8", "--port-range"]
+        .map(String::from)
+        .to_vec();
+    args.push(format!("{lo}-{hi}"));
+    let id_flag = ["--store", db, "--host-id", id, "--fleet-beat", "100ms"];
+    args.extend(id_flag.map(String::from));
+    args.extend(
+        [
+            "--ttl-max",
+            "60s",
+            "--fleet-margin",
+            "5s",
+            "--stop-grace",
+            "1s",
+        ]
+        .map(String::from),
+    );
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Daemon::start(&args)
+}
+
+/// Issue 38 Build 3 (C3/C4 fleet-wide): before, a project proven parallel on one host
+/// stayed serial on every other until a run proved it there too. Now the proof spreads:
+/// on another host the holder with the same contract shares its hold and the queued
+/// run is granted beside it; a changed contract there drops the evidence fleet-wide.
+#[test]
+fn regression_promotion_evidence_proven_on_one_host_promotes_the_project_on_another() {
+    let db = database();
+    let a = fleet_host_with_ports(&db, "ea", 0);
+    let b = fleet_host_with_ports(&db, "eb", 10);
+    let wt = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(wt.path().join(".git")).unwrap();
+    std::fs::write(wt.path().join(".git/HEAD"), format!("{COMMIT_A}\n")).unwrap();
+    std::fs::write(wt.path().join(".berth.toml"), WEB).unwrap();
+    // On b: one run holds the project's runtime key, the next waits for it.
+    let r = shop_run(&b, "b1", wt.path());
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let r = shop_run(&b, "b2", wt.path());
+    assert_eq!(r.status, 202, "{:?}", r.body);
+    assert!(
+        r.body["reason"]["code"]
+            .as_str()
+            .unwrap()
+            .starts_with("key."),
+        "{:?}",
+        r.body
+    );
+    // On a: a run proves the project parallel.
+    let r = shop_run(&a, "a1", wt.path());
+    let f = r.body["fence"].as_u64().expect("a1 granted");
+    let started = a.post("/v1/runs/a1/runtime", &json!({ "fence": f }).to_string());
+    assert_eq!(started.body["promoted"], true, "{:?}", started.body);
+    // On b the proof is taken: b2 is granted beside b1.
+    let took = within(&b, "b2 granted on the evidence a1 proved", |b| {
+        b.get("/v1/runs/b2").body["state"] == "granted"
+    });
+    eprintln!("evidence proven on one host promoted the project on another after {took:?}");
+    let p = shop(&b);
+    assert_eq!(
+        (p["concurrency"].clone(), p["evidence"]["commit"].clone()),
+        (json!("parallel_safe"), json!(COMMIT_A)),
+        "{p}"
+    );
+    assert_eq!(b.get("/v1/runs/b1").body["state"], "granted");
+    // C4 on b: a new commit's run refutes the evidence, on every host.
+    std::fs::write(wt.path().join(".git/HEAD"), format!("{}\n", "b".repeat(40))).unwrap();
+    shop_run(&b, "b3", wt.path());
+    assert_eq!(shop(&b)["evidence"], Value::Null, "{}", shop(&b));
+    within(&a, "the refuted evidence dropped on the other host", |a| {
+        shop(a)["evidence"] == Value::Null
+    });
+}

@@ -383,6 +383,14 @@ impl Engine {
                 self.fleet_control(&scope, receipt, ev);
                 Ok(None)
             }
+            Command::FleetEvidence {
+                project,
+                evidence,
+                valid,
+            } => {
+                self.fleet_evidence(now, &project, evidence, valid, ev);
+                Ok(None)
+            }
         }
     }
 

@@ -47,10 +47,15 @@ impl Engine {
             self.share_primary_key(s, ev);
         }
         let converted = self.convert_waiters(k, &evidence, ev);
-        // "Into shared holders at once": each converted waiter that fits is granted now,
-        // in queue order, ahead of the window. Like the head, it is exempt from writer
-        // preference: it was already queued for this key before the promotion.
-        // The starvation guard (A7) still applies to those behind the head.
+        self.grant_converted(converted, now, ev);
+        Ok(Some(self.view(s)))
+    }
+
+    /// "Into shared holders at once": each converted waiter that fits is granted now,
+    /// in queue order, ahead of the window. Like the head, it is exempt from writer
+    /// preference: it was already queued for this key before the promotion. The
+    /// starvation guard (A7) still applies to those behind the head.
+    fn grant_converted(&mut self, converted: Vec<Slot>, now: TimeMs, ev: &mut Vec<Event>) {
         let head = self.queues[0].head().map(|(_, h)| h);
         for w in converted {
             let guard_ok = match head {
@@ -61,7 +66,64 @@ impl Engine {
                 self.grant(w, now, ev);
             }
         }
-        Ok(Some(self.view(s)))
+    }
+
+    /// C3/C4 fleet-wide: evidence proven on another host (or found wrong there). Valid
+    /// evidence the project does not hold replaces what it holds (whose riders go back
+    /// to waiting for the key exclusively first); the exclusive holder with that
+    /// contract and its queued foreground runs with it become shared, as at a promotion
+    /// here, and those that fit are granted; invalid evidence is dropped only if it is
+    /// the project's.
+    pub(super) fn fleet_evidence(
+        &mut self,
+        now: TimeMs,
+        project: &str,
+        e: Evidence,
+        valid: bool,
+        ev: &mut Vec<Event>,
+    ) {
+        let same = |x: &Evidence| x.fingerprint == e.fingerprint && x.commit == e.commit;
+        let known = self.project_ids.get(&lower(project)).copied();
+        let held = known.and_then(|p| self.project(p).evidence.as_ref().map(same));
+        match (valid, held) {
+            (true, Some(true)) | (false, None | Some(false)) => return,
+            (false, Some(true)) => {
+                let p = known.expect("held");
+                self.invalidate_evidence(p, &e.run_id, ev);
+                self.gc_project(p);
+                return;
+            }
+            (true, Some(false)) => self.invalidate_evidence(known.expect("held"), &e.run_id, ev),
+            (true, None) => {}
+        }
+        let p = self.intern_project(project);
+        self.project_mut(p).evidence = Some(e.clone());
+        let name = self.project(p).name.clone();
+        ev.push(Event::Promoted {
+            project: name.clone(),
+            evidence: e.clone(),
+        });
+        let Some(&k) = self.key_ids.get(&runtime_key(&name)) else {
+            return;
+        };
+        // The holder here would have been the prover had it been first: with the same
+        // contract, its exclusive hold becomes shared as a prover's does.
+        if let Some(h) = self.key(k).exclusive {
+            let r = self.run(h);
+            let rides = r.keys[0] == (k, KeyMode::Exclusive)
+                && r.req.class == Class::Managed
+                && r.req.priority == Priority::Foreground
+                && r.upgrade.is_none()
+                && contract_matches(&r.contract, &e);
+            if rides {
+                let ks = self.key_mut(k);
+                ks.exclusive = None;
+                ks.shared += 1;
+                self.share_primary_key(h, ev);
+            }
+        }
+        let converted = self.convert_waiters(k, &e, ev);
+        self.grant_converted(converted, now, ev);
     }
 
     /// Whether the run at `s` may prove its project parallel (C3, C5): its contract, or
@@ -218,13 +280,14 @@ impl Engine {
     }
 
     pub(super) fn invalidate_evidence(&mut self, p: ProjectId, by_run: &str, ev: &mut Vec<Event>) {
-        if self.project_mut(p).evidence.take().is_none() {
+        let Some(evidence) = self.project_mut(p).evidence.take() else {
             return;
-        }
+        };
         let name = self.project(p).name.clone();
         ev.push(Event::EvidenceInvalidated {
             project: name.clone(),
             by_run: by_run.to_string(),
+            evidence,
         });
         // Waiters that would have ridden on the evidence claim the key exclusively again.
         // They hold nothing yet, so this cannot break anyone's hold (A1).

@@ -46,7 +46,8 @@ impl<H: Host> Daemon<H> {
         let sink = (!stops.is_empty()).then(|| self.host.stop_sink());
         // F1: a run's fleet-wide claim ends only once its ending is durable here.
         let fleet_jobs = self.fleet.take_pending();
-        let fleet = self.fleet.link.clone().filter(|_| !fleet_jobs.is_empty());
+        let any = !fleet_jobs.0.is_empty() || !fleet_jobs.1.is_empty();
+        let fleet = self.fleet.link.clone().filter(|_| any);
         self.effects.push(Effect::Commit(Box::new(Commit {
             batch,
             stops: sink.map(|s| (s, stops)),

@@ -91,11 +91,8 @@ impl<H: Host> Daemon<H> {
                 }
                 Event::Degraded { run_id } => self.on_degraded(run_id),
                 // C3/C4: evidence is durable with the step that proved or disproved it.
-                Event::Promoted { project, evidence } => {
-                    self.on_evidence(project, Some(evidence), &evidence.run_id)
-                }
-                Event::EvidenceInvalidated { project, by_run } => {
-                    self.on_evidence(project, None, by_run)
+                Event::Promoted { .. } | Event::EvidenceInvalidated { .. } => {
+                    self.on_evidence_event(&ev)
                 }
                 Event::ScopeFrozen { .. }
                 | Event::ScopeForgotten { .. }
@@ -122,6 +119,25 @@ impl<H: Host> Daemon<H> {
 
     /// C3/C4: promotion evidence recorded (`Some`) or invalidated (`None`), made
     /// durable with the step that proved or disproved it.
+    /// C3/C4: evidence recorded or dropped, here and (in fleet mode) in the fleet.
+    fn on_evidence_event(&mut self, ev: &Event) {
+        match ev {
+            Event::Promoted { project, evidence } => {
+                self.on_evidence(project, Some(evidence), &evidence.run_id);
+                self.share_evidence(project, evidence, true);
+            }
+            Event::EvidenceInvalidated {
+                project,
+                by_run,
+                evidence,
+            } => {
+                self.on_evidence(project, None, by_run);
+                self.share_evidence(project, evidence, false);
+            }
+            _ => {}
+        }
+    }
+
     pub(super) fn on_evidence(
         &mut self,
         project: &str,

@@ -106,11 +106,15 @@ pub(super) struct FleetState {
     gen: i64,
     beat_ok_ms: u64,
     /// This host's id in the fleet (fixed at start).
-    host_id: String,
+    pub(super) host_id: String,
     /// The heartbeat period (0: not known, no staleness is judged).
     pub(super) beat_ms: u64,
     /// The version of the fleet's tokens and drain mirrored here (issue 38 Build 3).
     pub(super) shared_version: i64,
+    /// Evidence to tell the store once the step is durable; none while a step takes
+    /// the fleet's own (`mirroring`: it is not told back).
+    pub(super) shared_jobs: Vec<crate::fleet::SharedJob>,
+    pub(super) mirroring: bool,
 }
 
 impl FleetState {
@@ -129,9 +133,11 @@ impl FleetState {
         self.link.is_some() && (!self.available || self.gen == 0 || stale)
     }
 
-    /// The endings decided by the step being committed (sent once it is durable).
-    pub(super) fn take_pending(&mut self) -> Vec<Job> {
-        std::mem::take(&mut self.pending)
+    /// The endings decided by the step being committed (sent once it is durable), and
+    /// the evidence it shares.
+    pub(super) fn take_pending(&mut self) -> (Vec<Job>, Vec<crate::fleet::SharedJob>) {
+        let shared = std::mem::take(&mut self.shared_jobs);
+        (std::mem::take(&mut self.pending), shared)
     }
 
     /// A claim's answer lost (the store may hold it, `unsure`) or come.

@@ -15,11 +15,12 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use berth_client::wire;
-use berth_store::fleet::{FleetDrain, FleetReceipt, FleetToken, Shared};
+use berth_store::fleet::{FleetDrain, FleetEvidence, FleetReceipt, FleetToken, Shared};
 use berth_store::{DrainRecord, Mutation};
 
 use super::{Daemon, Host, Reply};
 use crate::auth::{self, Grant};
+use crate::fleet::SharedJob;
 
 /// A change this host made to the fleet's tokens or drain (committed in the store).
 #[derive(Clone, Debug)]
@@ -71,6 +72,9 @@ impl<H: Host> Daemon<H> {
         self.mirror_drain(sh.drain, &mut touched);
         for c in &sh.controls {
             self.mirror_control(&c.scope, &c.last, &mut touched);
+        }
+        for e in &sh.evidence {
+            self.mirror_evidence(e, &mut touched);
         }
         // Always: a command to the engine brings its time too (a lease that ran out
         // meanwhile ends in this step), and a read comes only when the version moved.
@@ -206,6 +210,51 @@ impl<H: Host> Daemon<H> {
         };
         let _ = self.apply(cmd, touched);
         generation(self) != before
+    }
+
+    /// C3/C4 fleet-wide: evidence proven or found wrong here is told to the fleet once
+    /// the step is durable (not evidence the fleet told this host).
+    pub(super) fn share_evidence(&mut self, project: &str, e: &berth_core::Evidence, valid: bool) {
+        if self.fleet.link.is_none() || self.fleet.mirroring {
+            return;
+        }
+        let job = match valid {
+            true => SharedJob::PutEvidence(FleetEvidence {
+                project: project.into(),
+                fingerprint: e.fingerprint.clone(),
+                commit: e.commit.clone(),
+                ports: e.ports.clone(),
+                run_id: e.run_id.clone(),
+                host_id: self.fleet.host_id.clone(),
+                valid: true,
+            }),
+            false => SharedJob::InvalidateEvidence {
+                project: project.into(),
+                fingerprint: e.fingerprint.clone(),
+                commit: e.commit.clone(),
+            },
+        };
+        self.fleet.shared_jobs.push(job);
+    }
+
+    /// C3/C4 fleet-wide: the fleet's evidence of `e.project`, taken by the engine (not
+    /// told back to the fleet).
+    fn mirror_evidence(&mut self, e: &FleetEvidence, touched: &mut BTreeSet<String>) {
+        let evidence = berth_core::Evidence {
+            fingerprint: e.fingerprint.clone(),
+            commit: e.commit.clone(),
+            ports: e.ports.clone(),
+            at_ms: self.now,
+            run_id: e.run_id.clone(),
+        };
+        let cmd = berth_core::Command::FleetEvidence {
+            project: e.project.clone(),
+            evidence,
+            valid: e.valid,
+        };
+        self.fleet.mirroring = true;
+        let _ = self.apply(cmd, touched);
+        self.fleet.mirroring = false;
     }
 
     /// The engine drains while the host's drain or the fleet's is in force.

@@ -165,7 +165,9 @@ impl<H: Host> Daemon<H> {
                 let run = Some(evidence.run_id.clone());
                 self.journal_entry(run, Some(project.clone()), Journal::Promoted(data));
             }
-            Event::EvidenceInvalidated { project, by_run } => {
+            Event::EvidenceInvalidated {
+                project, by_run, ..
+            } => {
                 let data = Journal::EvidenceInvalidated(wire::JournalEmpty {});
                 self.journal_entry(Some(by_run.clone()), Some(project.clone()), data);
             }

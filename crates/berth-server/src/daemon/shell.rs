@@ -36,8 +36,9 @@ pub struct Commit {
     /// Stop orders, for the stopper (a crash before the commit must not leave the
     /// ledger saying granted while the processes are already killed).
     pub stops: Option<(StopSink, Vec<StopOrder>)>,
-    /// F1: fleet-wide claims to end, once their endings are durable here.
-    pub fleet: Option<(Handle, Vec<Job>)>,
+    /// F1: fleet-wide claims to end, once their endings are durable here, and the
+    /// promotion evidence to share.
+    pub fleet: Option<(Handle, FleetAfter)>,
     /// D5: entries readers may see once durable.
     pub journal: Vec<Arc<JournalEntry>>,
     /// Watchers of the touched runs, and what they are told.
@@ -46,6 +47,9 @@ pub struct Commit {
     pub granted: bool,
     pub then: Done,
 }
+
+/// What a commit sends the fleet once durable: claims' endings, and what it shares.
+pub type FleetAfter = (Vec<Job>, Vec<crate::fleet::SharedJob>);
 
 /// The ledger writer and what a commit's aftermath reaches.
 pub struct Shell {
@@ -88,8 +92,9 @@ impl Shell {
             if let (Ok(()), Some((sink, stops))) = (&res, stops) {
                 stops.into_iter().for_each(|o| sink(o));
             }
-            if let (Ok(()), Some((link, jobs))) = (&res, fleet) {
+            if let (Ok(()), Some((link, (jobs, shared)))) = (&res, fleet) {
                 jobs.into_iter().for_each(|j| link.send(j));
+                shared.into_iter().for_each(|j| link.share(j));
             }
             if granted {
                 crate::failpoint::hit("grant-committed");

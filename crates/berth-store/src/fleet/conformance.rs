@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 
 use berth_core::scopes::{Control, Mode};
 
+use super::FleetEvidence;
 use super::{
     Claim, ClaimOutcome, ControlOutcome, Ending, FleetDrain, FleetError, FleetOp, FleetStore,
     FleetToken, HostInfo, OpOutcome, ScopeControlRequest, ThreadOwner, TokenClaim, BATCH_OPS_MAX,
@@ -71,6 +72,10 @@ pub const CHECKS: &[(&str, Check)] = &[
     (
         "a_scope_control_is_decided_once_fleet_wide",
         a_scope_control_is_decided_once_fleet_wide,
+    ),
+    (
+        "evidence_is_shared_and_invalidated_as_it_was",
+        evidence_is_shared_and_invalidated_as_it_was,
     ),
 ];
 
@@ -837,4 +842,64 @@ fn a_scope_control_is_decided_once_fleet_wide(open: Open) {
     let read = a.shared(-1).unwrap().unwrap();
     let race = read.controls.iter().find(|c| c.scope == "race").unwrap();
     assert_eq!(race.generation, 40, "{race:?}");
+}
+
+fn evidence(project: &str, fingerprint: &str, commit: Option<&str>) -> FleetEvidence {
+    FleetEvidence {
+        project: project.into(),
+        fingerprint: fingerprint.into(),
+        commit: commit.map(Into::into),
+        ports: vec!["web".into(), "api".into()],
+        run_id: "prover".into(),
+        host_id: "a".into(),
+        valid: true,
+    }
+}
+
+/// Issue 38 Build 3 (C3/C4 fleet-wide): evidence one host proves every host reads;
+/// an invalidation names the evidence it found wrong and leaves newer evidence alone;
+/// the same evidence again changes nothing; bad input changes nothing.
+fn evidence_is_shared_and_invalidated_as_it_was(open: Open) {
+    let (mut a, mut b) = (open(), open());
+    let e1 = evidence("shop", "f1", Some("c1"));
+    let v1 = a.put_evidence(&e1).unwrap();
+    let read = b.shared(-1).unwrap().expect("a first read");
+    assert_eq!(
+        (read.version, read.evidence.clone()),
+        (v1, vec![e1.clone()])
+    );
+    assert_eq!(b.put_evidence(&e1).unwrap(), v1, "the same evidence again");
+    // Another fingerprint's or commit's invalidation is not this evidence's.
+    assert_eq!(b.invalidate_evidence("shop", "f0", Some("c1")).unwrap(), v1);
+    assert_eq!(b.invalidate_evidence("shop", "f1", None).unwrap(), v1);
+    let v2 = b.invalidate_evidence("shop", "f1", Some("c1")).unwrap();
+    assert!(v2 > v1);
+    let read = a.shared(v1).unwrap().expect("changed");
+    assert!(!read.evidence[0].valid, "{read:?}");
+    assert_eq!(a.invalidate_evidence("shop", "f1", Some("c1")).unwrap(), v2);
+    // Newer evidence: an invalidation of the old one leaves it.
+    let e2 = evidence("shop", "f2", Some("c2"));
+    let v3 = a.put_evidence(&e2).unwrap();
+    assert_eq!(b.invalidate_evidence("shop", "f1", Some("c1")).unwrap(), v3);
+    let read = b.shared(v2).unwrap().expect("changed");
+    assert_eq!(read.evidence, vec![e2]);
+    // Without a commit.
+    let e3 = evidence("docs", "f", None);
+    a.put_evidence(&e3).unwrap();
+    let v4 = b.invalidate_evidence("docs", "f", None).unwrap();
+    let read = a.shared(v3).unwrap().expect("changed");
+    assert_eq!(
+        (read.version, read.evidence[0].valid),
+        (v4, false),
+        "{read:?}"
+    );
+    // Bad input: refused, nothing changed.
+    let mut bad = evidence("shop", "f9", None);
+    bad.ports = (0..=berth_core::PORTS_MAX)
+        .map(|i| format!("p{i}"))
+        .collect();
+    assert!(matches!(a.put_evidence(&bad), Err(FleetError::Invalid(_))));
+    bad = evidence("shop", &"f".repeat(257), None);
+    assert!(matches!(a.put_evidence(&bad), Err(FleetError::Invalid(_))));
+    assert_eq!(a.shared(v4).unwrap(), None);
 }

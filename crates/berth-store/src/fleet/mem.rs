@@ -14,9 +14,10 @@ use super::{
     FleetFence, FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 use super::{
-    check_control, check_drain, check_token, check_token_id, decide, too_many_scopes,
-    too_many_tokens, ControlOutcome, FleetDrain, FleetReceipt, FleetScopeControl, FleetToken,
-    ScopeControlRequest, Shared, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX,
+    check_control, check_drain, check_evidence, check_token, check_token_id, decide,
+    too_many_scopes, too_many_tokens, too_much_evidence, ControlOutcome, FleetDrain, FleetEvidence,
+    FleetReceipt, FleetScopeControl, FleetToken, ScopeControlRequest, Shared, FLEET_EVIDENCE_MAX,
+    FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX,
 };
 use berth_core::scopes::Control;
 
@@ -175,6 +176,8 @@ struct State {
     /// (scope, request id).
     controls: BTreeMap<String, (Control, u64)>,
     receipts: BTreeMap<(String, String), FleetReceipt>,
+    /// Project → its promotion evidence (C3 fleet-wide).
+    evidence: BTreeMap<String, FleetEvidence>,
 }
 
 impl State {
@@ -599,7 +602,43 @@ impl FleetStore for MemFleet {
             drain: st.drain.clone(),
             tokens: st.bearer.values().cloned().collect(),
             controls,
+            evidence: st.evidence.values().cloned().collect(),
         }))
+    }
+
+    fn put_evidence(&mut self, e: &FleetEvidence) -> Result<i64, FleetError> {
+        check_evidence(e)?;
+        let (mut st, _) = self.open();
+        let valid = FleetEvidence {
+            valid: true,
+            ..e.clone()
+        };
+        match st.evidence.get(&e.project) {
+            Some(now) if *now == valid => return Ok(st.shared_version),
+            None if st.evidence.len() >= FLEET_EVIDENCE_MAX => return Err(too_much_evidence()),
+            _ => {}
+        }
+        st.evidence.insert(e.project.clone(), valid);
+        st.shared_version += 1;
+        Ok(st.shared_version)
+    }
+
+    fn invalidate_evidence(
+        &mut self,
+        project: &str,
+        fingerprint: &str,
+        commit: Option<&str>,
+    ) -> Result<i64, FleetError> {
+        let (mut st, _) = self.open();
+        let hit = st
+            .evidence
+            .get_mut(project)
+            .filter(|e| e.valid && e.fingerprint == fingerprint && e.commit.as_deref() == commit);
+        if let Some(e) = hit {
+            e.valid = false;
+            st.shared_version += 1;
+        }
+        Ok(st.shared_version)
     }
 
     fn control_scope(

@@ -26,12 +26,13 @@ mod tls;
 pub use mem::MemFleet;
 pub use pg::{PgFleet, PgListener};
 pub(crate) use shared::{
-    check_control, check_drain, check_token, check_token_id, decide, too_many_scopes,
-    too_many_tokens, word,
+    check_control, check_drain, check_evidence, check_token, check_token_id, decide,
+    too_many_scopes, too_many_tokens, too_much_evidence, word,
 };
 pub use shared::{
-    ControlOutcome, FleetDrain, FleetReceipt, FleetScopeControl, FleetToken, ScopeControlRequest,
-    Shared, DRAIN_FIELD_BYTES_MAX, DRAIN_REASON_BYTES_MAX, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX,
+    ControlOutcome, FleetDrain, FleetEvidence, FleetReceipt, FleetScopeControl, FleetToken,
+    ScopeControlRequest, Shared, DRAIN_FIELD_BYTES_MAX, DRAIN_REASON_BYTES_MAX,
+    EVIDENCE_FIELD_BYTES_MAX, FLEET_EVIDENCE_MAX, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX,
     FLEET_TOKENS_MAX, GRANT_BYTES_MAX, SCOPE_ID_BYTES_MAX, SHARED_PAYLOAD,
 };
 pub use sqlite::SqliteFleet;
@@ -336,6 +337,19 @@ pub trait FleetStore: Send {
         r: &ScopeControlRequest,
         host_id: &str,
     ) -> Result<(ControlOutcome, i64), FleetError>;
+    /// C3 fleet-wide: keeps a project's promotion evidence (valid), in place of what
+    /// the project had. The same evidence again changes nothing; evidence of a new
+    /// project past [`FLEET_EVIDENCE_MAX`] is refused. Announces a change. Returns the
+    /// shared version.
+    fn put_evidence(&mut self, e: &FleetEvidence) -> Result<i64, FleetError>;
+    /// C4 fleet-wide: marks the project's evidence invalid if it is still this
+    /// fingerprint and commit (newer evidence is left alone). Announces a change.
+    fn invalidate_evidence(
+        &mut self,
+        project: &str,
+        fingerprint: &str,
+        commit: Option<&str>,
+    ) -> Result<i64, FleetError>;
     /// The fleet's tokens, drain and scope controls, or `None` if nothing changed
     /// since `since` (the version the caller last read; `-1` before its first read).
     fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError>;

@@ -16,10 +16,10 @@ use super::{
     HOSTS_MAX,
 };
 use super::{
-    check_control, check_drain, check_token, check_token_id, decide, too_many_scopes,
-    too_many_tokens, word, ControlOutcome, FleetDrain, FleetReceipt, FleetScopeControl, FleetToken,
-    ScopeControlRequest, Shared, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX,
-    SHARED_PAYLOAD,
+    check_control, check_drain, check_evidence, check_token, check_token_id, decide,
+    too_many_scopes, too_many_tokens, too_much_evidence, word, ControlOutcome, FleetDrain,
+    FleetEvidence, FleetReceipt, FleetScopeControl, FleetToken, ScopeControlRequest, Shared,
+    FLEET_EVIDENCE_MAX, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX, SHARED_PAYLOAD,
 };
 use berth_core::scopes::Control;
 
@@ -649,12 +649,22 @@ impl FleetStore for PgFleet {
                   ORDER BY c.scope COLLATE \"C\"",
                 &[],
             )?;
+            let evidence = tx
+                .query(
+                    "SELECT project, fingerprint, git_commit, ports, run_id, host_id, valid
+                       FROM berth_evidence ORDER BY project COLLATE \"C\"",
+                    &[],
+                )?
+                .iter()
+                .map(evidence_row)
+                .collect();
             tx.commit()?;
             let shared = Shared {
                 version,
                 drain,
                 tokens,
                 controls: Vec::new(),
+                evidence,
             };
             Ok(Some((shared, controls)))
         })?;
@@ -718,6 +728,90 @@ impl FleetStore for PgFleet {
             tx.commit()?;
             Ok(answer)
         })?
+    }
+
+    fn put_evidence(&mut self, e: &FleetEvidence) -> Result<i64, FleetError> {
+        check_evidence(e)?;
+        let max = FLEET_EVIDENCE_MAX as i64;
+        let ports = e.ports.join("\n");
+        let valid = FleetEvidence {
+            valid: true,
+            ..e.clone()
+        };
+        self.with(|c| {
+            let mut tx = c.transaction()?;
+            tx.execute("SELECT 1 FROM berth_shared WHERE id = 1 FOR UPDATE", &[])?;
+            let now = tx
+                .query_opt(
+                    "SELECT project, fingerprint, git_commit, ports, run_id, host_id, valid
+                       FROM berth_evidence WHERE project = $1",
+                    &[&e.project],
+                )?
+                .map(|r| evidence_row(&r));
+            let n: i64 = tx
+                .query_one("SELECT count(*) FROM berth_evidence", &[])?
+                .get(0);
+            let answer = match &now {
+                Some(now) if *now == valid => Ok(()),
+                None if n >= max => Err(too_much_evidence()),
+                _ => {
+                    tx.execute(
+                        "INSERT INTO berth_evidence VALUES ($1, $2, $3, $4, $5, $6, true)
+                         ON CONFLICT (project) DO UPDATE SET fingerprint = $2, git_commit = $3,
+                           ports = $4, run_id = $5, host_id = $6, valid = true",
+                        &[
+                            &e.project,
+                            &e.fingerprint,
+                            &e.commit,
+                            &ports,
+                            &e.run_id,
+                            &e.host_id,
+                        ],
+                    )?;
+                    changed(&mut tx)?;
+                    Ok(())
+                }
+            };
+            let (version, _) = read_shared(&mut tx)?;
+            tx.commit()?;
+            Ok(answer.map(|()| version))
+        })?
+    }
+
+    fn invalidate_evidence(
+        &mut self,
+        project: &str,
+        fingerprint: &str,
+        commit: Option<&str>,
+    ) -> Result<i64, FleetError> {
+        self.with(|c| {
+            let mut tx = c.transaction()?;
+            tx.execute("SELECT 1 FROM berth_shared WHERE id = 1 FOR UPDATE", &[])?;
+            let n = tx.execute(
+                "UPDATE berth_evidence SET valid = false WHERE project = $1 AND fingerprint = $2
+                   AND git_commit IS NOT DISTINCT FROM $3 AND valid",
+                &[&project, &fingerprint, &commit],
+            )?;
+            if n > 0 {
+                changed(&mut tx)?;
+            }
+            let (version, _) = read_shared(&mut tx)?;
+            tx.commit()?;
+            Ok(version)
+        })
+    }
+}
+
+fn evidence_row(r: &postgres::Row) -> FleetEvidence {
+    let ports: String = r.get(3);
+    FleetEvidence {
+        project: r.get(0),
+        fingerprint: r.get(1),
+        commit: r.get(2),
+        ports: ports.lines().map(str::to_owned).collect(),
+        run_id: r.get(4),
+        host_id: r.get(5),
+        valid: r.get(6),
     }
 }
 

@@ -25,6 +25,17 @@ CREATE TABLE berth_scope_control (
   control text NOT NULL,
   generation bigint NOT NULL
 );
+-- C3/C4 fleet-wide: each project's promotion evidence; valid false once a host found
+-- it wrong (ports one per line).
+CREATE TABLE berth_evidence (
+  project text PRIMARY KEY,
+  fingerprint text NOT NULL,
+  git_commit text,
+  ports text NOT NULL,
+  run_id text NOT NULL,
+  host_id text NOT NULL,
+  valid boolean NOT NULL
+);
 CREATE TABLE berth_scope_receipt (
   scope text NOT NULL,
   request_id text NOT NULL,

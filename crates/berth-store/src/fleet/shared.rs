@@ -48,6 +48,8 @@ pub struct Shared {
     pub tokens: Vec<FleetToken>,
     /// By scope id.
     pub controls: Vec<FleetScopeControl>,
+    /// By project.
+    pub evidence: Vec<FleetEvidence>,
 }
 
 /// A token row's rules, checked before any SQL runs: a hash as `hash_token` writes
@@ -213,4 +215,47 @@ pub(crate) fn too_many_scopes() -> FleetError {
 pub(crate) fn word<T: std::str::FromStr<Err = String>>(s: &str) -> Result<T, FleetError> {
     s.parse()
         .map_err(|e| FleetError::Unavailable(format!("the fleet store holds {e}")))
+}
+
+/// Projects whose promotion evidence the fleet keeps at most (C3 fleet-wide).
+pub const FLEET_EVIDENCE_MAX: usize = 4_096;
+/// A project's name, a fingerprint, a commit, a run id or a port name, at most.
+pub const EVIDENCE_FIELD_BYTES_MAX: usize = 256;
+
+/// C3 fleet-wide (issue 38 Build 3): a project's promotion evidence as the fleet keeps
+/// it: proven on one host, honoured on every host for runs with the same contract
+/// fingerprint and commit; `valid` false once a host found it wrong (C4), which every
+/// host that holds the same evidence then drops.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetEvidence {
+    pub project: String,
+    pub fingerprint: String,
+    pub commit: Option<String>,
+    pub ports: Vec<String>,
+    pub run_id: String,
+    pub host_id: String,
+    pub valid: bool,
+}
+
+pub(crate) fn check_evidence(e: &FleetEvidence) -> Result<(), FleetError> {
+    let max = EVIDENCE_FIELD_BYTES_MAX;
+    check_field("evidence project", &e.project, max)?;
+    check_field("evidence fingerprint", &e.fingerprint, max)?;
+    check_field("evidence commit", e.commit.as_deref().unwrap_or(""), max)?;
+    check_field("evidence run_id", &e.run_id, max)?;
+    check_field("evidence host_id", &e.host_id, max)?;
+    let ports = berth_core::PORTS_MAX;
+    if e.ports.len() > ports || e.ports.iter().any(|p| p.len() > max || p.contains('\n')) {
+        return Err(FleetError::Invalid(format!(
+            "evidence ports: at most {ports} names of at most {max} bytes, one line each"
+        )));
+    }
+    Ok(())
+}
+
+/// The refusal of evidence for a new project past [`FLEET_EVIDENCE_MAX`].
+pub(crate) fn too_much_evidence() -> FleetError {
+    FleetError::Invalid(format!(
+        "evidence: the fleet keeps the evidence of at most {FLEET_EVIDENCE_MAX} projects"
+    ))
 }

@@ -11,9 +11,10 @@ use super::{
     FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 use super::{
-    check_control, check_drain, check_token, check_token_id, decide, too_many_scopes,
-    too_many_tokens, word, ControlOutcome, FleetDrain, FleetReceipt, FleetScopeControl, FleetToken,
-    ScopeControlRequest, Shared, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX,
+    check_control, check_drain, check_evidence, check_token, check_token_id, decide,
+    too_many_scopes, too_many_tokens, too_much_evidence, word, ControlOutcome, FleetDrain,
+    FleetEvidence, FleetReceipt, FleetScopeControl, FleetToken, ScopeControlRequest, Shared,
+    FLEET_EVIDENCE_MAX, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX,
 };
 use berth_core::scopes::Control;
 
@@ -49,6 +50,9 @@ CREATE TABLE IF NOT EXISTS scope_control (scope TEXT PRIMARY KEY, control TEXT N
 CREATE TABLE IF NOT EXISTS scope_receipt (scope TEXT NOT NULL, request_id TEXT NOT NULL,
   mode TEXT NOT NULL, generation INTEGER NOT NULL, control TEXT NOT NULL,
   host_id TEXT NOT NULL, PRIMARY KEY (scope, request_id));
+CREATE TABLE IF NOT EXISTS evidence (project TEXT PRIMARY KEY, fingerprint TEXT NOT NULL,
+  git_commit TEXT, ports TEXT NOT NULL, run_id TEXT NOT NULL, host_id TEXT NOT NULL,
+  valid INTEGER NOT NULL);
 ";
 /// The schema version this build writes (`user_version`). Version 2 added the fleet's
 /// bearer tokens and drain (issue 38 Build 3): a berth that knows only version 1
@@ -601,11 +605,19 @@ impl FleetStore for SqliteFleet {
                     })
                 })?
                 .collect::<rusqlite::Result<_>>()?;
+            let evidence = tx
+                .prepare(
+                    "SELECT project, fingerprint, git_commit, ports, run_id, host_id, valid
+                       FROM evidence ORDER BY project",
+                )?
+                .query_map([], evidence_row)?
+                .collect::<rusqlite::Result<_>>()?;
             let shared = Shared {
                 version,
                 drain,
                 tokens,
                 controls: Vec::new(),
+                evidence,
             };
             Ok(Some((shared, read_controls(tx)?)))
         })?;
@@ -667,6 +679,77 @@ impl FleetStore for SqliteFleet {
             }
         })?
     }
+
+    fn put_evidence(&mut self, e: &FleetEvidence) -> Result<i64, FleetError> {
+        check_evidence(e)?;
+        let max = FLEET_EVIDENCE_MAX as i64;
+        let ports = e.ports.join("\n");
+        self.tx(|tx| {
+            let now: Option<FleetEvidence> = tx
+                .query_row(
+                    "SELECT project, fingerprint, git_commit, ports, run_id, host_id, valid
+                       FROM evidence WHERE project = ?1",
+                    [&e.project],
+                    evidence_row,
+                )
+                .optional()?;
+            let n: i64 = tx.query_row("SELECT count(*) FROM evidence", [], |x| x.get(0))?;
+            let valid = FleetEvidence {
+                valid: true,
+                ..e.clone()
+            };
+            match &now {
+                Some(now) if *now == valid => return Ok(Ok(read_shared(tx)?.0)),
+                None if n >= max => return Ok(Err(too_much_evidence())),
+                _ => {}
+            }
+            tx.execute(
+                "INSERT OR REPLACE INTO evidence VALUES (?1, ?2, ?3, ?4, ?5, ?6, 1)",
+                params![
+                    e.project,
+                    e.fingerprint,
+                    e.commit,
+                    ports,
+                    e.run_id,
+                    e.host_id
+                ],
+            )?;
+            tx.execute("UPDATE shared SET version = version + 1", [])?;
+            Ok(Ok(read_shared(tx)?.0))
+        })?
+    }
+
+    fn invalidate_evidence(
+        &mut self,
+        project: &str,
+        fingerprint: &str,
+        commit: Option<&str>,
+    ) -> Result<i64, FleetError> {
+        self.tx(|tx| {
+            let n = tx.execute(
+                "UPDATE evidence SET valid = 0 WHERE project = ?1 AND fingerprint = ?2
+                   AND git_commit IS ?3 AND valid = 1",
+                params![project, fingerprint, commit],
+            )?;
+            if n > 0 {
+                tx.execute("UPDATE shared SET version = version + 1", [])?;
+            }
+            Ok(read_shared(tx)?.0)
+        })
+    }
+}
+
+fn evidence_row(x: &rusqlite::Row) -> rusqlite::Result<FleetEvidence> {
+    let ports: String = x.get(3)?;
+    Ok(FleetEvidence {
+        project: x.get(0)?,
+        fingerprint: x.get(1)?,
+        commit: x.get(2)?,
+        ports: ports.lines().map(str::to_owned).collect(),
+        run_id: x.get(4)?,
+        host_id: x.get(5)?,
+        valid: x.get(6)?,
+    })
 }
 
 /// A receipt's row: request id, mode, generation, control, host.

@@ -19,9 +19,9 @@ use std::sync::{Arc, Mutex};
 
 use berth_core::RunState;
 use berth_store::fleet::{
-    BatchOutcome, Claim, ClaimOutcome, ControlOutcome, Ending, FleetDrain, FleetError, FleetFence,
-    FleetOp, FleetStore, FleetToken, HostInfo, HostRow, MemFleet, ScopeControlRequest, Shared,
-    ThreadOwner, TokenRow,
+    BatchOutcome, Claim, ClaimOutcome, ControlOutcome, Ending, FleetDrain, FleetError,
+    FleetEvidence, FleetFence, FleetOp, FleetStore, FleetToken, HostInfo, HostRow, MemFleet,
+    ScopeControlRequest, Shared, ThreadOwner, TokenRow,
 };
 
 use super::Sim;
@@ -164,6 +164,19 @@ impl FleetStore for Reach {
     ) -> Result<(ControlOutcome, i64), FleetError> {
         self.up()?;
         self.store.control_scope(r, host_id)
+    }
+    fn put_evidence(&mut self, e: &FleetEvidence) -> Result<i64, FleetError> {
+        self.up()?;
+        self.store.put_evidence(e)
+    }
+    fn invalidate_evidence(
+        &mut self,
+        project: &str,
+        fingerprint: &str,
+        commit: Option<&str>,
+    ) -> Result<i64, FleetError> {
+        self.up()?;
+        self.store.invalidate_evidence(project, fingerprint, commit)
     }
 }
 
@@ -324,6 +337,7 @@ impl Sim {
         let f = self.fleet_mut();
         f.clock.store(now, Ordering::Relaxed);
         f.link.all_jobs();
+        f.link.told();
         f.link.beat();
         if !f.peer.silent {
             let mut s = f.store.clone();

@@ -10,7 +10,8 @@ use std::collections::BTreeMap;
 
 use berth_core::scopes::Mode;
 use berth_store::fleet::{
-    ControlOutcome, FleetDrain, FleetError, FleetStore, FleetToken, ScopeControlRequest,
+    ControlOutcome, FleetDrain, FleetError, FleetEvidence, FleetStore, FleetToken,
+    ScopeControlRequest,
 };
 
 use super::fleet::{HOST, PEER};
@@ -25,7 +26,7 @@ impl Sim {
         let by_peer = self.rng.chance(0.5);
         let mut s = self.fleet_store(by_peer);
         let host = if by_peer { PEER } else { HOST };
-        let change = match self.rng.range(0, 4) {
+        let change = match self.rng.range(0, 5) {
             0 => self.token_made(&mut *s, host),
             1 => {
                 let known = self.fleet_store(true).shared(-1).ok().flatten();
@@ -48,6 +49,9 @@ impl Sim {
                 let r = s.set_drain(d.as_ref());
                 r.map(|(now, v)| (FleetChange::Drain(now), v))
             }
+            // C3/C4 fleet-wide: the peer proves or refutes a project's evidence (this
+            // host's runs have no contract: it never proves one itself).
+            4 => return self.peer_evidence(),
             _ => match self.control(&mut *s, host) {
                 Ok(Some(c)) => Ok(c),
                 Ok(None) => return "shared: a control refused".into(),
@@ -72,6 +76,26 @@ impl Sim {
             Err(e) => return format!("{line}, answered {e:?}"),
         }
         line
+    }
+
+    /// The peer proves or refutes a project's evidence.
+    fn peer_evidence(&mut self) -> String {
+        let mut p = self.fleet_store(true);
+        let project = format!("p{}", self.rng.range(0, 3));
+        let fingerprint = format!("f{}", self.rng.range(0, 1));
+        let r = match self.rng.chance(0.6) {
+            true => p.put_evidence(&FleetEvidence {
+                project: project.clone(),
+                fingerprint,
+                commit: Some("c".into()),
+                ports: vec!["web".into()],
+                run_id: "peer-prover".into(),
+                host_id: PEER.into(),
+                valid: true,
+            }),
+            false => p.invalidate_evidence(&project, &fingerprint, Some("c")),
+        };
+        format!("shared: the peer's evidence of {project}: {r:?}")
     }
 
     fn token_made(
@@ -187,6 +211,28 @@ impl Sim {
                 })
             })
             .collect();
+        // No project rides on evidence the fleet does not hold valid. (The other way
+        // may differ: a host drops evidence a run of its own refuted, and tells the
+        // fleet; told while the store is away, that is lost, and the host stays serial.)
+        let fleet = |p: &str, e: &berth_core::Evidence| {
+            (store.evidence.iter()).any(|x| {
+                x.project == p
+                    && x.valid
+                    && (x.fingerprint.as_str(), x.commit.as_deref())
+                        == (e.fingerprint.as_str(), e.commit.as_deref())
+            })
+        };
+        let wrong: Vec<String> = (d.engine.snapshot().projects.into_iter())
+            .filter_map(|p| {
+                let e = p.evidence?;
+                (!fleet(&p.name, &e)).then(|| format!("{}: {e:?}", p.name))
+            })
+            .collect();
+        if !wrong.is_empty() {
+            self.wrong(format!(
+                "after a heartbeat a project's evidence is not the fleet's: {wrong:?}"
+            ));
+        }
         if !controls.is_empty() {
             self.wrong(format!(
                 "after a heartbeat a scope's control is not the fleet's: {controls:?}"
