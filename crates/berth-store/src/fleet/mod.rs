@@ -16,6 +16,7 @@
 //! same rules, on a clock the daemon simulator can drive. [`conformance`] is the suite
 //! they all pass (F5).
 
+mod backoff;
 pub mod conformance;
 mod mem;
 mod pg;
@@ -23,6 +24,7 @@ mod shared;
 mod sqlite;
 mod tls;
 
+pub use backoff::{BACKOFF_MS_MAX, BACKOFF_MS_MIN};
 pub use mem::MemFleet;
 pub use pg::{PgFleet, PgListener};
 pub(crate) use shared::{

@@ -49,6 +49,8 @@ pub struct PgFleet {
     client: Option<Conn>,
     /// The schema was checked (and migrated) on a connection of this store.
     migrated: bool,
+    /// Reconnect pacing after a failed attempt (issue 38 Build 5).
+    backoff: super::backoff::Backoff,
 }
 
 /// A connection and the statements prepared on it. A statement sent as text is
@@ -106,6 +108,7 @@ impl PgFleet {
             tls,
             client: None,
             migrated: false,
+            backoff: Default::default(),
         })
     }
 
@@ -123,7 +126,16 @@ impl PgFleet {
     fn client(&mut self) -> Result<&mut Conn, FleetError> {
         if self.client.as_ref().is_none_or(|c| c.client.is_closed()) {
             self.client = None;
-            let mut c = self.tls.connect(&self.config).map_err(unavailable)?;
+            let now = std::time::Instant::now();
+            self.backoff.check(now)?;
+            let mut c = match self.tls.connect(&self.config).map_err(unavailable) {
+                Ok(c) => c,
+                Err(e) => {
+                    self.backoff.failed(now, &e.to_string());
+                    return Err(e);
+                }
+            };
+            self.backoff.ok();
             if !self.migrated {
                 migrate(&mut c)?;
                 self.migrated = true;
