@@ -526,15 +526,21 @@ impl Worker {
     /// and tells the daemon. False once the daemon is gone.
     fn sync_shared(&mut self) -> bool {
         let c = self.common.clone();
+        self.read_shared().unwrap_or_else(|_| c.inbox.alive())
+    }
+
+    /// [`Worker::sync_shared`], with the store's refusal: `Ok(alive)`.
+    fn read_shared(&mut self) -> Result<bool, FleetError> {
+        let c = self.common.clone();
         let r = self.store.shared(c.shared_version.load(Ordering::Relaxed));
         c.seen(&r);
-        match r {
-            Ok(Some(sh)) => {
+        Ok(match r? {
+            Some(sh) => {
                 c.shared_version.store(sh.version, Ordering::Relaxed);
                 c.inbox.send(Report::Shared(sh))
             }
-            _ => c.inbox.alive(),
-        }
+            None => c.inbox.alive(),
+        })
     }
 
     /// Carries out `jobs` (at most `BATCH_OPS_MAX`) as one batch and reports each
@@ -595,6 +601,15 @@ impl Worker {
             );
             return c.inbox.alive();
         }
+        // The fleet's tokens and drain before the registration (so before the first
+        // claim: a host that starts during a fleet drain admits nothing new), and not
+        // between it and the next heartbeat: a slow read there made the host count
+        // itself away at its first acquire (the relay tests caught it).
+        match self.read_shared() {
+            Ok(true) => {}
+            Ok(false) => return false,
+            Err(_) => return c.inbox.alive(),
+        }
         let r = self.store.register(&c.cfg.host);
         c.seen(&r);
         if let Ok((gen, resumed)) = r {
@@ -613,9 +628,7 @@ impl Worker {
                 resumed,
                 claims,
             };
-            // The fleet's tokens and drain before the first claim: a host that starts
-            // during a fleet drain admits nothing new.
-            return c.tell_status() && self.sync_shared() && c.inbox.send(report);
+            return c.tell_status() && c.inbox.send(report);
         }
         c.inbox.alive()
     }

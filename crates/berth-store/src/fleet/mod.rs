@@ -28,8 +28,8 @@ pub use backoff::{BACKOFF_MS_MAX, BACKOFF_MS_MIN};
 pub use mem::MemFleet;
 pub use pg::{PgFleet, PgListener};
 pub(crate) use shared::{
-    check_control, check_drain, check_evidence, check_token, check_token_id, decide,
-    too_many_scopes, too_many_tokens, too_much_evidence, word,
+    check_control, check_drain, check_evidence, check_token, check_token_id, control_of, decide,
+    decide_read, too_many_scopes, too_many_tokens, too_much_evidence, word,
 };
 pub use shared::{
     ControlOutcome, FleetDrain, FleetEvidence, FleetReceipt, FleetScopeControl, FleetToken,

@@ -203,6 +203,37 @@ pub(crate) fn decide(
     })
 }
 
+/// [`decide`] for an SQL store, from what it read in the decision's transaction: the
+/// scope's row (its control word and generation), how many scopes have one, and the
+/// receipt of the same request id. `Err`: refused as input (too many scopes) or a row
+/// the store cannot read.
+pub(crate) fn decide_read(
+    now: Option<(&str, i64)>,
+    scopes: i64,
+    earlier: Option<Result<FleetReceipt, FleetError>>,
+    r: &ScopeControlRequest,
+    host_id: &str,
+) -> Result<Result<FleetReceipt, ControlOutcome>, FleetError> {
+    if now.is_none() && scopes >= FLEET_SCOPES_MAX as i64 {
+        return Err(too_many_scopes());
+    }
+    let now = match now {
+        Some((c, g)) => (word::<Control>(c)?, u64::try_from(g).unwrap_or(0)),
+        None => (Control::Open, 0),
+    };
+    Ok(decide(now, earlier.transpose()?, r, host_id))
+}
+
+/// A controlled scope as `shared` lists it: its state is the one its last receipt made.
+pub(crate) fn control_of(scope: String, last: FleetReceipt) -> FleetScopeControl {
+    FleetScopeControl {
+        scope,
+        control: last.control,
+        generation: last.generation,
+        last,
+    }
+}
+
 /// The refusal of a control for a new scope past [`FLEET_SCOPES_MAX`].
 pub(crate) fn too_many_scopes() -> FleetError {
     FleetError::Invalid(format!(

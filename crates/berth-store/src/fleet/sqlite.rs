@@ -11,12 +11,11 @@ use super::{
     FleetStore, HostInfo, HostRow, ThreadOwner, TokenRow, HOSTS_MAX,
 };
 use super::{
-    check_control, check_drain, check_evidence, check_token, check_token_id, decide,
-    too_many_scopes, too_many_tokens, too_much_evidence, word, ControlOutcome, FleetDrain,
-    FleetEvidence, FleetReceipt, FleetScopeControl, FleetToken, ScopeControlRequest, Shared,
-    FLEET_EVIDENCE_MAX, FLEET_RECEIPTS_MAX, FLEET_SCOPES_MAX, FLEET_TOKENS_MAX,
+    check_control, check_drain, check_evidence, check_token, check_token_id, control_of,
+    decide_read, too_many_tokens, too_much_evidence, word, ControlOutcome, FleetDrain,
+    FleetEvidence, FleetReceipt, FleetToken, ScopeControlRequest, Shared, FLEET_EVIDENCE_MAX,
+    FLEET_RECEIPTS_MAX, FLEET_TOKENS_MAX,
 };
-use berth_core::scopes::Control;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS fence_seq (id INTEGER PRIMARY KEY CHECK (id = 1), last INTEGER NOT NULL);
@@ -625,13 +624,7 @@ impl FleetStore for SqliteFleet {
             return Ok(None);
         };
         for (scope, stored) in rows {
-            let last = receipt_of(stored)?;
-            shared.controls.push(FleetScopeControl {
-                scope,
-                control: last.control,
-                generation: last.generation,
-                last,
-            });
+            shared.controls.push(control_of(scope, receipt_of(stored)?));
         }
         Ok(Some(shared))
     }
@@ -661,17 +654,8 @@ impl FleetStore for SqliteFleet {
                 )
                 .optional()?;
             let n: i64 = tx.query_row("SELECT count(*) FROM scope_control", [], |x| x.get(0))?;
-            let decided = (|| {
-                if now.is_none() && n >= FLEET_SCOPES_MAX as i64 {
-                    return Err(too_many_scopes());
-                }
-                let now = match &now {
-                    Some((c, g)) => (word::<Control>(c)?, u64::try_from(*g).unwrap_or(0)),
-                    None => (Control::Open, 0),
-                };
-                let earlier = earlier.map(receipt_of).transpose()?;
-                Ok(decide(now, earlier, r, host_id))
-            })();
+            let now = now.as_ref().map(|(c, g)| (c.as_str(), *g));
+            let decided = decide_read(now, n, earlier.map(receipt_of), r, host_id);
             match decided {
                 Err(e) => Ok(Err(e)),
                 Ok(Err(answer)) => Ok(Ok((answer, read_shared(tx)?.0))),
