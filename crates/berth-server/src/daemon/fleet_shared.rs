@@ -49,7 +49,8 @@ fn record_of(d: &FleetDrain) -> DrainRecord {
 }
 
 impl<H: Host> Daemon<H> {
-    /// The fleet threads read the fleet's tokens and drain.
+    /// The fleet threads read what the fleet shares: its tokens, its drain, its scopes'
+    /// controls and its projects' evidence.
     pub(super) fn on_fleet_shared(&mut self, sh: Shared) {
         if sh.version < self.fleet.shared_version {
             return;
@@ -81,7 +82,8 @@ impl<H: Host> Daemon<H> {
         self.commit(touched, |_| {});
     }
 
-    /// This host changed the fleet's tokens or drain (the store answered `version`):
+    /// This host changed the fleet's tokens, drain or a scope's control (the store
+    /// answered `version`):
     /// mirrored before the caller is answered, so the caller's next request here
     /// finds it.
     pub(super) fn on_fleet_changed(
