@@ -250,26 +250,22 @@ impl<H: Host> Daemon<H> {
         cmd: Command,
         id: String,
         is_new: bool,
-        mut extra: Extra,
+        extra: Extra,
         attach: bool,
         reply: Reply<RunInfo>,
     ) {
         let detach = extra.detached;
-        if is_new {
+        let was_ended =
+            !is_new && (self.engine.view_of(&id)).is_some_and(|v| v.state.is_terminal());
+        let mut extra = Some(extra);
+        if let Some(mut e) = extra.take_if(|_| is_new) {
             // Registered before the command so grants made by it find it.
-            extra.queue_seq = self.next_seq;
-            self.extras.insert(id.clone(), Box::new(extra));
+            e.queue_seq = self.next_seq;
+            self.extras.insert(id.clone(), Box::new(e));
         }
         let mut touched = BTreeSet::new();
         let res = self.apply(cmd, &mut touched);
-        if is_new {
-            if self.engine.view_of(&id).is_some() {
-                self.next_seq += 1;
-                touched.insert(id.clone());
-            } else {
-                self.extras.remove(&id);
-            }
-        }
+        self.admitted(&id, is_new, was_ended, extra, &mut touched);
         log_impossible(&id, &res);
         let mut info = self.info(&id);
         // A run that expired on arrival (`wait_s = 0`) keeps the reason why.
@@ -309,6 +305,39 @@ impl<H: Host> Daemon<H> {
             }
         };
         self.commit_and_answer(touched, reply, value);
+    }
+
+    /// The acquire's extra once the engine took the command: a new run's queue
+    /// sequence is used (or its extra dropped if the engine did not keep it).
+    fn admitted(
+        &mut self,
+        id: &str,
+        is_new: bool,
+        was_ended: bool,
+        extra: Option<Extra>,
+        touched: &mut BTreeSet<String>,
+    ) {
+        let live = self.engine.view_of(id).map(|v| !v.state.is_terminal());
+        if is_new {
+            if live.is_some() {
+                self.next_seq += 1;
+                touched.insert(id.to_string());
+            } else {
+                self.extras.remove(id);
+            }
+        } else if let Some(mut e) = extra.filter(|_| was_ended && live == Some(true)) {
+            // The ended run under this id was forgotten in this very step (ends due
+            // now pushed it out of the few the engine keeps) and the acquire was a new
+            // run. Taken for the ended one, it kept that run's queue sequence: the
+            // ledger's D3 guard dropped its record as a late write of the ended run,
+            // and a restart lost an acknowledged waiter (the daemon simulator's seed
+            // 3024). Its extra differed in nothing the refusal compares, so what the
+            // step did with the old one is what it would have done with this.
+            e.queue_seq = self.next_seq;
+            self.next_seq += 1;
+            self.extras.insert(id.to_string(), Box::new(e));
+            touched.insert(id.to_string());
+        }
     }
 
     /// D5: an acquire the engine refused (nothing changed but the refusal itself).

@@ -502,3 +502,49 @@ fn runs_ended_in_one_step_past_the_ended_limit_are_all_recorded() {
         assert_eq!(rec.map(|r| r.state), Some(RunState::Expired), "{id}");
     }
 }
+
+/// The daemon simulator's seed 3024: an acquire under the id of an ended run that the
+/// engine forgot in that very step (another run's end, due by then, pushed it out of
+/// the `ended_retained_max` it keeps) is a new run. It was taken for the ended run and
+/// written under that run's queue sequence; the ledger kept the ended record (D3), and
+/// after a restart the acknowledged waiter was gone.
+#[test]
+fn regression_an_acquire_of_an_id_forgotten_in_the_same_step_is_recorded_as_a_new_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = berth_core::Config::for_host(4, 8 << 30, 100 << 30);
+    cfg.ended_retained_max = 1;
+    let mut st = restore_with(dir.path(), cfg.clone());
+    acquire(&mut st, "holder", 600_000, 100).unwrap();
+    // Waiters behind the holder (one project's managed runs take turns).
+    let waiter = |id: &str| {
+        let mut req = request(id, 600_000, 100);
+        req.project = "holder".into();
+        req.wait_ms = 300;
+        req
+    };
+    let first = send_acquire(&mut st, waiter("again"), true).unwrap();
+    assert_eq!(first.view.state, RunState::Queued);
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    st.tick(clock::mono_ms(), None);
+    assert_eq!(
+        st.engine.view_of("again").map(|v| v.state),
+        Some(RunState::Expired)
+    );
+    // Another waiter whose deadline passes before the next step.
+    send_acquire(&mut st, waiter("doomed"), true).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    // The step that expires it forgets `again`, and admits the acquire as a new run.
+    let second = send_acquire(&mut st, waiter("again"), true).unwrap();
+    assert_eq!(second.view.state, RunState::Queued);
+    st.shell.flush();
+    st.close();
+    let mut store =
+        berth_store::SqliteStore::open_exclusive(&dir.path().join("ledger.db")).unwrap();
+    let ledger = berth_store::Store::load(&mut store, 100).unwrap();
+    let again = ledger.runs.iter().find(|r| r.request.run_id == "again");
+    assert_eq!(
+        again.map(|r| r.state),
+        Some(RunState::Queued),
+        "the acknowledged waiter"
+    );
+}
