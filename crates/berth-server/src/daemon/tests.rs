@@ -548,3 +548,58 @@ fn regression_an_acquire_of_an_id_forgotten_in_the_same_step_is_recorded_as_a_ne
         "the acknowledged waiter"
     );
 }
+
+/// Issue 38 Build 3, hostile input: a row in the fleet's token table whose grant is not
+/// one berth writes (no `;fleet`, or not a grant at all: a database user's own insert)
+/// grants nothing here, while the fleet's real tokens are honoured and kept in the
+/// ledger; a later read without them takes them away again.
+#[test]
+fn a_fleet_token_row_berth_did_not_write_grants_nothing() {
+    use berth_store::fleet::{FleetToken, Shared};
+    let dir = tempfile::tempdir().unwrap();
+    let mut st = restore(dir.path());
+    let row = |secret: &str, grant: &str| FleetToken {
+        hash: crate::auth::hash_token(secret),
+        grant: grant.into(),
+        host_id: "elsewhere".into(),
+    };
+    let read = |version, tokens| {
+        Msg::Fleet(crate::fleet::Report::Shared(Shared {
+            version,
+            drain: None,
+            tokens,
+            controls: Vec::new(),
+            evidence: Vec::new(),
+        }))
+    };
+    let tokens = vec![
+        row("real", "operator;fleet"),
+        row("planted", "admin"),
+        row("garbage", "root;fleet"),
+    ];
+    st.handle(clock::mono_ms(), read(1, tokens));
+    st.shell.flush();
+    let known = |st: &Live, secret: &str| {
+        let table = st.shared.tokens.read().unwrap();
+        crate::auth::lookup(&table, secret)
+    };
+    assert_eq!(
+        known(&st, "real").map(|g| (g.scope, g.fleet)),
+        Some((crate::auth::Scope::Operator, true))
+    );
+    assert_eq!(known(&st, "planted"), None);
+    assert_eq!(known(&st, "garbage"), None);
+    // Revoked in the fleet: the next read no longer has it.
+    st.handle(clock::mono_ms(), read(2, Vec::new()));
+    st.shell.flush();
+    assert_eq!(known(&st, "real"), None);
+    st.close();
+    let mut store =
+        berth_store::SqliteStore::open_exclusive(&dir.path().join("ledger.db")).unwrap();
+    let ledger = berth_store::Store::load(&mut store, 100).unwrap();
+    let real = crate::auth::hash_token("real");
+    assert!(
+        !ledger.tokens.iter().any(|(h, _)| *h == real),
+        "revoked from the ledger too"
+    );
+}

@@ -565,9 +565,7 @@ impl FleetStore for MemFleet {
         &mut self,
         d: Option<&FleetDrain>,
     ) -> Result<(Option<FleetDrain>, i64), FleetError> {
-        if let Some(d) = d {
-            check_drain(d)?;
-        }
+        check_drain(d)?;
         let (mut st, _) = self.open();
         let changed = match d {
             Some(d) if st.drain.is_none() => Some(d.clone()),

@@ -610,9 +610,7 @@ impl FleetStore for PgFleet {
         &mut self,
         d: Option<&FleetDrain>,
     ) -> Result<(Option<FleetDrain>, i64), FleetError> {
-        if let Some(d) = d {
-            check_drain(d)?;
-        }
+        check_drain(d)?;
         self.with(|c| {
             let mut tx = c.transaction()?;
             let n = match d {

@@ -80,7 +80,9 @@ pub(crate) fn check_token_id(id: &str) -> Result<(), FleetError> {
     }
 }
 
-pub(crate) fn check_drain(d: &FleetDrain) -> Result<(), FleetError> {
+/// A drain to start is checked; ending one (`None`) has nothing to check.
+pub(crate) fn check_drain(d: Option<&FleetDrain>) -> Result<(), FleetError> {
+    let Some(d) = d else { return Ok(()) };
     check_field("drain by", &d.by, DRAIN_FIELD_BYTES_MAX)?;
     check_field("drain at", &d.at, DRAIN_FIELD_BYTES_MAX)?;
     check_field("drain host_id", &d.host_id, DRAIN_FIELD_BYTES_MAX)?;

@@ -567,9 +567,7 @@ impl FleetStore for SqliteFleet {
         &mut self,
         d: Option<&FleetDrain>,
     ) -> Result<(Option<FleetDrain>, i64), FleetError> {
-        if let Some(d) = d {
-            check_drain(d)?;
-        }
+        check_drain(d)?;
         self.tx(|tx| {
             match d {
                 Some(d) => tx.execute(
