@@ -11,7 +11,10 @@
 //! left in the store. Fleet seeds crash too (issue 38 item 2): an ending lost with the
 //! daemon's fleet thread is ended by the registration after the restart, which ends
 //! the claims of runs that ended here; clean restarts carry out what the link holds
-//! first, as a graceful stop does.
+//! first, as a graceful stop does. The store's server restarts too (issue 38 Build 6):
+//! it commits a call of this host and loses the answer, then the link is down for a
+//! while, and a wake-up sent meanwhile is lost. The peer reaches the store throughout
+//! (its own outages are its silences).
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -25,7 +28,7 @@ use berth_store::fleet::{
 };
 
 use super::Sim;
-use crate::daemon::Msg;
+use crate::daemon::{Error, Msg, RunInfo};
 use crate::fleet::{FleetConfig, Report, SimLink};
 
 /// A seed the simulator runs in fleet mode.
@@ -49,6 +52,10 @@ pub(super) const FLEET_TICK_MS_MAX: u64 = LAPSE_MS / 8;
 pub(super) struct Reach {
     pub(super) store: MemFleet,
     pub(super) down: Arc<AtomicBool>,
+    /// The server restarts (issue 38 Build 6) after carrying out the next call this
+    /// host makes: the call commits, its answer is lost, and the link is down until
+    /// the server is back (a restart that aborts the call instead is a cut link).
+    pub(super) restart: Arc<AtomicBool>,
 }
 
 impl Reach {
@@ -58,33 +65,44 @@ impl Reach {
             false => Ok(()),
         }
     }
+
+    /// One call through the link: refused while it is cut; carried out but its answer
+    /// lost when the server restarts right after committing it.
+    fn call<T>(
+        &mut self,
+        f: impl FnOnce(&mut MemFleet) -> Result<T, FleetError>,
+    ) -> Result<T, FleetError> {
+        self.up()?;
+        let answer = f(&mut self.store);
+        if self.restart.swap(false, Ordering::Relaxed) {
+            self.down.store(true, Ordering::Relaxed);
+            return Err(FleetError::Unavailable(
+                "sim: the server restarted before it answered".into(),
+            ));
+        }
+        answer
+    }
 }
 
 impl FleetStore for Reach {
     fn raise_fence(&mut self, floor: u64) -> Result<(), FleetError> {
-        self.up()?;
-        self.store.raise_fence(floor)
+        self.call(|s| s.raise_fence(floor))
     }
     fn register(&mut self, host: &HostInfo) -> Result<(i64, bool), FleetError> {
-        self.up()?;
-        self.store.register(host)
+        self.call(|s| s.register(host))
     }
     fn heartbeat(&mut self, host_id: &str, gen: i64, load: &str) -> Result<bool, FleetError> {
-        self.up()?;
-        self.store.heartbeat(host_id, gen, load)
+        self.call(|s| s.heartbeat(host_id, gen, load))
     }
     fn declare_dead(&mut self, me: &str, lapse_ms: i64) -> Result<Vec<(String, i64)>, FleetError> {
-        self.up()?;
-        self.store.declare_dead(me, lapse_ms)
+        self.call(|s| s.declare_dead(me, lapse_ms))
     }
     fn claim(&mut self, c: &Claim) -> Result<ClaimOutcome, FleetError> {
-        self.up()?;
-        self.store.claim(c)
+        self.call(|s| s.claim(c))
     }
     // All or nothing, as one transaction is: a cut link carries out none of it.
     fn batch(&mut self, host_id: &str, ops: &[FleetOp]) -> Result<BatchOutcome, FleetError> {
-        self.up()?;
-        self.store.batch(host_id, ops)
+        self.call(|s| s.batch(host_id, ops))
     }
     fn refence(
         &mut self,
@@ -92,8 +110,7 @@ impl FleetStore for Reach {
         host_id: &str,
         gen: i64,
     ) -> Result<ClaimOutcome, FleetError> {
-        self.up()?;
-        self.store.refence(run_id, host_id, gen)
+        self.call(|s| s.refence(run_id, host_id, gen))
     }
     fn end(
         &mut self,
@@ -102,8 +119,7 @@ impl FleetStore for Reach {
         gen: i64,
         how: Ending,
     ) -> Result<bool, FleetError> {
-        self.up()?;
-        self.store.end(run_id, host_id, gen, how)
+        self.call(|s| s.end(run_id, host_id, gen, how))
     }
     fn thread_owner(
         &mut self,
@@ -111,63 +127,50 @@ impl FleetStore for Reach {
         owner: &ThreadOwner,
         host_id: &str,
     ) -> Result<Option<ThreadOwner>, FleetError> {
-        self.up()?;
-        self.store.thread_owner(key, owner, host_id)
+        self.call(|s| s.thread_owner(key, owner, host_id))
     }
     fn fence(&mut self, run_id: &str) -> Result<Option<FleetFence>, FleetError> {
-        self.up()?;
-        self.store.fence(run_id)
+        self.call(|s| s.fence(run_id))
     }
     fn hosts(&mut self) -> Result<Vec<HostRow>, FleetError> {
-        self.up()?;
-        self.store.hosts()
+        self.call(|s| s.hosts())
     }
     fn tokens(&mut self, scope: &str) -> Result<Vec<TokenRow>, FleetError> {
-        self.up()?;
-        self.store.tokens(scope)
+        self.call(|s| s.tokens(scope))
     }
     fn reconcile(&mut self, scope: &str, owner: &str) -> Result<bool, FleetError> {
-        self.up()?;
-        self.store.reconcile(scope, owner)
+        self.call(|s| s.reconcile(scope, owner))
     }
     fn declarations(&mut self, host_id: &str) -> Result<Vec<(i64, String)>, FleetError> {
-        self.up()?;
-        self.store.declarations(host_id)
+        self.call(|s| s.declarations(host_id))
     }
     fn claims_of(&mut self, host_id: &str) -> Result<Vec<(String, i64)>, FleetError> {
-        self.up()?;
-        self.store.claims_of(host_id)
+        self.call(|s| s.claims_of(host_id))
     }
     fn put_token(&mut self, t: &FleetToken) -> Result<i64, FleetError> {
-        self.up()?;
-        self.store.put_token(t)
+        self.call(|s| s.put_token(t))
     }
     fn revoke_token(&mut self, id: &str) -> Result<(Vec<FleetToken>, i64), FleetError> {
-        self.up()?;
-        self.store.revoke_token(id)
+        self.call(|s| s.revoke_token(id))
     }
     fn set_drain(
         &mut self,
         d: Option<&FleetDrain>,
     ) -> Result<(Option<FleetDrain>, i64), FleetError> {
-        self.up()?;
-        self.store.set_drain(d)
+        self.call(|s| s.set_drain(d))
     }
     fn shared(&mut self, since: i64) -> Result<Option<Shared>, FleetError> {
-        self.up()?;
-        self.store.shared(since)
+        self.call(|s| s.shared(since))
     }
     fn control_scope(
         &mut self,
         r: &ScopeControlRequest,
         host_id: &str,
     ) -> Result<(ControlOutcome, i64), FleetError> {
-        self.up()?;
-        self.store.control_scope(r, host_id)
+        self.call(|s| s.control_scope(r, host_id))
     }
     fn put_evidence(&mut self, e: &FleetEvidence) -> Result<i64, FleetError> {
-        self.up()?;
-        self.store.put_evidence(e)
+        self.call(|s| s.put_evidence(e))
     }
     fn invalidate_evidence(
         &mut self,
@@ -175,8 +178,7 @@ impl FleetStore for Reach {
         fingerprint: &str,
         commit: Option<&str>,
     ) -> Result<i64, FleetError> {
-        self.up()?;
-        self.store.invalidate_evidence(project, fingerprint, commit)
+        self.call(|s| s.invalidate_evidence(project, fingerprint, commit))
     }
 }
 
@@ -198,6 +200,8 @@ pub(super) struct FleetSim {
     pub(super) store: MemFleet,
     clock: Arc<AtomicU64>,
     pub(super) down: Arc<AtomicBool>,
+    /// See [`Reach::restart`].
+    restart: Arc<AtomicBool>,
     link: SimLink,
     reports: Arc<Mutex<VecDeque<Report>>>,
     peer: Peer,
@@ -225,11 +229,18 @@ impl FleetSim {
             ..Peer::default()
         };
         let down = Arc::new(AtomicBool::new(false));
-        let (link, reports) = new_link(&store, &clock, &down).1;
+        let restart = Arc::new(AtomicBool::new(false));
+        let reach = Reach {
+            store: store.clone(),
+            down: down.clone(),
+            restart: restart.clone(),
+        };
+        let (link, reports) = new_link(reach, &clock).1;
         FleetSim {
             store,
             clock,
             down,
+            restart,
             link,
             reports,
             peer,
@@ -238,18 +249,28 @@ impl FleetSim {
 }
 
 impl FleetSim {
-    /// The link is never cut again (the drain at the end).
+    /// The link is never cut again (the drain at the end), and the server does not
+    /// restart.
     pub(super) fn link_up(&mut self) {
         self.down.store(false, Ordering::Relaxed);
+        self.restart.store(false, Ordering::Relaxed);
+    }
+
+    /// The store as this host's link reaches it.
+    pub(super) fn reach(&self) -> Reach {
+        Reach {
+            store: self.store.clone(),
+            down: self.down.clone(),
+            restart: self.restart.clone(),
+        }
     }
 }
 
 /// A link for a daemon that starts: its handle, and the link with its report queue.
 #[allow(clippy::type_complexity)]
 fn new_link(
-    store: &MemFleet,
+    reach: Reach,
     clock: &Arc<AtomicU64>,
-    down: &Arc<AtomicBool>,
 ) -> (
     crate::fleet::Handle,
     (SimLink, Arc<Mutex<VecDeque<Report>>>),
@@ -268,10 +289,6 @@ fn new_link(
         recheck_ms: RECHECK_MS,
         fence_floor: 0,
     };
-    let reach = Reach {
-        store: store.clone(),
-        down: down.clone(),
-    };
     let time = clock.clone();
     let now = Arc::new(move || time.load(Ordering::Relaxed));
     let (handle, link) = SimLink::new(cfg, Box::new(reach), inbox, now);
@@ -283,7 +300,7 @@ impl Sim {
     /// daemon), registered at once.
     pub(super) fn join_fleet(&mut self) {
         let Some(f) = self.fleet.as_mut() else { return };
-        let (handle, (link, reports)) = new_link(&f.store, &f.clock, &f.down);
+        let (handle, (link, reports)) = new_link(f.reach(), &f.clock);
         (f.link, f.reports) = (link, reports);
         self.daemon.as_mut().expect("started").set_fleet(
             handle,
@@ -385,11 +402,20 @@ impl Sim {
             // The fleet's tokens or drain change (issue 38 Build 3).
             8 => self.shared_turn(),
             // Cut now and then; back soon (outages are short next to the workload).
+            _ if cut => {
+                self.fleet_mut().down.store(false, Ordering::Relaxed);
+                "fleet: link back".into()
+            }
+            // Or the server restarts (issue 38 Build 6): after committing the next
+            // call of this host, whose answer is lost; a restart that aborts the call
+            // in flight is a cut link.
+            _ if self.rng.chance(0.5) => {
+                self.fleet_mut().restart.store(true, Ordering::Relaxed);
+                "fleet: the server restarts after the next call".into()
+            }
             _ => {
-                let f = self.fleet_mut();
-                let down = !f.down.load(Ordering::Relaxed);
-                f.down.store(down, Ordering::Relaxed);
-                format!("fleet: link {}", if down { "cut" } else { "back" })
+                self.fleet_mut().down.store(true, Ordering::Relaxed);
+                "fleet: link cut".into()
             }
         };
         line
@@ -473,11 +499,15 @@ impl Sim {
             (0 | 1, None) => format!("peer: {}", self.peer_claims()),
             (0 | 1, Some((run_id, fence))) => {
                 let ended = s.end(&run_id, PEER, f.peer.gen, Ending::Released);
-                // A release wakes the key's waiters (F3), as the store's NOTIFY does.
-                let wake = Report::Wake {
-                    payloads: vec![format!("key {KEY}")],
-                };
-                f.reports.lock().unwrap().push_back(wake);
+                // A release wakes the key's waiters (F3), as the store's NOTIFY does;
+                // not while this host's link is down (its listener is away too, and
+                // its waiters' claims are sent again at the recheck).
+                if !f.down.load(Ordering::Relaxed) {
+                    let wake = Report::Wake {
+                        payloads: vec![format!("key {KEY}")],
+                    };
+                    f.reports.lock().unwrap().push_back(wake);
+                }
                 self.deliver_reports();
                 format!("peer: end {run_id} f{fence} -> {ended:?}")
             }
@@ -499,11 +529,7 @@ impl Sim {
         let Some(f) = self.fleet.as_ref() else {
             return Ok(());
         };
-        let mut reach = Reach {
-            store: f.store.clone(),
-            down: f.down.clone(),
-        };
-        reach.reconcile("sim", owner).map(|_| ())
+        f.reach().reconcile("sim", owner).map(|_| ())
     }
 
     /// A granted run here holds the fence the store holds for it, on this host; the key
@@ -577,13 +603,9 @@ impl Sim {
     }
 }
 
-/// Regression (issue 35, found by this simulator): a run that ended after its host
-/// restarted and before the host could register with the fleet store again kept its
-/// fleet-wide claim for good (the daemon had no record that it held one): its key
-/// was never freed. A registration that keeps the host's claims now ends those whose
-/// runs ended here.
-/// A run `x` holding the fleet-wide key, granted on its claim; its fence.
-fn granted_with_the_key(sim: &mut Sim) -> u64 {
+/// A new run `x` asking for the fleet-wide key: its answer, which waits for its claim
+/// (issue 38 Build 2: the connection stays open).
+fn acquire_with_the_key(sim: &mut Sim) -> tokio::sync::oneshot::Receiver<Result<RunInfo, Error>> {
     let req = berth_core::Request {
         run_id: "x".into(),
         project: "x".into(),
@@ -599,8 +621,7 @@ fn granted_with_the_key(sim: &mut Sim) -> u64 {
         wait_ms: 60_000,
         budget: None,
     };
-    // Its answer waits for its claim (issue 38 Build 2): the connection stays open.
-    let (reply, mut answer) = tokio::sync::oneshot::channel();
+    let (reply, answer) = tokio::sync::oneshot::channel();
     sim.send(Msg::Acquire {
         req,
         worktree: None,
@@ -614,6 +635,12 @@ fn granted_with_the_key(sim: &mut Sim) -> u64 {
         by: None,
         reply,
     });
+    answer
+}
+
+/// A run `x` holding the fleet-wide key, granted on its claim; its fence.
+fn granted_with_the_key(sim: &mut Sim) -> u64 {
+    let mut answer = acquire_with_the_key(sim);
     assert!(answer.try_recv().is_err(), "answered before its claim");
     sim.settle_fleet();
     let granted = answer
@@ -623,6 +650,11 @@ fn granted_with_the_key(sim: &mut Sim) -> u64 {
     sim.d().engine.fence_of("x").expect("granted on its claim")
 }
 
+/// Regression (issue 35, found by this simulator): a run that ended after its host
+/// restarted and before the host could register with the fleet store again kept its
+/// fleet-wide claim for good (the daemon had no record that it held one): its key
+/// was never freed. A registration that keeps the host's claims now ends those whose
+/// runs ended here.
 #[test]
 fn a_run_ended_before_its_host_registered_again_ends_its_fleet_claim() {
     let mut sim = Sim::new(FLEET_SEED);
@@ -685,5 +717,39 @@ fn regression_a_host_told_it_was_declared_dead_stops_its_key_holders_at_once() {
         state,
         Some(RunState::Granted),
         "x still holds the key the peer took"
+    );
+}
+
+/// Issue 38 Build 6: the store's server commits a new run's claim and restarts before
+/// answering. The caller is told 503 and may never ask again, so the claim goes back
+/// once the store is reached again; kept, it held the key for a run nobody had (the
+/// PostgreSQL restart test found it first; with that fix taken out, the simulator's
+/// restarts now find it too, at seed 7 of the default run).
+#[test]
+fn regression_a_claim_a_restarting_server_committed_without_answering_goes_back() {
+    let mut sim = Sim::new(FLEET_SEED);
+    let mut answer = acquire_with_the_key(&mut sim);
+    sim.fleet_mut().restart.store(true, Ordering::Relaxed);
+    assert_eq!(sim.fleet_mut().link.jobs(1), 1);
+    sim.deliver_reports();
+    let refused = answer
+        .try_recv()
+        .expect("answered once the answer was lost");
+    assert!(
+        matches!(refused, Err(Error::FleetUnavailable)),
+        "{refused:?}"
+    );
+    let mut store = sim.fleet_mut().store.clone();
+    assert!(
+        store.fence("x").unwrap().is_some(),
+        "the server committed it"
+    );
+    sim.fleet_mut().link_up();
+    sim.fleet_beat();
+    sim.settle_fleet();
+    assert_eq!(
+        store.fence("x").unwrap(),
+        None,
+        "the key is held for a run nobody has"
     );
 }

@@ -168,10 +168,7 @@ impl Sim {
         let f = self.fleet.as_ref().expect("a fleet seed");
         match peer {
             true => Box::new(f.store.clone()),
-            false => Box::new(super::fleet::Reach {
-                store: f.store.clone(),
-                down: f.down.clone(),
-            }),
+            false => Box::new(f.reach()),
         }
     }
 
