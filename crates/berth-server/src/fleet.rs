@@ -25,6 +25,10 @@ use crate::tell::Tell;
 /// oldest are dropped with a warning and the next registration's reconciliation (the
 /// dead-host rules) is what frees them.
 pub const ENDS_PENDING_MAX: usize = 65_536;
+/// Evidence invalidations not yet taken by the store (it was away) kept for a retry at
+/// most; past it the oldest is dropped with a warning (the other hosts keep riding on
+/// it until a run there refutes it too).
+pub const INVALIDATIONS_PENDING_MAX: usize = 1_024;
 /// How often the listener gives up waiting and looks again (its reconnect pace, too).
 const LISTEN_WAIT_MS: u64 = 1_000;
 
@@ -180,7 +184,12 @@ pub struct Handle {
     /// Wakes the heartbeat thread to read the fleet's tokens and drain now.
     nudge: std::sync::mpsc::Sender<()>,
     pub status: Arc<Status>,
+    /// See [`Common::invalidations`].
+    invalidations: Missed,
 }
+
+/// Invalidations the store missed, oldest first.
+type Missed = Arc<Mutex<std::collections::VecDeque<SharedJob>>>;
 
 impl Handle {
     pub fn send(&self, job: Job) {
@@ -224,9 +233,12 @@ impl Handle {
 
 /// What the daemon tells the fleet store without waiting for an answer, once its own
 /// commit is durable (issue 38 Build 3): promotion evidence proven here, or found wrong
-/// here. Carried out on the question thread; one the store misses (it was away) is
-/// logged and lost, and each host keeps its own evidence meanwhile.
-#[derive(Debug)]
+/// here. Carried out on the question thread. An invalidation the store misses (it was
+/// away) is retried at each heartbeat until it is taken: lost, it left the other hosts
+/// promoting a project a run here showed is not parallel-safe. Evidence the store misses
+/// is logged and dropped: retried late, it could bring back evidence another host
+/// refuted meanwhile, and missing it costs only a promotion elsewhere.
+#[derive(Clone, Debug)]
 pub enum SharedJob {
     PutEvidence(berth_store::fleet::FleetEvidence),
     InvalidateEvidence {
@@ -239,23 +251,52 @@ pub enum SharedJob {
 impl Handle {
     /// Sends `job` to the store, after the commit that decided it.
     pub fn share(&self, job: SharedJob) {
+        let missed = self.invalidations.clone();
+        // Asked while the questions are full, it is missed as if the store were away.
+        let full = (
+            job.clone(),
+            FleetError::Unavailable("the fleet questions are full".into()),
+        );
         let q: Question = Box::new(move |s: &mut dyn FleetStore| {
-            let r = match &job {
-                SharedJob::PutEvidence(e) => s.put_evidence(e),
-                SharedJob::InvalidateEvidence {
-                    project,
-                    fingerprint,
-                    commit,
-                } => s.invalidate_evidence(project, fingerprint, commit.as_deref()),
-            };
-            if let Err(e) = r {
+            if let Err(e) = job.carry_out(s) {
                 tracing::warn!(?job, "fleet: the store did not take it: {e}");
+                keep_missed(&missed, job, &e);
             }
         });
         if self.questions.try_send(q).is_err() {
-            tracing::warn!("fleet: {QUESTIONS_MAX} fleet questions are in flight; promotion evidence not shared");
+            tracing::warn!("fleet: {QUESTIONS_MAX} fleet questions are in flight; promotion evidence not shared now");
+            keep_missed(&self.invalidations, full.0, &full.1);
         }
     }
+}
+
+impl SharedJob {
+    fn carry_out(&self, s: &mut dyn FleetStore) -> Result<i64, FleetError> {
+        match self {
+            SharedJob::PutEvidence(e) => s.put_evidence(e),
+            SharedJob::InvalidateEvidence {
+                project,
+                fingerprint,
+                commit,
+            } => s.invalidate_evidence(project, fingerprint, commit.as_deref()),
+        }
+    }
+}
+
+/// An invalidation the store missed because it was away is kept for the heartbeat's
+/// retry (see [`SharedJob`]); anything else is dropped.
+fn keep_missed(missed: &Missed, job: SharedJob, e: &FleetError) {
+    let retried = matches!(job, SharedJob::InvalidateEvidence { .. })
+        && matches!(e, FleetError::Unavailable(_));
+    if !retried {
+        return;
+    }
+    let mut missed = missed.lock().unwrap_or_else(|e| e.into_inner());
+    if missed.len() >= INVALIDATIONS_PENDING_MAX {
+        let dropped = missed.pop_front();
+        tracing::warn!(?dropped, "fleet: {INVALIDATIONS_PENDING_MAX} evidence invalidations wait for the store; the oldest is dropped");
+    }
+    missed.push_back(job);
 }
 
 /// Opens the store a `--store` URL names. PostgreSQL is connected lazily (by the fleet
@@ -329,7 +370,7 @@ pub fn spawn(
         }
     })?;
     let common = Common::new(cfg, inbox, Arc::new(crate::clock::mono_ms), batched);
-    let status = common.status.clone();
+    let (status, invalidations) = (common.status.clone(), common.invalidations.clone());
     let (tx, rx) = std::sync::mpsc::channel::<Job>();
     let rx = Arc::new(Mutex::new(rx));
     for _ in 0..CLAIM_WORKERS {
@@ -365,6 +406,7 @@ pub fn spawn(
         questions,
         nudge,
         status,
+        invalidations,
     })
 }
 
@@ -428,6 +470,9 @@ struct Common {
     /// The version of the fleet's tokens and drain last told to the daemon (-1: none
     /// yet).
     shared_version: AtomicI64,
+    /// Evidence invalidations the store missed (it was away), retried at each
+    /// heartbeat (see [`SharedJob`]).
+    invalidations: Missed,
 }
 
 impl Common {
@@ -450,6 +495,7 @@ impl Common {
             clock,
             batched,
             shared_version: AtomicI64::new(-1),
+            invalidations: Missed::default(),
         })
     }
 
@@ -662,6 +708,7 @@ impl Worker {
             Err(_) => return c.inbox.alive(),
         }
         self.retry_ends(host);
+        self.retry_invalidations();
         let lapse = i64::try_from(c.cfg.lapse_ms).unwrap_or(i64::MAX);
         let r = self.store.declare_dead(host, lapse);
         c.seen(&r);
@@ -700,6 +747,28 @@ impl Worker {
                 gen,
                 "fleet: this host was declared dead; re-registering under a new generation"
             ),
+        }
+    }
+
+    /// Evidence invalidations the store missed, oldest first, until one fails again.
+    fn retry_invalidations(&mut self) {
+        let missed = self.common.invalidations.clone();
+        loop {
+            let next = missed.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
+            let Some(job) = next else { return };
+            let r = job.carry_out(&mut *self.store);
+            self.common.seen(&r);
+            match r {
+                Err(FleetError::Unavailable(_)) => {
+                    missed
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push_front(job);
+                    return;
+                }
+                Err(e) => tracing::warn!(?job, "fleet: the store did not take it: {e}"),
+                Ok(_) => {}
+            }
         }
     }
 
@@ -757,6 +826,7 @@ impl SimLink {
             questions,
             nudge,
             status,
+            invalidations: common.invalidations.clone(),
         };
         let worker = Worker { store, common };
         let buffered = Default::default();
