@@ -14,7 +14,10 @@ fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> (Outco
     rustix::fs::sync();
     let db = berth_store::fleet::testing::pg_fresh_database("bench").expect("a PostgreSQL server");
     let dirs: Vec<_> = (0..hosts).map(|_| tempfile::tempdir().unwrap()).collect();
-    let rt = crate::http::daemon_runtime();
+    // A runtime per host, as each `berth serve` has its own: on one runtime (one worker
+    // thread, `SERVE_WORKERS`) the three hosts' requests and steps queued behind each
+    // other, which no fleet of separate daemons does.
+    let rts: Vec<_> = (0..hosts).map(|_| crate::http::daemon_runtime()).collect();
     let running: Vec<_> = dirs
         .iter()
         .enumerate()
@@ -33,7 +36,7 @@ fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> (Outco
                 recheck_ms: 2_000,
                 fence_floor: 0,
             });
-            rt.block_on(berth_server::start(cfg)).expect("daemon")
+            rts[i].block_on(berth_server::start(cfg)).expect("daemon")
         })
         .collect();
     let targets: Vec<(String, String)> = running
@@ -54,7 +57,7 @@ fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> (Outco
         (false, [a, b, ..]) => wake_ms(a, b, WAKE_TRIALS),
         _ => Vec::new(),
     };
-    for r in running {
+    for (r, rt) in running.into_iter().zip(&rts) {
         rt.block_on(r.stop()).unwrap();
     }
     (out, ops / trips.max(1.0), wakes)
@@ -150,8 +153,10 @@ fn batch_ops(url: &str, auth: &str) -> (f64, f64) {
 }
 
 /// pgbench's lifecycle: a row with the next sequence value, then its delete, each
-/// committed (what a fleet claim and its ending cost the database at the least).
-fn pgbench(clients: usize, seconds: u64) -> Result<f64, String> {
+/// committed (what a fleet claim and its ending cost the database at the least): its
+/// rate, and the machine's busy CPU per lifecycle in microseconds (pgbench itself and
+/// the server's connection setup included).
+fn pgbench(clients: usize, seconds: u64) -> Result<(f64, u64), String> {
     let db = berth_store::fleet::testing::pg_fresh_database("pgbench")?;
     let name = db
         .split_whitespace()
@@ -170,6 +175,7 @@ fn pgbench(clients: usize, seconds: u64) -> Result<f64, String> {
          DELETE FROM lifecycle WHERE id = :id;\n",
     )
     .map_err(|e| e.to_string())?;
+    let before = crate::cpu::Cpu::now();
     let out = std::process::Command::new("pgbench")
         .args([
             "-n",
@@ -185,8 +191,10 @@ fn pgbench(clients: usize, seconds: u64) -> Result<f64, String> {
         .arg(&name)
         .output()
         .map_err(|e| format!("pgbench: {e}"))?;
+    let after = crate::cpu::Cpu::now();
     let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
+    let tps: f64 = text
+        .lines()
         .find_map(|l| l.strip_prefix("tps = "))
         .and_then(|l| l.split_whitespace().next())
         .and_then(|v| v.parse().ok())
@@ -195,7 +203,9 @@ fn pgbench(clients: usize, seconds: u64) -> Result<f64, String> {
                 "pgbench said: {text}{}",
                 String::from_utf8_lossy(&out.stderr)
             )
-        })
+        })?;
+    let done = (tps * seconds as f64) as u64;
+    Ok((tps, after.per(&before, done).machine_us))
 }
 
 pub fn main(hosts: usize, clients: usize, seconds: u64) {
@@ -203,15 +213,15 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
     let (token, _, _) = fleet_run(hosts, clients, seconds, true);
     wakes.sort_by(f64::total_cmp);
     let single = crate::http::run(clients, 0, seconds, true);
-    let pg = pgbench(clients, seconds).unwrap_or_else(|e| {
+    let (pg, pg_cpu_us) = pgbench(clients, seconds).unwrap_or_else(|e| {
         eprintln!("pgbench: {e}");
-        0.0
+        (0.0, 0)
     });
     let rate = |o: &Outcome| o.lifecycles as f64 / o.seconds;
     // Whether the server syncs its commits (pg_virtualenv turns fsync off unless told).
     let fsync = berth_store::fleet::testing::pg_setting("fsync").unwrap_or_else(|e| e);
     println!(
-        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_ledger_commits_per_lifecycle\":{:.2},\"fleet_wake_trials\":{},\"fleet_wake_p50_ms\":{:.3},\"fleet_wake_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"single_host_ledger_commits_per_lifecycle\":{:.2},\"pgbench_lifecycles_per_s\":{pg:.0},\"errors\":{}}}",
+        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_ledger_commits_per_lifecycle\":{:.2},\"fleet_wake_trials\":{},\"fleet_wake_p50_ms\":{:.3},\"fleet_wake_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"single_host_ledger_commits_per_lifecycle\":{:.2},\"pgbench_lifecycles_per_s\":{pg:.0},\"fleet_machine_cpu_us_per_lifecycle\":{},\"fleet_daemons_cpu_us_per_lifecycle\":{},\"fleet_postgres_cpu_us_per_lifecycle\":{},\"single_host_machine_cpu_us_per_lifecycle\":{},\"pgbench_machine_cpu_us_per_lifecycle\":{pg_cpu_us},\"errors\":{}}}",
         rate(&plain),
         pct(&plain.grant_ms, 0.5),
         pct(&plain.grant_ms, 0.99),
@@ -223,6 +233,10 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
         pct(&token.grant_ms, 0.99),
         rate(&single),
         single.commits as f64 / single.lifecycles.max(1) as f64,
+        plain.cpu.machine_us,
+        plain.cpu.daemons_us,
+        plain.cpu.postgres_us,
+        single.cpu.machine_us,
         plain.errors + token.errors + single.errors,
     );
 }

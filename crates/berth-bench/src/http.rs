@@ -22,6 +22,8 @@ pub(crate) struct Outcome {
     events: Vec<u64>,
     /// Subscribers the daemon cut off for falling behind.
     cutoffs: u64,
+    /// CPU per lifecycle while measuring (`crate::cpu`).
+    pub(crate) cpu: crate::cpu::Cpu,
 }
 
 /// A daemon with room for everything the benchmarks ask (slots, memory, disk), durable
@@ -116,9 +118,10 @@ pub(crate) fn drive(
     let clients_thread = spawn_clients(load.clone(), clients, subscribers);
     std::thread::sleep(WARMUP);
     let commits_before = commits();
-    let started = Instant::now();
+    let (started, cpu_before) = (Instant::now(), crate::cpu::Cpu::now());
     load.measuring.store(true, Ordering::Relaxed);
     std::thread::sleep(Duration::from_secs(seconds));
+    let cpu = crate::cpu::Cpu::now().per(&cpu_before, load.count.load(Ordering::Relaxed));
     let secs = started.elapsed().as_secs_f64();
     let commits = commits() - commits_before;
     load.stop.store(true, Ordering::Relaxed);
@@ -137,6 +140,7 @@ pub(crate) fn drive(
             .map(|e| e.load(Ordering::Relaxed))
             .collect(),
         cutoffs: load.cutoffs.load(Ordering::Relaxed),
+        cpu,
     }
 }
 

@@ -174,6 +174,7 @@ enum Bench {
     },
 }
 
+mod cpu;
 mod fanout;
 mod fleet;
 mod floor;
