@@ -607,6 +607,7 @@ impl Worker {
                 jobs.iter().map(|_| lost()).collect()
             }
         };
+        let mut claimed = Vec::new();
         for (job, answer) in jobs.into_iter().zip(answers) {
             if let Job::End { run_id, gen, how } = job {
                 if answer.is_err() {
@@ -620,11 +621,14 @@ impl Worker {
                     "the store answered a claim as an ending".into(),
                 )),
             });
-            c.inbox.send(Report::Claimed {
+            claimed.push(ClaimAnswer {
                 run_id: job.run_id().to_owned(),
                 gen: job.gen(),
                 result,
             });
+        }
+        if !claimed.is_empty() {
+            c.inbox.send(Report::Claimed(claimed));
         }
     }
 
@@ -889,15 +893,22 @@ impl SimLink {
 /// The outcome of a claim, as the daemon reads it.
 pub type ClaimResult = Result<ClaimOutcome, FleetError>;
 
+/// The store's answer to a run's claim (or re-fence), under the generation it was sent
+/// with.
+#[derive(Debug)]
+pub struct ClaimAnswer {
+    pub run_id: String,
+    pub gen: i64,
+    pub result: ClaimResult,
+}
+
 /// What the fleet threads tell the daemon (`Msg::Fleet`).
 #[derive(Debug)]
 pub enum Report {
-    /// F1: the store's answer to a run's claim.
-    Claimed {
-        run_id: String,
-        gen: i64,
-        result: ClaimResult,
-    },
+    /// F1: the store's answers to one batch's claims, in the batch's order: one
+    /// message, so the daemon takes them in one step (one wake-up a batch, not one a
+    /// claim).
+    Claimed(Vec<ClaimAnswer>),
     /// F3: fleet-wide claims came free (`token SCOPE/HARNESS`, `key NAME`).
     Wake { payloads: Vec<String> },
     /// F2: this host registered under generation `gen`; `resumed` is false if its

@@ -157,11 +157,11 @@ impl<H: Host> Daemon<H> {
     /// A report of the fleet threads.
     pub(super) fn on_fleet(&mut self, report: Report) {
         match report {
-            Report::Claimed {
-                run_id,
-                gen,
-                result,
-            } => self.on_fleet_claimed(run_id, gen, result),
+            Report::Claimed(answers) => {
+                for a in answers {
+                    self.on_fleet_claimed(a.run_id, a.gen, a.result);
+                }
+            }
             Report::Wake { payloads } => self.on_fleet_wake(payloads),
             Report::Generation {
                 gen,
