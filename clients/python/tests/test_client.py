@@ -19,6 +19,10 @@ def test_a_lease_is_granted_renewed_and_released_by_the_context_manager(daemon):
         assert daemon.run(lease.run_id).state == "granted"
     assert daemon.run(lease.run_id).state in ("releasing", "released")
     assert daemon.check_fence(lease.run_id, lease.fence).current is False
+    # Told the state last seen (granted), a long poll answers at once: it has moved on.
+    t0 = time.monotonic()
+    assert daemon.run(lease.run_id, wait_s=30, state="granted").state in ("releasing", "released")
+    assert time.monotonic() - t0 < 10
 
 
 def test_an_exception_in_the_block_still_releases(daemon):

@@ -285,9 +285,9 @@ export class BerthClient {
   }
 
   /** `GET /v1/runs/{id}`; with `wait_s`, as soon as the run changes (or unchanged after
-   *  `wait_s`). */
-  async getRun(runId: string, opts: CallOptions & { wait_s?: number } = {}): Promise<Run> {
-    const q = query({ wait_s: opts.wait_s });
+   *  `wait_s`); with `state` (the state last seen), at once if it is no longer in it. */
+  async getRun(runId: string, opts: CallOptions & { wait_s?: number; state?: Run["state"] } = {}): Promise<Run> {
+    const q = query({ wait_s: opts.wait_s, state: opts.state });
     return this.#call<Run>("GET", `/v1/runs/${seg("run id", runId)}${q}`, undefined, opts);
   }
 

@@ -29,7 +29,7 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** One run; with wait_s, as soon as it changes (or unchanged after wait_s) */
+        /** One run; with wait_s, as soon as it changes (or unchanged after wait_s); with state (the state last seen), at once if it is no longer in it */
         get: operations["getRun"];
         put?: never;
         post?: never;
@@ -1816,6 +1816,7 @@ export interface operations {
         parameters: {
             query?: {
                 wait_s?: number;
+                state?: string;
             };
             header?: never;
             path: {

@@ -84,6 +84,10 @@ test("acquire, renew and release a lease; its fence is not current afterwards", 
     state: "released",
   });
   assert.equal((await client.getRun(lease.run_id)).state, "released");
+  // Told the state last seen (granted), a long poll answers at once: the run moved on.
+  const t0 = Date.now();
+  assert.equal((await client.getRun(lease.run_id, { wait_s: 30, state: "granted" })).state, "released");
+  assert.ok(Date.now() - t0 < 10_000, `answered after ${Date.now() - t0} ms`);
 });
 
 test("a second acquire waits while the slot is held; aborting its stream cancels it", { timeout: 30_000 }, async () => {

@@ -104,7 +104,7 @@ fn wake_ms(a: &(String, String), b: &(String, String), trials: usize) -> Vec<f64
                 Some("queued") if since.elapsed().as_secs() < 30 => {}
                 _ => panic!("{run} was not granted: {now}"),
             }
-            now = call(host, &format!("/v1/runs/{run}?wait_s=5"), None);
+            now = call(host, &format!("/v1/runs/{run}?wait_s=5&state=queued"), None);
         }
     };
     let release = |host, run: &str, fence: u64| {

@@ -101,8 +101,10 @@ pub fn wait_main(a: WaitArgs) -> anyhow::Result<u8> {
         let path = if std::mem::take(&mut first) {
             format!("/v1/runs/{}", a.run_id)
         } else {
+            // `state=queued`: a grant between the last look and this poll is answered
+            // at once (it is no change to wait for).
             format!(
-                "/v1/runs/{}?wait_s={}",
+                "/v1/runs/{}?wait_s={}&state=queued",
                 a.run_id,
                 left_s.clamp(1, WAIT_ROUND_S)
             )

@@ -456,3 +456,37 @@ fn a_parked_client_that_floods_its_socket_is_cut_off_and_its_waiter_cancelled() 
     wait_state(&d, "q2", "granted");
     drop(quiet);
 }
+
+/// Regression (found by `berth-bench fleet`'s wake-up, one trial of 5,004 ms): a waiter
+/// granted between its caller's last look and the caller's long poll has no change left
+/// to come, so the poll answered only after `wait_s` (`berth wait` waited a whole 60 s
+/// round for it). Told the state the caller last saw (`state`), it answers at once.
+#[test]
+fn regression_a_long_poll_told_the_state_last_seen_answers_a_grant_made_before_it_at_once() {
+    let d = Daemon::start(&["--slots-max", "1"]);
+    let f0 = hold(&d, "h");
+    assert_eq!(detach(&d, "w")["state"], "queued");
+    // Granted before the caller polls.
+    release(&d, "h", f0);
+    wait_state(&d, "w", "granted");
+    let t = Instant::now();
+    let r = d.get("/v1/runs/w?wait_s=30&state=queued");
+    assert_eq!((r.status, r.body["state"].as_str()), (200, Some("granted")));
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "answered after {:?}",
+        t.elapsed()
+    );
+    // Still in the state seen: it waits for a change, as without `state`.
+    let t = Instant::now();
+    let r = d.get("/v1/runs/w?wait_s=1&state=granted");
+    assert_eq!((r.status, r.body["state"].as_str()), (200, Some("granted")));
+    assert!(
+        t.elapsed() >= Duration::from_millis(900),
+        "{:?}",
+        t.elapsed()
+    );
+    let r = d.get("/v1/runs/w?wait_s=1&state=waiting");
+    assert_eq!((r.status, r.code()), (400, "invalid"), "{:?}", r.body);
+    assert!(r.body.to_string().contains("state"), "{:?}", r.body);
+}

@@ -249,10 +249,12 @@ class Operations:
                     params=_query(all="true" if all else None, limit=limit))
 
     @operation("getRun")
-    def run(self, run_id: str, wait_s: Optional[int] = None) -> Call[m.Run]:
-        """`GET /v1/runs/{id}`; with `wait_s`, waits that long for a queued run to move."""
+    def run(self, run_id: str, wait_s: Optional[int] = None,
+            state: Optional[str] = None) -> Call[m.Run]:
+        """`GET /v1/runs/{id}`; with `wait_s`, waits that long for a queued run to move;
+        with `state` (the state last seen), answers at once if it is no longer in it."""
         return Call("GET", f"/v1/runs/{_seg(run_id, 'run_id')}", _model(m.Run),
-                    params=_query(wait_s=wait_s), wait=wait_s is not None)
+                    params=_query(wait_s=wait_s, state=state), wait=wait_s is not None)
 
     @operation("cancelRun")
     def cancel(self, run_id: str, fence: Optional[int] = None) -> Call[m.Run]:

@@ -223,10 +223,14 @@ pub(super) async fn list_runs(
 /// bound; this one keeps a forgotten request from holding a connection for hours.
 pub const GET_WAIT_S_MAX: u64 = 300;
 
-/// `GET /v1/runs/{id}[?wait_s=N]`: the run now, or, with `wait_s`, as soon as the daemon
-/// says it changed (its state or reason; a waiter's position is a snapshot, read anew
-/// when it answers), or unchanged after N s. Waiting costs the daemon nothing: the
-/// request waits on the run's watch, which only a change to this run wakes.
+/// `GET /v1/runs/{id}[?wait_s=N[&state=S]]`: the run now, or, with `wait_s`, as soon as
+/// the daemon says it changed (its state or reason; a waiter's position is a snapshot,
+/// read anew when it answers), or unchanged after N s. Waiting costs the daemon
+/// nothing: the request waits on the run's watch, which only a change to this run
+/// wakes. `state` is the state the caller last saw: a run no longer in it is answered
+/// at once. Without it, a waiter granted between the caller's last look and this
+/// request had no change left to come, and its grant was told only after N s (`berth
+/// wait` waited a whole 60 s round; `berth-bench fleet` saw a 5 s wake-up).
 pub(super) async fn get_run(
     AxState(api): AxState<Api>,
     axum::Extension(caller): axum::Extension<Caller>,
@@ -234,7 +238,14 @@ pub(super) async fn get_run(
     Params(q): Params,
 ) -> Result<Response, ApiError> {
     check_run_id(&id)?;
-    only_params(&q, &["wait_s"])?;
+    only_params(&q, &["wait_s", "state"])?;
+    let seen = q
+        .get("state")
+        .map(|s| {
+            s.parse::<RunState>()
+                .map_err(|e| ApiError::invalid("state", format!("must be a run state: {e}")))
+        })
+        .transpose()?;
     let wait_s = match q.get("wait_s") {
         Some(w) => w
             .parse::<u64>()
@@ -269,6 +280,9 @@ pub(super) async fn get_run(
         return Ok(Json(run_for(&caller, &info)).into_response());
     };
     let first = w.borrow_and_update().clone();
+    if seen.is_some_and(|s| s != first.view.state) {
+        return Ok(Json(run_for(&caller, &first)).into_response());
+    }
     let info = match tokio::time::timeout(Duration::from_secs(wait_s), w.changed()).await {
         Ok(_) => w.borrow_and_update().clone(),
         // Unchanged: the run as it is now (a waiter's position moves without it).

@@ -138,9 +138,9 @@ pub fn routes() -> Vec<(Route, MethodRouter<Api>)> {
                 Get,
                 "/v1/runs/{id}",
                 r,
-                "One run; with wait_s, as soon as it changes (or unchanged after wait_s)",
+                "One run; with wait_s, as soon as it changes (or unchanged after wait_s); with state (the state last seen), at once if it is no longer in it",
             )
-            .query(&[("wait_s", "integer")])
+            .query(&[("wait_s", "integer"), ("state", "string")])
             .answers(200, Body::Json("Run")),
             get(super::get_run),
         ),
