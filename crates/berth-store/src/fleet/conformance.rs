@@ -62,6 +62,10 @@ pub const CHECKS: &[(&str, Check)] = &[
         a_batch_answers_as_its_calls_would,
     ),
     (
+        "plain_claims_in_a_batch_answer_as_their_calls_would",
+        plain_claims_in_a_batch_answer_as_their_calls_would,
+    ),
+    (
         "crossing_batches_never_deadlock",
         crossing_batches_never_deadlock,
     ),
@@ -629,6 +633,49 @@ fn a_batch_answers_as_its_calls_would(open: Open) {
         .collect();
     assert!(matches!(s.batch("a", &ops), Err(FleetError::Invalid(_))));
     assert_eq!(s.fence("x0").unwrap(), None);
+}
+
+/// Plain claims (no token, no key), which PostgreSQL's `berth_batch` answers itself
+/// since schema version 5, answer in a batch as a claim call does: taken; taken again
+/// with the same fence when retried by its generation (an answer lost); refused as
+/// another host's run id; refused for a generation that is not alive.
+fn plain_claims_in_a_batch_answer_as_their_calls_would(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    let b = host(&mut *s, "b");
+    let held_by_b = fence(s.claim(&claim("p0", "b", b, None, &[])).unwrap());
+    let plain = |run: &str, gen: i64| FleetOp::Claim(claim(run, "a", gen, None, &[]));
+    let ops = vec![
+        plain("p1", a),
+        plain("p1", a),
+        plain("p0", a),
+        plain("p2", a + 7),
+        plain("p3", a),
+    ];
+    let out = s.batch("a", &ops).unwrap();
+    let taken = |i: usize| match &out[i] {
+        Ok(OpOutcome::Claim(ClaimOutcome::Taken { fence })) => *fence,
+        other => panic!("op {i}: expected taken, got {other:?}"),
+    };
+    assert!(taken(0) > held_by_b);
+    assert_eq!(taken(1), taken(0), "a retry gets its fence back");
+    assert!(
+        matches!(&out[2], Ok(OpOutcome::Claim(ClaimOutcome::RunIdTaken { host_id })) if host_id == "b"),
+        "{:?}",
+        out[2]
+    );
+    assert_eq!(
+        out[3].as_ref().ok(),
+        Some(&OpOutcome::Claim(ClaimOutcome::HostDead))
+    );
+    assert!(taken(4) > taken(0));
+    // As the single calls answer, and only what was taken is written.
+    assert_eq!(
+        s.claim(&claim("p1", "a", a, None, &[])).unwrap(),
+        ClaimOutcome::Taken { fence: taken(0) }
+    );
+    assert_eq!(s.fence("p0").unwrap().map(|f| f.host_id), Some("b".into()));
+    assert_eq!(s.fence("p2").unwrap(), None);
 }
 
 /// Issue 38 Build 1: two hosts' batches take the same keys in crossing orders (one

@@ -29,6 +29,7 @@ const MIGRATIONS: &[&str] = &[
     include_str!("pg_v2.sql"),
     include_str!("pg_v3.sql"),
     include_str!("pg_v4.sql"),
+    include_str!("pg_v5.sql"),
 ];
 /// The advisory lock id of the migration ("berth" in ASCII, as a number).
 const MIGRATION_LOCK: i64 = 0x0062_6572_7468;
@@ -218,7 +219,8 @@ fn migrate(c: &mut Client) -> Result<(), FleetError> {
 /// The shared version alone (`shared` when nothing changed).
 const VERSION_SQL: &str = "SELECT version FROM berth_shared WHERE id = 1";
 
-/// The one statement a batch is (`berth_batch`, schema version 3).
+/// The one statement a batch is (`berth_batch`, schema version 3; plain claims answered
+/// in it since version 5).
 const BATCH_SQL: &str =
     "SELECT j, outcome, fence, detail FROM berth_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 
