@@ -906,6 +906,83 @@ mod tests {
         }
     }
 
+    /// Issue 38 Build 3, the other bounds, on both stores: evidence of at most
+    /// `FLEET_EVIDENCE_MAX` projects and the control of at most `FLEET_SCOPES_MAX`
+    /// scopes (one more new one refused, naming the bound; a kept one still changes),
+    /// and `FLEET_RECEIPTS_MAX` receipts per scope (the newest retry still gets its
+    /// receipt; one older than that is taken as a new request).
+    #[test]
+    fn the_fleet_evidence_scope_and_receipt_bounds_hold() {
+        use berth_core::scopes::Mode;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fleet.db").to_string_lossy().into_owned();
+        let sql: Box<dyn FleetStore> = Box::new(SqliteFleet::open(&path).unwrap());
+        for mut s in [sql, Box::new(MemFleet::new()) as Box<dyn FleetStore>] {
+            let proof = |i: usize, commit: &str| FleetEvidence {
+                project: format!("p{i}"),
+                fingerprint: "f".into(),
+                commit: Some(commit.into()),
+                ports: Vec::new(),
+                run_id: format!("r{i}"),
+                host_id: "a".into(),
+                valid: true,
+            };
+            for i in 0..FLEET_EVIDENCE_MAX {
+                s.put_evidence(&proof(i, "c1")).unwrap();
+            }
+            let refused = s.put_evidence(&proof(FLEET_EVIDENCE_MAX, "c1"));
+            assert!(matches!(refused, Err(FleetError::Invalid(ref e)) if e.contains("at most")));
+            s.put_evidence(&proof(3, "c2")).unwrap();
+            let shared = s.shared(-1).unwrap().unwrap();
+            assert_eq!(shared.evidence.len(), FLEET_EVIDENCE_MAX);
+            assert!(shared
+                .evidence
+                .iter()
+                .any(|e| e.project == "p3" && e.commit.as_deref() == Some("c2")));
+
+            let ask = |scope: String, id: String, mode| ScopeControlRequest {
+                scope,
+                request_id: id,
+                mode,
+            };
+            for i in 0..FLEET_SCOPES_MAX {
+                let r = ask(format!("s{i}"), "q0".into(), Mode::Pause);
+                s.control_scope(&r, "a").unwrap();
+            }
+            let one_more = ask(format!("s{FLEET_SCOPES_MAX}"), "q0".into(), Mode::Pause);
+            let refused = s.control_scope(&one_more, "a");
+            assert!(matches!(refused, Err(FleetError::Invalid(ref e)) if e.contains("at most")));
+            // Scope s0: past its receipt bound, in turns of resume and pause.
+            let mode = |i: usize| {
+                if i % 2 == 0 {
+                    Mode::Pause
+                } else {
+                    Mode::Resume
+                }
+            };
+            let mut last = None;
+            for i in 1..=FLEET_RECEIPTS_MAX + 1 {
+                let r = ask("s0".into(), format!("q{i}"), mode(i));
+                last = Some((r.clone(), s.control_scope(&r, "a").unwrap().0));
+            }
+            let (r, answer) = last.unwrap();
+            let generation = |o: &ControlOutcome| match o {
+                ControlOutcome::Accepted(rec) => rec.generation,
+                other => panic!("not accepted: {other:?}"),
+            };
+            let top = generation(&answer);
+            assert_eq!(
+                s.control_scope(&r, "a").unwrap().0,
+                answer,
+                "the newest retry"
+            );
+            // q1 is older than the receipts kept: taken as a new request, it makes a
+            // new generation (kept, it would answer with its old receipt).
+            let old = ask("s0".into(), "q1".into(), Mode::Resume);
+            assert_eq!(generation(&s.control_scope(&old, "a").unwrap().0), top + 1);
+        }
+    }
+
     #[test]
     fn mem_answers_as_sqlite_does() {
         const SEEDS: u64 = 4;
