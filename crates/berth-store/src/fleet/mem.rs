@@ -954,7 +954,7 @@ mod tests {
             assert!(matches!(refused, Err(FleetError::Invalid(ref e)) if e.contains("at most")));
             // Scope s0: past its receipt bound, in turns of resume and pause.
             let mode = |i: usize| {
-                if i % 2 == 0 {
+                if i.is_multiple_of(2) {
                     Mode::Pause
                 } else {
                     Mode::Resume
