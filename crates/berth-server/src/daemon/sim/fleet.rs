@@ -676,14 +676,17 @@ fn a_run_ended_before_its_host_registered_again_ends_its_fleet_claim() {
         reply,
     });
     assert_eq!(ended.map(|i| i.view.state), Ok(RunState::Released));
+    no_claim_of_x_once_settled(&mut sim, "the ended run's claim is left");
+}
+
+/// The link back, a heartbeat, and everything the link holds carried out: no claim of
+/// `x` is left in the store.
+fn no_claim_of_x_once_settled(sim: &mut Sim, why: &str) {
     sim.fleet_mut().link_up();
     sim.fleet_beat();
     sim.settle_fleet();
-    assert_eq!(
-        store.fence("x").unwrap(),
-        None,
-        "the ended run's claim is left"
-    );
+    let mut store = sim.fleet_mut().store.clone();
+    assert_eq!(store.fence("x").unwrap(), None, "{why}");
 }
 
 /// Issue 38 Build 6 (found by the simulator's pause): a host paused past the lapse,
@@ -744,14 +747,7 @@ fn regression_a_claim_a_restarting_server_committed_without_answering_goes_back(
         store.fence("x").unwrap().is_some(),
         "the server committed it"
     );
-    sim.fleet_mut().link_up();
-    sim.fleet_beat();
-    sim.settle_fleet();
-    assert_eq!(
-        store.fence("x").unwrap(),
-        None,
-        "the key is held for a run nobody has"
-    );
+    no_claim_of_x_once_settled(&mut sim, "the key is held for a run nobody has");
 }
 
 /// Issue 38 Build 3: an evidence invalidation told while the store is away is taken
