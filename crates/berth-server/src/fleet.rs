@@ -29,6 +29,10 @@ pub const ENDS_PENDING_MAX: usize = 65_536;
 /// most; past it the oldest is dropped with a warning (the other hosts keep riding on
 /// it until a run there refutes it too).
 pub const INVALIDATIONS_PENDING_MAX: usize = 1_024;
+/// Missed invalidations retried per heartbeat at most: a round trip each, on the
+/// heartbeat's thread, whose beats must not fall behind (three late ones make the host
+/// stale) when the store comes back to a long queue.
+pub const INVALIDATIONS_PER_BEAT_MAX: usize = 16;
 /// How often the listener gives up waiting and looks again (its reconnect pace, too).
 const LISTEN_WAIT_MS: u64 = 1_000;
 
@@ -754,10 +758,11 @@ impl Worker {
         }
     }
 
-    /// Evidence invalidations the store missed, oldest first, until one fails again.
+    /// Evidence invalidations the store missed, oldest first, until one fails again
+    /// (at most `INVALIDATIONS_PER_BEAT_MAX` a beat).
     fn retry_invalidations(&mut self) {
         let missed = self.common.invalidations.clone();
-        loop {
+        for _ in 0..INVALIDATIONS_PER_BEAT_MAX {
             let next = missed.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
             let Some(job) = next else { return };
             let r = job.carry_out(&mut *self.store);
