@@ -25,6 +25,9 @@ use crate::tell::Tell;
 /// oldest are dropped with a warning and the next registration's reconciliation (the
 /// dead-host rules) is what frees them.
 pub const ENDS_PENDING_MAX: usize = 65_536;
+/// Batches of missed endings retried per heartbeat at most (`BATCH_OPS_MAX` endings
+/// each): the heartbeat's thread must not fall behind its beats.
+pub const ENDS_RETRY_BATCHES_PER_BEAT: usize = 4;
 /// Evidence invalidations not yet taken by the store (it was away) kept for a retry at
 /// most; past it the oldest is dropped with a warning (the other hosts keep riding on
 /// it until a run there refutes it too).
@@ -781,21 +784,40 @@ impl Worker {
         }
     }
 
-    /// Endings the store missed, oldest first, until one fails again.
+    /// Endings the store missed, oldest first, a batch (one round trip) at a time and
+    /// at most `ENDS_RETRY_BATCHES_PER_BEAT` batches a beat, until the store fails
+    /// again. One round trip each, as they were, a long queue after an outage held the
+    /// heartbeat's thread for seconds, long enough to make the host stale (and its
+    /// runs with fleet-wide claims fenced) just as the store came back.
     fn retry_ends(&mut self, host: &str) {
-        loop {
-            let next = self
-                .common
-                .ends
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .pop_front();
-            let Some((run_id, g, how)) = next else { return };
-            let r = self.store.end(&run_id, host, g, how);
-            self.common.seen(&r);
-            if r.is_err() {
+        for _ in 0..ENDS_RETRY_BATCHES_PER_BEAT {
+            let ops: Vec<Job> = {
                 let mut ends = self.common.ends.lock().unwrap_or_else(|e| e.into_inner());
-                ends.push_front((run_id, g, how));
+                let n = ends.len().min(BATCH_OPS_MAX);
+                ends.drain(..n)
+                    .map(|(run_id, gen, how)| Job::End { run_id, gen, how })
+                    .collect()
+            };
+            if ops.is_empty() {
+                return;
+            }
+            let r = self.store.batch(host, &ops);
+            self.common.seen(&r);
+            if let Ok(answers) = &r {
+                for (op, a) in ops.iter().zip(answers) {
+                    if let Err(e) = a {
+                        tracing::warn!(?op, "fleet: the store refused a missed ending: {e}");
+                    }
+                }
+            }
+            if let Err(e) = r {
+                tracing::debug!("fleet: missed endings wait for the store: {e}");
+                let mut ends = self.common.ends.lock().unwrap_or_else(|e| e.into_inner());
+                for op in ops.into_iter().rev() {
+                    if let Job::End { run_id, gen, how } = op {
+                        ends.push_front((run_id, gen, how));
+                    }
+                }
                 return;
             }
         }
@@ -1007,6 +1029,29 @@ mod tests {
         };
         check_id_free(&mut second, &cfg("dup"), silent).unwrap();
         check_id_free(&mut second, &cfg("free"), |_| panic!("no row to watch")).unwrap();
+    }
+
+    /// Missed endings go back to the store a batch (one round trip) at a time, at most
+    /// `ENDS_RETRY_BATCHES_PER_BEAT` batches a heartbeat: one round trip each, a long
+    /// queue after an outage held the heartbeat's thread for seconds.
+    #[test]
+    fn missed_endings_are_retried_in_batches_a_few_a_beat() {
+        use berth_store::fleet::MemFleet;
+        let clock = Arc::new(AtomicU64::new(1_000));
+        let store = MemFleet::with_clock(clock.clone());
+        let now = Arc::new(move || clock.load(Ordering::Relaxed));
+        let inbox = Tell::to_fn(|_| true);
+        let (_handle, mut link) = SimLink::new(cfg("a"), Box::new(store), inbox, now);
+        link.beat();
+        let per_beat = ENDS_RETRY_BATCHES_PER_BEAT * BATCH_OPS_MAX;
+        for i in 0..per_beat + 10 {
+            let c = &link.worker.common;
+            c.missed(format!("r{i}"), 1, Ending::Released);
+        }
+        link.beat();
+        assert_eq!(link.missed_ends(), 10, "one beat's worth");
+        link.beat();
+        assert_eq!(link.missed_ends(), 0);
     }
 
     #[test]
