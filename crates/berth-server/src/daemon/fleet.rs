@@ -376,6 +376,12 @@ impl<H: Host> Daemon<H> {
             Ok(ClaimOutcome::HostDead) | Err(_) => {
                 return self.answer(p.reply, Err(Error::FleetUnavailable));
             }
+            // A fleet drain this host has not read yet: refused as a new run is while
+            // it drains, and the drain is read now.
+            Ok(ClaimOutcome::Draining) => {
+                let e = self.fleet_draining();
+                return self.answer(p.reply, Err(e));
+            }
             // Refused (full, held, taken elsewhere): its one try fails with the reason,
             // or it waits as any run whose claim was refused, its reason naming the
             // key's holder.
@@ -461,11 +467,34 @@ impl<H: Host> Daemon<H> {
             Ok(ClaimOutcome::HostDead) | Err(FleetError::Unavailable(_)) => {
                 self.fleet.park(RETRY.into(), run_id)
             }
+            // A fleet drain this host has not read yet: the waiter waits (once the
+            // drain is read, the engine asks for no claim until it ends).
+            Ok(ClaimOutcome::Draining) => {
+                let _ = self.fleet_draining();
+                self.fleet.park(RETRY.into(), run_id)
+            }
             refusal => self.refused_for_good(run_id, refusal, &mut touched),
         }
         if !touched.is_empty() || !self.fleet.pending.is_empty() {
             self.commit(touched, |_| {});
         }
+    }
+
+    /// The store refused a claim for a fleet drain: it is read now, and a new run is
+    /// refused with it (with what this host knows of it, or that a fleet drain is in
+    /// force, until the read comes).
+    fn fleet_draining(&mut self) -> Error {
+        if let Some(link) = &self.fleet.link {
+            link.nudge();
+        }
+        self.draining().unwrap_or_else(|| Error::Draining {
+            drain: berth_store::DrainRecord {
+                by: String::new(),
+                at: String::new(),
+                reason: "a fleet drain is in force (this host is reading it)".into(),
+            },
+            fleet_host: Some(String::new()),
+        })
     }
 
     /// A claim whose answer was lost, of a run that does not wait for it (any more):

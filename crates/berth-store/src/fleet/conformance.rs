@@ -74,6 +74,10 @@ pub const CHECKS: &[(&str, Check)] = &[
         tokens_and_the_drain_are_shared,
     ),
     (
+        "a_fleet_drain_refuses_new_claims_in_the_store",
+        a_fleet_drain_refuses_new_claims_in_the_store,
+    ),
+    (
         "a_scope_control_is_decided_once_fleet_wide",
         a_scope_control_is_decided_once_fleet_wide,
     ),
@@ -633,6 +637,53 @@ fn a_batch_answers_as_its_calls_would(open: Open) {
         .collect();
     assert!(matches!(s.batch("a", &ops), Err(FleetError::Invalid(_))));
     assert_eq!(s.fence("x0").unwrap(), None);
+}
+
+/// Issue 38 Build 3: the store itself refuses new claims while a fleet drain is in
+/// force, so a drain is strict whenever a host reads it (a host that had not read it
+/// yet admitted new runs for those milliseconds). A claim its generation holds already
+/// is answered with its fence (a retry whose answer was lost), a re-fence and an ending
+/// go on, and the drain's end lets new claims in again.
+fn a_fleet_drain_refuses_new_claims_in_the_store(open: Open) {
+    let mut s = open();
+    let a = host(&mut *s, "a");
+    let held = fence(s.claim(&claim("r1", "a", a, None, &["db"])).unwrap());
+    let drain = FleetDrain {
+        by: "op".into(),
+        at: "2026-12-05T17:00:00Z".into(),
+        reason: "upgrade".into(),
+        host_id: "a".into(),
+    };
+    s.set_drain(Some(&drain)).unwrap();
+    let ops = vec![
+        FleetOp::Claim(claim("r2", "a", a, None, &[])),
+        FleetOp::Claim(claim("r3", "a", a, Some(("h", 2)), &["cache"])),
+        FleetOp::Claim(claim("r1", "a", a, None, &["db"])),
+        FleetOp::Refence {
+            run_id: "r1".into(),
+            gen: a,
+        },
+        end_op("r1", a, Ending::Released),
+    ];
+    let out = s.batch("a", &ops).unwrap();
+    let draining = Some(&OpOutcome::Claim(ClaimOutcome::Draining));
+    assert_eq!(out[0].as_ref().ok(), draining, "{out:?}");
+    assert_eq!(out[1].as_ref().ok(), draining, "{out:?}");
+    assert_eq!(
+        out[2].as_ref().ok(),
+        Some(&OpOutcome::Claim(ClaimOutcome::Taken { fence: held }))
+    );
+    assert!(
+        matches!(out[3], Ok(OpOutcome::Claim(ClaimOutcome::Taken { fence })) if fence > held),
+        "{:?}",
+        out[3]
+    );
+    assert_eq!(out[4].as_ref().ok(), Some(&OpOutcome::Ended(true)));
+    assert_eq!(s.fence("r2").unwrap(), None);
+    assert_eq!(s.fence("r3").unwrap(), None);
+    assert!(s.tokens("exp").unwrap().is_empty());
+    s.set_drain(None).unwrap();
+    fence(s.claim(&claim("r2", "a", a, None, &["db"])).unwrap());
 }
 
 /// Plain claims (no token, no key), which PostgreSQL's `berth_batch` answers itself

@@ -367,6 +367,9 @@ impl FleetStore for MemFleet {
                 ClaimOutcome::RunIdTaken { host_id }
             });
         }
+        if st.drain.is_some() {
+            return Ok(ClaimOutcome::Draining);
+        }
         if let Some(refused) = st.refusal(c, &keys) {
             return Ok(refused);
         }

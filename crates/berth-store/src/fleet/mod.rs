@@ -117,6 +117,11 @@ pub enum ClaimOutcome {
     },
     /// This host generation was declared dead: it must re-register first (F2).
     HostDead,
+    /// Issue 38 Build 3: a fleet drain is in force, and no new claim is taken on any
+    /// host until it ends (a claim this generation already holds is answered with its
+    /// fence; re-fences and endings go on). Decided by the store, so a drain is strict:
+    /// once it is committed, no host admits a new run, whenever it reads the drain.
+    Draining,
 }
 
 /// How a run's fleet-wide claim ends. An owner's release frees its budget token; an
@@ -482,6 +487,7 @@ pub(crate) fn outcome(word: &str, fence: u64, detail: &str) -> Result<ClaimOutco
             }
         }
         "host_dead" => ClaimOutcome::HostDead,
+        "draining" => ClaimOutcome::Draining,
         other => {
             return Err(FleetError::Unavailable(format!(
                 "the store answered a claim with {other:?}"

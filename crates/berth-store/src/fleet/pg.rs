@@ -33,6 +33,9 @@ const MIGRATIONS: &[&str] = &[
 ];
 /// The advisory lock id of the migration ("berth" in ASCII, as a number).
 const MIGRATION_LOCK: i64 = 0x0062_6572_7468;
+/// The fleet drain's advisory lock: `berth_batch` takes it shared before it reads the
+/// drain, a drain's start or end exclusively (the number is written in pg_v5.sql too).
+const DRAIN_LOCK: i64 = 1_650_815_605;
 
 /// A statement that waits longer than this is cancelled by the server, so a lock held
 /// by a hung peer cannot freeze this host's fleet thread.
@@ -615,6 +618,9 @@ impl FleetStore for PgFleet {
         check_drain(d)?;
         self.with(|c| {
             let mut tx = c.transaction()?;
+            // Waits for the batches taking claims now, and holds new ones back until
+            // this commits (`berth_batch`, schema v5): the drain is strict.
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&DRAIN_LOCK])?;
             let n = match d {
                 Some(d) => tx.execute(
                     "UPDATE berth_shared SET version = version + 1, drain_by = $1,

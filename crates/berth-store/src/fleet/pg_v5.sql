@@ -1,7 +1,12 @@
--- berth fleet schema, version 5 (issue 38, the claim path): berth_batch answers a plain
--- claim (no budget token, no key) itself, without berth_claim's exception block (a
--- subtransaction per claim): 66 and 79 us of the server's CPU per lifecycle against 73
--- and 87 in alternated runs of berth-bench fleet. Everything else is version 3's.
+-- berth fleet schema, version 5 (issue 38): berth_batch answers a plain claim (no
+-- budget token, no key) itself, without berth_claim's exception block (a subtransaction
+-- per claim): 66 and 79 us of the server's CPU per lifecycle against 73 and 87 in
+-- alternated runs of berth-bench fleet. And it refuses new claims while a fleet drain
+-- is in force ('draining'), under a shared advisory lock that the drain's start takes
+-- exclusively (berth_shared's drain lock, 1650815605): a batch that began before the
+-- drain commits first, and one that begins after it sees the drain, so once a drain is
+-- committed no host takes a new claim, whenever it reads the drain. Everything else is
+-- version 3's.
 CREATE OR REPLACE FUNCTION berth_batch(p_host text, p_kind text[], p_run text[], p_gen bigint[],
                             p_scope text[], p_harness text[], p_limit integer[],
                             p_nkeys integer[], p_keys text[])
@@ -14,7 +19,12 @@ DECLARE
   v_fence bigint;
   v_host text;
   v_gen bigint;
+  v_draining boolean := false;
 BEGIN
+  IF 'claim' = ANY (p_kind) THEN
+    PERFORM pg_advisory_xact_lock_shared(1650815605);
+    SELECT s.drain_by IS NOT NULL INTO v_draining FROM berth_shared s WHERE s.id = 1;
+  END IF;
   -- Every key and budget harness the batch may touch is locked first, in one order
   -- fleet-wide (the lock ids, ascending). Two hosts' batches then never wait on each
   -- other in a cycle: without it, one holding key a (an uncommitted insert) and
@@ -37,6 +47,19 @@ BEGIN
     PERFORM pg_advisory_xact_lock(1650815604, lock_id);
   END LOOP;
   FOR i IN 1 .. n LOOP
+    -- A fleet drain: no new claim anywhere; one this generation holds already (a retry
+    -- whose answer was lost) is answered with its fence.
+    IF p_kind[i] = 'claim' AND v_draining THEN
+      SELECT r.fence INTO v_fence FROM berth_runs r
+       WHERE r.run_id = p_run[i] AND r.host_id = p_host AND r.gen = p_gen[i];
+      IF FOUND THEN
+        RETURN QUERY SELECT i, 'taken'::text, v_fence, ''::text;
+      ELSE
+        RETURN QUERY SELECT i, 'draining'::text, 0::bigint, ''::text;
+      END IF;
+      used := used + p_nkeys[i];
+      CONTINUE;
+    END IF;
     -- A plain claim (no budget token, no key) cannot be refused but for a dead host or
     -- a run id another host holds: answered here without berth_claim's exception
     -- block, whose subtransaction was most of a plain claim's cost on the server.

@@ -295,6 +295,14 @@ impl FleetStore for SqliteFleet {
                 ClaimOutcome::RunIdTaken { host_id: h }
             });
         }
+        // The fleet drain, read in the claim's own write transaction (SQLite has one
+        // writer at a time): a drain committed before it refuses it.
+        let draining: bool = tx
+            .query_row("SELECT drain_by IS NOT NULL FROM shared", [], |r| r.get(0))
+            .map_err(err)?;
+        if draining {
+            return Ok(ClaimOutcome::Draining);
+        }
         match take(&tx, c, &keys).map_err(err)? {
             Ok(fence) => {
                 tx.commit().map_err(err)?;

@@ -802,3 +802,31 @@ fn regression_an_invalidation_the_store_missed_is_taken_when_it_is_back() {
         "the missed invalidations were not all taken"
     );
 }
+
+/// Issue 38 Build 3: a fleet drain is decided by the store. A host that has not read a
+/// drain another host started (its notification not come yet) admitted a new run in
+/// those milliseconds; the store now refuses its claim, and the run is refused as a new
+/// run is while the host drains.
+#[test]
+fn regression_a_host_that_has_not_read_the_fleet_drain_admits_no_new_run() {
+    let mut sim = Sim::new(FLEET_SEED);
+    let drain = berth_store::fleet::FleetDrain {
+        by: "op".into(),
+        at: "2026-12-05T17:00:00Z".into(),
+        reason: "upgrade".into(),
+        host_id: PEER.into(),
+    };
+    let mut store = sim.fleet_mut().store.clone();
+    store.set_drain(Some(&drain)).unwrap();
+    let mut answer = acquire_with_the_key(&mut sim);
+    assert_eq!(sim.fleet_mut().link.jobs(1), 1);
+    sim.deliver_reports();
+    let refused = answer
+        .try_recv()
+        .expect("answered once its claim came back");
+    assert!(
+        matches!(refused, Err(Error::Draining { .. })),
+        "{refused:?}"
+    );
+    assert_eq!(store.fence("x").unwrap(), None);
+}
