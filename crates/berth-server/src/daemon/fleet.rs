@@ -146,6 +146,10 @@ impl FleetState {
             Err(FleetError::Unavailable(_)) => self.unsure.insert(run_id.into(), gen),
             _ => self.unsure.remove(run_id),
         };
+        // Refused for a fleet drain this host has not read yet: it is read now.
+        if let (Ok(ClaimOutcome::Draining), Some(link)) = (result, &self.link) {
+            link.nudge();
+        }
     }
 
     fn park(&mut self, channel: String, run_id: String) {
@@ -464,15 +468,10 @@ impl<H: Host> Daemon<H> {
                 touched.insert(run_id.clone());
                 self.park_or_retry(key_channel(&key), run_id, &sent)
             }
-            Ok(ClaimOutcome::HostDead) | Err(FleetError::Unavailable(_)) => {
-                self.fleet.park(RETRY.into(), run_id)
-            }
-            // A fleet drain this host has not read yet: the waiter waits (once the
+            // Refused for a fleet drain not read yet, the waiter waits too (once the
             // drain is read, the engine asks for no claim until it ends).
-            Ok(ClaimOutcome::Draining) => {
-                let _ = self.fleet_draining();
-                self.fleet.park(RETRY.into(), run_id)
-            }
+            Ok(ClaimOutcome::HostDead | ClaimOutcome::Draining)
+            | Err(FleetError::Unavailable(_)) => self.fleet.park(RETRY.into(), run_id),
             refusal => self.refused_for_good(run_id, refusal, &mut touched),
         }
         if !touched.is_empty() || !self.fleet.pending.is_empty() {
