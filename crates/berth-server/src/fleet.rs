@@ -259,20 +259,22 @@ impl Handle {
     /// Sends `job` to the store, after the commit that decided it.
     pub fn share(&self, job: SharedJob) {
         let missed = self.invalidations.clone();
-        // Asked while the questions are full, it is missed as if the store were away.
-        let full = (
-            job.clone(),
-            FleetError::Unavailable("the fleet questions are full".into()),
-        );
+        // Asked while the questions are full, an invalidation is missed as if the
+        // store were away.
+        let kept = matches!(job, SharedJob::InvalidateEvidence { .. }).then(|| job.clone());
         let q: Question = Box::new(move |s: &mut dyn FleetStore| {
             if let Err(e) = job.carry_out(s) {
                 tracing::warn!(?job, "fleet: the store did not take it: {e}");
-                keep_missed(&missed, job, &e);
+                if matches!(e, FleetError::Unavailable(_)) {
+                    keep_missed(&missed, job);
+                }
             }
         });
         if self.questions.try_send(q).is_err() {
             tracing::warn!("fleet: {QUESTIONS_MAX} fleet questions are in flight; promotion evidence not shared now");
-            keep_missed(&self.invalidations, full.0, &full.1);
+            if let Some(job) = kept {
+                keep_missed(&self.invalidations, job);
+            }
         }
     }
 }
@@ -290,12 +292,10 @@ impl SharedJob {
     }
 }
 
-/// An invalidation the store missed because it was away is kept for the heartbeat's
-/// retry (see [`SharedJob`]); anything else is dropped.
-fn keep_missed(missed: &Missed, job: SharedJob, e: &FleetError) {
-    let retried = matches!(job, SharedJob::InvalidateEvidence { .. })
-        && matches!(e, FleetError::Unavailable(_));
-    if !retried {
+/// An invalidation the store missed (it was away) is kept for the heartbeat's retry
+/// (see [`SharedJob`]); missed evidence is dropped.
+fn keep_missed(missed: &Missed, job: SharedJob) {
+    if !matches!(job, SharedJob::InvalidateEvidence { .. }) {
         return;
     }
     let mut missed = missed.lock().unwrap_or_else(|e| e.into_inner());
@@ -803,22 +803,24 @@ impl Worker {
             }
             let r = self.store.batch(host, &ops);
             self.common.seen(&r);
-            if let Ok(answers) = &r {
-                for (op, a) in ops.iter().zip(answers) {
-                    if let Err(e) = a {
-                        tracing::warn!(?op, "fleet: the store refused a missed ending: {e}");
+            match r {
+                Ok(answers) => {
+                    for (op, a) in ops.iter().zip(answers) {
+                        if let Err(e) = a {
+                            tracing::warn!(?op, "fleet: the store refused a missed ending: {e}");
+                        }
                     }
                 }
-            }
-            if let Err(e) = r {
-                tracing::debug!("fleet: missed endings wait for the store: {e}");
-                let mut ends = self.common.ends.lock().unwrap_or_else(|e| e.into_inner());
-                for op in ops.into_iter().rev() {
-                    if let Job::End { run_id, gen, how } = op {
-                        ends.push_front((run_id, gen, how));
+                Err(e) => {
+                    tracing::debug!("fleet: missed endings wait for the store: {e}");
+                    let mut ends = self.common.ends.lock().unwrap_or_else(|e| e.into_inner());
+                    for op in ops.into_iter().rev() {
+                        if let Job::End { run_id, gen, how } = op {
+                            ends.push_front((run_id, gen, how));
+                        }
                     }
+                    return;
                 }
-                return;
             }
         }
     }
