@@ -6,7 +6,7 @@
 //! busy that cost is what bounds the rate.
 
 /// CPU time so far, in microseconds.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Cpu {
     /// Every core's time not idle (nor waiting for I/O).
     pub machine_us: u64,
@@ -15,15 +15,20 @@ pub struct Cpu {
     pub daemons_us: u64,
     /// Processes named `postgres` (the server, its backends and helpers).
     pub postgres_us: u64,
+    /// `daemons_us` by thread name (`tokio-rt-worker`, `berth-ledger`,
+    /// `berth-workspace`, ...): which part of the daemons a lifecycle's cost is in.
+    pub by_thread_us: std::collections::BTreeMap<String, u64>,
 }
 
 impl Cpu {
     pub fn now() -> Cpu {
         let own = own_name();
+        let by_thread_us = threads_us(|name| name != own);
         Cpu {
             machine_us: machine_busy_us(),
-            daemons_us: threads_us(|name| name != own),
+            daemons_us: by_thread_us.values().sum(),
             postgres_us: processes_us("postgres"),
+            by_thread_us,
         }
     }
 
@@ -34,7 +39,25 @@ impl Cpu {
             machine_us: self.machine_us.saturating_sub(before.machine_us) / n,
             daemons_us: self.daemons_us.saturating_sub(before.daemons_us) / n,
             postgres_us: self.postgres_us.saturating_sub(before.postgres_us) / n,
+            by_thread_us: self
+                .by_thread_us
+                .iter()
+                .map(|(name, us)| {
+                    let was = before.by_thread_us.get(name).copied().unwrap_or(0);
+                    (name.clone(), us.saturating_sub(was) / n)
+                })
+                .collect(),
         }
+    }
+
+    /// `by_thread_us` as a JSON object.
+    pub fn by_thread_json(&self) -> String {
+        let fields: Vec<String> = self
+            .by_thread_us
+            .iter()
+            .map(|(name, us)| format!("\"{name}\":{us}"))
+            .collect();
+        format!("{{{}}}", fields.join(","))
     }
 }
 
@@ -75,17 +98,20 @@ fn own_name() -> String {
     stat(std::path::Path::new("/proc/self/stat")).map_or_else(String::new, |(n, _)| n)
 }
 
-fn threads_us(keep: impl Fn(&str) -> bool) -> u64 {
+/// This process's threads that `keep` takes, their CPU time summed by thread name.
+fn threads_us(keep: impl Fn(&str) -> bool) -> std::collections::BTreeMap<String, u64> {
+    let mut out = std::collections::BTreeMap::new();
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
-        return 0;
+        return out;
     };
-    let ticks: u64 = dir
+    for (name, ticks) in dir
         .flatten()
         .filter_map(|e| stat(&e.path().join("stat")))
         .filter(|(name, _)| keep(name))
-        .map(|(_, t)| t)
-        .sum();
-    ticks * tick_us()
+    {
+        *out.entry(name).or_insert(0) += ticks * tick_us();
+    }
+    out
 }
 
 fn processes_us(name: &str) -> u64 {

@@ -9,9 +9,17 @@
 //!   renamed back at the release (berth does exactly these two renames, one on the
 //!   request's thread and one on its pool thread).
 //!
+//! - **floor-fleet** (`berth-bench fleet`, issue 38): floor-http-ws on each of the
+//!   fleet's hosts, plus the least fleet mode asks of the store: each acquire's claim
+//!   taken in PostgreSQL before it is answered and each release's ending sent after,
+//!   both group-committed by one thread per host through berth's own
+//!   `FleetStore::batch` (one round trip per batch, as berth's claim worker).
+//!
 //! Both run on a runtime with a worker per core, so neither is held to berth's one
 //! worker: each is an upper bound for a server on this stack, never a model of berth.
 //! A durable server does strictly more (a ledger write and an fsync per commit).
+//! (floor-fleet's hosts run on berth's own runtime, one per host, as `fleet` runs
+//! berth's.)
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -24,16 +32,104 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
+use berth_store::fleet::{ClaimOutcome, FleetOp, OpOutcome};
 
 /// Ready-made directories of floor-http-ws, as berth's pool keeps `POOL_TARGET`.
 const POOL_DIRS: usize = 64;
 /// The subdirectories berth makes in each workspace (W1).
 const SUBDIRS: [&str; 5] = ["tmp", "logs", "cache", "browser", "out"];
 
-/// The floor server's state: a fence counter and, for floor-http-ws, its directories.
+/// The floor server's state: a fence counter and, for floor-http-ws, its directories;
+/// for floor-fleet, its link to the fleet store.
 struct Floor {
     fence: AtomicU64,
     dirs: Option<Dirs>,
+    fleet: Option<FleetLink>,
+}
+
+/// A claim or an ending for the link's thread, and where a claim's answer goes (its
+/// fence if taken).
+type LinkOp = (FleetOp, Option<tokio::sync::oneshot::Sender<Option<u64>>>);
+
+/// floor-fleet's host: registered in the fleet store, its ops carried by one thread.
+struct FleetLink {
+    host_id: String,
+    gen: i64,
+    ops: std::sync::mpsc::Sender<LinkOp>,
+}
+
+impl FleetLink {
+    /// Registers `host_id` in the store at `url` and starts its thread, which takes
+    /// whatever ops wait (up to `BATCH_OPS_MAX`) as one batch while a round trip is in
+    /// flight.
+    fn start(url: &str, host_id: &str) -> Result<FleetLink, String> {
+        use berth_store::fleet::FleetStore;
+        let mut store = berth_store::fleet::PgFleet::open(url).map_err(|e| e.to_string())?;
+        let host = berth_store::fleet::HostInfo {
+            host_id: host_id.into(),
+            address: String::new(),
+            version: "floor".into(),
+        };
+        let (gen, _) = store.register(&host).map_err(|e| e.to_string())?;
+        let (tx, rx) = std::sync::mpsc::channel::<LinkOp>();
+        let id = host_id.to_owned();
+        std::thread::Builder::new()
+            .name("floor-fleet".into())
+            .spawn(move || {
+                while let Ok(first) = rx.recv() {
+                    let mut ops = vec![first];
+                    ops.extend(rx.try_iter().take(berth_store::fleet::BATCH_OPS_MAX - 1));
+                    let (ops, answers_to): (Vec<_>, Vec<_>) = ops.into_iter().unzip();
+                    let answers = store.batch(&id, &ops).unwrap_or_default();
+                    for (i, to) in answers_to.into_iter().enumerate() {
+                        let fence = match answers.get(i) {
+                            Some(Ok(OpOutcome::Claim(ClaimOutcome::Taken { fence }))) => {
+                                Some(*fence)
+                            }
+                            _ => None,
+                        };
+                        if let Some(to) = to {
+                            let _ = to.send(fence);
+                        }
+                    }
+                }
+            })
+            .map_err(|e| e.to_string())?;
+        Ok(FleetLink {
+            host_id: host_id.into(),
+            gen,
+            ops: tx,
+        })
+    }
+
+    /// The run's claim, taken: its fence, or why not.
+    async fn claim(&self, run_id: &str) -> Result<u64, String> {
+        let claim = berth_store::fleet::Claim {
+            run_id: run_id.into(),
+            host_id: self.host_id.clone(),
+            gen: self.gen,
+            token: None,
+            keys: Vec::new(),
+        };
+        let (to, answer) = tokio::sync::oneshot::channel();
+        self.ops
+            .send((FleetOp::Claim(claim), Some(to)))
+            .map_err(|_| "the link's thread is gone")?;
+        match answer.await {
+            Ok(Some(fence)) => Ok(fence),
+            _ => Err(format!("{run_id}: claim not taken")),
+        }
+    }
+
+    /// The run's ending, sent (the release does not wait for it, as berth's).
+    fn end(&self, run_id: &str) {
+        let end = FleetOp::End {
+            run_id: run_id.into(),
+            gen: self.gen,
+            how: berth_store::fleet::Ending::Released,
+        };
+        let _ = self.ops.send((end, None));
+    }
 }
 
 struct Dirs {
@@ -112,12 +208,18 @@ async fn acquire(State(f): State<Arc<Floor>>, body: Bytes) -> impl IntoResponse 
     let id = crate::peers::field_str(&String::from_utf8_lossy(&body), "\"run_id\":")
         .unwrap_or("")
         .to_string();
+    let fence = match &f.fleet {
+        Some(link) => match link.claim(&id).await {
+            Ok(fence) => fence,
+            Err(e) => return (StatusCode::SERVICE_UNAVAILABLE, e),
+        },
+        None => f.fence.fetch_add(1, Ordering::Relaxed) + 1,
+    };
     if let Some(d) = &f.dirs {
         if let Err(e) = d.grant(&id) {
             return (StatusCode::INTERNAL_SERVER_ERROR, e);
         }
     }
-    let fence = f.fence.fetch_add(1, Ordering::Relaxed) + 1;
     let answer = format!(r#"{{"run_id":"{id}","fence":{fence}}}"#);
     (StatusCode::CREATED, answer)
 }
@@ -132,18 +234,14 @@ async fn release(
             return (StatusCode::INTERNAL_SERVER_ERROR, e);
         }
     }
+    if let Some(link) = &f.fleet {
+        link.end(&id);
+    }
     (StatusCode::OK, "{}".to_string())
 }
 
-/// `berth-bench floor-daemon`: serves on `port` until killed; with `workspaces`, makes
-/// its directories there first. Says `listening` on stdout once it accepts.
-pub fn daemon(port: u16, workspaces: Option<&Path>) {
-    let dirs = workspaces.map(|w| Dirs::make(w).expect("the floor's directories"));
-    let floor = Arc::new(Floor {
-        fence: AtomicU64::new(0),
-        dirs,
-    });
-    let app = Router::new()
+fn router(floor: Arc<Floor>) -> Router {
+    Router::new()
         .route("/v1/runs", post(acquire))
         .route("/v1/runs/{id}/release", post(release))
         .layer(axum::middleware::map_response(
@@ -153,7 +251,49 @@ pub fn daemon(port: u16, workspaces: Option<&Path>) {
                 r
             },
         ))
-        .with_state(floor);
+        .with_state(floor)
+}
+
+async fn serve(listener: tokio::net::TcpListener, app: Router) {
+    use axum::serve::ListenerExt;
+    // No Nagle delay on the answers, as berth's listener.
+    let listener = listener.tap_io(|s| {
+        let _ = s.set_nodelay(true);
+    });
+    axum::serve(listener, app).await.expect("serve");
+}
+
+/// A floor-fleet host (issue 38): serves on `rt` (a port of its own, returned) with its
+/// directories under `workspaces` and its link to the fleet store at `url`, until `rt`
+/// is dropped.
+pub fn fleet_host(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    host_id: &str,
+    workspaces: &Path,
+) -> Result<std::net::SocketAddr, String> {
+    let floor = Arc::new(Floor {
+        fence: AtomicU64::new(0),
+        dirs: Some(Dirs::make(workspaces).map_err(|e| e.to_string())?),
+        fleet: Some(FleetLink::start(url, host_id)?),
+    });
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind(("127.0.0.1", 0)))
+        .map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    rt.spawn(serve(listener, router(floor)));
+    Ok(addr)
+}
+
+/// `berth-bench floor-daemon`: serves on `port` until killed; with `workspaces`, makes
+/// its directories there first. Says `listening` on stdout once it accepts.
+pub fn daemon(port: u16, workspaces: Option<&Path>) {
+    let dirs = workspaces.map(|w| Dirs::make(w).expect("the floor's directories"));
+    let floor = Arc::new(Floor {
+        fence: AtomicU64::new(0),
+        dirs,
+        fleet: None,
+    });
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cores)
@@ -165,12 +305,7 @@ pub fn daemon(port: u16, workspaces: Option<&Path>) {
             .await
             .expect("bind");
         println!("listening on 127.0.0.1:{port}");
-        use axum::serve::ListenerExt;
-        // No Nagle delay on the answers, as berth's listener.
-        let listener = listener.tap_io(|s| {
-            let _ = s.set_nodelay(true);
-        });
-        axum::serve(listener, app).await.expect("serve");
+        serve(listener, router(floor)).await;
     });
 }
 

@@ -143,6 +143,21 @@ pub(super) fn prune_journal(
     ])
 }
 
+/// What `journal_held` reads: the oldest live run's first entry, the oldest scope's,
+/// and the newest stored entry. Each costs what the live rows do, never a pass over the
+/// retained history: every prune runs them (up to every `PRUNE_BACKLOG_PAUSE_MS` under
+/// load), and `MAX(last_seq)`, a column without an index, read every chunk the journal
+/// keeps each time (regression test `regression_the_journal_hold_reads_no_whole_table`).
+pub(super) const HELD_QUERIES: [&str; 3] = [
+    // By the index on (terminal, queue_seq): the live runs only.
+    "SELECT MIN(journal_first) FROM runs WHERE terminal = 0 AND journal_first > 0",
+    // Scopes are few (a quota per user, idle ones forgotten).
+    "SELECT MIN(journal_first) FROM scopes WHERE journal_first > 0",
+    // Chunks are written in order, so the newest chunk (by its key) holds the last entry.
+    "SELECT MAX(last_seq) FROM
+       (SELECT last_seq FROM journal_chunks ORDER BY first_seq DESC LIMIT 1)",
+];
+
 /// The first journal entry retention must keep (issue 32 finding 8): the first of the
 /// oldest live run's, of the oldest remembered scope's, and of an export under way, but
 /// never more than `JOURNAL_HELD_MAX` entries behind the last.
@@ -155,11 +170,8 @@ pub(super) fn journal_held(
             .query_row([], |r| r.get::<_, Option<i64>>(0))
             .map(|v| v.unwrap_or(i64::MAX))
     };
-    // By the partial index on live runs: a lookup, not a scan.
-    let run =
-        first("SELECT MIN(journal_first) FROM runs WHERE terminal = 0 AND journal_first > 0")?;
-    let scope = first("SELECT MIN(journal_first) FROM scopes WHERE journal_first > 0")?;
-    let last = first("SELECT MAX(last_seq) FROM journal_chunks")?;
+    let [run, scope, last] = HELD_QUERIES;
+    let (run, scope, last) = (first(run)?, first(scope)?, first(last)?);
     let export = policy
         .journal_hold
         .as_ref()
