@@ -125,11 +125,6 @@ pub(super) type Ident = (u64, u64);
 /// Empty workspaces made ahead when the pool runs low (creating inodes is the costly
 /// part on ext4, so released workspaces are recycled rather than deleted and remade).
 pub const POOL_TARGET: usize = 64;
-/// Below this many ready, the pool thread makes new ones, and only then does a grant
-/// wake it: above it the thread's own rounds (`BUSY_PAUSE_MS`) take the releases, and a
-/// wake-up per grant (when this was `POOL_TARGET / 2`, twice the refill's mark) cost a
-/// futex wake and a context switch on the state task for nothing.
-pub(super) const POOL_LOW: usize = POOL_TARGET / 4;
 /// New workspaces made per round of the pool thread.
 pub(super) const REFILL_BATCH: usize = 4;
 /// Recycled workspaces kept at most; beyond it released ones are deleted.
@@ -220,7 +215,7 @@ impl Pool {
         }
         let (taken, low) = {
             let mut ready = self.shared.ready.lock().unwrap();
-            (ready.pop_front(), ready.len() < POOL_LOW)
+            (ready.pop_front(), ready.len() < POOL_TARGET / 2)
         };
         if low {
             let _ = self.wake.send(());
@@ -764,7 +759,7 @@ impl Worker {
     /// themselves, and making new ones ahead of them would only churn inodes. A few at
     /// a time, so releases are judged again soon.
     fn refill(&mut self) {
-        if self.pooled() >= POOL_LOW {
+        if self.pooled() >= POOL_TARGET / 4 {
             return;
         }
         for _ in 0..REFILL_BATCH {
