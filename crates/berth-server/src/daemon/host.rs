@@ -48,8 +48,10 @@ pub trait Host {
     /// W1/P5, at start: every workspace berth made that no live run or thread of the
     /// ledger owns (`owned`, by path and identity) is removed; returns their paths. A
     /// crash between making a workspace and committing the grant that records it
-    /// leaves such a one.
-    fn sweep_workspaces(&mut self, owned: &Owned) -> Vec<String>;
+    /// leaves such a one, and so does a crash between a release and the pool's move of
+    /// its workspace: one of `ended` (an ended run's, with its run id), whose logs are
+    /// archived under that run id.
+    fn sweep_workspaces(&mut self, owned: &Owned, ended: &Ended) -> Vec<String>;
     /// Bytes free (to an unprivileged writer) on the file system of the workspaces, if
     /// it can be told: the threads' disk-pressure sweep reads it once a second.
     fn disk_free(&self) -> Option<u64>;
@@ -222,8 +224,8 @@ impl Host for RealHost {
         .map_err(|e| e.to_string())
     }
 
-    fn sweep_workspaces(&mut self, owned: &Owned) -> Vec<String> {
-        self.workspaces.sweep(owned)
+    fn sweep_workspaces(&mut self, owned: &Owned, ended: &Ended) -> Vec<String> {
+        self.workspaces.sweep(owned, ended)
     }
 
     fn workspace_present(&self, ws: &WorkspaceIdentity) -> bool {
@@ -423,6 +425,8 @@ fn spawn_stopper(
 
 /// Workspaces the ledger gives an owner, as (path, device, inode).
 pub type Owned = std::collections::BTreeSet<(String, u64, u64)>;
+/// Ended runs' workspaces by (path, device, inode), and the run each was (W1/P4).
+pub type Ended = std::collections::BTreeMap<(String, u64, u64), String>;
 
 /// A workspace made, or why not.
 pub type Made = Result<WorkspaceIdentity, String>;

@@ -5,10 +5,10 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
 
 use berth_core::{Engine, RestoredRun, RunState};
-use berth_store::{Ledger, RunRecord, Writer};
+use berth_store::{Ledger, RunRecord, WorkspaceIdentity, Writer};
 
 use super::extra::Extra;
-use super::host::Owned;
+use super::host::{Ended, Owned};
 use super::{Daemon, Held, Host, ReapCounters, Shared};
 
 /// What a start knows besides the ledger.
@@ -73,19 +73,29 @@ const RECOVERING_NAMED_MAX: usize = 100;
 /// A crash between making a granted run's workspace and committing its grant leaves
 /// one: nothing would ever own, reuse or remove it (issue 35).
 fn sweep_workspaces<H: Host>(host: &mut H, ledger: &Ledger) {
-    // An ended run's record still names the workspace it had: not an owner.
-    let live = ledger.runs.iter().filter(|r| !r.state.is_terminal());
-    let runs = live.filter_map(|r| r.workspace.as_ref());
+    let key = |w: &WorkspaceIdentity| (w.path.clone(), w.dev, w.ino);
+    // An ended run's record still names the workspace it had: not an owner, but its
+    // logs are the run's (a crash came between its release and the pool's move).
+    let (ended, live): (Vec<_>, Vec<_>) = ledger.runs.iter().partition(|r| r.state.is_terminal());
+    let runs = live.iter().filter_map(|r| r.workspace.as_ref());
     let threads = ledger.threads.iter().filter_map(|t| t.workspace.as_ref());
-    let owned: Owned = runs
-        .chain(threads)
-        .map(|w| (w.path.clone(), w.dev, w.ino))
+    let owned: Owned = runs.chain(threads).map(key).collect();
+    let ended: Ended = ended
+        .iter()
+        .filter_map(|r| Some((key(r.workspace.as_ref()?), r.request.run_id.clone())))
         .collect();
-    for path in host.sweep_workspaces(&owned) {
-        tracing::warn!(
-            path,
-            "a workspace no run owns (a crash before its grant was recorded) was removed"
-        );
+    for path in host.sweep_workspaces(&owned, &ended) {
+        match ended.iter().find(|((p, _, _), _)| *p == path) {
+            Some((_, run_id)) => tracing::warn!(
+                path,
+                run_id,
+                "an ended run's workspace (a crash before the pool moved it aside) was removed"
+            ),
+            None => tracing::warn!(
+                path,
+                "a workspace no run owns (a crash before its grant was recorded) was removed"
+            ),
+        }
     }
 }
 

@@ -255,7 +255,16 @@ impl Pool {
     /// runs directory (0700), so such an entry is a workspace made for a grant that a
     /// crash kept from being recorded. Renamed, never followed: a link or a file goes
     /// to the trash as it is, and the trash unlinks it.
-    pub fn sweep(&self, owned: &std::collections::BTreeSet<(String, u64, u64)>) -> Vec<String> {
+    ///
+    /// `ended`: ended runs' workspaces (by path and identity) and their run ids. One of
+    /// them still at its run's name is a crash between the release and the pool
+    /// thread's move aside (`Dirs::move_aside`): its trash entry carries the run id as
+    /// the move would have, so its logs are still archived under the run's id.
+    pub fn sweep(
+        &self,
+        owned: &std::collections::BTreeSet<(String, u64, u64)>,
+        ended: &std::collections::BTreeMap<(String, u64, u64), String>,
+    ) -> Vec<String> {
         let Ok(entries) = std::fs::read_dir(&self.runs_dir) else {
             return Vec::new();
         };
@@ -264,12 +273,20 @@ impl Pool {
             let path = self.runs_dir.join(&name).display().to_string();
             let ident = fs::statat(&self.runs_fd, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
                 .map(|st| (st.st_dev, st.st_ino));
-            let ours = ident.is_ok_and(|(dev, ino)| owned.contains(&(path.clone(), dev, ino)));
+            let key = ident.map(|(dev, ino)| (path.clone(), dev, ino));
+            let ours = key.as_ref().is_ok_and(|k| owned.contains(k));
             if name.starts_with('.') || ours {
                 continue;
             }
             let n = self.next.fetch_add(1, Ordering::Relaxed);
-            let aside = format!("{OLD_PREFIX}{name}-s{n}");
+            let run = key
+                .ok()
+                .and_then(|k| ended.get(&k))
+                .and_then(|id| run_id_name(id));
+            let aside = match run {
+                Some(id) => format!("{OLD_PREFIX}{name}-s{n}{RUN_SEP}{id}"),
+                None => format!("{OLD_PREFIX}{name}-s{n}"),
+            };
             match fs::renameat_with(
                 &self.runs_fd,
                 name.as_str(),

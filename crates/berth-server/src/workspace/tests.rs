@@ -971,3 +971,42 @@ fn a_run_id_granted_again_right_after_its_release_gets_a_fresh_workspace() {
     until("settled", || settled(&pool));
     assert!(!runs.join(dir_name("again")).exists());
 }
+
+/// Regression (CI, `crash_after_a_grant_is_committed_but_not_answered`, when the pool
+/// thread was woken less often): a crash between a release's commit and the pool
+/// thread's move aside left the ended run's workspace at its run's name; the next
+/// start swept it as no run's, and its logs were archived under the workspace's
+/// digest, not the run's id. The sweep is now told the ended runs' workspaces; a
+/// workspace no run had (a crash before its grant was recorded) keeps the digest.
+#[test]
+fn regression_an_ended_runs_workspace_swept_at_start_is_archived_under_its_run_id() {
+    let state = tempfile::tempdir().unwrap();
+    let runs = ensure_runs_dir(state.path()).unwrap();
+    let diag = diagnostics(state.path(), 1 << 20, 1 << 30);
+    let mut ended = std::collections::BTreeMap::new();
+    for id in ["r-ended", "r-never-recorded"] {
+        let ws = create(&runs, id).unwrap();
+        std::fs::write(Path::new(&ws.path).join("logs/run.log"), id).unwrap();
+        if id == "r-ended" {
+            ended.insert((ws.path.clone(), ws.dev, ws.ino), id.to_string());
+        }
+    }
+    let pool = Pool::start(&runs, Some(diag.clone())).unwrap();
+    let swept = pool.sweep(&Default::default(), &ended);
+    assert_eq!(swept.len(), 2, "{swept:?}");
+    until("both are archived", || {
+        archived(&pool) == 2 && trash_is_empty(&runs)
+    });
+    let mut names: Vec<String> = std::fs::read_dir(&diag.dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .map(|n| n[15..].to_string())
+        .collect();
+    names.sort();
+    let mut want = vec![
+        "-r-ended".to_string(),
+        format!("-{}", dir_name("r-never-recorded")),
+    ];
+    want.sort();
+    assert_eq!(names, want);
+}

@@ -65,7 +65,11 @@ impl Host for SimHost {
         }
     }
 
-    fn sweep_workspaces(&mut self, owned: &crate::daemon::host::Owned) -> Vec<String> {
+    fn sweep_workspaces(
+        &mut self,
+        owned: &crate::daemon::host::Owned,
+        _ended: &crate::daemon::host::Ended,
+    ) -> Vec<String> {
         let mut m = self.0.lock().unwrap();
         let swept: Vec<String> = (m.workspaces.iter())
             .filter(|(_, w)| !owned.contains(&(w.path.clone(), w.dev, w.ino)))
