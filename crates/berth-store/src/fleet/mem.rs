@@ -882,16 +882,22 @@ mod tests {
         out
     }
 
-    /// The same random operations on MemFleet and on SqliteFleet get the same answers.
+    /// A fresh SqliteFleet (in `dir`) and a fresh MemFleet, for a check run on both.
+    fn sqlite_and_mem(dir: &std::path::Path) -> [Box<dyn FleetStore>; 2] {
+        let path = dir.join("fleet.db").to_string_lossy().into_owned();
+        [
+            Box::new(SqliteFleet::open(&path).unwrap()),
+            Box::new(MemFleet::new()),
+        ]
+    }
+
     /// Issue 38 Build 3: the fleet keeps at most `FLEET_TOKENS_MAX` bearer tokens, on
     /// both stores; one past it is refused and changes nothing, a retry of one kept is
     /// not refused.
     #[test]
     fn the_fleet_token_bound_holds() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("fleet.db").to_string_lossy().into_owned();
-        let sql: Box<dyn FleetStore> = Box::new(SqliteFleet::open(&path).unwrap());
-        for mut s in [sql, Box::new(MemFleet::new()) as Box<dyn FleetStore>] {
+        for mut s in sqlite_and_mem(dir.path()) {
             let tok = |i: usize| FleetToken {
                 hash: format!("{i:064x}"),
                 grant: "read".into(),
@@ -918,9 +924,7 @@ mod tests {
     fn the_fleet_evidence_scope_and_receipt_bounds_hold() {
         use berth_core::scopes::Mode;
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("fleet.db").to_string_lossy().into_owned();
-        let sql: Box<dyn FleetStore> = Box::new(SqliteFleet::open(&path).unwrap());
-        for mut s in [sql, Box::new(MemFleet::new()) as Box<dyn FleetStore>] {
+        for mut s in sqlite_and_mem(dir.path()) {
             let proof = |i: usize, commit: &str| FleetEvidence {
                 project: format!("p{i}"),
                 fingerprint: "f".into(),

@@ -605,6 +605,18 @@ impl Sim {
 
 /// A new run `x` asking for the fleet-wide key: its answer, which waits for its claim
 /// (issue 38 Build 2: the connection stays open).
+/// The link carries the one job waiting (the acquire's claim) as a batch, the daemon
+/// takes the report, and the acquire's answer is there (`what` says why it must be).
+fn after_one_batch(
+    sim: &mut Sim,
+    mut answer: tokio::sync::oneshot::Receiver<Result<RunInfo, Error>>,
+    what: &str,
+) -> Result<RunInfo, Error> {
+    assert_eq!(sim.fleet_mut().link.jobs(1), 1);
+    sim.deliver_reports();
+    answer.try_recv().expect(what)
+}
+
 fn acquire_with_the_key(sim: &mut Sim) -> tokio::sync::oneshot::Receiver<Result<RunInfo, Error>> {
     let req = berth_core::Request {
         run_id: "x".into(),
@@ -731,13 +743,9 @@ fn regression_a_host_told_it_was_declared_dead_stops_its_key_holders_at_once() {
 #[test]
 fn regression_a_claim_a_restarting_server_committed_without_answering_goes_back() {
     let mut sim = Sim::new(FLEET_SEED);
-    let mut answer = acquire_with_the_key(&mut sim);
+    let answer = acquire_with_the_key(&mut sim);
     sim.fleet_mut().restart.store(true, Ordering::Relaxed);
-    assert_eq!(sim.fleet_mut().link.jobs(1), 1);
-    sim.deliver_reports();
-    let refused = answer
-        .try_recv()
-        .expect("answered once the answer was lost");
+    let refused = after_one_batch(&mut sim, answer, "answered once the answer was lost");
     assert!(
         matches!(refused, Err(Error::FleetUnavailable)),
         "{refused:?}"
@@ -818,12 +826,8 @@ fn regression_a_host_that_has_not_read_the_fleet_drain_admits_no_new_run() {
     };
     let mut store = sim.fleet_mut().store.clone();
     store.set_drain(Some(&drain)).unwrap();
-    let mut answer = acquire_with_the_key(&mut sim);
-    assert_eq!(sim.fleet_mut().link.jobs(1), 1);
-    sim.deliver_reports();
-    let refused = answer
-        .try_recv()
-        .expect("answered once its claim came back");
+    let answer = acquire_with_the_key(&mut sim);
+    let refused = after_one_batch(&mut sim, answer, "answered once its claim came back");
     assert!(
         matches!(refused, Err(Error::Draining { .. })),
         "{refused:?}"
