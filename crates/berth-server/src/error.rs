@@ -242,16 +242,23 @@ impl From<Error> for ApiError {
                 drain: d,
                 fleet_host,
             } => {
-                let (who, fleet) = match &fleet_host {
+                let (who, fleet) = match fleet_host.as_deref() {
+                    // (Empty: the store refused a claim for a drain this host has not
+                    // read yet, so it knows neither where nor when it started.)
+                    Some("") => ("the fleet is draining".to_string(), true),
                     Some(h) => (format!("the fleet is draining (started on {h})"), true),
                     None => ("the host is draining".to_string(), false),
+                };
+                let since = match d.at.as_str() {
+                    "" => String::new(),
+                    at => format!(" since {at}"),
                 };
                 ApiError::new(
                     503,
                     "draining",
                     format!(
-                        "{who} since {} ({}): no new runs or registrations",
-                        d.at, d.reason
+                        "{who}{since} ({}): no new runs or registrations",
+                        d.reason
                     ),
                 )
                 .with(json!({"drain": {"by": d.by, "at": d.at, "reason": d.reason, "fleet": fleet, "host": fleet_host}}))
@@ -342,5 +349,43 @@ impl IntoResponse for ApiError {
             },
         };
         (status, axum::Json(body)).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A new run the fleet store refused for a drain this host has not read yet: the
+    /// message said "started on  since  (…)", with nothing where the host and the
+    /// time go. It says what the host knows, and no empty field.
+    #[test]
+    fn regression_a_drain_not_read_yet_is_said_without_empty_fields() {
+        let unread = Error::Draining {
+            drain: berth_store::DrainRecord {
+                by: String::new(),
+                at: String::new(),
+                reason: "this host is reading the fleet drain".into(),
+            },
+            fleet_host: Some(String::new()),
+        };
+        let e = ApiError::from(unread);
+        assert_eq!((e.status, e.code.as_str()), (503, "draining"));
+        assert_eq!(
+            e.message,
+            "the fleet is draining (this host is reading the fleet drain): no new runs or registrations"
+        );
+        let read = Error::Draining {
+            drain: berth_store::DrainRecord {
+                by: "op".into(),
+                at: "2026-12-05T17:00:00Z".into(),
+                reason: "upgrade".into(),
+            },
+            fleet_host: Some("h1".into()),
+        };
+        assert_eq!(
+            ApiError::from(read).message,
+            "the fleet is draining (started on h1) since 2026-12-05T17:00:00Z (upgrade): no new runs or registrations"
+        );
     }
 }

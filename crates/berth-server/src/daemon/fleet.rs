@@ -490,7 +490,7 @@ impl<H: Host> Daemon<H> {
             drain: berth_store::DrainRecord {
                 by: String::new(),
                 at: String::new(),
-                reason: "a fleet drain is in force (this host is reading it)".into(),
+                reason: "this host is reading the fleet drain".into(),
             },
             fleet_host: Some(String::new()),
         })

@@ -642,12 +642,16 @@ fn a_batch_answers_as_its_calls_would(open: Open) {
 /// Issue 38 Build 3: the store itself refuses new claims while a fleet drain is in
 /// force, so a drain is strict whenever a host reads it (a host that had not read it
 /// yet admitted new runs for those milliseconds). A claim its generation holds already
-/// is answered with its fence (a retry whose answer was lost), a re-fence and an ending
-/// go on, and the drain's end lets new claims in again.
+/// is answered with its fence (a retry whose answer was lost); every other claim, even
+/// one for another host's run id or from a dead generation, is answered draining, on
+/// every store alike; a re-fence and an ending go on, and the drain's end lets new
+/// claims in again.
 fn a_fleet_drain_refuses_new_claims_in_the_store(open: Open) {
     let mut s = open();
     let a = host(&mut *s, "a");
+    let b = host(&mut *s, "b");
     let held = fence(s.claim(&claim("r1", "a", a, None, &["db"])).unwrap());
+    fence(s.claim(&claim("rb", "b", b, None, &[])).unwrap());
     let drain = FleetDrain {
         by: "op".into(),
         at: "2026-12-05T17:00:00Z".into(),
@@ -664,11 +668,18 @@ fn a_fleet_drain_refuses_new_claims_in_the_store(open: Open) {
             gen: a,
         },
         end_op("r1", a, Ending::Released),
+        // Another host's run id, and a generation that is not alive: under a drain
+        // every store says draining before it asks anything else (PostgreSQL did;
+        // MemFleet and SQLite said run_id_taken and host_dead).
+        FleetOp::Claim(claim("rb", "a", a, None, &[])),
+        FleetOp::Claim(claim("r4", "a", a + 7, None, &[])),
     ];
     let out = s.batch("a", &ops).unwrap();
     let draining = Some(&OpOutcome::Claim(ClaimOutcome::Draining));
     assert_eq!(out[0].as_ref().ok(), draining, "{out:?}");
     assert_eq!(out[1].as_ref().ok(), draining, "{out:?}");
+    assert_eq!(out[5].as_ref().ok(), draining, "{out:?}");
+    assert_eq!(out[6].as_ref().ok(), draining, "{out:?}");
     assert_eq!(
         out[2].as_ref().ok(),
         Some(&OpOutcome::Claim(ClaimOutcome::Taken { fence: held }))

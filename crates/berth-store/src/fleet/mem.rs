@@ -356,6 +356,17 @@ impl FleetStore for MemFleet {
     fn claim(&mut self, c: &Claim) -> Result<ClaimOutcome, FleetError> {
         let keys = check_claim(c)?;
         let (mut st, _) = self.open();
+        // A fleet drain refuses every claim but one this generation holds already (a
+        // retry whose answer was lost), before anything else is asked, as PostgreSQL's
+        // `berth_batch` does.
+        if st.drain.is_some() {
+            return Ok(match st.runs.get(&c.run_id) {
+                Some(r) if r.by == HostGen::of(&c.host_id, c.gen) => {
+                    ClaimOutcome::Taken { fence: r.fence }
+                }
+                _ => ClaimOutcome::Draining,
+            });
+        }
         if !st.alive(&c.host_id, c.gen) {
             return Ok(ClaimOutcome::HostDead);
         }
@@ -366,9 +377,6 @@ impl FleetStore for MemFleet {
                 let host_id = r.by.host_id.clone();
                 ClaimOutcome::RunIdTaken { host_id }
             });
-        }
-        if st.drain.is_some() {
-            return Ok(ClaimOutcome::Draining);
         }
         if let Some(refused) = st.refusal(c, &keys) {
             return Ok(refused);
@@ -990,6 +998,7 @@ mod tests {
         }
     }
 
+    /// The same random operations on MemFleet and on SqliteFleet get the same answers.
     #[test]
     fn mem_answers_as_sqlite_does() {
         const SEEDS: u64 = 4;

@@ -268,6 +268,33 @@ impl FleetStore for SqliteFleet {
             .conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .map_err(err)?;
+        let held: Option<(String, i64, i64)> = tx
+            .query_row(
+                "SELECT host_id, gen, fence FROM runs WHERE run_id = ?1",
+                [&c.run_id],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()
+            .map_err(err)?;
+        let mine = match &held {
+            Some((h, g, f)) if *h == c.host_id && *g == c.gen => {
+                Some(u64::try_from(*f).unwrap_or(0))
+            }
+            _ => None,
+        };
+        // The fleet drain, read in the claim's own write transaction (SQLite has one
+        // writer at a time): a drain committed before it refuses every claim but one
+        // this generation holds already (a retry whose answer was lost), before
+        // anything else is asked, as PostgreSQL's `berth_batch` does.
+        let draining: bool = tx
+            .query_row("SELECT drain_by IS NOT NULL FROM shared", [], |r| r.get(0))
+            .map_err(err)?;
+        if draining {
+            return Ok(match mine {
+                Some(fence) => ClaimOutcome::Taken { fence },
+                None => ClaimOutcome::Draining,
+            });
+        }
         let alive: bool = tx
             .query_row(
                 "SELECT count(*) FROM hosts WHERE host_id = ?1 AND gen = ?2 AND alive",
@@ -278,30 +305,11 @@ impl FleetStore for SqliteFleet {
         if !alive {
             return Ok(ClaimOutcome::HostDead);
         }
-        let held: Option<(String, i64, i64)> = tx
-            .query_row(
-                "SELECT host_id, gen, fence FROM runs WHERE run_id = ?1",
-                [&c.run_id],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )
-            .optional()
-            .map_err(err)?;
-        if let Some((h, g, f)) = held {
-            return Ok(if h == c.host_id && g == c.gen {
-                ClaimOutcome::Taken {
-                    fence: u64::try_from(f).unwrap_or(0),
-                }
-            } else {
-                ClaimOutcome::RunIdTaken { host_id: h }
+        if let Some((h, _, _)) = held {
+            return Ok(match mine {
+                Some(fence) => ClaimOutcome::Taken { fence },
+                None => ClaimOutcome::RunIdTaken { host_id: h },
             });
-        }
-        // The fleet drain, read in the claim's own write transaction (SQLite has one
-        // writer at a time): a drain committed before it refuses it.
-        let draining: bool = tx
-            .query_row("SELECT drain_by IS NOT NULL FROM shared", [], |r| r.get(0))
-            .map_err(err)?;
-        if draining {
-            return Ok(ClaimOutcome::Draining);
         }
         match take(&tx, c, &keys).map_err(err)? {
             Ok(fence) => {
