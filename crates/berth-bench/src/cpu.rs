@@ -11,42 +11,51 @@ pub struct Cpu {
     /// Every core's time not idle (nor waiting for I/O).
     pub machine_us: u64,
     /// This process's threads but its own (the daemons': the clients' thread and the
-    /// main thread keep the process's name).
+    /// main thread keep the process's name). A thread that exits between two readings
+    /// takes its time with it (tokio's blocking threads may): such time is missing,
+    /// never counted against another thread.
     pub daemons_us: u64,
     /// Processes named `postgres` (the server, its backends and helpers).
     pub postgres_us: u64,
     /// `daemons_us` by thread name (`tokio-rt-worker`, `berth-ledger`,
     /// `berth-workspace`, ...): which part of the daemons a lifecycle's cost is in.
     pub by_thread_us: std::collections::BTreeMap<String, u64>,
+    /// The daemons' threads by thread id: their name and time so far (each thread's
+    /// time since the last reading is its own, whichever threads came and went).
+    threads: std::collections::BTreeMap<u32, (String, u64)>,
 }
 
 impl Cpu {
     pub fn now() -> Cpu {
         let own = own_name();
-        let by_thread_us = threads_us(|name| name != own);
+        let threads = threads_us(|name| name != own);
         Cpu {
             machine_us: machine_busy_us(),
-            daemons_us: by_thread_us.values().sum(),
+            daemons_us: threads.values().map(|(_, us)| us).sum(),
             postgres_us: processes_us("postgres"),
-            by_thread_us,
+            by_thread_us: Default::default(),
+            threads,
         }
     }
 
     /// What was spent since `before`, per `n` (lifecycles), in microseconds.
     pub fn per(&self, before: &Cpu, n: u64) -> Cpu {
         let n = n.max(1);
+        // Thread by thread: one that started since `before` counts from nothing.
+        let mut by_thread_us = std::collections::BTreeMap::new();
+        for (tid, (name, us)) in &self.threads {
+            let was = before.threads.get(tid).map_or(0, |(_, us)| *us);
+            *by_thread_us.entry(name.clone()).or_insert(0) += us.saturating_sub(was);
+        }
         Cpu {
             machine_us: self.machine_us.saturating_sub(before.machine_us) / n,
-            daemons_us: self.daemons_us.saturating_sub(before.daemons_us) / n,
+            daemons_us: by_thread_us.values().sum::<u64>() / n,
             postgres_us: self.postgres_us.saturating_sub(before.postgres_us) / n,
-            by_thread_us: self
-                .by_thread_us
-                .iter()
-                .map(|(name, us)| {
-                    let was = before.by_thread_us.get(name).copied().unwrap_or(0);
-                    (name.clone(), us.saturating_sub(was) / n)
-                })
+            by_thread_us: by_thread_us
+                .into_iter()
+                .map(|(k, us)| (k, us / n))
                 .collect(),
+            threads: Default::default(),
         }
     }
 
@@ -98,20 +107,18 @@ fn own_name() -> String {
     stat(std::path::Path::new("/proc/self/stat")).map_or_else(String::new, |(n, _)| n)
 }
 
-/// This process's threads that `keep` takes, their CPU time summed by thread name.
-fn threads_us(keep: impl Fn(&str) -> bool) -> std::collections::BTreeMap<String, u64> {
-    let mut out = std::collections::BTreeMap::new();
+/// This process's threads that `keep` takes, by thread id: name and CPU time.
+fn threads_us(keep: impl Fn(&str) -> bool) -> std::collections::BTreeMap<u32, (String, u64)> {
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
-        return out;
+        return Default::default();
     };
-    for (name, ticks) in dir
-        .flatten()
-        .filter_map(|e| stat(&e.path().join("stat")))
-        .filter(|(name, _)| keep(name))
-    {
-        *out.entry(name).or_insert(0) += ticks * tick_us();
-    }
-    out
+    dir.flatten()
+        .filter_map(|e| {
+            let tid = e.file_name().to_str()?.parse().ok()?;
+            let (name, ticks) = stat(&e.path().join("stat"))?;
+            keep(&name).then(|| (tid, (name, ticks * tick_us())))
+        })
+        .collect()
 }
 
 fn processes_us(name: &str) -> u64 {

@@ -80,7 +80,10 @@ impl FleetLink {
                     let mut ops = vec![first];
                     ops.extend(rx.try_iter().take(berth_store::fleet::BATCH_OPS_MAX - 1));
                     let (ops, answers_to): (Vec<_>, Vec<_>) = ops.into_iter().unzip();
-                    let answers = store.batch(&id, &ops).unwrap_or_default();
+                    let answers = store.batch(&id, &ops).unwrap_or_else(|e| {
+                        eprintln!("floor-fleet {id}: a batch of {} failed: {e}", ops.len());
+                        Vec::new()
+                    });
                     for (i, to) in answers_to.into_iter().enumerate() {
                         let fence = match answers.get(i) {
                             Some(Ok(OpOutcome::Claim(ClaimOutcome::Taken { fence }))) => {
@@ -217,6 +220,9 @@ async fn acquire(State(f): State<Arc<Floor>>, body: Bytes) -> impl IntoResponse 
     };
     if let Some(d) = &f.dirs {
         if let Err(e) = d.grant(&id) {
+            if let Some(link) = &f.fleet {
+                link.end(&id);
+            }
             return (StatusCode::INTERNAL_SERVER_ERROR, e);
         }
     }

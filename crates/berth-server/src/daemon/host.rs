@@ -49,9 +49,9 @@ pub trait Host {
     /// ledger owns (`owned`, by path and identity) is removed; returns their paths. A
     /// crash between making a workspace and committing the grant that records it
     /// leaves such a one, and so does a crash between a release and the pool's move of
-    /// its workspace: one of `ended` (an ended run's, with its run id), whose logs are
-    /// archived under that run id.
-    fn sweep_workspaces(&mut self, owned: &Owned, ended: &Ended) -> Vec<String>;
+    /// its workspace: one of `ended` (an ended run's, with its run id, returned beside
+    /// its path), whose logs are archived under that run id.
+    fn sweep_workspaces(&mut self, owned: &Owned, ended: &Ended) -> Vec<(String, Option<String>)>;
     /// Bytes free (to an unprivileged writer) on the file system of the workspaces, if
     /// it can be told: the threads' disk-pressure sweep reads it once a second.
     fn disk_free(&self) -> Option<u64>;
@@ -224,7 +224,7 @@ impl Host for RealHost {
         .map_err(|e| e.to_string())
     }
 
-    fn sweep_workspaces(&mut self, owned: &Owned, ended: &Ended) -> Vec<String> {
+    fn sweep_workspaces(&mut self, owned: &Owned, ended: &Ended) -> Vec<(String, Option<String>)> {
         self.workspaces.sweep(owned, ended)
     }
 

@@ -71,7 +71,9 @@ const RECOVERING_NAMED_MAX: usize = 100;
 
 /// W1/P5: the workspaces no run or thread of the ledger owns are removed, each said.
 /// A crash between making a granted run's workspace and committing its grant leaves
-/// one: nothing would ever own, reuse or remove it (issue 35).
+/// one: nothing would ever own, reuse or remove it (issue 35). So does a crash between
+/// a release's commit and the pool thread's move aside: an ended run's workspace,
+/// whose logs are archived under its run id.
 fn sweep_workspaces<H: Host>(host: &mut H, ledger: &Ledger) {
     let key = |w: &WorkspaceIdentity| (w.path.clone(), w.dev, w.ino);
     // An ended run's record still names the workspace it had: not an owner, but its
@@ -84,9 +86,9 @@ fn sweep_workspaces<H: Host>(host: &mut H, ledger: &Ledger) {
         .iter()
         .filter_map(|r| Some((key(r.workspace.as_ref()?), r.request.run_id.clone())))
         .collect();
-    for path in host.sweep_workspaces(&owned, &ended) {
-        match ended.iter().find(|((p, _, _), _)| *p == path) {
-            Some((_, run_id)) => tracing::warn!(
+    for (path, run_id) in host.sweep_workspaces(&owned, &ended) {
+        match run_id {
+            Some(run_id) => tracing::warn!(
                 path,
                 run_id,
                 "an ended run's workspace (a crash before the pool moved it aside) was removed"

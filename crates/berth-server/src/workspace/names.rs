@@ -36,6 +36,15 @@ pub(super) fn run_id_name(run_id: &str) -> Option<String> {
     (!safe.is_empty()).then_some(safe)
 }
 
+/// A pool or trash entry's name: `base`, and the id of the run it came from after
+/// `RUN_SEP` when there is one that makes a name part.
+pub(super) fn aside_name(base: &str, run_id: Option<&str>) -> String {
+    match run_id.and_then(run_id_name) {
+        Some(id) => format!("{base}{RUN_SEP}{id}"),
+        None => base.to_string(),
+    }
+}
+
 /// The run id a trash entry's name carries (see `RUN_SEP`), if it carries a valid one.
 pub(super) fn run_of(entry: &str) -> Option<&str> {
     let (_, id) = entry.split_once(RUN_SEP)?;

@@ -76,10 +76,7 @@ impl Dirs<'_> {
     /// pool thread skips `swapped-`) and is reported. `None`: nothing to judge.
     pub(super) fn move_aside(&self, l: Leaving) -> Option<Pooled> {
         let n = self.next.fetch_add(1, Ordering::Relaxed);
-        let aside = match run_id_name(&l.run_id) {
-            Some(id) => format!("{}-r{n}{RUN_SEP}{id}", l.name),
-            None => format!("{}-r{n}", l.name),
-        };
+        let aside = aside_name(&format!("{}-r{n}", l.name), Some(&l.run_id));
         match fs::renameat(self.runs, l.name.as_str(), self.pool, aside.as_str()) {
             Ok(()) => {}
             // Gone already (taken away by hand): nothing to recycle.
@@ -251,20 +248,19 @@ impl Pool {
     /// At start: every entry of the runs directory that is not `owned` (by path, device
     /// and inode: the directory itself, W1) and not the pool's own (`.pool`, `.trash`)
     /// goes to the trash, to be scrubbed (its logs archived) like any other; returns
-    /// their paths. Only berth writes in the
-    /// runs directory (0700), so such an entry is a workspace made for a grant that a
-    /// crash kept from being recorded. Renamed, never followed: a link or a file goes
-    /// to the trash as it is, and the trash unlinks it.
-    ///
-    /// `ended`: ended runs' workspaces (by path and identity) and their run ids. One of
-    /// them still at its run's name is a crash between the release and the pool
-    /// thread's move aside (`Dirs::move_aside`): its trash entry carries the run id as
-    /// the move would have, so its logs are still archived under the run's id.
+    /// their paths, each with the run id it was found to be `ended`'s. Only berth
+    /// writes in the runs directory (0700), so such an entry is a workspace made for a
+    /// grant that a crash kept from being recorded, or one of `ended` (ended runs'
+    /// workspaces, by path and identity, and their run ids): a crash between its
+    /// release and the pool thread's move aside (`Dirs::move_aside`). That one's trash
+    /// entry carries the run id as the move would have, so its logs are still archived
+    /// under the run's id. Renamed, never followed: a link or a file goes to the trash
+    /// as it is, and the trash unlinks it.
     pub fn sweep(
         &self,
         owned: &std::collections::BTreeSet<(String, u64, u64)>,
         ended: &std::collections::BTreeMap<(String, u64, u64), String>,
-    ) -> Vec<String> {
+    ) -> Vec<(String, Option<String>)> {
         let Ok(entries) = std::fs::read_dir(&self.runs_dir) else {
             return Vec::new();
         };
@@ -279,14 +275,8 @@ impl Pool {
                 continue;
             }
             let n = self.next.fetch_add(1, Ordering::Relaxed);
-            let run = key
-                .ok()
-                .and_then(|k| ended.get(&k))
-                .and_then(|id| run_id_name(id));
-            let aside = match run {
-                Some(id) => format!("{OLD_PREFIX}{name}-s{n}{RUN_SEP}{id}"),
-                None => format!("{OLD_PREFIX}{name}-s{n}"),
-            };
+            let run = key.ok().and_then(|k| ended.get(&k));
+            let aside = aside_name(&format!("{OLD_PREFIX}{name}-s{n}"), run.map(String::as_str));
             match fs::renameat_with(
                 &self.runs_fd,
                 name.as_str(),
@@ -294,7 +284,7 @@ impl Pool {
                 aside.as_str(),
                 fs::RenameFlags::NOREPLACE,
             ) {
-                Ok(()) => swept.push(path),
+                Ok(()) => swept.push((path, run.cloned())),
                 Err(e) => tracing::warn!("workspace sweep: moving {path} to the trash: {e}"),
             }
         }

@@ -994,6 +994,9 @@ fn regression_an_ended_runs_workspace_swept_at_start_is_archived_under_its_run_i
     let pool = Pool::start(&runs, Some(diag.clone())).unwrap();
     let swept = pool.sweep(&Default::default(), &ended);
     assert_eq!(swept.len(), 2, "{swept:?}");
+    let mut told: Vec<Option<String>> = swept.iter().map(|(_, run)| run.clone()).collect();
+    told.sort();
+    assert_eq!(told, [None, Some("r-ended".to_string())]);
     until("both are archived", || {
         archived(&pool) == 2 && trash_is_empty(&runs)
     });

@@ -71,10 +71,15 @@ pub(super) fn unpack(first: u64, packed: &[u8]) -> Result<String, StoreError> {
     String::from_utf8(bytes).map_err(|_| bad("not UTF-8".into()))
 }
 
+/// The newest chunk's last entry. Chunks are written in order, so the newest by its key
+/// holds the last entry: one row read, never the whole table (see `HELD_QUERIES`).
+pub(super) const NEWEST_LAST: &str =
+    "SELECT last_seq FROM journal_chunks ORDER BY first_seq DESC LIMIT 1";
+
 /// The last journal entry stored (0: none), from the newest chunk.
 pub(super) fn journal_last(conn: &rusqlite::Connection) -> Result<u64, StoreError> {
     let last = conn
-        .prepare_cached("SELECT last_seq FROM journal_chunks ORDER BY first_seq DESC LIMIT 1")
+        .prepare_cached(NEWEST_LAST)
         .and_then(|mut s| s.query_row([], |r| r.get::<_, i64>(0)).optional())
         .map_err(corrupt)?;
     u(last.unwrap_or(0)).map_err(|e| of("journal", e))
@@ -143,19 +148,17 @@ pub(super) fn prune_journal(
     ])
 }
 
-/// What `journal_held` reads: the oldest live run's first entry, the oldest scope's,
-/// and the newest stored entry. Each costs what the live rows do, never a pass over the
-/// retained history: every prune runs them (up to every `PRUNE_BACKLOG_PAUSE_MS` under
-/// load), and `MAX(last_seq)`, a column without an index, read every chunk the journal
-/// keeps each time (regression test `regression_the_journal_hold_reads_no_whole_table`).
-pub(super) const HELD_QUERIES: [&str; 3] = [
+/// What `journal_held` reads besides the newest entry (`NEWEST_LAST`): the oldest live
+/// run's first entry and the oldest scope's. Each costs what the live rows do, never a
+/// pass over the retained history: every prune runs them (up to every
+/// `PRUNE_BACKLOG_PAUSE_MS` under load), and the newest entry was read as
+/// `MAX(last_seq)`, a column without an index, which read every chunk the journal keeps
+/// each time (regression test `regression_the_journal_hold_reads_no_whole_table`).
+pub(super) const HELD_QUERIES: [&str; 2] = [
     // By the index on (terminal, queue_seq): the live runs only.
     "SELECT MIN(journal_first) FROM runs WHERE terminal = 0 AND journal_first > 0",
     // Scopes are few (a quota per user, idle ones forgotten).
     "SELECT MIN(journal_first) FROM scopes WHERE journal_first > 0",
-    // Chunks are written in order, so the newest chunk (by its key) holds the last entry.
-    "SELECT MAX(last_seq) FROM
-       (SELECT last_seq FROM journal_chunks ORDER BY first_seq DESC LIMIT 1)",
 ];
 
 /// The first journal entry retention must keep (issue 32 finding 8): the first of the
@@ -170,8 +173,13 @@ pub(super) fn journal_held(
             .query_row([], |r| r.get::<_, Option<i64>>(0))
             .map(|v| v.unwrap_or(i64::MAX))
     };
-    let [run, scope, last] = HELD_QUERIES;
-    let (run, scope, last) = (first(run)?, first(scope)?, first(last)?);
+    let [run, scope] = HELD_QUERIES;
+    let (run, scope) = (first(run)?, first(scope)?);
+    let last = tx
+        .prepare_cached(NEWEST_LAST)?
+        .query_row([], |r| r.get::<_, i64>(0))
+        .optional()?
+        .unwrap_or(i64::MAX);
     let export = policy
         .journal_hold
         .as_ref()

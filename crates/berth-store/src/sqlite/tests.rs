@@ -223,7 +223,10 @@ fn regression_the_journal_hold_reads_no_whole_table() {
             [chunks],
         )
         .unwrap();
-    for sql in journal::HELD_QUERIES {
+    for sql in journal::HELD_QUERIES
+        .into_iter()
+        .chain([journal::NEWEST_LAST])
+    {
         let mut stmt = s.conn.prepare(sql).unwrap();
         let got: Option<i64> = stmt.query_row([], |r| r.get(0)).unwrap();
         if sql.contains("journal_chunks") {

@@ -603,8 +603,6 @@ impl Sim {
     }
 }
 
-/// A new run `x` asking for the fleet-wide key: its answer, which waits for its claim
-/// (issue 38 Build 2: the connection stays open).
 /// The link carries the one job waiting (the acquire's claim) as a batch, the daemon
 /// takes the report, and the acquire's answer is there (`what` says why it must be).
 fn after_one_batch(
@@ -617,6 +615,8 @@ fn after_one_batch(
     answer.try_recv().expect(what)
 }
 
+/// A new run `x` asking for the fleet-wide key: its answer, which waits for its claim
+/// (issue 38 Build 2: the connection stays open).
 fn acquire_with_the_key(sim: &mut Sim) -> tokio::sync::oneshot::Receiver<Result<RunInfo, Error>> {
     let req = berth_core::Request {
         run_id: "x".into(),

@@ -68,8 +68,8 @@ impl Host for SimHost {
     fn sweep_workspaces(
         &mut self,
         owned: &crate::daemon::host::Owned,
-        _ended: &crate::daemon::host::Ended,
-    ) -> Vec<String> {
+        ended: &crate::daemon::host::Ended,
+    ) -> Vec<(String, Option<String>)> {
         let mut m = self.0.lock().unwrap();
         let swept: Vec<String> = (m.workspaces.iter())
             .filter(|(_, w)| !owned.contains(&(w.path.clone(), w.dev, w.ino)))
@@ -77,7 +77,11 @@ impl Host for SimHost {
             .collect();
         swept
             .into_iter()
-            .filter_map(|k| m.workspaces.remove(&k).map(|w| w.path))
+            .filter_map(|k| m.workspaces.remove(&k))
+            .map(|w| {
+                let run = ended.get(&(w.path.clone(), w.dev, w.ino)).cloned();
+                (w.path, run)
+            })
             .collect()
     }
 
