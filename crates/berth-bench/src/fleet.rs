@@ -66,17 +66,19 @@ fn fleet_run(hosts: usize, clients: usize, seconds: u64, budget: bool) -> (Outco
 /// floor-fleet (`floor.rs`) on `hosts` hosts against a fresh database of the same
 /// server, driven by the same clients: what any fleet built on this HTTP stack, W1's
 /// two renames and one group-committed claim and ending per lifecycle could reach on
-/// this machine, with no ledger, no engine and no journal.
-fn floor_run(hosts: usize, clients: usize, seconds: u64) -> Outcome {
+/// this machine, with no ledger, no engine and no journal; with `ledger`,
+/// floor-fleet-ledger: the same plus each run's record durable in berth's own ledger at
+/// its grant and its release, the least any durable host writes.
+fn floor_run(hosts: usize, clients: usize, seconds: u64, ledger: bool) -> Outcome {
     rustix::fs::sync();
     let db = berth_store::fleet::testing::pg_fresh_database("floor").expect("a PostgreSQL server");
     let dirs: Vec<_> = (0..hosts).map(|_| tempfile::tempdir().unwrap()).collect();
     let rts: Vec<_> = (0..hosts).map(|_| crate::http::daemon_runtime()).collect();
     let targets = (0..hosts)
         .map(|i| {
-            let addr =
-                crate::floor::fleet_host(&rts[i], &db, &format!("floor-{i}"), dirs[i].path())
-                    .expect("a floor-fleet host");
+            let id = format!("floor-{i}");
+            let addr = crate::floor::fleet_host(&rts[i], &db, &id, dirs[i].path(), ledger)
+                .expect("a floor-fleet host");
             (format!("http://{addr}"), "Bearer floor".to_string())
         })
         .collect();
@@ -233,7 +235,8 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
     let (token, _, _) = fleet_run(hosts, clients, seconds, true);
     wakes.sort_by(f64::total_cmp);
     let single = crate::http::run(clients, 0, seconds, true);
-    let floor = floor_run(hosts, clients, seconds);
+    let floor = floor_run(hosts, clients, seconds, false);
+    let floor_ledger = floor_run(hosts, clients, seconds, true);
     let (pg, pg_cpu_us) = pgbench(clients, seconds).unwrap_or_else(|e| {
         eprintln!("pgbench: {e}");
         (0.0, 0)
@@ -242,7 +245,7 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
     // Whether the server syncs its commits (pg_virtualenv turns fsync off unless told).
     let fsync = berth_store::fleet::testing::pg_setting("fsync").unwrap_or_else(|e| e);
     println!(
-        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_ledger_commits_per_lifecycle\":{:.2},\"fleet_wake_trials\":{},\"fleet_wake_p50_ms\":{:.3},\"fleet_wake_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"single_host_ledger_commits_per_lifecycle\":{:.2},\"pgbench_lifecycles_per_s\":{pg:.0},\"floor_fleet_lifecycles_per_s\":{:.0},\"floor_fleet_grant_p50_ms\":{:.3},\"floor_fleet_machine_cpu_us_per_lifecycle\":{},\"fleet_machine_cpu_us_per_lifecycle\":{},\"fleet_daemons_cpu_us_per_lifecycle\":{},\"fleet_postgres_cpu_us_per_lifecycle\":{},\"fleet_daemon_threads_cpu_us_per_lifecycle\":{},\"single_host_machine_cpu_us_per_lifecycle\":{},\"single_host_daemon_threads_cpu_us_per_lifecycle\":{},\"pgbench_machine_cpu_us_per_lifecycle\":{pg_cpu_us},\"errors\":{}}}",
+        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_ledger_commits_per_lifecycle\":{:.2},\"fleet_wake_trials\":{},\"fleet_wake_p50_ms\":{:.3},\"fleet_wake_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"single_host_ledger_commits_per_lifecycle\":{:.2},\"pgbench_lifecycles_per_s\":{pg:.0},\"floor_fleet_lifecycles_per_s\":{:.0},\"floor_fleet_grant_p50_ms\":{:.3},\"floor_fleet_machine_cpu_us_per_lifecycle\":{},\"floor_fleet_ledger_lifecycles_per_s\":{:.0},\"floor_fleet_ledger_grant_p50_ms\":{:.3},\"floor_fleet_ledger_machine_cpu_us_per_lifecycle\":{},\"fleet_machine_cpu_us_per_lifecycle\":{},\"fleet_daemons_cpu_us_per_lifecycle\":{},\"fleet_postgres_cpu_us_per_lifecycle\":{},\"fleet_daemon_threads_cpu_us_per_lifecycle\":{},\"single_host_machine_cpu_us_per_lifecycle\":{},\"single_host_daemon_threads_cpu_us_per_lifecycle\":{},\"pgbench_machine_cpu_us_per_lifecycle\":{pg_cpu_us},\"errors\":{}}}",
         rate(&plain),
         pct(&plain.grant_ms, 0.5),
         pct(&plain.grant_ms, 0.99),
@@ -257,12 +260,15 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
         rate(&floor),
         pct(&floor.grant_ms, 0.5),
         floor.cpu.machine_us,
+        rate(&floor_ledger),
+        pct(&floor_ledger.grant_ms, 0.5),
+        floor_ledger.cpu.machine_us,
         plain.cpu.machine_us,
         plain.cpu.daemons_us,
         plain.cpu.postgres_us,
         plain.cpu.by_thread_json(),
         single.cpu.machine_us,
         single.cpu.by_thread_json(),
-        plain.errors + token.errors + single.errors + floor.errors,
+        plain.errors + token.errors + single.errors + floor.errors + floor_ledger.errors,
     );
 }

@@ -15,6 +15,13 @@
 //!   both group-committed by one thread per host through berth's own
 //!   `FleetStore::batch` (one round trip per batch, as berth's claim worker).
 //!
+//! - **floor-fleet-ledger** (`berth-bench fleet`): floor-fleet, plus the least a
+//!   durable host must write: each run's record put in berth's own ledger (its SQLite
+//!   file in WAL mode with `synchronous=FULL`, its group-committing `Writer`) at the
+//!   grant and at the release with the journal's entries of each step (D5), each
+//!   answered only once durable, and the ending sent to the store after its local
+//!   commit (F1). No engine, no tokens, no watchers, no retention.
+//!
 //! Both run on a runtime with a worker per core, so neither is held to berth's one
 //! worker: each is an upper bound for a server on this stack, never a model of berth.
 //! A durable server does strictly more (a ledger write and an fsync per commit).
@@ -32,6 +39,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
+use berth_core::RunState;
 use berth_store::fleet::{ClaimOutcome, FleetOp, OpOutcome};
 
 /// Ready-made directories of floor-http-ws, as berth's pool keeps `POOL_TARGET`.
@@ -45,6 +53,65 @@ struct Floor {
     fence: AtomicU64,
     dirs: Option<Dirs>,
     fleet: Option<FleetLink>,
+    ledger: Option<Ledger>,
+}
+
+/// floor-fleet-ledger's ledger, and its journal's next entry: numbered and submitted
+/// under one lock, so entries reach the writer in the order of their numbers (D5's
+/// journal is gap-free and in order, as berth's one state task makes it).
+struct Ledger {
+    writer: Mutex<(u64, berth_store::Writer)>,
+}
+
+/// floor-fleet-ledger's one write: the run's record and the two journal entries of the
+/// step (D5: `queued` and `granted` at the grant, `released` and `ended` at the
+/// release, as berth journals a lifecycle), answered once durable.
+async fn durable(ledger: &Ledger, run_id: &str, fence: u64, state: RunState) -> Result<(), String> {
+    let kinds = match state {
+        RunState::Granted => ["queued", "granted"],
+        _ => ["released", "ended"],
+    };
+    let (to, done) = tokio::sync::oneshot::channel();
+    let mut batch = berth_store::Batch::runs(fence, vec![floor_record(run_id, fence, state)]);
+    {
+        let mut w = ledger.writer.lock().unwrap();
+        for kind in kinds {
+            let seq = w.0;
+            w.0 += 1;
+            // As long as berth's entries: its time, kind, run, project and the step's data.
+            let line = format!(
+                r#"{{"seq":{seq},"at":"2026-12-07T00:00:00.000Z","kind":"{kind}","run_id":"{run_id}","project":"bench","data":{{"fence":{fence},"expires_at":"2026-12-07T00:05:00.000Z","keys":[]}}}}"#
+            );
+            batch.push(berth_store::Mutation::Journal(Arc::new(
+                berth_store::JournalEntry {
+                    seq,
+                    kind: kind.into(),
+                    run_id: Some(run_id.into()),
+                    project: Some("bench".into()),
+                    line,
+                },
+            )));
+        }
+        w.1.submit(Some(batch), move |r| {
+            let _ = to.send(r.map_err(|e| e.to_string()));
+        });
+    }
+    done.await.map_err(|_| "the ledger is gone".to_string())?
+}
+
+/// As little as a run's record can hold: the bench's request (no keys, no contract,
+/// no labels) and its grant or its end.
+fn floor_record(run_id: &str, fence: u64, state: RunState) -> berth_store::RunRecord {
+    let mut r = berth_store::conformance::sample_run(run_id, fence, state);
+    r.request.project = "bench".into();
+    r.request.singletons.clear();
+    r.request.contract = None;
+    r.request.resources.named.clear();
+    (r.fence, r.worktree, r.stop_grace_ms) = (Some(fence), None, None);
+    r.labels.clear();
+    r.processes.clear();
+    r.ports.clear();
+    r
 }
 
 /// A claim or an ending for the link's thread, and where a claim's answer goes (its
@@ -218,6 +285,11 @@ async fn acquire(State(f): State<Arc<Floor>>, body: Bytes) -> impl IntoResponse 
         },
         None => f.fence.fetch_add(1, Ordering::Relaxed) + 1,
     };
+    if let Some(ledger) = &f.ledger {
+        if let Err(e) = durable(ledger, &id, fence, RunState::Granted).await {
+            return (StatusCode::INTERNAL_SERVER_ERROR, e);
+        }
+    }
     if let Some(d) = &f.dirs {
         if let Err(e) = d.grant(&id) {
             if let Some(link) = &f.fleet {
@@ -233,10 +305,17 @@ async fn acquire(State(f): State<Arc<Floor>>, body: Bytes) -> impl IntoResponse 
 async fn release(
     State(f): State<Arc<Floor>>,
     UrlPath(id): UrlPath<String>,
-    _body: Bytes,
+    body: Bytes,
 ) -> impl IntoResponse {
     if let Some(d) = &f.dirs {
         if let Err(e) = d.release(&id) {
+            return (StatusCode::INTERNAL_SERVER_ERROR, e);
+        }
+    }
+    if let Some(ledger) = &f.ledger {
+        let body = String::from_utf8_lossy(&body);
+        let fence = crate::http::field_u64(&body, "\"fence\":").unwrap_or(0);
+        if let Err(e) = durable(ledger, &id, fence, RunState::Released).await {
             return (StatusCode::INTERNAL_SERVER_ERROR, e);
         }
     }
@@ -270,18 +349,31 @@ async fn serve(listener: tokio::net::TcpListener, app: Router) {
 }
 
 /// A floor-fleet host (issue 38): serves on `rt` (a port of its own, returned) with its
-/// directories under `workspaces` and its link to the fleet store at `url`, until `rt`
-/// is dropped.
+/// directories under `base` and its link to the fleet store at `url`, until `rt` is
+/// dropped; with `ledger`, a floor-fleet-ledger host, its ledger in `base` too.
 pub fn fleet_host(
     rt: &tokio::runtime::Runtime,
     url: &str,
     host_id: &str,
-    workspaces: &Path,
+    base: &Path,
+    ledger: bool,
 ) -> Result<std::net::SocketAddr, String> {
+    let ledger = match ledger {
+        true => {
+            let store = berth_store::SqliteStore::open(&base.join("ledger.db"))
+                .map_err(|e| e.to_string())?;
+            let writer = berth_store::Writer::spawn(Box::new(store), true);
+            Some(Ledger {
+                writer: Mutex::new((1, writer)),
+            })
+        }
+        false => None,
+    };
     let floor = Arc::new(Floor {
         fence: AtomicU64::new(0),
-        dirs: Some(Dirs::make(workspaces).map_err(|e| e.to_string())?),
+        dirs: Some(Dirs::make(base).map_err(|e| e.to_string())?),
         fleet: Some(FleetLink::start(url, host_id)?),
+        ledger,
     });
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(("127.0.0.1", 0)))
@@ -299,6 +391,7 @@ pub fn daemon(port: u16, workspaces: Option<&Path>) {
         fence: AtomicU64::new(0),
         dirs,
         fleet: None,
+        ledger: None,
     });
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -334,5 +427,39 @@ mod tests {
             d.release("c1-1").is_err(),
             "a second release found a directory"
         );
+    }
+
+    #[test]
+    fn the_ledger_floor_writes_a_lifecycles_record_and_journal_durably() {
+        use berth_store::Store;
+        let base = tempfile::tempdir().unwrap();
+        let path = base.path().join("ledger.db");
+        let store = berth_store::SqliteStore::open(&path).unwrap();
+        let ledger = Ledger {
+            writer: Mutex::new((1, berth_store::Writer::spawn(Box::new(store), true))),
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            durable(&ledger, "c1-1", 7, RunState::Granted)
+                .await
+                .unwrap();
+            durable(&ledger, "c1-1", 7, RunState::Released)
+                .await
+                .unwrap();
+        });
+        ledger.writer.into_inner().unwrap().1.close();
+        let mut store = berth_store::SqliteStore::open(&path).unwrap();
+        let kinds: Vec<_> = (store.journal(0, 10).unwrap().into_iter())
+            .map(|e| (e.seq, e.kind))
+            .collect();
+        let want = ["queued", "granted", "released", "ended"];
+        let want: Vec<_> = (1..).zip(want.map(String::from)).collect();
+        assert_eq!(kinds, want);
+        let ledger = store.load(10).unwrap();
+        let run = ledger.runs.iter().find(|r| r.request.run_id == "c1-1");
+        let run = run.expect("the run's record");
+        assert_eq!((run.state, run.fence), (RunState::Released, Some(7)));
     }
 }
