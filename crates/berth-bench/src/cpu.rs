@@ -8,8 +8,11 @@
 /// CPU time so far, in microseconds.
 #[derive(Clone, Debug, Default)]
 pub struct Cpu {
-    /// Every core's time not idle (nor waiting for I/O).
+    /// Every core's time not idle (nor waiting for I/O, nor stolen).
     pub machine_us: u64,
+    /// Time the hypervisor gave the machine's cores to others (`steal`): not work done
+    /// here, but a run with much of it had slower cores than one without.
+    pub steal_us: u64,
     /// This process's threads but its own (the daemons': the clients' thread and the
     /// main thread keep the process's name). A thread that exits between two readings
     /// takes its time with it (tokio's blocking threads may): such time is missing,
@@ -29,8 +32,10 @@ impl Cpu {
     pub fn now() -> Cpu {
         let own = own_name();
         let threads = threads_us(|name| name != own);
+        let (machine_us, steal_us) = machine_busy_us();
         Cpu {
-            machine_us: machine_busy_us(),
+            machine_us,
+            steal_us,
             daemons_us: threads.values().map(|(_, us)| us).sum(),
             postgres_us: processes_us("postgres"),
             by_thread_us: Default::default(),
@@ -49,6 +54,7 @@ impl Cpu {
         }
         Cpu {
             machine_us: self.machine_us.saturating_sub(before.machine_us) / n,
+            steal_us: self.steal_us.saturating_sub(before.steal_us) / n,
             daemons_us: by_thread_us.values().sum::<u64>() / n,
             postgres_us: self.postgres_us.saturating_sub(before.postgres_us) / n,
             by_thread_us: by_thread_us
@@ -74,11 +80,13 @@ fn tick_us() -> u64 {
     1_000_000 / rustix::param::clock_ticks_per_second().max(1)
 }
 
-/// `/proc/stat`'s first line: user nice system idle iowait irq softirq steal …
-fn machine_busy_us() -> u64 {
+/// `/proc/stat`'s first line: user nice system idle iowait irq softirq steal …; the
+/// busy time and the stolen time. Stolen time is no work of this machine's: counted
+/// as busy, it would make a lifecycle look dearer whenever other guests took cores.
+fn machine_busy_us() -> (u64, u64) {
     let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     let Some(line) = text.lines().next() else {
-        return 0;
+        return (0, 0);
     };
     let v: Vec<u64> = line
         .split_whitespace()
@@ -89,7 +97,9 @@ fn machine_busy_us() -> u64 {
         v.get(3).copied().unwrap_or(0),
         v.get(4).copied().unwrap_or(0),
     );
-    (v.iter().take(8).sum::<u64>() - idle - iowait) * tick_us()
+    let steal = v.get(7).copied().unwrap_or(0);
+    let busy = v.iter().take(8).sum::<u64>() - idle - iowait - steal;
+    (busy * tick_us(), steal * tick_us())
 }
 
 /// A `stat` file's name (between the parentheses) and its utime + stime in ticks.

@@ -245,7 +245,7 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
     // Whether the server syncs its commits (pg_virtualenv turns fsync off unless told).
     let fsync = berth_store::fleet::testing::pg_setting("fsync").unwrap_or_else(|e| e);
     println!(
-        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_ledger_commits_per_lifecycle\":{:.2},\"fleet_wake_trials\":{},\"fleet_wake_p50_ms\":{:.3},\"fleet_wake_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"single_host_ledger_commits_per_lifecycle\":{:.2},\"pgbench_lifecycles_per_s\":{pg:.0},\"floor_fleet_lifecycles_per_s\":{:.0},\"floor_fleet_grant_p50_ms\":{:.3},\"floor_fleet_machine_cpu_us_per_lifecycle\":{},\"floor_fleet_ledger_lifecycles_per_s\":{:.0},\"floor_fleet_ledger_grant_p50_ms\":{:.3},\"floor_fleet_ledger_machine_cpu_us_per_lifecycle\":{},\"floor_fleet_ledger_threads_cpu_us_per_lifecycle\":{},\"fleet_machine_cpu_us_per_lifecycle\":{},\"fleet_daemons_cpu_us_per_lifecycle\":{},\"fleet_postgres_cpu_us_per_lifecycle\":{},\"fleet_daemon_threads_cpu_us_per_lifecycle\":{},\"single_host_machine_cpu_us_per_lifecycle\":{},\"single_host_daemon_threads_cpu_us_per_lifecycle\":{},\"pgbench_machine_cpu_us_per_lifecycle\":{pg_cpu_us},\"errors\":{}}}",
+        "{{\"hosts\":{hosts},\"pg_fsync\":\"{fsync}\",\"clients\":{clients},\"seconds\":{seconds},\"fleet_lifecycles_per_s\":{:.0},\"fleet_grant_p50_ms\":{:.3},\"fleet_grant_p99_ms\":{:.3},\"fleet_ops_per_round_trip\":{per_trip:.2},\"fleet_ledger_commits_per_lifecycle\":{:.2},\"fleet_wake_trials\":{},\"fleet_wake_p50_ms\":{:.3},\"fleet_wake_p99_ms\":{:.3},\"fleet_with_budget_token_lifecycles_per_s\":{:.0},\"fleet_with_budget_token_grant_p99_ms\":{:.3},\"single_host_sqlite_lifecycles_per_s\":{:.0},\"single_host_ledger_commits_per_lifecycle\":{:.2},\"pgbench_lifecycles_per_s\":{pg:.0},\"floor_fleet_lifecycles_per_s\":{:.0},\"floor_fleet_grant_p50_ms\":{:.3},\"floor_fleet_machine_cpu_us_per_lifecycle\":{},\"floor_fleet_ledger_lifecycles_per_s\":{:.0},\"floor_fleet_ledger_grant_p50_ms\":{:.3},\"floor_fleet_ledger_machine_cpu_us_per_lifecycle\":{},\"floor_fleet_ledger_threads_cpu_us_per_lifecycle\":{},\"fleet_machine_cpu_us_per_lifecycle\":{},\"fleet_machine_steal_us_per_lifecycle\":{},\"fleet_daemons_cpu_us_per_lifecycle\":{},\"fleet_postgres_cpu_us_per_lifecycle\":{},\"fleet_daemon_threads_cpu_us_per_lifecycle\":{},\"single_host_machine_cpu_us_per_lifecycle\":{},\"single_host_daemon_threads_cpu_us_per_lifecycle\":{},\"pgbench_machine_cpu_us_per_lifecycle\":{pg_cpu_us},\"errors\":{}}}",
         rate(&plain),
         pct(&plain.grant_ms, 0.5),
         pct(&plain.grant_ms, 0.99),
@@ -265,6 +265,7 @@ pub fn main(hosts: usize, clients: usize, seconds: u64) {
         floor_ledger.cpu.machine_us,
         floor_ledger.cpu.by_thread_json(),
         plain.cpu.machine_us,
+        plain.cpu.steal_us,
         plain.cpu.daemons_us,
         plain.cpu.postgres_us,
         plain.cpu.by_thread_json(),
