@@ -103,7 +103,7 @@ fn machine_busy_us() -> (u64, u64) {
 }
 
 /// A `stat` file's name (between the parentheses) and its utime + stime in ticks.
-fn stat(path: &std::path::Path) -> Option<(String, u64)> {
+pub(crate) fn stat(path: &std::path::Path) -> Option<(String, u64)> {
     let text = std::fs::read_to_string(path).ok()?;
     let (open, close) = (text.find('(')?, text.rfind(')')?);
     let name = text[open + 1..close].to_owned();

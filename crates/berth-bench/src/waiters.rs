@@ -82,11 +82,9 @@ impl Proc {
     }
 
     fn cpu_ticks(&self) -> u64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/stat", self.0)).unwrap();
-        // Fields after the command's closing parenthesis; utime and stime are 14, 15.
-        let rest = &s[s.rfind(')').unwrap() + 2..];
-        let f: Vec<&str> = rest.split(' ').collect();
-        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+        let path = format!("/proc/{}/stat", self.0);
+        let (_, ticks) = crate::cpu::stat(std::path::Path::new(&path)).expect("the daemon's stat");
+        ticks
     }
 
     fn fds(&self) -> usize {

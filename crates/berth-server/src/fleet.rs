@@ -299,11 +299,16 @@ fn keep_missed(missed: &Missed, job: SharedJob) {
         return;
     }
     let mut missed = missed.lock().unwrap_or_else(|e| e.into_inner());
-    if missed.len() >= INVALIDATIONS_PENDING_MAX {
-        let dropped = missed.pop_front();
+    if let Some(dropped) = push_bounded(&mut missed, INVALIDATIONS_PENDING_MAX, job) {
         tracing::warn!(?dropped, "fleet: {INVALIDATIONS_PENDING_MAX} evidence invalidations wait for the store; the oldest is dropped");
     }
-    missed.push_back(job);
+}
+
+/// Keeps `item` in a queue of at most `max`: the oldest goes (returned) to make room.
+fn push_bounded<T>(q: &mut std::collections::VecDeque<T>, max: usize, item: T) -> Option<T> {
+    let dropped = (q.len() >= max).then(|| q.pop_front()).flatten();
+    q.push_back(item);
+    dropped
 }
 
 /// Opens the store a `--store` URL names. PostgreSQL is connected lazily (by the fleet
@@ -534,11 +539,9 @@ impl Common {
 
     fn missed(&self, run_id: String, gen: i64, how: Ending) {
         let mut ends = self.ends.lock().unwrap_or_else(|e| e.into_inner());
-        if ends.len() >= ENDS_PENDING_MAX {
-            ends.pop_front();
+        if push_bounded(&mut ends, ENDS_PENDING_MAX, (run_id, gen, how)).is_some() {
             tracing::warn!("fleet: too many endings waiting for the store; the oldest is left to the dead-host rules");
         }
-        ends.push_back((run_id, gen, how));
     }
 }
 
@@ -967,6 +970,17 @@ pub enum Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Endings and invalidations the store missed wait in a bounded queue: the oldest
+    /// goes to make room, and the queue never grows past its bound.
+    #[test]
+    fn a_missed_queue_drops_its_oldest_at_its_bound() {
+        let mut q = std::collections::VecDeque::new();
+        assert_eq!(push_bounded(&mut q, 2, 1), None);
+        assert_eq!(push_bounded(&mut q, 2, 2), None);
+        assert_eq!(push_bounded(&mut q, 2, 3), Some(1));
+        assert_eq!(q, [2, 3]);
+    }
 
     /// Issue 38 item 7: `--ttl-max 20s --fleet-margin 10s` with the default 10 s grace.
     /// The fence came at three quarters of the lapse (22.5 s), and a child ignoring

@@ -147,7 +147,15 @@ impl FleetState {
             _ => self.unsure.remove(run_id),
         };
         // Refused for a fleet drain this host has not read yet: it is read now.
-        if let (Ok(ClaimOutcome::Draining), Some(link)) = (result, &self.link) {
+        if let Ok(ClaimOutcome::Draining) = result {
+            self.read_drain_now();
+        }
+    }
+
+    /// The store refused a claim for a fleet drain: the fleet's drain is read now
+    /// rather than at the next beat.
+    fn read_drain_now(&self) {
+        if let Some(link) = &self.link {
             link.nudge();
         }
     }
@@ -483,9 +491,7 @@ impl<H: Host> Daemon<H> {
     /// refused with it (with what this host knows of it, or that a fleet drain is in
     /// force, until the read comes).
     fn fleet_draining(&mut self) -> Error {
-        if let Some(link) = &self.fleet.link {
-            link.nudge();
-        }
+        self.fleet.read_drain_now();
         self.draining().unwrap_or_else(|| Error::Draining {
             drain: berth_store::DrainRecord {
                 by: String::new(),
