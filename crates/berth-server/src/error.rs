@@ -198,7 +198,7 @@ pub enum Error {
     ShuttingDown,
     /// S9: a uid-bound token asked to act on a run, thread or scope another uid made.
     NotOwner {
-        /// `run`, `thread` or `scope`.
+        /// `run`, `thread`, `scope` or [`FLEET_SCOPE`].
         what: &'static str,
         id: String,
         /// The uid the caller's token acts for.
@@ -271,7 +271,19 @@ impl From<Error> for ApiError {
 }
 
 /// S9: a uid-bound token asked to act on a run, thread or scope of another user.
+/// `NotOwner`'s `what` for a scope's fleet-wide control, which no uid-bound token may
+/// ask for (see `ScopeOp::MayControl`).
+pub const FLEET_SCOPE: &str = "fleet scope";
+
 pub fn not_owner(what: &str, id: &str, uid: u32) -> ApiError {
+    if what == FLEET_SCOPE {
+        return ApiError::new(
+            403,
+            "not_owner",
+            format!("scope {id}'s control acts on every host of the fleet, and no host knows whose runs made the scope on the others: a token bound to uid {uid} controls no scope fleet-wide (an operator token without a uid, or the admin token, does) (S9)"),
+        )
+        .with(json!({ "scope": id, "uid": uid, "fleet": true }));
+    }
     ApiError::new(
         403,
         "not_owner",

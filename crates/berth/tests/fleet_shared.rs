@@ -277,6 +277,64 @@ fn regression_a_scope_paused_on_one_host_admits_no_new_token_on_another() {
     assert_eq!(budget_run(&c, "c-first").code(), "scope_stopped");
 }
 
+/// S9 fleet-wide: before, a uid-bound user whose own run had made another user's scope
+/// on a host of its own (a scope is named by its runs) stopped that scope on every
+/// host, the other user's too: the host it asked knew the scope as its user's. Now no
+/// uid-bound token controls a scope fleet-wide, its user's run or not; a token without
+/// a uid still does.
+#[test]
+fn regression_a_uid_bound_token_cannot_stop_another_users_scope_through_its_own_host() {
+    let db = database();
+    let a = host(&db, "ua", "60s", "5s");
+    let b = host(&db, "ub", "60s", "5s");
+    // Two users any Debian has (nobody and daemon).
+    let (alice, _) = make_token(&a, json!({"scope": "operator", "uid": 65_534}));
+    let (mallory, _) = make_token(&a, json!({"scope": "operator", "uid": 1}));
+    within(&b, "the tokens honoured on the other host", |b| {
+        status_with(b, &mallory) == 200
+    });
+    let budget = json!({"scope": "exp", "harness": "claude", "per_harness": {"claude": 8}});
+    let run_as = |d: &Daemon, token: &str, run: &str| {
+        let body = json!({"run_id": run, "project": format!("p-{run}"), "budget": budget,
+            "workspace": false, "wait_s": 60,
+            "resources": {"slots": 1, "memory": 0, "cpu_millis": 0, "disk": 0}});
+        d.call_as(Some(token), "POST", "/v1/runs", Some(&body.to_string()))
+    };
+    let r = run_as(&a, &alice, "alice-run");
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let r = run_as(&b, &mallory, "mallory-run");
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let control_as = |d: &Daemon, token: &str, id: &str, mode: &str| {
+        let body = json!({"request_id": id, "mode": mode}).to_string();
+        d.call_as(Some(token), "POST", "/v1/scopes/exp/control", Some(&body))
+    };
+    // Asked on the host where her own run made the scope: refused, nothing changed.
+    let r = control_as(&b, &mallory, "m1", "stop");
+    assert_eq!((r.status, r.code()), (403, "not_owner"), "{:?}", r.body);
+    assert_eq!(r.body["error"]["details"]["fleet"], true, "{:?}", r.body);
+    // Nor on her own host does the other user control it fleet-wide.
+    let r = control_as(&a, &alice, "a1", "pause");
+    assert_eq!((r.status, r.code()), (403, "not_owner"), "{:?}", r.body);
+    for d in [&a, &b] {
+        let s = d.get("/v1/scopes/exp").body;
+        assert_eq!(
+            s["generation"], 0,
+            "a refused control changed the scope: {s}"
+        );
+        assert_ne!(s["control"], "stopped", "{s}");
+    }
+    let r = run_as(&a, &alice, "alice-next");
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    // A token without a uid controls it.
+    let r = control(&b, "p1", "pause");
+    assert_eq!(
+        (r.status, r.body["control"].clone()),
+        (200, json!("paused")),
+        "{:?}",
+        r.body
+    );
+}
+
 const COMMIT_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
 /// A parallel project whose one port is a real HTTP server on `$PORT`.

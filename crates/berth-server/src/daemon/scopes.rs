@@ -40,8 +40,8 @@ pub enum ScopeOp {
         by: String,
     },
     /// S9 in fleet mode, before the fleet store decides a control: may `by` control
-    /// the scope? A uid-bound token may control only a scope its user's runs froze on
-    /// this host (its owner is known where it was used).
+    /// the scope? Only a token without a uid (an unbound operator token, the admin
+    /// token) may: no host knows who made the scope on the others.
     MayControl {
         scope: String,
         by: Tenant,
@@ -116,12 +116,16 @@ impl<H: Host> Daemon<H> {
                 reason,
                 by,
             } => return self.reconcile(scope, owner, reason, by, reply),
+            // S9 fleet-wide: a control acts on every host, and each host knows only
+            // whose runs made the scope there. Another user's runs may have made it on
+            // another host first (a scope is named by its runs), so a uid-bound token's
+            // user is never known to own it fleet-wide: refused. (Before, a user whose run had used another
+            // user's scope name on a host of its own paused or stopped that scope on
+            // every host.)
             ScopeOp::MayControl { scope, by } => {
-                let owner = self.engine.scopes().get(&scope).map(|s| s.owner_uid);
-                let v = match (by, owner) {
-                    (None, _) => Ok(ScopeAnswer::Allowed),
-                    (Some(_), Some(o)) if super::may_act(by, o) => Ok(ScopeAnswer::Allowed),
-                    (Some(uid), _) => Err(self.not_owner("scope", scope, uid)),
+                let v = match by {
+                    None => Ok(ScopeAnswer::Allowed),
+                    Some(uid) => Err(self.not_owner(crate::error::FLEET_SCOPE, scope, uid)),
                 };
                 return self.commit_and_answer(BTreeSet::new(), reply, v);
             }
