@@ -285,18 +285,16 @@ async fn acquire(State(f): State<Arc<Floor>>, body: Bytes) -> impl IntoResponse 
         },
         None => f.fence.fetch_add(1, Ordering::Relaxed) + 1,
     };
-    if let Some(ledger) = &f.ledger {
-        if let Err(e) = durable(ledger, &id, fence, RunState::Granted).await {
-            return (StatusCode::INTERNAL_SERVER_ERROR, e);
+    let granted = match &f.ledger {
+        Some(ledger) => durable(ledger, &id, fence, RunState::Granted).await,
+        None => Ok(()),
+    };
+    let granted = granted.and_then(|()| f.dirs.as_ref().map_or(Ok(()), |d| d.grant(&id)));
+    if let Err(e) = granted {
+        if let Some(link) = &f.fleet {
+            link.end(&id);
         }
-    }
-    if let Some(d) = &f.dirs {
-        if let Err(e) = d.grant(&id) {
-            if let Some(link) = &f.fleet {
-                link.end(&id);
-            }
-            return (StatusCode::INTERNAL_SERVER_ERROR, e);
-        }
+        return (StatusCode::INTERNAL_SERVER_ERROR, e);
     }
     let answer = format!(r#"{{"run_id":"{id}","fence":{fence}}}"#);
     (StatusCode::CREATED, answer)
