@@ -271,6 +271,17 @@ impl From<Error> for ApiError {
 }
 
 /// S9: a uid-bound token asked to act on a run, thread or scope of another user.
+/// S9: `what` acts on every user's runs, and a token bound to `uid` acts only on its
+/// own user's.
+pub fn not_everyones(what: &str, uid: u32) -> ApiError {
+    ApiError::new(
+        403,
+        "not_owner",
+        format!("{what} acts on every user's runs: a token bound to uid {uid} may not start or end it (an operator token without a uid, or the admin token, may) (S9)"),
+    )
+    .with(json!({ "uid": uid, "host_wide": what }))
+}
+
 /// `NotOwner`'s `what` for a scope's fleet-wide control, which no uid-bound token may
 /// ask for (see `ScopeOp::MayControl`).
 pub const FLEET_SCOPE: &str = "fleet scope";

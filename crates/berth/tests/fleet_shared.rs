@@ -335,6 +335,38 @@ fn regression_a_uid_bound_token_cannot_stop_another_users_scope_through_its_own_
     );
 }
 
+/// S9: before, any user's uid-bound operator token drained the whole fleet for every
+/// user, or ended the fleet drain an operator had started. Only a token without a uid
+/// (or the admin token) starts or ends one now.
+#[test]
+fn regression_a_uid_bound_token_cannot_drain_the_fleet_for_every_user() {
+    let db = database();
+    let a = host(&db, "da", "60s", "5s");
+    let b = host(&db, "db", "60s", "5s");
+    let (nobody, _) = make_token(&a, json!({"scope": "operator", "uid": 65_534}));
+    within(&b, "the token honoured on the other host", |b| {
+        status_with(b, &nobody) == 200
+    });
+    let body = json!({"reason": "mine"}).to_string();
+    let r = b.call_as(Some(&nobody), "POST", "/v1/fleet/drain", Some(&body));
+    assert_eq!((r.status, r.code()), (403, "not_owner"), "{:?}", r.body);
+    let r = acquire(&a, "after-refusal", json!({}));
+    assert_eq!(r.status, 201, "{:?}", r.body);
+    let r = a.post(
+        "/v1/fleet/drain",
+        &json!({"reason": "maintenance"}).to_string(),
+    );
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    let r = b.call_as(Some(&nobody), "DELETE", "/v1/fleet/drain", None);
+    assert_eq!((r.status, r.code()), (403, "not_owner"), "{:?}", r.body);
+    // The operator's drain holds on the other host all the same.
+    let mut n = 0;
+    within(&b, "the fleet drain honoured on the other host", |b| {
+        n += 1;
+        refused_by_the_fleet_drain(&new_run(b, &format!("during-{n}")), "da")
+    });
+}
+
 const COMMIT_A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
 /// A parallel project whose one port is a real HTTP server on `$PORT`.

@@ -1128,3 +1128,38 @@ fn concern_b_the_fence_marker_is_raised_within_a_session() {
         r.body["fence"]
     );
 }
+
+/// S9: before, any user's uid-bound operator token drained the host for every user
+/// (`POST /v1/drain`: every other user's new runs `503 draining`) and ended the drain
+/// an operator had started for maintenance. A drain acts on every user's runs, so only
+/// a token without a uid (or the admin token) starts or ends one.
+#[test]
+fn regression_a_uid_bound_token_cannot_drain_the_host_for_every_user() {
+    let d = Daemon::start(&[]);
+    let nobody = token_for(&d, "operator", NOBODY);
+    let drain = |token: &str, method: &str| {
+        let body = json!({"reason": "mine"}).to_string();
+        let body = (method == "POST").then_some(body.as_str());
+        d.call_as(Some(token), method, "/v1/drain", body)
+    };
+    let r = drain(&nobody, "POST");
+    refused_not_owner(&r, "a user drains the host");
+    assert_eq!(r.body["error"]["details"]["uid"], NOBODY, "{:?}", r.body);
+    assert_eq!(d.get("/v1/drain").body["draining"], false);
+    let r = acquire_as(&d, &d.token.clone(), "admins-run", 0);
+    assert_eq!(
+        r.status, 201,
+        "another user's run is admitted: {:?}",
+        r.body
+    );
+    // An operator's drain: the user cannot end it.
+    let r = d.post("/v1/drain", &json!({"reason": "maintenance"}).to_string());
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    refused_not_owner(
+        &drain(&nobody, "DELETE"),
+        "a user ends the operator's drain",
+    );
+    assert_eq!(d.get("/v1/drain").body["draining"], true);
+    let r = d.call("DELETE", "/v1/drain", None);
+    assert_eq!((r.status, r.body["draining"].clone()), (200, json!(false)));
+}

@@ -85,7 +85,11 @@ pub async fn drain_start(
     set_drain(&api, Some(d)).await
 }
 
-pub async fn drain_end(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
+pub async fn drain_end(
+    AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
+) -> Result<Response, ApiError> {
+    super::threads::may_drain(&caller)?;
     set_drain(&api, None).await
 }
 

@@ -164,6 +164,7 @@ pub(super) async fn drain_request(
     caller: &Caller,
     body: Body,
 ) -> Result<(String, String), ApiError> {
+    may_drain(caller)?;
     let b: wire::DrainRequest = json_body(body, true).await?;
     let reason = b.reason.unwrap_or_default();
     if reason.len() > DRAIN_REASON_MAX || reason.contains(['\n', '\r', '\t']) {
@@ -176,7 +177,23 @@ pub(super) async fn drain_request(
     Ok((by, reason))
 }
 
-pub async fn drain_end(AxState(api): AxState<Api>) -> Result<Response, ApiError> {
+/// S9: a drain (the host's or the fleet's) holds back every user's new runs, so only
+/// a token with full reach (made without a uid, or the admin token) starts or ends
+/// one. Before, any user's uid-bound operator token drained the host (or the whole
+/// fleet) for everyone, or ended the drain an operator had started for maintenance.
+/// Decided by the token alone (nothing of the state is read), so before any work.
+pub(super) fn may_drain(caller: &Caller) -> Result<(), ApiError> {
+    match caller.tenant {
+        None => Ok(()),
+        Some(uid) => Err(crate::error::not_everyones("the drain", uid)),
+    }
+}
+
+pub async fn drain_end(
+    AxState(api): AxState<Api>,
+    axum::Extension(caller): axum::Extension<Caller>,
+) -> Result<Response, ApiError> {
+    may_drain(&caller)?;
     let d = ask(&api, |reply| Msg::Drain { start: None, reply }).await?;
     Ok(Json(d).into_response())
 }
