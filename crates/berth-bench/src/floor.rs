@@ -356,16 +356,15 @@ pub fn fleet_host(
     base: &Path,
     ledger: bool,
 ) -> Result<std::net::SocketAddr, String> {
-    let ledger = match ledger {
-        true => {
-            let store = berth_store::SqliteStore::open(&base.join("ledger.db"))
-                .map_err(|e| e.to_string())?;
-            let writer = berth_store::Writer::spawn(Box::new(store), true);
-            Some(Ledger {
-                writer: Mutex::new((1, writer)),
-            })
-        }
-        false => None,
+    let ledger = if ledger {
+        let store =
+            berth_store::SqliteStore::open(&base.join("ledger.db")).map_err(|e| e.to_string())?;
+        let writer = berth_store::Writer::spawn(Box::new(store), true);
+        Some(Ledger {
+            writer: Mutex::new((1, writer)),
+        })
+    } else {
+        None
     };
     let floor = Arc::new(Floor {
         fence: AtomicU64::new(0),

@@ -277,6 +277,15 @@ fn regression_a_scope_paused_on_one_host_admits_no_new_token_on_another() {
     assert_eq!(budget_run(&c, "c-first").code(), "scope_stopped");
 }
 
+/// An operator token bound to `uid`, made on `a` and honoured on `b` too.
+fn user_token(a: &Daemon, b: &Daemon, uid: u32) -> String {
+    let (token, _) = make_token(a, json!({"scope": "operator", "uid": uid}));
+    within(b, "the token honoured on the other host", |b| {
+        status_with(b, &token) == 200
+    });
+    token
+}
+
 /// S9 fleet-wide: before, a uid-bound user whose own run had made another user's scope
 /// on a host of its own (a scope is named by its runs) stopped that scope on every
 /// host, the other user's too: the host it asked knew the scope as its user's. Now no
@@ -288,11 +297,8 @@ fn regression_a_uid_bound_token_cannot_stop_another_users_scope_through_its_own_
     let a = host(&db, "ua", "60s", "5s");
     let b = host(&db, "ub", "60s", "5s");
     // Two users any Debian has (nobody and daemon).
-    let (alice, _) = make_token(&a, json!({"scope": "operator", "uid": 65_534}));
-    let (mallory, _) = make_token(&a, json!({"scope": "operator", "uid": 1}));
-    within(&b, "the tokens honoured on the other host", |b| {
-        status_with(b, &mallory) == 200
-    });
+    let alice = user_token(&a, &b, 65_534);
+    let mallory = user_token(&a, &b, 1);
     let budget = json!({"scope": "exp", "harness": "claude", "per_harness": {"claude": 8}});
     let run_as = |d: &Daemon, token: &str, run: &str| {
         let body = json!({"run_id": run, "project": format!("p-{run}"), "budget": budget,
@@ -343,10 +349,7 @@ fn regression_a_uid_bound_token_cannot_drain_the_fleet_for_every_user() {
     let db = database();
     let a = host(&db, "da", "60s", "5s");
     let b = host(&db, "db", "60s", "5s");
-    let (nobody, _) = make_token(&a, json!({"scope": "operator", "uid": 65_534}));
-    within(&b, "the token honoured on the other host", |b| {
-        status_with(b, &nobody) == 200
-    });
+    let nobody = user_token(&a, &b, 65_534);
     let body = json!({"reason": "mine"}).to_string();
     let r = b.call_as(Some(&nobody), "POST", "/v1/fleet/drain", Some(&body));
     assert_eq!((r.status, r.code()), (403, "not_owner"), "{:?}", r.body);
