@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use berth_client::wire::{RenewRequest, Run};
 
-use crate::client::{error_text, Client};
+use crate::client::{error_text, Client, Reply};
 
 /// The grace between `berth run`'s own TERM and KILL of CMD when it cannot confirm
 /// its lease: at most this, and at most a quarter of the ttl (a short lease must keep
@@ -138,6 +138,30 @@ pub type Shared = Arc<Mutex<Lease>>;
 /// What the keeper reports: the lease is lost, and why.
 pub type Lost = tokio::sync::mpsc::Sender<String>;
 
+/// Why berth itself ended `run_id`, if it did and says so (`failure`: a host that
+/// fenced itself, F2; an analysis run that listened, C6). A renew refused while berth
+/// was still stopping the run says only that it is `releasing`, and `berth run`'s last
+/// line then lacked the reason (`issue_33_berth_run_on_a_host_that_fences_itself_exits_75_with_the_reason`
+/// failed so on a slow machine).
+async fn ended_by_berth(client: &Client, run_id: &str, budget: Duration) -> Option<String> {
+    let path = format!("/v1/runs/{run_id}");
+    let reply = client
+        .call_async::<()>("GET", &path, None, budget)
+        .await
+        .ok()?;
+    (reply.status == 200).then(|| reply.parse::<Run>().ok()?.failure)?
+}
+
+/// Why a renew answered `refused` (409: another fence; 410: the run is over) lost the
+/// lease: berth's own reason when it ended the run itself, else the refusal's words.
+async fn lost_why(client: &Client, run_id: &str, budget: Duration, refused: &Reply) -> String {
+    let ended = match refused.status {
+        410 => ended_by_berth(client, run_id, budget).await,
+        _ => None,
+    };
+    ended.unwrap_or_else(|| error_text(&refused.body))
+}
+
 /// Keeps the lease of `run_id` (fence `fence`) until aborted: renews as [`Lease::next`]
 /// says, and sends why on `lost` when the daemon says the lease is gone (409/410) or
 /// it could not be confirmed before `stop_at`. `on_renew` is told each new expiry.
@@ -192,7 +216,9 @@ pub async fn keep(
                 }
             }
             Ok(reply) if reply.status == 410 || reply.status == 409 => {
-                let _ = lost.send(error_text(&reply.body)).await;
+                let _ = lost
+                    .send(lost_why(&client, &run_id, budget, &reply).await)
+                    .await;
                 return;
             }
             // Unreachable, frozen or busy (a restart): keep trying until `stop_at`.
